@@ -1,0 +1,77 @@
+"""The symmetric heap: one buffer of the same size and layout on every rank of a group, and the
+table of every rank's base address that the kernels turn into peer pointers.
+
+- CUDA tensors (NCCL group): NVSHMEM through nvshmem4py (``_nvshmem``); peers are reached over
+  NVLink through NVSHMEM's peer mappings. The inter-node RDMA path uses the same heap.
+- CPU tensors (gloo group, TRITON_INTERPRET=1): POSIX shared memory. Each rank creates one
+  segment in /dev/shm, the names go round the group, every rank maps every segment, and once all
+  have mapped them each owner unlinks its own: the mappings live on, and nothing is left behind
+  in /dev/shm even when a rank process is killed later.
+"""
+
+import mmap
+import os
+import uuid
+
+import torch
+import torch.distributed as dist
+
+_SHM_DIR = "/dev/shm"
+
+
+class SharedMemoryHeap:
+    """POSIX shared memory heap of CPU rank processes (collective constructor).
+
+    local: uint8 [nbytes], this rank's segment, zero-filled.
+    peer_bases: int64 [world], each rank's segment address as mapped in this process.
+    """
+
+    def __init__(self, group: dist.ProcessGroup, nbytes: int):
+        rank = dist.get_rank(group)
+        name = f"hybrid_ep_triton-{uuid.uuid4().hex}-r{rank}"
+        path = os.path.join(_SHM_DIR, name)
+        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+        try:
+            os.ftruncate(fd, nbytes)
+            names = [None] * dist.get_world_size(group)
+            dist.all_gather_object(names, name, group=group)
+            self._maps = [self._map(os.path.join(_SHM_DIR, n), nbytes) for n in names]
+            dist.barrier(group=group)
+        finally:
+            os.close(fd)
+            os.unlink(path)
+        self._views = [torch.frombuffer(m, dtype=torch.uint8) for m in self._maps]
+        self.local = self._views[rank]
+        self.peer_bases = torch.tensor([v.data_ptr() for v in self._views], dtype=torch.int64)
+
+    @staticmethod
+    def _map(path: str, nbytes: int) -> mmap.mmap:
+        fd = os.open(path, os.O_RDWR)
+        try:
+            return mmap.mmap(fd, nbytes)
+        finally:
+            os.close(fd)
+
+    def close(self) -> None:
+        """Unmap every segment (idempotent). Tensors viewing the heap must be gone first."""
+        self.local = self.peer_bases = None
+        self._views = []
+        for m in self._maps:
+            try:
+                m.close()
+            except BufferError:  # a view still exists; the mapping goes with it
+                pass
+        self._maps = []
+
+
+def allocate_heap(group: dist.ProcessGroup, nbytes: int, device: torch.device):
+    """A symmetric heap of ``nbytes`` bytes per rank on ``device`` (collective).
+
+    Returns an object with ``local`` (uint8 [nbytes] on device), ``peer_bases`` (int64 [world] on
+    device) and ``close()``.
+    """
+    if device.type == "cuda":
+        from ._nvshmem import NvshmemAllocation
+
+        return NvshmemAllocation(group, nbytes, device)
+    return SharedMemoryHeap(group, nbytes)

@@ -1,0 +1,128 @@
+"""The planner: channels, chunks and the symmetric-heap layout of a Buffer.
+
+Everything is sized for the worst case once, at construction (max_tokens_per_rank tokens from
+every rank), so a call never allocates heap memory and never waits for the host.
+"""
+
+from dataclasses import dataclass
+
+import torch
+import triton
+
+# Most expert slots of one token that may land on one rank. It bounds the per-row metadata that
+# travels with each staged token: min(experts per rank, MAX_TOPK) entries.
+MAX_TOPK = 32
+# Alignment of every heap region: whole cache lines, and 16-byte vectors at any row start that
+# is itself a multiple of 16 bytes.
+_ALIGN = 256
+# Most programs (channels) of one launch; the ready flags are sized for it.
+MAX_PROGRAMS = 132
+
+
+@dataclass(frozen=True)
+class KernelConfig:
+    """Launch shape of the dispatch and combine kernels.
+
+    num_programs: channels (one program each, ideally one SM each).
+    chunk_tokens: tokens per chunk, the unit of a flag; a power of two.
+    block_h: hidden elements per tile; a power of two.
+    num_warps: warps per program.
+    """
+
+    num_programs: int
+    chunk_tokens: int
+    block_h: int
+    num_warps: int
+
+
+def default_config(hidden: int, num_sms: int | None, on_gpu: bool) -> KernelConfig:
+    """The documented heuristic: 16-token chunks and tiles of about 16K elements on GPUs, so that
+    one program keeps enough stores in flight; small tiles under the CPU interpreter."""
+    if not on_gpu:
+        return KernelConfig(num_programs=num_sms or 2, chunk_tokens=4, block_h=64, num_warps=1)
+    chunk = 16
+    block_h = min(triton.next_power_of_2(hidden), 16384 // chunk)
+    return KernelConfig(num_programs=num_sms or 8, chunk_tokens=chunk, block_h=block_h, num_warps=8)
+
+
+@dataclass(frozen=True)
+class HeapLayout:
+    """Byte offsets of the regions of one rank's symmetric buffer (the same on every rank).
+
+    count_flags   int64 [W]              source s raised its layout counts (sequence number)
+    ready_flags   int64 [W, MAX_PROGRAMS] program p of rank s started its launch
+    chunk_flags   int64 [W, NC_MAX]      chunk c of the stream from/to rank s has landed
+    counts        int32 [W, E + 3]       per-expert totals of s, then tokens, invalid, pad
+    chunk_table   int32 [W, NC_MAX + 1]  offsets of s's chunks in its stream to this rank
+    meta_rows     int32 [W, T_MAX, MS]   expert-major rows of each staged token
+    meta_weights  float32 [W, T_MAX, MS] their routing weights
+    staging       dtype [W, T_MAX, H]    staged tokens (dispatch) or partial sums (combine)
+    """
+
+    count_flags: int
+    ready_flags: int
+    chunk_flags: int
+    counts: int
+    chunk_table: int
+    meta_rows: int
+    meta_weights: int
+    staging: int
+    total_bytes: int
+
+
+@dataclass(frozen=True)
+class Plan:
+    world_size: int
+    hidden: int
+    max_tokens: int
+    num_experts: int
+    experts_per_rank: int
+    dtype: torch.dtype
+    config: KernelConfig
+    max_chunks: int  # NC_MAX: chunks of max_tokens tokens
+    meta_stride: int  # MS
+    counts_row: int  # ROW: int32 words per published counts row
+    heap: HeapLayout
+
+
+def make_plan(
+    world_size: int,
+    hidden: int,
+    max_tokens: int,
+    num_experts: int,
+    dtype: torch.dtype,
+    config: KernelConfig,
+) -> Plan:
+    experts_per_rank = num_experts // world_size
+    max_chunks = max(1, triton.cdiv(max_tokens, config.chunk_tokens))
+    meta_stride = min(experts_per_rank, MAX_TOPK)
+    counts_row = num_experts + 3
+    rows = world_size * max(max_tokens, 1)
+    sizes = [
+        ("count_flags", world_size * 8),
+        ("ready_flags", world_size * MAX_PROGRAMS * 8),
+        ("chunk_flags", world_size * max_chunks * 8),
+        ("counts", world_size * counts_row * 4),
+        ("chunk_table", world_size * (max_chunks + 1) * 4),
+        ("meta_rows", rows * meta_stride * 4),
+        ("meta_weights", rows * meta_stride * 4),
+        ("staging", rows * hidden * dtype.itemsize),
+    ]
+    offsets = {}
+    cursor = 0
+    for name, size in sizes:
+        offsets[name] = cursor
+        cursor += triton.cdiv(size, _ALIGN) * _ALIGN
+    return Plan(
+        world_size=world_size,
+        hidden=hidden,
+        max_tokens=max_tokens,
+        num_experts=num_experts,
+        experts_per_rank=experts_per_rank,
+        dtype=dtype,
+        config=config,
+        max_chunks=max_chunks,
+        meta_stride=meta_stride,
+        counts_row=counts_row,
+        heap=HeapLayout(total_bytes=cursor, **offsets),
+    )

@@ -1,0 +1,323 @@
+"""``Buffer``: the library's one public class, expert-parallel dispatch and combine."""
+
+import torch
+import torch.distributed as dist
+
+from ._heap import allocate_heap
+from ._planner import MAX_PROGRAMS, MAX_TOPK, default_config, make_plan
+from .ops import Runtime
+from .ops.combine import reduce_tokens
+from .ops.dispatch import DispatchHandle, compute_layout, move_tokens
+
+DEFAULT_TIMEOUT_S = 60.0
+SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+_STAGES = {
+    1: "the dispatch layout exchange",
+    2: "the start of dispatch (peer not ready)",
+    3: "dispatch token chunks",
+    4: "the start of combine (peer not ready)",
+    5: "combine partial sums",
+}
+
+
+class Buffer:
+    """Expert-parallel dispatch and combine over one group of ranks.
+
+    Rank r of the group owns global experts [r*L, (r+1)*L) with L = num_experts / group size.
+    The constructor is collective: it checks that every rank passed the same parameters and
+    allocates the worst-case symmetric buffers (max_tokens_per_rank tokens from every rank);
+    dispatch and combine are collective too, called in the same order on every rank.
+
+    Args:
+        group: torch.distributed group of the expert-parallel ranks: NCCL with CUDA tensors, or
+            gloo with CPU tensors under TRITON_INTERPRET=1. None means the default group.
+        hidden_size: H, elements per token row.
+        max_tokens_per_rank: most tokens any rank passes to one dispatch.
+        num_experts: E, global experts, divisible by the group size.
+        dtype: element type of token rows: torch.bfloat16, torch.float16 or torch.float32.
+        num_sms: programs (channels, about one SM each) of the dispatch and combine kernels;
+            1..132. Default: 8 on GPUs, 2 on CPU ranks.
+        timeout_s: seconds any wait on another rank may last before TimeoutError (default 60).
+    """
+
+    def __init__(
+        self,
+        group: dist.ProcessGroup | None,
+        *,
+        hidden_size: int,
+        max_tokens_per_rank: int,
+        num_experts: int,
+        dtype: torch.dtype = torch.bfloat16,
+        num_sms: int | None = None,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+    ):
+        group = group if group is not None else dist.group.WORLD
+        world, rank = dist.get_world_size(group), dist.get_rank(group)
+        _check_int("hidden_size", hidden_size, 1)
+        _check_int("max_tokens_per_rank", max_tokens_per_rank, 0)
+        _check_int("num_experts", num_experts, 1)
+        if num_experts % world:
+            raise ValueError(
+                f"num_experts must be divisible by the group size {world}, got {num_experts}"
+            )
+        if dtype not in SUPPORTED_DTYPES:
+            raise ValueError(f"dtype must be one of {SUPPORTED_DTYPES}, got {dtype}")
+        if num_sms is not None:
+            _check_int("num_sms", num_sms, 1, MAX_PROGRAMS)
+        if not timeout_s > 0:
+            raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
+        on_gpu = dist.get_backend(group) == "nccl"
+        device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
+        config = default_config(hidden_size, num_sms, on_gpu)
+        _check_same_on_all_ranks(
+            group,
+            hidden_size=hidden_size,
+            max_tokens_per_rank=max_tokens_per_rank,
+            num_experts=num_experts,
+            dtype=dtype,
+            num_sms=config.num_programs,
+        )
+        plan = make_plan(world, hidden_size, max_tokens_per_rank, num_experts, dtype, config)
+        self.group = group
+        self.hidden_size = hidden_size
+        self.max_tokens_per_rank = max_tokens_per_rank
+        self.num_experts = num_experts
+        self.dtype = dtype
+        self.timeout_s = float(timeout_s)
+        self._broken: str | None = None
+        self._rt = Runtime(
+            plan=plan,
+            heap=allocate_heap(group, plan.heap.total_bytes, device),
+            control=torch.zeros(6, dtype=torch.int64, device=device),
+            rank=rank,
+            world_size=world,
+            device=device,
+            timeout_ns=int(timeout_s * 1e9),
+        )
+
+    # -- public API -------------------------------------------------------------------------
+
+    def dispatch(
+        self,
+        x: torch.Tensor,
+        topk_idx: torch.Tensor | None = None,
+        topk_weights: torch.Tensor | None = None,
+        *,
+        pad_multiple: int = 1,
+        max_recv_tokens: int | None = None,
+        handle: DispatchHandle | None = None,
+    ):
+        """Send every token to the ranks that hold its experts, grouped by local expert there.
+
+        Args:
+            x: [T, H] tokens of this rank, the Buffer's dtype; 0 <= T <= max_tokens_per_rank.
+            topk_idx: [T, K] int32 or int64 global expert ids, -1 for an unused slot, distinct
+                within a row. Not needed with ``handle``.
+            topk_weights: [T, K] float32 routing weights, or None.
+            pad_multiple: pad each expert's segment with zero rows (weight 0) to a multiple of it.
+            max_recv_tokens: None: the output has exactly the rows needed (one device-to-host
+                read). M: the output has M rows, with no host synchronisation; rows past the
+                valid count are zero; rows that do not fit are dropped and ``check`` raises
+                OverflowError. Size M as world * max_tokens_per_rank * min(K, L) plus
+                L * (pad_multiple - 1) to never drop a row.
+            handle: the handle of an earlier dispatch: send new rows ``x`` along the same routing
+                without recomputing the layout (topk_idx, pad_multiple and max_recv_tokens are
+                taken from it).
+
+        Returns:
+            recv_x: [N, H], rows grouped by local expert 0..L-1, within an expert by source
+                rank, then by source token index.
+            recv_weights: [N] float32, the weight of each row's (token, expert) pair (0 on
+                padding), or None when topk_weights is None.
+            tokens_per_expert: [L] int64, rows of each local expert, padding included.
+            handle: for ``combine`` and cached dispatches.
+        """
+        self._check_usable()
+        rt = self._rt
+        self._check_tokens("x", x)
+        num_tokens = x.shape[0]
+        if handle is None:
+            topk = self._check_routing(topk_idx, num_tokens)
+            _check_int("pad_multiple", pad_multiple, 1)
+            if max_recv_tokens is not None:
+                _check_int("max_recv_tokens", max_recv_tokens, 0)
+        else:
+            self._check_handle(handle)
+            if x.shape[0] != handle.num_tokens:
+                raise ValueError(
+                    f"x must have the handle's {handle.num_tokens} tokens, got {x.shape[0]}"
+                )
+            topk = handle.topk
+        if topk_weights is not None:
+            _check_tensor("topk_weights", topk_weights, (num_tokens, topk), torch.float32, rt.device)
+
+        if handle is None:
+            handle = compute_layout(rt, topk_idx, pad_multiple, max_recv_tokens)
+            if max_recv_tokens is None:
+                # One device-to-host read: the row count, routing validity and wait status.
+                needed, _, _, code, peer, stage = torch.cat(
+                    [handle.info[:3], rt.control[3:6]]
+                ).tolist()
+                self._raise_on_status(code, peer, stage)
+                self._raise_on_invalid_routing(handle)
+                handle.num_recv_rows = needed
+        recv_x, recv_weights = move_tokens(rt, x, topk_weights, handle)
+        if rt.device.type == "cpu":  # launches are synchronous: report now
+            self._raise_on_status(*rt.control[3:6].tolist())
+            self._raise_on_invalid_routing(handle)
+        return recv_x, recv_weights, handle.tokens_per_expert, handle
+
+    def combine(
+        self, y: torch.Tensor, handle: DispatchHandle, *, weights: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Send expert outputs back to their tokens' ranks and sum them per token.
+
+        Args:
+            y: [N, H] expert outputs in recv_x's row order, the Buffer's dtype.
+            handle: the handle returned by the dispatch that produced recv_x.
+            weights: [N] float32 per-row factors (e.g. recv_weights), or None for 1.
+
+        Returns:
+            out: [T, H] in y's dtype, out[t] = sum over t's valid slots of weight * y[row],
+            accumulated in fp32; zeros for a token without valid slots; padding rows ignored.
+        """
+        self._check_usable()
+        self._check_handle(handle)
+        rt = self._rt
+        _check_tensor("y", y, (handle.num_recv_rows, self.hidden_size), self.dtype, rt.device)
+        if y.stride(1) != 1:
+            raise ValueError("y must have contiguous rows (stride(1) == 1)")
+        if weights is not None:
+            _check_tensor("weights", weights, (handle.num_recv_rows,), torch.float32, rt.device)
+        out = reduce_tokens(rt, y, handle, weights)
+        if rt.device.type == "cpu":
+            self._raise_on_status(*rt.control[3:6].tolist())
+        return out
+
+    def check(self, handle: DispatchHandle) -> None:
+        """Synchronise and raise what the device recorded for ``handle``'s dispatch.
+
+        TimeoutError: a peer did not answer within timeout_s (the Buffer is then unusable);
+        ValueError: some rank's topk_idx was invalid (nothing was moved);
+        OverflowError: more rows were needed than max_recv_tokens (the excess was dropped).
+        """
+        self._check_handle(handle)
+        needed, _, _, code, peer, stage = torch.cat(
+            [handle.info[:3], self._rt.control[3:6]]
+        ).tolist()
+        self._raise_on_status(code, peer, stage)
+        self._raise_on_invalid_routing(handle)
+        if handle.max_recv_tokens is not None and needed > handle.max_recv_tokens:
+            raise OverflowError(
+                f"rank {self._rt.rank}: dispatch needed {needed} rows but max_recv_tokens is "
+                f"{handle.max_recv_tokens}; the rows past it were dropped"
+            )
+
+    def destroy(self) -> None:
+        """Free the symmetric buffers (collective; idempotent)."""
+        if getattr(self, "_rt", None) is not None:
+            self._rt.heap.close()
+            self._rt = None
+
+    def __enter__(self) -> "Buffer":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.destroy()
+
+    # -- checks -----------------------------------------------------------------------------
+
+    def _check_usable(self) -> None:
+        if self._rt is None:
+            raise RuntimeError("this Buffer was destroyed")
+        if self._broken is not None:
+            raise RuntimeError(f"this Buffer is unusable after an earlier error: {self._broken}")
+
+    def _check_tokens(self, name: str, x: torch.Tensor) -> None:
+        if not isinstance(x, torch.Tensor) or x.dim() != 2 or x.shape[1] != self.hidden_size:
+            raise ValueError(
+                f"{name} must be a [T, {self.hidden_size}] tensor, got "
+                f"{tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__}"
+            )
+        _check_tensor(name, x, tuple(x.shape), self.dtype, self._rt.device)
+        if x.shape[0] > self.max_tokens_per_rank:
+            raise ValueError(
+                f"{name} has {x.shape[0]} tokens, more than max_tokens_per_rank="
+                f"{self.max_tokens_per_rank}"
+            )
+        if x.stride(1) != 1:
+            raise ValueError(f"{name} must have contiguous rows (stride(1) == 1)")
+
+    def _check_routing(self, topk_idx: torch.Tensor | None, num_tokens: int) -> int:
+        if topk_idx is None:
+            raise ValueError("topk_idx is required without a handle")
+        if not isinstance(topk_idx, torch.Tensor) or topk_idx.dim() != 2:
+            raise ValueError(f"topk_idx must be a [T, K] tensor, got {_describe(topk_idx)}")
+        if topk_idx.dtype not in (torch.int32, torch.int64):
+            raise ValueError(f"topk_idx must be int32 or int64, got {topk_idx.dtype}")
+        topk = topk_idx.shape[1]
+        _check_tensor("topk_idx", topk_idx, (num_tokens, topk), topk_idx.dtype, self._rt.device)
+        if topk < 1:
+            raise ValueError("topk_idx must have at least one slot per token (K >= 1)")
+        if min(topk, self._rt.plan.experts_per_rank) > self._rt.plan.meta_stride:
+            raise ValueError(
+                f"topk_idx has K={topk} slots; with {self._rt.plan.experts_per_rank} experts per "
+                f"rank at most {MAX_TOPK} are supported"
+            )
+        return topk
+
+    def _check_handle(self, handle) -> None:
+        if not isinstance(handle, DispatchHandle) or handle.staged_rows.device != self._rt.device:
+            raise ValueError(f"handle must be a DispatchHandle of this Buffer, got {_describe(handle)}")
+
+    def _raise_on_status(self, code: int, peer: int, stage: int) -> None:
+        if code:
+            self._broken = (
+                f"rank {self._rt.rank}: rank {peer} did not answer within {self.timeout_s:g} s "
+                f"at {_STAGES.get(stage, f'stage {stage}')}"
+            )
+            raise TimeoutError(self._broken)
+
+    def _raise_on_invalid_routing(self, handle: DispatchHandle) -> None:
+        _, src, row = handle.info[:3].tolist()
+        if src < 0:
+            return
+        if src == self._rt.rank:
+            detail = f"row {row} has an id outside [-1, {self.num_experts}) or a repeated id"
+        else:
+            detail = f"rank {src} passed an invalid topk_idx"
+        raise ValueError(f"topk_idx: {detail}; nothing was dispatched")
+
+
+def _describe(value) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"tensor of shape {tuple(value.shape)}, {value.dtype} on {value.device}"
+    return type(value).__name__
+
+
+def _check_int(name: str, value, minimum: int, maximum: int | None = None) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
+    if maximum is not None and value > maximum:
+        raise ValueError(f"{name} must be <= {maximum}, got {value!r}")
+
+
+def _check_tensor(name: str, t, shape: tuple, dtype: torch.dtype, device: torch.device) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise ValueError(f"{name} must be a tensor, got {type(t).__name__}")
+    if tuple(t.shape) != tuple(shape):
+        raise ValueError(f"{name} must have shape {tuple(shape)}, got {tuple(t.shape)}")
+    if t.dtype != dtype:
+        raise ValueError(f"{name} must be {dtype}, got {t.dtype}")
+    if t.device.type != device.type or (device.index is not None and t.device != device):
+        raise ValueError(f"{name} must be on {device}, got {t.device}")
+
+
+def _check_same_on_all_ranks(group: dist.ProcessGroup, **params) -> None:
+    everyone = [None] * dist.get_world_size(group)
+    dist.all_gather_object(everyone, params, group=group)
+    for key, value in params.items():
+        values = [p[key] for p in everyone]
+        if any(v != value for v in values):
+            raise ValueError(f"{key} differs between ranks: {values} (rank order)")

@@ -1,0 +1,129 @@
+"""Combine: expert outputs back to their tokens' ranks, summed per token.
+
+The mirror of dispatch, one persistent launch, program p an independent channel:
+1. ready flags as in dispatch;
+2. expert side: for chunk c = p, p + P, ... of every source's stream it reduces each staged
+   row's expert-major rows of ``y`` (times ``weights`` when given) in fp32 into one partial row,
+   so a token crosses the link once per rank, not once per expert, and pushes it into the
+   source's staging area, then sets the chunk's flag there;
+3. token side: for its own chunks c = p, p + P, ... it waits for the flag of chunk c from every
+   rank and sums, per token, the partial rows of the ranks it went to, in fp32.
+"""
+
+import triton
+import triton.language as tl
+
+from .primitives import finish_launch, region, signal, wait_at_least
+
+STAGE_COMBINE_READY = 4
+STAGE_COMBINE_DATA = 5
+
+
+@triton.jit
+def combine_kernel(
+    y_ptr,  # [N, H], row stride y_stride
+    y_stride,
+    weights_ptr,  # [N] float32 (unused unless HAS_WEIGHTS)
+    out_ptr,  # out [T, H]
+    num_tokens,
+    hidden,
+    world_size,
+    rank,
+    token_rank_pos_ptr,  # [T, W] int32
+    send_chunk_start_ptr,  # [NC_MAX + 1, W] int32
+    recv_chunk_start_ptr,  # [W, NC_MAX + 1] int32
+    recv_src_tokens_ptr,  # [W] int32
+    staged_rows_ptr,  # [W, T_MAX, MS] int32
+    peer_bases_ptr,
+    ready_off,
+    chunk_flags_off,
+    staging_off,
+    control_ptr,
+    timeout_ns,
+    T_MAX: tl.constexpr,
+    NC_MAX: tl.constexpr,
+    P_MAX: tl.constexpr,
+    MS: tl.constexpr,
+    MS_P2: tl.constexpr,
+    CHUNK: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    HAS_WEIGHTS: tl.constexpr,
+    NUM_PROGRAMS: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    seq = tl.load(control_ptr) + 1
+    status_ptr = control_ptr + 3
+    dtype = out_ptr.dtype.element_ty
+    entries = tl.arange(0, MS_P2)
+
+    for peer in range(0, world_size):
+        signal(region(peer_bases_ptr, peer, ready_off, tl.int64) + rank * P_MAX + pid, seq)
+    my_ready = region(peer_bases_ptr, rank, ready_off, tl.int64)
+    for peer in range(0, world_size):
+        wait_at_least(my_ready + peer * P_MAX + pid, seq, timeout_ns, status_ptr, peer, 4)
+
+    # Expert side: one partial row per staged row, pushed back to its source.
+    for src in range(0, world_size):
+        src_chunks = tl.cdiv(tl.load(recv_src_tokens_ptr + src), CHUNK)
+        staging = region(peer_bases_ptr, src, staging_off, dtype)
+        for c in range(pid, src_chunks, NUM_PROGRAMS):
+            start = tl.load(recv_chunk_start_ptr + src * (NC_MAX + 1) + c)
+            end = tl.load(recv_chunk_start_ptr + src * (NC_MAX + 1) + c + 1)
+            staged = src * T_MAX + start + tl.arange(0, CHUNK)
+            jmask = staged < src * T_MAX + end
+            rows = tl.load(
+                staged_rows_ptr + staged.to(tl.int64)[:, None] * MS + entries[None, :],
+                mask=jmask[:, None] & (entries[None, :] < MS),
+                other=-1,
+            )
+            # Rows dropped past max_recv_tokens left holes: loop up to the last kept entry.
+            num_copies = tl.max(tl.max(tl.where(rows >= 0, entries[None, :] + 1, 0), axis=1), axis=0)
+            dst_rows = (rank * T_MAX + start + tl.arange(0, CHUNK)).to(tl.int64)
+            for h0 in range(0, hidden, BLOCK_H):
+                cols = h0 + tl.arange(0, BLOCK_H)
+                cmask = cols < hidden
+                acc = tl.zeros([CHUNK, BLOCK_H], tl.float32)
+                for i in range(0, num_copies):
+                    row_i = tl.load(
+                        staged_rows_ptr + staged.to(tl.int64) * MS + i, mask=jmask, other=-1
+                    )
+                    valid = row_i >= 0
+                    part = tl.load(
+                        y_ptr + row_i.to(tl.int64)[:, None] * y_stride + cols[None, :],
+                        mask=valid[:, None] & cmask[None, :],
+                        other=0.0,
+                    ).to(tl.float32)
+                    if HAS_WEIGHTS:
+                        part *= tl.load(weights_ptr + row_i, mask=valid, other=0.0)[:, None]
+                    acc += part
+                ptrs = staging + dst_rows[:, None] * hidden + cols[None, :]
+                tl.store(ptrs, acc.to(dtype), mask=jmask[:, None] & cmask[None, :])
+            signal(region(peer_bases_ptr, src, chunk_flags_off, tl.int64) + rank * NC_MAX + c, seq)
+
+    # Token side: sum the partial rows of every rank a token went to.
+    my_flags = region(peer_bases_ptr, rank, chunk_flags_off, tl.int64)
+    my_staging = region(peer_bases_ptr, rank, staging_off, dtype)
+    for c in range(pid, tl.cdiv(num_tokens, CHUNK), NUM_PROGRAMS):
+        for peer in range(0, world_size):
+            wait_at_least(my_flags + peer * NC_MAX + c, seq, timeout_ns, status_ptr, peer, 5)
+        tokens = c * CHUNK + tl.arange(0, CHUNK)
+        tmask = tokens < num_tokens
+        for h0 in range(0, hidden, BLOCK_H):
+            cols = h0 + tl.arange(0, BLOCK_H)
+            cmask = cols < hidden
+            acc = tl.zeros([CHUNK, BLOCK_H], tl.float32)
+            for peer in range(0, world_size):
+                pos_local = tl.load(
+                    token_rank_pos_ptr + tokens * world_size + peer, mask=tmask, other=-1
+                )
+                row = peer * T_MAX + tl.load(send_chunk_start_ptr + c * world_size + peer) + pos_local
+                acc += tl.load(
+                    my_staging + row.to(tl.int64)[:, None] * hidden + cols[None, :],
+                    mask=(pos_local >= 0)[:, None] & cmask[None, :],
+                    other=0.0,
+                    cache_modifier=".cg",
+                ).to(tl.float32)
+            ptrs = out_ptr + tokens.to(tl.int64)[:, None] * hidden + cols[None, :]
+            tl.store(ptrs, acc.to(dtype), mask=tmask[:, None] & cmask[None, :])
+
+    finish_launch(control_ptr, seq, NUM_PROGRAMS)

@@ -1,0 +1,209 @@
+"""Dispatch: tokens to the ranks that hold their experts, expanded there into expert-major rows.
+
+One persistent launch of NUM_PROGRAMS programs; program p is an independent channel:
+1. it raises its ready flag on every peer (its rank's previous launch has finished with the
+   staging area) and waits for program p of every peer to have done the same;
+2. send: for its token chunks c = p, p + P, ... it pushes each token row once to every rank that
+   holds one of its experts, into that rank's staging area (stream of this source, row j), with the
+   destination rows and weights of the token's slots there, then sets the chunk's flag;
+3. receive: for the same chunk numbers of every source it waits for the chunk's flag and copies
+   each staged row to the expert-major rows listed with it;
+4. it zeroes its share of the padding rows and of the rows past the valid count.
+Program p only ever waits for program p of other ranks, never for a program of its own launch.
+"""
+
+import triton
+import triton.language as tl
+
+from .primitives import finish_launch, region, signal, wait_at_least
+
+STAGE_DISPATCH_READY = 2
+STAGE_DISPATCH_DATA = 3
+
+
+@triton.jit
+def _zero_rows(
+    out_ptr,
+    weights_ptr,
+    first,
+    last,
+    hidden,
+    HAS_WEIGHTS: tl.constexpr,
+    CHUNK: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+):
+    for r0 in range(first, last, CHUNK):
+        rows = r0 + tl.arange(0, CHUNK)
+        rmask = rows < last
+        if HAS_WEIGHTS:
+            tl.store(weights_ptr + rows, tl.zeros([CHUNK], tl.float32), mask=rmask)
+        for h0 in range(0, hidden, BLOCK_H):
+            cols = h0 + tl.arange(0, BLOCK_H)
+            ptrs = out_ptr + rows.to(tl.int64)[:, None] * hidden + cols[None, :]
+            zeros = tl.zeros([CHUNK, BLOCK_H], out_ptr.dtype.element_ty)
+            tl.store(ptrs, zeros, mask=rmask[:, None] & (cols[None, :] < hidden))
+
+
+@triton.jit
+def dispatch_kernel(
+    x_ptr,  # [T, H], row stride x_stride
+    x_stride,
+    topk_idx_ptr,  # [T, K] int32/int64
+    topk_weights_ptr,  # [T, K] float32 (unused unless HAS_WEIGHTS)
+    num_tokens,
+    topk,
+    hidden,
+    num_experts,
+    experts_per_rank,
+    world_size,
+    rank,
+    num_out_rows,  # N: rows of recv_x
+    slot_pos_ptr,  # [T, K] int32
+    token_rank_pos_ptr,  # [T, W] int32
+    send_chunk_start_ptr,  # [NC_MAX + 1, W] int32
+    chunk_expert_base_ptr,  # [NC_MAX, E] int32
+    recv_chunk_start_ptr,  # [W, NC_MAX + 1] int32
+    recv_src_tokens_ptr,  # [W] int32
+    expert_layout_ptr,  # [3, L] int32
+    info_ptr,  # [4] int64
+    staged_rows_ptr,  # out [W, T_MAX, MS] int32: expert-major rows of each staged row, or -1
+    recv_x_ptr,  # out [N, H]
+    recv_weights_ptr,  # out [N] float32 (unused unless HAS_WEIGHTS)
+    peer_bases_ptr,
+    ready_off,
+    chunk_flags_off,
+    meta_rows_off,
+    meta_weights_off,
+    staging_off,
+    control_ptr,
+    timeout_ns,
+    T_MAX: tl.constexpr,
+    NC_MAX: tl.constexpr,
+    P_MAX: tl.constexpr,
+    MS: tl.constexpr,
+    MS_P2: tl.constexpr,
+    K_P2: tl.constexpr,
+    CHUNK: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    HAS_WEIGHTS: tl.constexpr,
+    NUM_PROGRAMS: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    seq = tl.load(control_ptr) + 1
+    status_ptr = control_ptr + 3
+    dtype = x_ptr.dtype.element_ty
+    # Invalid routing on any rank: every rank saw it in the layout exchange and moves nothing.
+    aborted = tl.load(info_ptr + 1) >= 0
+    num_chunks = tl.where(aborted, 0, tl.cdiv(num_tokens, CHUNK))
+    entries = tl.arange(0, MS_P2)
+
+    for peer in range(0, world_size):
+        signal(region(peer_bases_ptr, peer, ready_off, tl.int64) + rank * P_MAX + pid, seq)
+    my_ready = region(peer_bases_ptr, rank, ready_off, tl.int64)
+    for peer in range(0, world_size):
+        wait_at_least(my_ready + peer * P_MAX + pid, seq, timeout_ns, status_ptr, peer, 2)
+
+    # Send.
+    slots = tl.arange(0, K_P2)
+    for c in range(pid, num_chunks, NUM_PROGRAMS):
+        tokens = c * CHUNK + tl.arange(0, CHUNK)
+        tmask = tokens < num_tokens
+        smask = tmask[:, None] & (slots[None, :] < topk)
+        slot_offs = tokens[:, None] * topk + slots[None, :]
+        ids = tl.load(topk_idx_ptr + slot_offs, mask=smask, other=-1).to(tl.int32)
+        used = ids >= 0
+        dest = ids // experts_per_rank
+        out_row = tl.load(chunk_expert_base_ptr + c * num_experts + ids, mask=used, other=0)
+        out_row += tl.load(slot_pos_ptr + slot_offs, mask=used, other=0)
+        if HAS_WEIGHTS:
+            weight = tl.load(topk_weights_ptr + slot_offs, mask=used, other=0.0)
+        for peer in range(0, world_size):
+            pos_local = tl.load(token_rank_pos_ptr + tokens * world_size + peer, mask=tmask, other=-1)
+            sent = pos_local >= 0
+            row = (rank * T_MAX + tl.load(send_chunk_start_ptr + c * world_size + peer) + pos_local)
+            sel = used & (dest == peer)
+            sel_i = sel.to(tl.int32)
+            slot_index = tl.cumsum(sel_i, axis=1) - sel_i
+            num_sel = tl.sum(sel_i, axis=1)
+            unused_entry = (
+                sent[:, None] & (entries[None, :] >= num_sel[:, None]) & (entries[None, :] < MS)
+            )
+            meta = row.to(tl.int64)[:, None] * MS
+            meta_rows = region(peer_bases_ptr, peer, meta_rows_off, tl.int32) + meta
+            tl.store(meta_rows + slot_index, out_row, mask=sel)
+            tl.store(meta_rows + entries[None, :], tl.full([CHUNK, MS_P2], -1, tl.int32), mask=unused_entry)
+            if HAS_WEIGHTS:
+                meta_weights = region(peer_bases_ptr, peer, meta_weights_off, tl.float32) + meta
+                tl.store(meta_weights + slot_index, weight, mask=sel)
+        for h0 in range(0, hidden, BLOCK_H):
+            cols = h0 + tl.arange(0, BLOCK_H)
+            cmask = cols < hidden
+            tile = tl.load(
+                x_ptr + tokens.to(tl.int64)[:, None] * x_stride + cols[None, :],
+                mask=tmask[:, None] & cmask[None, :],
+            )
+            for peer in range(0, world_size):
+                pos_local = tl.load(
+                    token_rank_pos_ptr + tokens * world_size + peer, mask=tmask, other=-1
+                )
+                row = rank * T_MAX + tl.load(send_chunk_start_ptr + c * world_size + peer) + pos_local
+                staging = region(peer_bases_ptr, peer, staging_off, dtype)
+                ptrs = staging + row.to(tl.int64)[:, None] * hidden + cols[None, :]
+                tl.store(ptrs, tile, mask=(pos_local >= 0)[:, None] & cmask[None, :])
+        for peer in range(0, world_size):
+            flags = region(peer_bases_ptr, peer, chunk_flags_off, tl.int64)
+            signal(flags + rank * NC_MAX + c, seq)
+
+    # Receive and expand.
+    my_flags = region(peer_bases_ptr, rank, chunk_flags_off, tl.int64)
+    my_meta_rows = region(peer_bases_ptr, rank, meta_rows_off, tl.int32)
+    my_meta_weights = region(peer_bases_ptr, rank, meta_weights_off, tl.float32)
+    my_staging = region(peer_bases_ptr, rank, staging_off, dtype)
+    for src in range(0, world_size):
+        src_chunks = tl.where(aborted, 0, tl.cdiv(tl.load(recv_src_tokens_ptr + src), CHUNK))
+        for c in range(pid, src_chunks, NUM_PROGRAMS):
+            wait_at_least(my_flags + src * NC_MAX + c, seq, timeout_ns, status_ptr, src, 3)
+            start = tl.load(recv_chunk_start_ptr + src * (NC_MAX + 1) + c)
+            end = tl.load(recv_chunk_start_ptr + src * (NC_MAX + 1) + c + 1)
+            staged = src * T_MAX + start + tl.arange(0, CHUNK)
+            jmask = staged < src * T_MAX + end
+            emask = jmask[:, None] & (entries[None, :] < MS)
+            meta = staged.to(tl.int64)[:, None] * MS + entries[None, :]
+            rows = tl.load(my_meta_rows + meta, mask=emask, other=-1, cache_modifier=".cg")
+            num_copies = tl.max(tl.sum((rows >= 0).to(tl.int32), axis=1), axis=0)
+            rows = tl.where(rows < num_out_rows, rows, -1)  # past max_recv_tokens: dropped
+            tl.store(staged_rows_ptr + meta, rows, mask=emask)
+            if HAS_WEIGHTS:
+                weights = tl.load(my_meta_weights + meta, mask=emask, cache_modifier=".cg")
+                tl.store(recv_weights_ptr + rows, weights, mask=rows >= 0)
+            for h0 in range(0, hidden, BLOCK_H):
+                cols = h0 + tl.arange(0, BLOCK_H)
+                cmask = cols < hidden
+                tile = tl.load(
+                    my_staging + staged.to(tl.int64)[:, None] * hidden + cols[None, :],
+                    mask=jmask[:, None] & cmask[None, :],
+                    cache_modifier=".cg",
+                )
+                for i in range(0, num_copies):
+                    row_i = tl.load(
+                        my_meta_rows + staged.to(tl.int64) * MS + i, mask=jmask, other=-1,
+                        cache_modifier=".cg",
+                    )
+                    row_i = tl.where(row_i < num_out_rows, row_i, -1)
+                    ptrs = recv_x_ptr + row_i.to(tl.int64)[:, None] * hidden + cols[None, :]
+                    tl.store(ptrs, tile, mask=(row_i >= 0)[:, None] & cmask[None, :])
+
+    # Zero padding rows and the rows past the valid count (max_recv_tokens mode).
+    for e in range(pid, tl.where(aborted, 0, experts_per_rank), NUM_PROGRAMS):
+        seg = tl.load(expert_layout_ptr + e)
+        first = seg + tl.load(expert_layout_ptr + experts_per_rank + e)
+        last = tl.minimum(seg + tl.load(expert_layout_ptr + 2 * experts_per_rank + e), num_out_rows)
+        _zero_rows(recv_x_ptr, recv_weights_ptr, first, last, hidden, HAS_WEIGHTS, CHUNK, BLOCK_H)
+    valid_rows = tl.where(aborted, 0, tl.minimum(tl.load(info_ptr), num_out_rows)).to(tl.int32)
+    tail_blocks = tl.cdiv(num_out_rows - valid_rows, CHUNK)
+    for b in range(pid, tail_blocks, NUM_PROGRAMS):
+        first = valid_rows + b * CHUNK
+        last = tl.minimum(first + CHUNK, num_out_rows)
+        _zero_rows(recv_x_ptr, recv_weights_ptr, first, last, hidden, HAS_WEIGHTS, CHUNK, BLOCK_H)
+
+    finish_launch(control_ptr, seq, NUM_PROGRAMS)

@@ -1,0 +1,96 @@
+"""Communication primitives that every kernel uses to talk to its peers.
+
+The symmetric heap gives every rank one buffer of the same size and layout. A kernel receives
+``peer_bases``, an int64 tensor [world] of the buffers' base addresses as mapped in this process,
+and byte offsets of the regions inside the buffer; ``region`` turns (rank, offset) into a typed
+pointer. Stores through it go over NVLink on GPUs and into shared memory on CPU ranks.
+
+Ordering protocol: a producer writes its data, then ``signal`` sets a flag with release semantics
+at system scope; the consumer's ``wait_at_least`` spins with acquire semantics until the flag
+reaches the value it expects. Flags only grow (they carry a sequence number), so a flag left over
+from an earlier call never satisfies a later wait, and nothing ever resets them.
+
+Every wait is bounded: after ``timeout_ns`` it records (TIMED_OUT, peer, stage) in the caller's
+local status words and returns; every later wait of any program sees the status and returns at
+once, so a missing peer turns into an error the host raises, never a hang.
+"""
+
+import os
+import time
+
+import triton
+import triton.language as tl
+
+INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+# Status words (int64, rank-local): [code, peer, stage].
+STATUS_OK = 0
+STATUS_TIMED_OUT = 1
+
+if INTERPRETED:
+
+    @triton.jit
+    def clock_ns():
+        # CPU ranks are processes that may share one core: hand the core to the peer we wait for.
+        os.sched_yield()
+        return time.monotonic_ns()
+
+else:
+
+    @triton.jit
+    def clock_ns():
+        return tl.inline_asm_elementwise(
+            "mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64, is_pure=False, pack=1
+        )
+
+
+@triton.jit
+def region(peer_bases_ptr, rank, byte_offset, dtype: tl.constexpr):
+    """Typed pointer to ``byte_offset`` inside ``rank``'s symmetric buffer."""
+    base = tl.load(peer_bases_ptr + rank)
+    return (base + byte_offset).to(tl.pointer_type(dtype))
+
+
+@triton.jit
+def signal(flag_ptr, value):
+    """Make every write of this program visible system-wide, then set ``*flag_ptr = value``."""
+    tl.debug_barrier()
+    tl.atomic_xchg(flag_ptr, value, sem="release", scope="sys")
+
+
+@triton.jit
+def _read_flag(flag_ptr):
+    return tl.atomic_add(flag_ptr, 0, sem="acquire", scope="sys")
+
+
+@triton.jit
+def wait_at_least(flag_ptr, target, timeout_ns, status_ptr, peer, stage):
+    """Spin until ``*flag_ptr >= target`` (acquire, system scope), at most ``timeout_ns``.
+
+    On timeout the first waiter records (STATUS_TIMED_OUT, peer, stage) in ``status_ptr[0:3]``;
+    any recorded status makes every wait return immediately. Returns nothing: the host reads the
+    status after the launch and raises TimeoutError.
+    """
+    start = clock_ns()
+    waiting = (_read_flag(flag_ptr) < target) & (tl.load(status_ptr, volatile=True) == 0)
+    while waiting:
+        if clock_ns() - start > timeout_ns:
+            if tl.atomic_cas(status_ptr, 0, 1) == 0:  # 1 == STATUS_TIMED_OUT
+                tl.store(status_ptr + 1, peer)
+                tl.store(status_ptr + 2, stage)
+        waiting = (_read_flag(flag_ptr) < target) & (tl.load(status_ptr, volatile=True) == 0)
+    tl.debug_barrier()
+
+
+@triton.jit
+def finish_launch(control_ptr, seq, num_programs):
+    """Publish ``seq`` as the last completed sequence number once every program got here.
+
+    A ticket, not a barrier: each program takes one and leaves; the last one stores the new
+    sequence number for the next launch on the stream. Nobody waits, so programs need not be
+    co-resident.
+    """
+    ticket = tl.atomic_add(control_ptr + 1, 1)
+    if ticket == num_programs - 1:
+        tl.store(control_ptr + 1, 0)
+        tl.store(control_ptr, seq)

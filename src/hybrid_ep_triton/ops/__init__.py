@@ -1,0 +1,26 @@
+"""Torch-facing operations: they launch the kernels for a Buffer's runtime state."""
+
+from dataclasses import dataclass
+
+import torch
+
+from .._planner import Plan
+
+
+@dataclass
+class Runtime:
+    """What every launch needs from its Buffer.
+
+    heap: the symmetric heap (``local`` uint8 tensor, ``peer_bases`` int64 [world]).
+    control: int64 [6] on the device: [0] last data-launch sequence number, [1] ticket of the
+        running launch, [2] last layout-exchange sequence number, [3:6] status (code, peer, stage).
+    timeout_ns: bound of every wait on a peer, in nanoseconds.
+    """
+
+    plan: Plan
+    heap: object
+    control: torch.Tensor
+    rank: int
+    world_size: int
+    device: torch.device
+    timeout_ns: int
