@@ -48,9 +48,9 @@ def combine_kernel(
     CHUNK: tl.constexpr,
     BLOCK_H: tl.constexpr,
     HAS_WEIGHTS: tl.constexpr,
-    NUM_PROGRAMS: tl.constexpr,
 ):
     pid = tl.program_id(0)
+    num_programs = tl.num_programs(0)
     seq = tl.load(control_ptr) + 1
     status_ptr = control_ptr + 3
     dtype = out_ptr.dtype.element_ty
@@ -66,7 +66,7 @@ def combine_kernel(
     for src in range(0, world_size):
         src_chunks = tl.cdiv(tl.load(recv_src_tokens_ptr + src), CHUNK)
         staging = region(peer_bases_ptr, src, staging_off, dtype)
-        for c in range(pid, src_chunks, NUM_PROGRAMS):
+        for c in range(pid, src_chunks, num_programs):
             start = tl.load(recv_chunk_start_ptr + src * (NC_MAX + 1) + c)
             end = tl.load(recv_chunk_start_ptr + src * (NC_MAX + 1) + c + 1)
             staged = src * T_MAX + start + tl.arange(0, CHUNK)
@@ -103,7 +103,7 @@ def combine_kernel(
     # Token side: sum the partial rows of every rank a token went to.
     my_flags = region(peer_bases_ptr, rank, chunk_flags_off, tl.int64)
     my_staging = region(peer_bases_ptr, rank, staging_off, dtype)
-    for c in range(pid, tl.cdiv(num_tokens, CHUNK), NUM_PROGRAMS):
+    for c in range(pid, tl.cdiv(num_tokens, CHUNK), num_programs):
         for peer in range(0, world_size):
             wait_at_least(my_flags + peer * NC_MAX + c, seq, timeout_ns, status_ptr, peer, 5)
         tokens = c * CHUNK + tl.arange(0, CHUNK)
@@ -126,4 +126,4 @@ def combine_kernel(
             ptrs = out_ptr + tokens.to(tl.int64)[:, None] * hidden + cols[None, :]
             tl.store(ptrs, acc.to(dtype), mask=tmask[:, None] & cmask[None, :])
 
-    finish_launch(control_ptr, seq, NUM_PROGRAMS)
+    finish_launch(control_ptr, seq, num_programs)

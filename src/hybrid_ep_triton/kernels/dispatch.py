@@ -1,6 +1,6 @@
 """Dispatch: tokens to the ranks that hold their experts, expanded there into expert-major rows.
 
-One persistent launch of NUM_PROGRAMS programs; program p is an independent channel:
+One persistent launch of P programs; program p is an independent channel:
 1. it raises its ready flag on every peer (its rank's previous launch has finished with the
    staging area) and waits for program p of every peer to have done the same;
 2. send: for its token chunks c = p, p + P, ... it pushes each token row once to every rank that
@@ -86,9 +86,9 @@ def dispatch_kernel(
     CHUNK: tl.constexpr,
     BLOCK_H: tl.constexpr,
     HAS_WEIGHTS: tl.constexpr,
-    NUM_PROGRAMS: tl.constexpr,
 ):
     pid = tl.program_id(0)
+    num_programs = tl.num_programs(0)
     seq = tl.load(control_ptr) + 1
     status_ptr = control_ptr + 3
     dtype = x_ptr.dtype.element_ty
@@ -105,7 +105,7 @@ def dispatch_kernel(
 
     # Send.
     slots = tl.arange(0, K_P2)
-    for c in range(pid, num_chunks, NUM_PROGRAMS):
+    for c in range(pid, num_chunks, num_programs):
         tokens = c * CHUNK + tl.arange(0, CHUNK)
         tmask = tokens < num_tokens
         smask = tmask[:, None] & (slots[None, :] < topk)
@@ -161,7 +161,7 @@ def dispatch_kernel(
     my_staging = region(peer_bases_ptr, rank, staging_off, dtype)
     for src in range(0, world_size):
         src_chunks = tl.where(aborted, 0, tl.cdiv(tl.load(recv_src_tokens_ptr + src), CHUNK))
-        for c in range(pid, src_chunks, NUM_PROGRAMS):
+        for c in range(pid, src_chunks, num_programs):
             wait_at_least(my_flags + src * NC_MAX + c, seq, timeout_ns, status_ptr, src, 3)
             start = tl.load(recv_chunk_start_ptr + src * (NC_MAX + 1) + c)
             end = tl.load(recv_chunk_start_ptr + src * (NC_MAX + 1) + c + 1)
@@ -194,16 +194,16 @@ def dispatch_kernel(
                     tl.store(ptrs, tile, mask=(row_i >= 0)[:, None] & cmask[None, :])
 
     # Zero padding rows and the rows past the valid count (max_recv_tokens mode).
-    for e in range(pid, tl.where(aborted, 0, experts_per_rank), NUM_PROGRAMS):
+    for e in range(pid, tl.where(aborted, 0, experts_per_rank), num_programs):
         seg = tl.load(expert_layout_ptr + e)
         first = seg + tl.load(expert_layout_ptr + experts_per_rank + e)
         last = tl.minimum(seg + tl.load(expert_layout_ptr + 2 * experts_per_rank + e), num_out_rows)
         _zero_rows(recv_x_ptr, recv_weights_ptr, first, last, hidden, HAS_WEIGHTS, CHUNK, BLOCK_H)
     valid_rows = tl.where(aborted, 0, tl.minimum(tl.load(info_ptr), num_out_rows)).to(tl.int32)
     tail_blocks = tl.cdiv(num_out_rows - valid_rows, CHUNK)
-    for b in range(pid, tail_blocks, NUM_PROGRAMS):
+    for b in range(pid, tail_blocks, num_programs):
         first = valid_rows + b * CHUNK
         last = tl.minimum(first + CHUNK, num_out_rows)
         _zero_rows(recv_x_ptr, recv_weights_ptr, first, last, hidden, HAS_WEIGHTS, CHUNK, BLOCK_H)
 
-    finish_launch(control_ptr, seq, NUM_PROGRAMS)
+    finish_launch(control_ptr, seq, num_programs)

@@ -75,7 +75,8 @@ def wait_at_least(flag_ptr, target, timeout_ns, status_ptr, peer, stage):
     waiting = (_read_flag(flag_ptr) < target) & (tl.load(status_ptr, volatile=True) == 0)
     while waiting:
         if clock_ns() - start > timeout_ns:
-            if tl.atomic_cas(status_ptr, 0, 1) == 0:  # 1 == STATUS_TIMED_OUT
+            if tl.atomic_cas(status_ptr, tl.zeros([], tl.int64), tl.full([], 1, tl.int64)) == 0:
+                # 1 == STATUS_TIMED_OUT; the first waiter to time out names the peer and stage.
                 tl.store(status_ptr + 1, peer)
                 tl.store(status_ptr + 2, stage)
         waiting = (_read_flag(flag_ptr) < target) & (tl.load(status_ptr, volatile=True) == 0)

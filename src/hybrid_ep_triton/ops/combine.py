@@ -25,6 +25,6 @@ def reduce_tokens(
         T_MAX=plan.max_tokens, NC_MAX=plan.max_chunks, P_MAX=MAX_PROGRAMS,
         MS=plan.meta_stride, MS_P2=triton.next_power_of_2(plan.meta_stride),
         CHUNK=cfg.chunk_tokens, BLOCK_H=cfg.block_h, HAS_WEIGHTS=has_weights,
-        NUM_PROGRAMS=cfg.num_programs, num_warps=cfg.num_warps,
+        num_warps=cfg.num_warps,
     )  # fmt: skip
     return out

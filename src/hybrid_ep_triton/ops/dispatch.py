@@ -134,7 +134,7 @@ def move_tokens(
         T_MAX=plan.max_tokens, NC_MAX=plan.max_chunks, P_MAX=MAX_PROGRAMS,
         MS=plan.meta_stride, MS_P2=triton.next_power_of_2(plan.meta_stride),
         K_P2=triton.next_power_of_2(handle.topk), CHUNK=cfg.chunk_tokens, BLOCK_H=cfg.block_h,
-        HAS_WEIGHTS=has_weights, NUM_PROGRAMS=cfg.num_programs, num_warps=cfg.num_warps,
+        HAS_WEIGHTS=has_weights, num_warps=cfg.num_warps,
     )  # fmt: skip
     return recv_x, (recv_weights if has_weights else None)
 

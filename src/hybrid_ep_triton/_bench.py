@@ -1,0 +1,288 @@
+"""Benchmark of dispatch and combine on the local GPUs (``hybrid-ep bench``, ``nox -s bench``).
+
+One run measures, on every rank at once:
+- the ceiling: copy-engine peer copies to the next GPU, every GPU sending at the same time;
+- Buffer.dispatch (exact, max_recv_tokens and cached-handle modes) and Buffer.combine for each
+  SM count, on S1 (4096 tokens per rank, hidden 7168, top-8 of 256 experts, bf16), S2 (128
+  tokens, same model) and spot checks at hidden 2880 and 4096;
+- the baseline: ``hybrid_ep_triton.reference`` over NCCL on the same inputs.
+Each configuration is first checked against the reference (dispatch bit-exact, combine within
+bf16 tolerance). Times are CUDA events around the whole call on the calling stream, the median
+of ``iters`` calls after ``warmup`` calls, input sets rotated; the reported time is the largest
+of the ranks' medians.
+algo_GBps: (token, destination rank) rows received, local ones included, x hidden x element
+bytes, over time (DeepEP's metric). nvlink_GBps: the bytes of those rows that crossed between
+GPUs, over time. Results go to ``<out>/<date>-<machine>-ep<N>.{json,md,png}``.
+"""
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import subprocess
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from ._launcher import run_ranks
+
+
+@dataclass(frozen=True)
+class Shape:
+    name: str
+    tokens: int
+    hidden: int
+    topk: int = 8
+    experts: int = 256
+
+
+SHAPES = {
+    "S1": Shape("S1", 4096, 7168),
+    "S2": Shape("S2", 128, 7168),
+    "H2880": Shape("H2880", 4096, 2880),
+    "H4096": Shape("H4096", 4096, 4096),
+}
+_ROTATE = 4  # input sets cycled through while timing
+_CEILING_BYTES = 256 << 20
+
+
+def _median_us(fn, args_list, warmup: int, iters: int) -> float:
+    for i in range(warmup):
+        fn(*args_list[i % len(args_list)])
+    torch.cuda.synchronize()
+    dist.barrier()
+    events = []
+    for i in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn(*args_list[i % len(args_list)])
+        end.record()
+        events.append((start, end))
+    torch.cuda.synchronize()
+    mine = statistics.median(s.elapsed_time(e) * 1e3 for s, e in events)
+    worst = torch.tensor([mine], device="cuda")
+    dist.all_reduce(worst, op=dist.ReduceOp.MAX)
+    return worst.item()
+
+
+def _ceiling_gbps(rank: int, world: int, warmup: int, iters: int) -> float:
+    """Copy-engine bandwidth to the next GPU, in GB/s per direction, all GPUs sending."""
+    peer = torch.device("cuda", (rank + 1) % world)
+    src = torch.randn(_CEILING_BYTES // 4, device="cuda")
+    dst = torch.empty(_CEILING_BYTES // 4, device=peer)
+    t = _median_us(lambda: dst.copy_(src, non_blocking=True), [()], warmup, iters)
+    del dst
+    return _CEILING_BYTES / t / 1e3
+
+
+def _inputs(shape: Shape, rank: int, seed: int):
+    g = torch.Generator(device="cuda").manual_seed(seed * 1000 + rank)
+    x = torch.randn(shape.tokens, shape.hidden, device="cuda", generator=g).to(torch.bfloat16)
+    scores = torch.rand(shape.tokens, shape.experts, device="cuda", generator=g)
+    topk_idx = scores.topk(shape.topk, dim=1).indices
+    weights = torch.rand(shape.tokens, shape.topk, device="cuda", generator=g)
+    return x, topk_idx, weights
+
+
+def _row_counts(topk_idx: torch.Tensor, world: int, experts: int) -> tuple[int, int]:
+    """(token, destination rank) rows this rank receives, all and from other ranks."""
+    local = experts // world
+    hits = torch.zeros(topk_idx.shape[0], world, dtype=torch.int32, device=topk_idx.device)
+    hits.scatter_(1, (topk_idx // local).long(), 1)
+    per_dest = hits.sum(0)
+    recv = torch.empty_like(per_dest)
+    dist.all_to_all_single(recv, per_dest)
+    total = int(recv.sum())
+    return total, total - int(recv[dist.get_rank()])
+
+
+def _check(buf, reference, shape: Shape, x, topk_idx, weights) -> str | None:
+    recv_x, recv_w, tpe, handle = buf.dispatch(x, topk_idx, weights)
+    ref_x, ref_w, ref_tpe, ref_handle = reference.dispatch(
+        None, x, topk_idx, weights, num_experts=shape.experts
+    )
+    if not (torch.equal(recv_x, ref_x) and torch.equal(recv_w, ref_w) and torch.equal(tpe, ref_tpe)):
+        return f"{shape.name}: dispatch differs from the reference"
+    y = torch.randn_like(recv_x)
+    out = buf.combine(y, handle, weights=recv_w)
+    ref_out = reference.combine(None, y, ref_handle, weights=ref_w)
+    err = ((out.float() - ref_out.float()).norm() / ref_out.float().norm().clamp_min(1e-30)).item()
+    if not err < 1e-2:
+        return f"{shape.name}: combine relative error {err:.2e}"
+    return None
+
+
+def _bench_rank(rank: int, world: int, opts: dict) -> dict:
+    import hybrid_ep_triton as hep
+    from hybrid_ep_triton import reference
+
+    warmup, iters = opts["warmup"], opts["iters"]
+    result = {"rows": [], "baselines": [], "errors": []}
+    result["ceiling_GBps"] = _ceiling_gbps(rank, world, warmup, iters)
+    for name in opts["shapes"]:
+        shape = SHAPES[name]
+        sets = [_inputs(shape, rank, s) for s in range(_ROTATE)]
+        rows_all, rows_remote = _row_counts(sets[0][1], world, shape.experts)
+        row_bytes = shape.hidden * 2
+        sms_list = opts["sms"] if name in ("S1", "S2") else opts["spot_sms"]
+
+        def record(op, mode, sms, time_us):
+            result["rows"].append(
+                dict(op=op, mode=mode, dtype="bf16", tokens=shape.tokens, hidden=shape.hidden,
+                     topk=shape.topk, experts=shape.experts, ranks=world, num_sms=sms,
+                     shape=shape.name, time_us=time_us,
+                     algo_GBps=rows_all * row_bytes / time_us / 1e3,
+                     nvlink_GBps=rows_remote * row_bytes / time_us / 1e3)
+            )  # fmt: skip
+
+        for sms in sms_list:
+            buf = hep.Buffer(None, hidden_size=shape.hidden, max_tokens_per_rank=shape.tokens,
+                             num_experts=shape.experts, num_sms=sms)  # fmt: skip
+            error = _check(buf, reference, shape, *sets[0])
+            if error:
+                result["errors"].append(f"num_sms={sms}: {error}")
+                buf.destroy()
+                continue
+            exact = [buf.dispatch(x, i, w) for x, i, w in sets]
+            needed = max(h.num_recv_rows for *_, h in exact)
+            max_rows = -(-needed * 11 // 10)  # 10% headroom, as a user would size it
+            for mode, kwargs in (("exact", {}), ("max_recv", {"max_recv_tokens": max_rows})):
+                t = _median_us(lambda x, i, w, kw=kwargs: buf.dispatch(x, i, w, **kw), sets,
+                               warmup, iters)  # fmt: skip
+                record("dispatch", mode, sms, t)
+            cached = [(x, w, h) for (x, _, w), (*_, h) in zip(sets, exact)]
+            t = _median_us(lambda x, w, h: buf.dispatch(x, None, w, handle=h), cached, warmup, iters)
+            record("dispatch", "cached", sms, t)
+            combine_args = [(torch.randn_like(rx), h, rw) for rx, rw, _, h in exact]
+            t = _median_us(lambda y, h, w: buf.combine(y, h, weights=w), combine_args, warmup, iters)
+            record("combine", "exact", sms, t)
+            del exact, cached, combine_args
+            buf.destroy()
+
+        ref = [reference.dispatch(None, x, i, w, num_experts=shape.experts) for x, i, w in sets]
+        t_disp = _median_us(lambda x, i, w: reference.dispatch(None, x, i, w, num_experts=shape.experts),
+                            sets, warmup, iters)  # fmt: skip
+        ref_comb = [(torch.randn_like(rx), h, rw) for rx, rw, _, h in ref]
+        t_comb = _median_us(lambda y, h, w: reference.combine(None, y, h, weights=w), ref_comb,
+                            warmup, iters)  # fmt: skip
+        for op, t in (("dispatch", t_disp), ("combine", t_comb)):
+            result["baselines"].append(
+                dict(name="nccl_alltoall", op=op, shape=shape.name, tokens=shape.tokens,
+                     hidden=shape.hidden, topk=shape.topk, experts=shape.experts, ranks=world,
+                     time_us=t, algo_GBps=rows_all * row_bytes / t / 1e3)
+            )  # fmt: skip
+        del ref, ref_comb, sets
+    return result
+
+
+def _write(result: dict, out_dir: str) -> str:
+    os.makedirs(out_dir, exist_ok=True)
+    stem = os.path.join(out_dir, f"{result['date']}-{result['machine_slug']}-ep{result['ranks']}")
+    with open(stem + ".json", "w") as f:
+        json.dump(result, f, indent=1)
+    lines = [
+        f"# hybrid_ep_triton benchmark: {result['machine']}, EP{result['ranks']}",
+        "",
+        f"date {result['date']}, commit {result['commit']}, ceiling (copy engine, per "
+        f"direction, all GPUs sending) {result['ceiling_GBps']:.0f} GB/s",
+        "",
+        "| shape | op | mode | SMs | time µs | algo GB/s | NVLink GB/s |",
+        "|---|---|---|---:|---:|---:|---:|",
+    ]
+    for r in result["rows"]:
+        lines.append(
+            f"| {r['shape']} | {r['op']} | {r['mode']} | {r['num_sms']} | {r['time_us']:.1f} | "
+            f"{r['algo_GBps']:.0f} | {r['nvlink_GBps']:.0f} |"
+        )
+    lines += ["", "| shape | baseline | op | time µs | algo GB/s |", "|---|---|---|---:|---:|"]
+    for b in result["baselines"]:
+        lines.append(
+            f"| {b['shape']} | {b['name']} | {b['op']} | {b['time_us']:.1f} | {b['algo_GBps']:.0f} |"
+        )
+    if result["errors"]:
+        lines += ["", "Errors:", *[f"- {e}" for e in result["errors"]]]
+    with open(stem + ".md", "w") as f:
+        f.write("\n".join(lines) + "\n")
+    _plot(result, stem + ".png")
+    return stem
+
+
+def _plot(result: dict, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
+    for ax, shape in zip(axes, ("S1", "S2")):
+        for op, mode, style in (("dispatch", "exact", "o-"), ("dispatch", "cached", "o--"),
+                                ("combine", "exact", "s-")):  # fmt: skip
+            pts = sorted((r["num_sms"], r["algo_GBps"]) for r in result["rows"]
+                         if r["shape"] == shape and r["op"] == op and r["mode"] == mode)  # fmt: skip
+            if pts:
+                ax.plot(*zip(*pts), style, label=f"{op} ({mode})")
+        ax.axhline(result["ceiling_GBps"], color="k", ls=":", label="copy-engine ceiling")
+        for b in result["baselines"]:
+            if b["shape"] == shape:
+                ax.axhline(b["algo_GBps"], color="gray" if b["op"] == "dispatch" else "silver",
+                           ls="-.", label=f"NCCL reference {b['op']}")  # fmt: skip
+        ax.set_title(f"{shape}, EP{result['ranks']}, {result['machine']}")
+        ax.set_xlabel("SMs (programs)")
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel("algo GB/s")
+    axes[1].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def _commit() -> str:
+    if os.environ.get("HEP_COMMIT"):
+        return os.environ["HEP_COMMIT"]
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                              text=True, check=True).stdout.strip()  # fmt: skip
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--ranks", type=int, default=None, help="default: every local GPU")
+    parser.add_argument("--sms", default="4,8,16,24,32", help="SM counts for S1 and S2")
+    parser.add_argument("--spot-sms", default="8,24", help="SM counts for the hidden spot checks")
+    parser.add_argument("--shapes", default="S1,S2,H2880,H4096")
+    parser.add_argument("--warmup", type=int, default=10)
+    parser.add_argument("--iters", type=int, default=50)
+    parser.add_argument("--out", default="bench/results")
+
+
+def run(args: argparse.Namespace) -> int:
+    if not torch.cuda.is_available():
+        print("hybrid-ep bench needs CUDA GPUs")
+        return 2
+    world = args.ranks or torch.cuda.device_count()
+    opts = dict(
+        sms=[int(s) for s in args.sms.split(",")],
+        spot_sms=[int(s) for s in args.spot_sms.split(",")],
+        shapes=args.shapes.split(","),
+        warmup=args.warmup,
+        iters=args.iters,
+    )
+    per_rank = run_ranks(_bench_rank, world, opts, device="cuda", timeout_s=3000)
+    name = torch.cuda.get_device_name(0)
+    result = dict(
+        machine=f"{world}x {name}",
+        machine_slug=f"{world}x{name.replace('NVIDIA ', '').replace(' ', '')}",
+        date=datetime.date.today().isoformat(),
+        commit=_commit(),
+        ranks=world,
+        ceiling_GBps=min(r["ceiling_GBps"] for r in per_rank),
+        rows=per_rank[0]["rows"],
+        baselines=per_rank[0]["baselines"],
+        errors=sorted({e for r in per_rank for e in r["errors"]}),
+    )
+    stem = _write(result, args.out)
+    with open(stem + ".md") as f:
+        print(f.read())
+    return 1 if result["errors"] else 0
