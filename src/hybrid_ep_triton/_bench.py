@@ -21,6 +21,7 @@ import json
 import os
 import statistics
 import subprocess
+import time
 from dataclasses import dataclass
 
 import torch
@@ -48,23 +49,27 @@ _ROTATE = 4  # input sets cycled through while timing
 _CEILING_BYTES = 256 << 20
 
 
-def _median_us(fn, args_list, warmup: int, iters: int) -> float:
+def _median_us(fn, args_list, warmup: int, iters: int) -> tuple[float, float]:
+    """(device time, host time) per call in µs: the largest over ranks of the medians of
+    event-timed calls, and of the host time spent issuing each call."""
     for i in range(warmup):
         fn(*args_list[i % len(args_list)])
     torch.cuda.synchronize()
     dist.barrier()
-    events = []
+    events, host = [], []
     for i in range(iters):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        t0 = time.perf_counter()
         start.record()
         fn(*args_list[i % len(args_list)])
         end.record()
+        host.append((time.perf_counter() - t0) * 1e6)
         events.append((start, end))
     torch.cuda.synchronize()
-    mine = statistics.median(s.elapsed_time(e) * 1e3 for s, e in events)
-    worst = torch.tensor([mine], device="cuda")
+    mine = [statistics.median(s.elapsed_time(e) * 1e3 for s, e in events), statistics.median(host)]
+    worst = torch.tensor(mine, device="cuda")
     dist.all_reduce(worst, op=dist.ReduceOp.MAX)
-    return worst.item()
+    return tuple(worst.tolist())
 
 
 def _ceiling_gbps(rank: int, world: int, warmup: int, iters: int) -> float:
@@ -72,7 +77,7 @@ def _ceiling_gbps(rank: int, world: int, warmup: int, iters: int) -> float:
     peer = torch.device("cuda", (rank + 1) % world)
     src = torch.randn(_CEILING_BYTES // 4, device="cuda")
     dst = torch.empty(_CEILING_BYTES // 4, device=peer)
-    t = _median_us(lambda: dst.copy_(src, non_blocking=True), [()], warmup, iters)
+    t, _ = _median_us(lambda: dst.copy_(src, non_blocking=True), [()], warmup, iters)
     del dst
     return _CEILING_BYTES / t / 1e3
 
@@ -128,11 +133,12 @@ def _bench_rank(rank: int, world: int, opts: dict) -> dict:
         row_bytes = shape.hidden * 2
         sms_list = opts["sms"] if name in ("S1", "S2") else opts["spot_sms"]
 
-        def record(op, mode, sms, time_us):
+        def record(op, mode, sms, times):
+            time_us, host_us = times
             result["rows"].append(
                 dict(op=op, mode=mode, dtype="bf16", tokens=shape.tokens, hidden=shape.hidden,
                      topk=shape.topk, experts=shape.experts, ranks=world, num_sms=sms,
-                     shape=shape.name, time_us=time_us,
+                     shape=shape.name, time_us=time_us, host_us=host_us,
                      algo_GBps=rows_all * row_bytes / time_us / 1e3,
                      nvlink_GBps=rows_remote * row_bytes / time_us / 1e3)
             )  # fmt: skip
@@ -167,7 +173,7 @@ def _bench_rank(rank: int, world: int, opts: dict) -> dict:
         ref_comb = [(torch.randn_like(rx), h, rw) for rx, rw, _, h in ref]
         t_comb = _median_us(lambda y, h, w: reference.combine(None, y, h, weights=w), ref_comb,
                             warmup, iters)  # fmt: skip
-        for op, t in (("dispatch", t_disp), ("combine", t_comb)):
+        for op, (t, _) in (("dispatch", t_disp), ("combine", t_comb)):
             result["baselines"].append(
                 dict(name="nccl_alltoall", op=op, shape=shape.name, tokens=shape.tokens,
                      hidden=shape.hidden, topk=shape.topk, experts=shape.experts, ranks=world,
@@ -188,12 +194,13 @@ def _write(result: dict, out_dir: str) -> str:
         f"date {result['date']}, commit {result['commit']}, ceiling (copy engine, per "
         f"direction, all GPUs sending) {result['ceiling_GBps']:.0f} GB/s",
         "",
-        "| shape | op | mode | SMs | time µs | algo GB/s | NVLink GB/s |",
-        "|---|---|---|---:|---:|---:|---:|",
+        "| shape | op | mode | SMs | time µs | host µs | algo GB/s | NVLink GB/s |",
+        "|---|---|---|---:|---:|---:|---:|---:|",
     ]
     for r in result["rows"]:
         lines.append(
             f"| {r['shape']} | {r['op']} | {r['mode']} | {r['num_sms']} | {r['time_us']:.1f} | "
+            f"{r['host_us']:.0f} | "
             f"{r['algo_GBps']:.0f} | {r['nvlink_GBps']:.0f} |"
         )
     lines += ["", "| shape | baseline | op | time µs | algo GB/s |", "|---|---|---|---:|---:|"]

@@ -25,24 +25,35 @@ class KernelConfig:
 
     num_programs: channels (one program each, ideally one SM each).
     chunk_tokens: tokens per chunk, the unit of a flag; a power of two.
-    block_h: hidden elements per tile; a power of two.
+    block_h: hidden elements per tile of the dispatch kernel; a power of two.
+    combine_block_h: the same for combine, whose fp32 accumulators need more registers.
+    copy_unroll: expert rows combine gathers at once.
     num_warps: warps per program.
     """
 
     num_programs: int
     chunk_tokens: int
     block_h: int
+    combine_block_h: int
+    copy_unroll: int
     num_warps: int
 
 
-def default_config(hidden: int, num_sms: int | None, on_gpu: bool) -> KernelConfig:
-    """The documented heuristic: 16-token chunks and tiles of about 16K elements on GPUs, so that
-    one program keeps enough stores in flight; small tiles under the CPU interpreter."""
+def default_config(hidden: int, max_tokens: int, num_sms: int | None, on_gpu: bool) -> KernelConfig:
+    """The documented heuristic. On GPUs: tiles of 16K elements for dispatch and 8K for combine,
+    enough stores in flight per program; 16-token chunks for small batches (more chunks to spread
+    over the programs), 32 otherwise (fewer flags). Under the CPU interpreter: small tiles."""
     if not on_gpu:
-        return KernelConfig(num_programs=num_sms or 2, chunk_tokens=4, block_h=64, num_warps=1)
-    chunk = 16
+        return KernelConfig(
+            num_programs=num_sms or 2, chunk_tokens=4, block_h=64, combine_block_h=64,
+            copy_unroll=2, num_warps=1,
+        )  # fmt: skip
+    chunk = 16 if max_tokens <= 512 else 32
     block_h = min(triton.next_power_of_2(hidden), 16384 // chunk)
-    return KernelConfig(num_programs=num_sms or 8, chunk_tokens=chunk, block_h=block_h, num_warps=8)
+    return KernelConfig(
+        num_programs=num_sms or 8, chunk_tokens=chunk, block_h=block_h,
+        combine_block_h=max(block_h // 2, 32), copy_unroll=4, num_warps=8,
+    )  # fmt: skip
 
 
 @dataclass(frozen=True)

@@ -69,7 +69,7 @@ class Buffer:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
         on_gpu = dist.get_backend(group) == "nccl"
         device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
-        config = default_config(hidden_size, num_sms, on_gpu)
+        config = default_config(hidden_size, max_tokens_per_rank, num_sms, on_gpu)
         _check_same_on_all_ranks(
             group,
             hidden_size=hidden_size,

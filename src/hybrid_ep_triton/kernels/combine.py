@@ -13,6 +13,7 @@ The mirror of dispatch, one persistent launch, program p an independent channel:
 import triton
 import triton.language as tl
 
+from .dispatch import column
 from .primitives import finish_launch, region, signal, wait_at_least
 
 STAGE_COMBINE_READY = 4
@@ -45,9 +46,11 @@ def combine_kernel(
     P_MAX: tl.constexpr,
     MS: tl.constexpr,
     MS_P2: tl.constexpr,
+    W_P2: tl.constexpr,
     CHUNK: tl.constexpr,
     BLOCK_H: tl.constexpr,
     HAS_WEIGHTS: tl.constexpr,
+    COPY_UNROLL: tl.constexpr,
 ):
     pid = tl.program_id(0)
     num_programs = tl.num_programs(0)
@@ -83,19 +86,19 @@ def combine_kernel(
                 cols = h0 + tl.arange(0, BLOCK_H)
                 cmask = cols < hidden
                 acc = tl.zeros([CHUNK, BLOCK_H], tl.float32)
-                for i in range(0, num_copies):
-                    row_i = tl.load(
-                        staged_rows_ptr + staged.to(tl.int64) * MS + i, mask=jmask, other=-1
-                    )
-                    valid = row_i >= 0
-                    part = tl.load(
-                        y_ptr + row_i.to(tl.int64)[:, None] * y_stride + cols[None, :],
-                        mask=valid[:, None] & cmask[None, :],
-                        other=0.0,
-                    ).to(tl.float32)
-                    if HAS_WEIGHTS:
-                        part *= tl.load(weights_ptr + row_i, mask=valid, other=0.0)[:, None]
-                    acc += part
+                # COPY_UNROLL independent gathers in flight per step, not one at a time.
+                for i0 in range(0, num_copies, COPY_UNROLL):
+                    for u in tl.static_range(COPY_UNROLL):
+                        row_i = column(rows, entries, i0 + u)
+                        valid = row_i >= 0
+                        part = tl.load(
+                            y_ptr + row_i.to(tl.int64)[:, None] * y_stride + cols[None, :],
+                            mask=valid[:, None] & cmask[None, :],
+                            other=0.0,
+                        ).to(tl.float32)
+                        if HAS_WEIGHTS:
+                            part *= tl.load(weights_ptr + row_i, mask=valid, other=0.0)[:, None]
+                        acc += part
                 ptrs = staging + dst_rows[:, None] * hidden + cols[None, :]
                 tl.store(ptrs, acc.to(dtype), mask=jmask[:, None] & cmask[None, :])
             signal(region(peer_bases_ptr, src, chunk_flags_off, tl.int64) + rank * NC_MAX + c, seq)
@@ -103,23 +106,27 @@ def combine_kernel(
     # Token side: sum the partial rows of every rank a token went to.
     my_flags = region(peer_bases_ptr, rank, chunk_flags_off, tl.int64)
     my_staging = region(peer_bases_ptr, rank, staging_off, dtype)
+    ranks = tl.arange(0, W_P2)
     for c in range(pid, tl.cdiv(num_tokens, CHUNK), num_programs):
         for peer in range(0, world_size):
             wait_at_least(my_flags + peer * NC_MAX + c, seq, timeout_ns, status_ptr, peer, 5)
         tokens = c * CHUNK + tl.arange(0, CHUNK)
         tmask = tokens < num_tokens
+        rmask = tmask[:, None] & (ranks[None, :] < world_size)
+        pos = tl.load(
+            token_rank_pos_ptr + tokens[:, None] * world_size + ranks[None, :], mask=rmask, other=-1
+        )
+        starts = tl.load(send_chunk_start_ptr + c * world_size + ranks, mask=ranks < world_size)
+        partial_rows = tl.where(pos >= 0, ranks[None, :] * T_MAX + starts[None, :] + pos, -1)
         for h0 in range(0, hidden, BLOCK_H):
             cols = h0 + tl.arange(0, BLOCK_H)
             cmask = cols < hidden
             acc = tl.zeros([CHUNK, BLOCK_H], tl.float32)
-            for peer in range(0, world_size):
-                pos_local = tl.load(
-                    token_rank_pos_ptr + tokens * world_size + peer, mask=tmask, other=-1
-                )
-                row = peer * T_MAX + tl.load(send_chunk_start_ptr + c * world_size + peer) + pos_local
+            for peer in tl.static_range(W_P2):
+                row = column(partial_rows, ranks, peer)
                 acc += tl.load(
                     my_staging + row.to(tl.int64)[:, None] * hidden + cols[None, :],
-                    mask=(pos_local >= 0)[:, None] & cmask[None, :],
+                    mask=(row >= 0)[:, None] & cmask[None, :],
                     other=0.0,
                     cache_modifier=".cg",
                 ).to(tl.float32)

@@ -22,6 +22,13 @@ STAGE_DISPATCH_DATA = 3
 
 
 @triton.jit
+def column(tile, index, i):
+    """Column ``i`` of a [M, N] tile of row numbers (entries >= -1), as [M]; -1 where ``index``
+    has no ``i``. A register-only select: no memory round trip inside the copy loops."""
+    return tl.max(tl.where(index[None, :] == i, tile, -1), axis=1)
+
+
+@triton.jit
 def _zero_rows(
     out_ptr,
     weights_ptr,
@@ -83,6 +90,7 @@ def dispatch_kernel(
     MS: tl.constexpr,
     MS_P2: tl.constexpr,
     K_P2: tl.constexpr,
+    W_P2: tl.constexpr,
     CHUNK: tl.constexpr,
     BLOCK_H: tl.constexpr,
     HAS_WEIGHTS: tl.constexpr,
@@ -105,6 +113,7 @@ def dispatch_kernel(
 
     # Send.
     slots = tl.arange(0, K_P2)
+    ranks = tl.arange(0, W_P2)
     for c in range(pid, num_chunks, num_programs):
         tokens = c * CHUNK + tl.arange(0, CHUNK)
         tmask = tokens < num_tokens
@@ -117,24 +126,31 @@ def dispatch_kernel(
         out_row += tl.load(slot_pos_ptr + slot_offs, mask=used, other=0)
         if HAS_WEIGHTS:
             weight = tl.load(topk_weights_ptr + slot_offs, mask=used, other=0.0)
-        for peer in range(0, world_size):
-            pos_local = tl.load(token_rank_pos_ptr + tokens * world_size + peer, mask=tmask, other=-1)
-            sent = pos_local >= 0
-            row = (rank * T_MAX + tl.load(send_chunk_start_ptr + c * world_size + peer) + pos_local)
-            sel = used & (dest == peer)
-            sel_i = sel.to(tl.int32)
-            slot_index = tl.cumsum(sel_i, axis=1) - sel_i
-            num_sel = tl.sum(sel_i, axis=1)
-            unused_entry = (
-                sent[:, None] & (entries[None, :] >= num_sel[:, None]) & (entries[None, :] < MS)
-            )
-            meta = row.to(tl.int64)[:, None] * MS
-            meta_rows = region(peer_bases_ptr, peer, meta_rows_off, tl.int32) + meta
-            tl.store(meta_rows + slot_index, out_row, mask=sel)
-            tl.store(meta_rows + entries[None, :], tl.full([CHUNK, MS_P2], -1, tl.int32), mask=unused_entry)
-            if HAS_WEIGHTS:
-                meta_weights = region(peer_bases_ptr, peer, meta_weights_off, tl.float32) + meta
-                tl.store(meta_weights + slot_index, weight, mask=sel)
+        # Row of each (token, destination) in that destination's staging area, or -1.
+        rmask = tmask[:, None] & (ranks[None, :] < world_size)
+        pos = tl.load(token_rank_pos_ptr + tokens[:, None] * world_size + ranks[None, :], mask=rmask, other=-1)
+        starts = tl.load(send_chunk_start_ptr + c * world_size + ranks, mask=ranks < world_size)
+        stream_rows = tl.where(pos >= 0, rank * T_MAX + starts[None, :] + pos, -1)
+        for peer in tl.static_range(W_P2):
+            if peer < world_size:
+                row = column(stream_rows, ranks, peer)
+                sel = used & (dest == peer)
+                sel_i = sel.to(tl.int32)
+                slot_index = tl.cumsum(sel_i, axis=1) - sel_i
+                unused_entry = (entries[None, :] >= tl.sum(sel_i, axis=1)[:, None]) & (
+                    entries[None, :] < MS
+                )
+                meta = row.to(tl.int64)[:, None] * MS
+                meta_rows = region(peer_bases_ptr, peer, meta_rows_off, tl.int32) + meta
+                tl.store(meta_rows + slot_index, out_row, mask=sel)
+                tl.store(
+                    meta_rows + entries[None, :],
+                    tl.full([CHUNK, MS_P2], -1, tl.int32),
+                    mask=(row >= 0)[:, None] & unused_entry,
+                )
+                if HAS_WEIGHTS:
+                    meta_weights = region(peer_bases_ptr, peer, meta_weights_off, tl.float32)
+                    tl.store(meta_weights + meta + slot_index, weight, mask=sel)
         for h0 in range(0, hidden, BLOCK_H):
             cols = h0 + tl.arange(0, BLOCK_H)
             cmask = cols < hidden
@@ -142,14 +158,12 @@ def dispatch_kernel(
                 x_ptr + tokens.to(tl.int64)[:, None] * x_stride + cols[None, :],
                 mask=tmask[:, None] & cmask[None, :],
             )
-            for peer in range(0, world_size):
-                pos_local = tl.load(
-                    token_rank_pos_ptr + tokens * world_size + peer, mask=tmask, other=-1
-                )
-                row = rank * T_MAX + tl.load(send_chunk_start_ptr + c * world_size + peer) + pos_local
-                staging = region(peer_bases_ptr, peer, staging_off, dtype)
-                ptrs = staging + row.to(tl.int64)[:, None] * hidden + cols[None, :]
-                tl.store(ptrs, tile, mask=(pos_local >= 0)[:, None] & cmask[None, :])
+            for peer in tl.static_range(W_P2):
+                if peer < world_size:
+                    row = column(stream_rows, ranks, peer)
+                    staging = region(peer_bases_ptr, peer, staging_off, dtype)
+                    ptrs = staging + row.to(tl.int64)[:, None] * hidden + cols[None, :]
+                    tl.store(ptrs, tile, mask=(row >= 0)[:, None] & cmask[None, :])
         for peer in range(0, world_size):
             flags = region(peer_bases_ptr, peer, chunk_flags_off, tl.int64)
             signal(flags + rank * NC_MAX + c, seq)
@@ -185,11 +199,7 @@ def dispatch_kernel(
                     cache_modifier=".cg",
                 )
                 for i in range(0, num_copies):
-                    row_i = tl.load(
-                        my_meta_rows + staged.to(tl.int64) * MS + i, mask=jmask, other=-1,
-                        cache_modifier=".cg",
-                    )
-                    row_i = tl.where(row_i < num_out_rows, row_i, -1)
+                    row_i = column(rows, entries, i)
                     ptrs = recv_x_ptr + row_i.to(tl.int64)[:, None] * hidden + cols[None, :]
                     tl.store(ptrs, tile, mask=(row_i >= 0)[:, None] & cmask[None, :])
 

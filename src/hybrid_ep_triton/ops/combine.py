@@ -24,7 +24,8 @@ def reduce_tokens(
         rt.control, rt.timeout_ns,
         T_MAX=plan.max_tokens, NC_MAX=plan.max_chunks, P_MAX=MAX_PROGRAMS,
         MS=plan.meta_stride, MS_P2=triton.next_power_of_2(plan.meta_stride),
-        CHUNK=cfg.chunk_tokens, BLOCK_H=cfg.block_h, HAS_WEIGHTS=has_weights,
+        W_P2=triton.next_power_of_2(rt.world_size), CHUNK=cfg.chunk_tokens,
+        BLOCK_H=cfg.combine_block_h, HAS_WEIGHTS=has_weights, COPY_UNROLL=cfg.copy_unroll,
         num_warps=cfg.num_warps,
     )  # fmt: skip
     return out

@@ -133,7 +133,8 @@ def move_tokens(
         plan.heap.meta_weights, plan.heap.staging, rt.control, rt.timeout_ns,
         T_MAX=plan.max_tokens, NC_MAX=plan.max_chunks, P_MAX=MAX_PROGRAMS,
         MS=plan.meta_stride, MS_P2=triton.next_power_of_2(plan.meta_stride),
-        K_P2=triton.next_power_of_2(handle.topk), CHUNK=cfg.chunk_tokens, BLOCK_H=cfg.block_h,
+        K_P2=triton.next_power_of_2(handle.topk), W_P2=triton.next_power_of_2(rt.world_size),
+        CHUNK=cfg.chunk_tokens, BLOCK_H=cfg.block_h,
         HAS_WEIGHTS=has_weights, num_warps=cfg.num_warps,
     )  # fmt: skip
     return recv_x, (recv_weights if has_weights else None)
