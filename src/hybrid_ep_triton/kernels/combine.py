@@ -122,8 +122,8 @@ def combine_kernel(
             cols = h0 + tl.arange(0, BLOCK_H)
             cmask = cols < hidden
             acc = tl.zeros([CHUNK, BLOCK_H], tl.float32)
-            for peer in tl.static_range(W_P2):
-                row = column(partial_rows, ranks, peer)
+            for q in tl.static_range(W_P2):
+                row = column(partial_rows, ranks, q)
                 acc += tl.load(
                     my_staging + row.to(tl.int64)[:, None] * hidden + cols[None, :],
                     mask=(row >= 0)[:, None] & cmask[None, :],

@@ -131,17 +131,17 @@ def dispatch_kernel(
         pos = tl.load(token_rank_pos_ptr + tokens[:, None] * world_size + ranks[None, :], mask=rmask, other=-1)
         starts = tl.load(send_chunk_start_ptr + c * world_size + ranks, mask=ranks < world_size)
         stream_rows = tl.where(pos >= 0, rank * T_MAX + starts[None, :] + pos, -1)
-        for peer in tl.static_range(W_P2):
-            if peer < world_size:
-                row = column(stream_rows, ranks, peer)
-                sel = used & (dest == peer)
+        for q in tl.static_range(W_P2):
+            if q < world_size:
+                row = column(stream_rows, ranks, q)
+                sel = used & (dest == q)
                 sel_i = sel.to(tl.int32)
                 slot_index = tl.cumsum(sel_i, axis=1) - sel_i
                 unused_entry = (entries[None, :] >= tl.sum(sel_i, axis=1)[:, None]) & (
                     entries[None, :] < MS
                 )
                 meta = row.to(tl.int64)[:, None] * MS
-                meta_rows = region(peer_bases_ptr, peer, meta_rows_off, tl.int32) + meta
+                meta_rows = region(peer_bases_ptr, q, meta_rows_off, tl.int32) + meta
                 tl.store(meta_rows + slot_index, out_row, mask=sel)
                 tl.store(
                     meta_rows + entries[None, :],
@@ -149,7 +149,7 @@ def dispatch_kernel(
                     mask=(row >= 0)[:, None] & unused_entry,
                 )
                 if HAS_WEIGHTS:
-                    meta_weights = region(peer_bases_ptr, peer, meta_weights_off, tl.float32)
+                    meta_weights = region(peer_bases_ptr, q, meta_weights_off, tl.float32)
                     tl.store(meta_weights + meta + slot_index, weight, mask=sel)
         for h0 in range(0, hidden, BLOCK_H):
             cols = h0 + tl.arange(0, BLOCK_H)
@@ -158,10 +158,10 @@ def dispatch_kernel(
                 x_ptr + tokens.to(tl.int64)[:, None] * x_stride + cols[None, :],
                 mask=tmask[:, None] & cmask[None, :],
             )
-            for peer in tl.static_range(W_P2):
-                if peer < world_size:
-                    row = column(stream_rows, ranks, peer)
-                    staging = region(peer_bases_ptr, peer, staging_off, dtype)
+            for q in tl.static_range(W_P2):
+                if q < world_size:
+                    row = column(stream_rows, ranks, q)
+                    staging = region(peer_bases_ptr, q, staging_off, dtype)
                     ptrs = staging + row.to(tl.int64)[:, None] * hidden + cols[None, :]
                     tl.store(ptrs, tile, mask=(row >= 0)[:, None] & cmask[None, :])
         for peer in range(0, world_size):
