@@ -23,6 +23,7 @@ import statistics
 import subprocess
 import time
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -47,6 +48,12 @@ SHAPES = {
 }
 _ROTATE = 4  # input sets cycled through while timing
 _CEILING_BYTES = 256 << 20
+_PLOTTED = (
+    ("dispatch", "exact", "o-"),
+    ("dispatch", "graph", "o--"),
+    ("combine", "exact", "s-"),
+    ("combine", "graph", "s--"),
+)
 
 
 def _median_us(fn, args_list, warmup: int, iters: int) -> tuple[float, float]:
@@ -72,13 +79,25 @@ def _median_us(fn, args_list, warmup: int, iters: int) -> tuple[float, float]:
     return tuple(worst.tolist())
 
 
+def _capture(fn):
+    """(CUDA graph of fn, fn's output from the capture); warmed up on a side stream first."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn()
+    return graph, out
+
+
 def _ceiling_gbps(rank: int, world: int, warmup: int, iters: int) -> float:
     """Copy-engine bandwidth to the next GPU, in GB/s per direction, all GPUs sending."""
     peer = torch.device("cuda", (rank + 1) % world)
     src = torch.randn(_CEILING_BYTES // 4, device="cuda")
     dst = torch.empty(_CEILING_BYTES // 4, device=peer)
     t, _ = _median_us(lambda: dst.copy_(src, non_blocking=True), [()], warmup, iters)
-    del dst
     return _CEILING_BYTES / t / 1e3
 
 
@@ -108,7 +127,9 @@ def _check(buf, reference, shape: Shape, x, topk_idx, weights) -> str | None:
     ref_x, ref_w, ref_tpe, ref_handle = reference.dispatch(
         None, x, topk_idx, weights, num_experts=shape.experts
     )
-    if not (torch.equal(recv_x, ref_x) and torch.equal(recv_w, ref_w) and torch.equal(tpe, ref_tpe)):
+    if not (
+        torch.equal(recv_x, ref_x) and torch.equal(recv_w, ref_w) and torch.equal(tpe, ref_tpe)
+    ):
         return f"{shape.name}: dispatch differs from the reference"
     y = torch.randn_like(recv_x)
     out = buf.combine(y, handle, weights=recv_w)
@@ -117,6 +138,41 @@ def _check(buf, reference, shape: Shape, x, topk_idx, weights) -> str | None:
     if not err < 1e-2:
         return f"{shape.name}: combine relative error {err:.2e}"
     return None
+
+
+def _time_buffer(buf, sets, warmup: int, iters: int) -> dict:
+    """{(op, mode): (device µs, host µs)} of one Buffer on the rotated input sets."""
+    times = {}
+    exact = [buf.dispatch(x, i, w) for x, i, w in sets]
+    max_rows = -(-max(h.num_recv_rows for *_, h in exact) * 11 // 10)  # 10% headroom
+
+    def dispatch(x, i, w, **kwargs):
+        return buf.dispatch(x, i, w, **kwargs)
+
+    times["dispatch", "exact"] = _median_us(dispatch, sets, warmup, iters)
+    times["dispatch", "max_recv"] = _median_us(
+        partial(dispatch, max_recv_tokens=max_rows), sets, warmup, iters
+    )
+    cached = [(x, None, w) for x, _, w in sets]
+    handles = [h for *_, h in exact]
+    times["dispatch", "cached"] = _median_us(
+        lambda k: dispatch(*cached[k], handle=handles[k]), [(k,) for k in range(len(sets))],
+        warmup, iters,
+    )  # fmt: skip
+    combine_args = [(torch.randn_like(rx), h, rw) for rx, rw, _, h in exact]
+    times["combine", "exact"] = _median_us(
+        lambda y, h, w: buf.combine(y, h, weights=w), combine_args, warmup, iters
+    )
+    # CUDA graphs (max_recv_tokens mode needs no host synchronisation): one graph per input
+    # set, replayed in turn.
+    graphs = []
+    for x, i, w in sets:
+        g_disp, (rx, rw, _, h) = _capture(partial(dispatch, x, i, w, max_recv_tokens=max_rows))
+        g_comb, _ = _capture(partial(buf.combine, torch.randn_like(rx), h, weights=rw))
+        graphs.append((g_disp, g_comb))
+    times["dispatch", "graph"] = _median_us(lambda g, _: g.replay(), graphs, warmup, iters)
+    times["combine", "graph"] = _median_us(lambda _, g: g.replay(), graphs, warmup, iters)
+    return times
 
 
 def _bench_rank(rank: int, world: int, opts: dict) -> dict:
@@ -131,55 +187,37 @@ def _bench_rank(rank: int, world: int, opts: dict) -> dict:
         sets = [_inputs(shape, rank, s) for s in range(_ROTATE)]
         rows_all, rows_remote = _row_counts(sets[0][1], world, shape.experts)
         row_bytes = shape.hidden * 2
-        sms_list = opts["sms"] if name in ("S1", "S2") else opts["spot_sms"]
-
-        def record(op, mode, sms, times):
-            time_us, host_us = times
-            result["rows"].append(
-                dict(op=op, mode=mode, dtype="bf16", tokens=shape.tokens, hidden=shape.hidden,
-                     topk=shape.topk, experts=shape.experts, ranks=world, num_sms=sms,
-                     shape=shape.name, time_us=time_us, host_us=host_us,
-                     algo_GBps=rows_all * row_bytes / time_us / 1e3,
-                     nvlink_GBps=rows_remote * row_bytes / time_us / 1e3)
-            )  # fmt: skip
-
-        for sms in sms_list:
+        common = dict(dtype="bf16", shape=shape.name, tokens=shape.tokens, hidden=shape.hidden,
+                      topk=shape.topk, experts=shape.experts, ranks=world)  # fmt: skip
+        for sms in opts["sms"] if name in ("S1", "S2") else opts["spot_sms"]:
             buf = hep.Buffer(None, hidden_size=shape.hidden, max_tokens_per_rank=shape.tokens,
                              num_experts=shape.experts, num_sms=sms)  # fmt: skip
             error = _check(buf, reference, shape, *sets[0])
             if error:
                 result["errors"].append(f"num_sms={sms}: {error}")
-                buf.destroy()
-                continue
-            exact = [buf.dispatch(x, i, w) for x, i, w in sets]
-            needed = max(h.num_recv_rows for *_, h in exact)
-            max_rows = -(-needed * 11 // 10)  # 10% headroom, as a user would size it
-            for mode, kwargs in (("exact", {}), ("max_recv", {"max_recv_tokens": max_rows})):
-                t = _median_us(lambda x, i, w, kw=kwargs: buf.dispatch(x, i, w, **kw), sets,
-                               warmup, iters)  # fmt: skip
-                record("dispatch", mode, sms, t)
-            cached = [(x, w, h) for (x, _, w), (*_, h) in zip(sets, exact)]
-            t = _median_us(lambda x, w, h: buf.dispatch(x, None, w, handle=h), cached, warmup, iters)
-            record("dispatch", "cached", sms, t)
-            combine_args = [(torch.randn_like(rx), h, rw) for rx, rw, _, h in exact]
-            t = _median_us(lambda y, h, w: buf.combine(y, h, weights=w), combine_args, warmup, iters)
-            record("combine", "exact", sms, t)
-            del exact, cached, combine_args
+            else:
+                for (op, mode), (t, host) in _time_buffer(buf, sets, warmup, iters).items():
+                    result["rows"].append(
+                        dict(common, op=op, mode=mode, num_sms=sms, time_us=t, host_us=host,
+                             algo_GBps=rows_all * row_bytes / t / 1e3,
+                             nvlink_GBps=rows_remote * row_bytes / t / 1e3)
+                    )  # fmt: skip
             buf.destroy()
 
-        ref = [reference.dispatch(None, x, i, w, num_experts=shape.experts) for x, i, w in sets]
-        t_disp = _median_us(lambda x, i, w: reference.dispatch(None, x, i, w, num_experts=shape.experts),
-                            sets, warmup, iters)  # fmt: skip
+        def ref_dispatch(x, i, w, experts=shape.experts):
+            return reference.dispatch(None, x, i, w, num_experts=experts)
+
+        ref = [ref_dispatch(*s) for s in sets]
         ref_comb = [(torch.randn_like(rx), h, rw) for rx, rw, _, h in ref]
-        t_comb = _median_us(lambda y, h, w: reference.combine(None, y, h, weights=w), ref_comb,
-                            warmup, iters)  # fmt: skip
-        for op, (t, _) in (("dispatch", t_disp), ("combine", t_comb)):
+        t_disp, _ = _median_us(ref_dispatch, sets, warmup, iters)
+        t_comb, _ = _median_us(
+            lambda y, h, w: reference.combine(None, y, h, weights=w), ref_comb, warmup, iters
+        )
+        for op, t in (("dispatch", t_disp), ("combine", t_comb)):
             result["baselines"].append(
-                dict(name="nccl_alltoall", op=op, shape=shape.name, tokens=shape.tokens,
-                     hidden=shape.hidden, topk=shape.topk, experts=shape.experts, ranks=world,
-                     time_us=t, algo_GBps=rows_all * row_bytes / t / 1e3)
+                dict(common, name="nccl_alltoall", op=op, time_us=t,
+                     algo_GBps=rows_all * row_bytes / t / 1e3)
             )  # fmt: skip
-        del ref, ref_comb, sets
     return result
 
 
@@ -205,9 +243,8 @@ def _write(result: dict, out_dir: str) -> str:
         )
     lines += ["", "| shape | baseline | op | time µs | algo GB/s |", "|---|---|---|---:|---:|"]
     for b in result["baselines"]:
-        lines.append(
-            f"| {b['shape']} | {b['name']} | {b['op']} | {b['time_us']:.1f} | {b['algo_GBps']:.0f} |"
-        )
+        cells = (b["shape"], b["name"], b["op"], f"{b['time_us']:.1f}", f"{b['algo_GBps']:.0f}")
+        lines.append("| " + " | ".join(cells) + " |")
     if result["errors"]:
         lines += ["", "Errors:", *[f"- {e}" for e in result["errors"]]]
     with open(stem + ".md", "w") as f:
@@ -223,13 +260,15 @@ def _plot(result: dict, path: str) -> None:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
-    for ax, shape in zip(axes, ("S1", "S2")):
-        for op, mode, style in (("dispatch", "exact", "o-"), ("dispatch", "cached", "o--"),
-                                ("combine", "exact", "s-")):  # fmt: skip
-            pts = sorted((r["num_sms"], r["algo_GBps"]) for r in result["rows"]
-                         if r["shape"] == shape and r["op"] == op and r["mode"] == mode)  # fmt: skip
+    for ax, shape in zip(axes, ("S1", "S2"), strict=True):
+        for op, mode, style in _PLOTTED:
+            pts = sorted(
+                (r["num_sms"], r["algo_GBps"])
+                for r in result["rows"]
+                if r["shape"] == shape and r["op"] == op and r["mode"] == mode
+            )
             if pts:
-                ax.plot(*zip(*pts), style, label=f"{op} ({mode})")
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], style, label=f"{op} ({mode})")
         ax.axhline(result["ceiling_GBps"], color="k", ls=":", label="copy-engine ceiling")
         for b in result["baselines"]:
             if b["shape"] == shape:

@@ -68,7 +68,9 @@ class Buffer:
         if not timeout_s > 0:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
         on_gpu = dist.get_backend(group) == "nccl"
-        device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
+        device = (
+            torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
+        )
         config = default_config(hidden_size, max_tokens_per_rank, num_sms, on_gpu)
         _check_same_on_all_ranks(
             group,
@@ -150,7 +152,9 @@ class Buffer:
                 )
             topk = handle.topk
         if topk_weights is not None:
-            _check_tensor("topk_weights", topk_weights, (num_tokens, topk), torch.float32, rt.device)
+            _check_tensor(
+                "topk_weights", topk_weights, (num_tokens, topk), torch.float32, rt.device
+            )
 
         if handle is None:
             handle = compute_layout(rt, topk_idx, pad_multiple, max_recv_tokens)
@@ -269,7 +273,9 @@ class Buffer:
 
     def _check_handle(self, handle) -> None:
         if not isinstance(handle, DispatchHandle) or handle.staged_rows.device != self._rt.device:
-            raise ValueError(f"handle must be a DispatchHandle of this Buffer, got {_describe(handle)}")
+            raise ValueError(
+                f"handle must be a DispatchHandle of this Buffer, got {_describe(handle)}"
+            )
 
     def _raise_on_status(self, code: int, peer: int, stage: int) -> None:
         if code:

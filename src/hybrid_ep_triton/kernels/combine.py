@@ -20,6 +20,99 @@ STAGE_COMBINE_READY = 4
 STAGE_COMBINE_DATA = 5
 
 
+@triton.jit(noinline=True)
+def _reduce_chunk(
+    staged_first,
+    staged_end,
+    dst_first,
+    hidden,
+    y_ptr,
+    y_stride,
+    weights_ptr,
+    staged_rows_ptr,
+    partial_ptr,
+    MS: tl.constexpr,
+    MS_P2: tl.constexpr,
+    CHUNK: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    HAS_WEIGHTS: tl.constexpr,
+    COPY_UNROLL: tl.constexpr,
+):
+    """Reduce the expert-major rows of staged rows [staged_first, staged_end) into one fp32
+    partial row each, stored as rows dst_first... of ``partial_ptr`` (the source's staging)."""
+    entries = tl.arange(0, MS_P2)
+    staged = staged_first + tl.arange(0, CHUNK)
+    jmask = staged < staged_end
+    rows = tl.load(
+        staged_rows_ptr + staged.to(tl.int64)[:, None] * MS + entries[None, :],
+        mask=jmask[:, None] & (entries[None, :] < MS),
+        other=-1,
+    )
+    # Rows dropped past max_recv_tokens left holes: loop up to the last kept entry.
+    num_copies = tl.max(tl.max(tl.where(rows >= 0, entries[None, :] + 1, 0), axis=1), axis=0)
+    dst_rows = (dst_first + tl.arange(0, CHUNK)).to(tl.int64)
+    for h0 in range(0, hidden, BLOCK_H):
+        cols = h0 + tl.arange(0, BLOCK_H)
+        cmask = cols < hidden
+        acc = tl.zeros([CHUNK, BLOCK_H], tl.float32)
+        # COPY_UNROLL independent gathers in flight per step, not one at a time.
+        for i0 in range(0, num_copies, COPY_UNROLL):
+            for u in tl.static_range(COPY_UNROLL):
+                row_i = column(rows, entries, i0 + u)
+                valid = row_i >= 0
+                part = tl.load(
+                    y_ptr + row_i.to(tl.int64)[:, None] * y_stride + cols[None, :],
+                    mask=valid[:, None] & cmask[None, :],
+                    other=0.0,
+                ).to(tl.float32)
+                if HAS_WEIGHTS:
+                    part *= tl.load(weights_ptr + row_i, mask=valid, other=0.0)[:, None]
+                acc += part
+        ptrs = partial_ptr + dst_rows[:, None] * hidden + cols[None, :]
+        tl.store(ptrs, acc.to(partial_ptr.dtype.element_ty), mask=jmask[:, None] & cmask[None, :])
+
+
+@triton.jit(noinline=True)
+def _sum_chunk(
+    c,
+    num_tokens,
+    hidden,
+    world_size,
+    token_rank_pos_ptr,
+    send_chunk_start_ptr,
+    partial_ptr,
+    out_ptr,
+    T_MAX: tl.constexpr,
+    W_P2: tl.constexpr,
+    CHUNK: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+):
+    """out rows of chunk ``c``: the sum, in fp32, of each token's partial rows from its ranks."""
+    ranks = tl.arange(0, W_P2)
+    tokens = c * CHUNK + tl.arange(0, CHUNK)
+    tmask = tokens < num_tokens
+    rmask = tmask[:, None] & (ranks[None, :] < world_size)
+    pos = tl.load(
+        token_rank_pos_ptr + tokens[:, None] * world_size + ranks[None, :], mask=rmask, other=-1
+    )
+    starts = tl.load(send_chunk_start_ptr + c * world_size + ranks, mask=ranks < world_size)
+    partial_rows = tl.where(pos >= 0, ranks[None, :] * T_MAX + starts[None, :] + pos, -1)
+    for h0 in range(0, hidden, BLOCK_H):
+        cols = h0 + tl.arange(0, BLOCK_H)
+        cmask = cols < hidden
+        acc = tl.zeros([CHUNK, BLOCK_H], tl.float32)
+        for q in tl.static_range(W_P2):
+            row = column(partial_rows, ranks, q)
+            acc += tl.load(
+                partial_ptr + row.to(tl.int64)[:, None] * hidden + cols[None, :],
+                mask=(row >= 0)[:, None] & cmask[None, :],
+                other=0.0,
+                cache_modifier=".cg",
+            ).to(tl.float32)
+        ptrs = out_ptr + tokens.to(tl.int64)[:, None] * hidden + cols[None, :]
+        tl.store(ptrs, acc.to(out_ptr.dtype.element_ty), mask=tmask[:, None] & cmask[None, :])
+
+
 @triton.jit
 def combine_kernel(
     y_ptr,  # [N, H], row stride y_stride
@@ -57,7 +150,6 @@ def combine_kernel(
     seq = tl.load(control_ptr) + 1
     status_ptr = control_ptr + 3
     dtype = out_ptr.dtype.element_ty
-    entries = tl.arange(0, MS_P2)
 
     for peer in range(0, world_size):
         signal(region(peer_bases_ptr, peer, ready_off, tl.int64) + rank * P_MAX + pid, seq)
@@ -67,70 +159,25 @@ def combine_kernel(
 
     # Expert side: one partial row per staged row, pushed back to its source.
     for src in range(0, world_size):
-        src_chunks = tl.cdiv(tl.load(recv_src_tokens_ptr + src), CHUNK)
-        staging = region(peer_bases_ptr, src, staging_off, dtype)
-        for c in range(pid, src_chunks, num_programs):
-            start = tl.load(recv_chunk_start_ptr + src * (NC_MAX + 1) + c)
-            end = tl.load(recv_chunk_start_ptr + src * (NC_MAX + 1) + c + 1)
-            staged = src * T_MAX + start + tl.arange(0, CHUNK)
-            jmask = staged < src * T_MAX + end
-            rows = tl.load(
-                staged_rows_ptr + staged.to(tl.int64)[:, None] * MS + entries[None, :],
-                mask=jmask[:, None] & (entries[None, :] < MS),
-                other=-1,
-            )
-            # Rows dropped past max_recv_tokens left holes: loop up to the last kept entry.
-            num_copies = tl.max(tl.max(tl.where(rows >= 0, entries[None, :] + 1, 0), axis=1), axis=0)
-            dst_rows = (rank * T_MAX + start + tl.arange(0, CHUNK)).to(tl.int64)
-            for h0 in range(0, hidden, BLOCK_H):
-                cols = h0 + tl.arange(0, BLOCK_H)
-                cmask = cols < hidden
-                acc = tl.zeros([CHUNK, BLOCK_H], tl.float32)
-                # COPY_UNROLL independent gathers in flight per step, not one at a time.
-                for i0 in range(0, num_copies, COPY_UNROLL):
-                    for u in tl.static_range(COPY_UNROLL):
-                        row_i = column(rows, entries, i0 + u)
-                        valid = row_i >= 0
-                        part = tl.load(
-                            y_ptr + row_i.to(tl.int64)[:, None] * y_stride + cols[None, :],
-                            mask=valid[:, None] & cmask[None, :],
-                            other=0.0,
-                        ).to(tl.float32)
-                        if HAS_WEIGHTS:
-                            part *= tl.load(weights_ptr + row_i, mask=valid, other=0.0)[:, None]
-                        acc += part
-                ptrs = staging + dst_rows[:, None] * hidden + cols[None, :]
-                tl.store(ptrs, acc.to(dtype), mask=jmask[:, None] & cmask[None, :])
+        table = recv_chunk_start_ptr + src * (NC_MAX + 1)
+        for c in range(pid, tl.cdiv(tl.load(recv_src_tokens_ptr + src), CHUNK), num_programs):
+            start = tl.load(table + c)
+            _reduce_chunk(
+                src * T_MAX + start, src * T_MAX + tl.load(table + c + 1), rank * T_MAX + start,
+                hidden, y_ptr, y_stride, weights_ptr, staged_rows_ptr,
+                region(peer_bases_ptr, src, staging_off, dtype), MS, MS_P2, CHUNK, BLOCK_H,
+                HAS_WEIGHTS, COPY_UNROLL,
+            )  # fmt: skip
             signal(region(peer_bases_ptr, src, chunk_flags_off, tl.int64) + rank * NC_MAX + c, seq)
 
     # Token side: sum the partial rows of every rank a token went to.
     my_flags = region(peer_bases_ptr, rank, chunk_flags_off, tl.int64)
-    my_staging = region(peer_bases_ptr, rank, staging_off, dtype)
-    ranks = tl.arange(0, W_P2)
     for c in range(pid, tl.cdiv(num_tokens, CHUNK), num_programs):
         for peer in range(0, world_size):
             wait_at_least(my_flags + peer * NC_MAX + c, seq, timeout_ns, status_ptr, peer, 5)
-        tokens = c * CHUNK + tl.arange(0, CHUNK)
-        tmask = tokens < num_tokens
-        rmask = tmask[:, None] & (ranks[None, :] < world_size)
-        pos = tl.load(
-            token_rank_pos_ptr + tokens[:, None] * world_size + ranks[None, :], mask=rmask, other=-1
-        )
-        starts = tl.load(send_chunk_start_ptr + c * world_size + ranks, mask=ranks < world_size)
-        partial_rows = tl.where(pos >= 0, ranks[None, :] * T_MAX + starts[None, :] + pos, -1)
-        for h0 in range(0, hidden, BLOCK_H):
-            cols = h0 + tl.arange(0, BLOCK_H)
-            cmask = cols < hidden
-            acc = tl.zeros([CHUNK, BLOCK_H], tl.float32)
-            for q in tl.static_range(W_P2):
-                row = column(partial_rows, ranks, q)
-                acc += tl.load(
-                    my_staging + row.to(tl.int64)[:, None] * hidden + cols[None, :],
-                    mask=(row >= 0)[:, None] & cmask[None, :],
-                    other=0.0,
-                    cache_modifier=".cg",
-                ).to(tl.float32)
-            ptrs = out_ptr + tokens.to(tl.int64)[:, None] * hidden + cols[None, :]
-            tl.store(ptrs, acc.to(dtype), mask=tmask[:, None] & cmask[None, :])
+        _sum_chunk(
+            c, num_tokens, hidden, world_size, token_rank_pos_ptr, send_chunk_start_ptr,
+            region(peer_bases_ptr, rank, staging_off, dtype), out_ptr, T_MAX, W_P2, CHUNK, BLOCK_H,
+        )  # fmt: skip
 
     finish_launch(control_ptr, seq, num_programs)

@@ -28,7 +28,7 @@ def column(tile, index, i):
     return tl.max(tl.where(index[None, :] == i, tile, -1), axis=1)
 
 
-@triton.jit
+@triton.jit(noinline=True)
 def _zero_rows(
     out_ptr,
     weights_ptr,
@@ -49,6 +49,155 @@ def _zero_rows(
             ptrs = out_ptr + rows.to(tl.int64)[:, None] * hidden + cols[None, :]
             zeros = tl.zeros([CHUNK, BLOCK_H], out_ptr.dtype.element_ty)
             tl.store(ptrs, zeros, mask=rmask[:, None] & (cols[None, :] < hidden))
+
+
+@triton.jit(noinline=True)
+def _send_chunk(
+    c,
+    x_ptr,
+    x_stride,
+    topk_idx_ptr,
+    topk_weights_ptr,
+    num_tokens,
+    topk,
+    hidden,
+    num_experts,
+    experts_per_rank,
+    world_size,
+    rank,
+    slot_pos_ptr,
+    token_rank_pos_ptr,
+    send_chunk_start_ptr,
+    chunk_expert_base_ptr,
+    peer_bases_ptr,
+    meta_rows_off,
+    meta_weights_off,
+    staging_off,
+    T_MAX: tl.constexpr,
+    MS: tl.constexpr,
+    MS_P2: tl.constexpr,
+    K_P2: tl.constexpr,
+    W_P2: tl.constexpr,
+    CHUNK: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    HAS_WEIGHTS: tl.constexpr,
+):
+    """Push chunk ``c`` of this rank's tokens to every rank that holds one of their experts:
+    the row once per rank, with the expert-major rows (and weights) of its slots there."""
+    dtype = x_ptr.dtype.element_ty
+    slots = tl.arange(0, K_P2)
+    ranks = tl.arange(0, W_P2)
+    entries = tl.arange(0, MS_P2)
+    tokens = c * CHUNK + tl.arange(0, CHUNK)
+    tmask = tokens < num_tokens
+    smask = tmask[:, None] & (slots[None, :] < topk)
+    slot_offs = tokens[:, None] * topk + slots[None, :]
+    ids = tl.load(topk_idx_ptr + slot_offs, mask=smask, other=-1).to(tl.int32)
+    used = ids >= 0
+    dest = ids // experts_per_rank
+    out_row = tl.load(chunk_expert_base_ptr + c * num_experts + ids, mask=used, other=0)
+    out_row += tl.load(slot_pos_ptr + slot_offs, mask=used, other=0)
+    if HAS_WEIGHTS:
+        weight = tl.load(topk_weights_ptr + slot_offs, mask=used, other=0.0)
+    # Row of each (token, destination) in that destination's staging area, or -1.
+    rmask = tmask[:, None] & (ranks[None, :] < world_size)
+    pos = tl.load(
+        token_rank_pos_ptr + tokens[:, None] * world_size + ranks[None, :], mask=rmask, other=-1
+    )
+    starts = tl.load(send_chunk_start_ptr + c * world_size + ranks, mask=ranks < world_size)
+    stream_rows = tl.where(pos >= 0, rank * T_MAX + starts[None, :] + pos, -1)
+    for q in tl.static_range(W_P2):
+        if q < world_size:
+            row = column(stream_rows, ranks, q)
+            sel = used & (dest == q)
+            sel_i = sel.to(tl.int32)
+            slot_index = tl.cumsum(sel_i, axis=1) - sel_i
+            unused_entry = (entries[None, :] >= tl.sum(sel_i, axis=1)[:, None]) & (
+                entries[None, :] < MS
+            )
+            meta = row.to(tl.int64)[:, None] * MS
+            meta_rows = region(peer_bases_ptr, q, meta_rows_off, tl.int32) + meta
+            tl.store(meta_rows + slot_index, out_row, mask=sel)
+            tl.store(
+                meta_rows + entries[None, :],
+                tl.full([CHUNK, MS_P2], -1, tl.int32),
+                mask=(row >= 0)[:, None] & unused_entry,
+            )
+            if HAS_WEIGHTS:
+                meta_weights = region(peer_bases_ptr, q, meta_weights_off, tl.float32)
+                tl.store(meta_weights + meta + slot_index, weight, mask=sel)
+    # Double-buffered: the next tile's load is in flight while this one is stored.
+    x_rows = x_ptr + tokens.to(tl.int64)[:, None] * x_stride
+    cols = tl.arange(0, BLOCK_H)
+    tile = tl.load(x_rows + cols[None, :], mask=tmask[:, None] & (cols[None, :] < hidden))
+    for h0 in range(0, hidden, BLOCK_H):
+        cols = h0 + tl.arange(0, BLOCK_H)
+        cmask = cols < hidden
+        next_cols = cols + BLOCK_H
+        next_tile = tl.load(
+            x_rows + next_cols[None, :], mask=tmask[:, None] & (next_cols[None, :] < hidden)
+        )
+        for q in tl.static_range(W_P2):
+            if q < world_size:
+                row = column(stream_rows, ranks, q)
+                staging = region(peer_bases_ptr, q, staging_off, dtype)
+                ptrs = staging + row.to(tl.int64)[:, None] * hidden + cols[None, :]
+                tl.store(ptrs, tile, mask=(row >= 0)[:, None] & cmask[None, :])
+        tile = next_tile
+
+
+@triton.jit(noinline=True)
+def _expand_chunk(
+    staged_first,
+    staged_end,
+    hidden,
+    num_out_rows,
+    meta_rows_ptr,
+    meta_weights_ptr,
+    staging_ptr,
+    staged_rows_ptr,
+    recv_x_ptr,
+    recv_weights_ptr,
+    MS: tl.constexpr,
+    MS_P2: tl.constexpr,
+    CHUNK: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    HAS_WEIGHTS: tl.constexpr,
+):
+    """Copy staged rows [staged_first, staged_end) to their expert-major rows of recv_x."""
+    entries = tl.arange(0, MS_P2)
+    staged = staged_first + tl.arange(0, CHUNK)
+    jmask = staged < staged_end
+    emask = jmask[:, None] & (entries[None, :] < MS)
+    meta = staged.to(tl.int64)[:, None] * MS + entries[None, :]
+    rows = tl.load(meta_rows_ptr + meta, mask=emask, other=-1, cache_modifier=".cg")
+    num_copies = tl.max(tl.sum((rows >= 0).to(tl.int32), axis=1), axis=0)
+    rows = tl.where(rows < num_out_rows, rows, -1)  # past max_recv_tokens: dropped
+    tl.store(staged_rows_ptr + meta, rows, mask=emask)
+    if HAS_WEIGHTS:
+        weights = tl.load(meta_weights_ptr + meta, mask=emask, cache_modifier=".cg")
+        tl.store(recv_weights_ptr + rows, weights, mask=rows >= 0)
+    src_rows = staging_ptr + staged.to(tl.int64)[:, None] * hidden
+    cols = tl.arange(0, BLOCK_H)
+    tile = tl.load(
+        src_rows + cols[None, :],
+        mask=jmask[:, None] & (cols[None, :] < hidden),
+        cache_modifier=".cg",
+    )
+    for h0 in range(0, hidden, BLOCK_H):
+        cols = h0 + tl.arange(0, BLOCK_H)
+        cmask = cols < hidden
+        next_cols = cols + BLOCK_H
+        next_tile = tl.load(
+            src_rows + next_cols[None, :],
+            mask=jmask[:, None] & (next_cols[None, :] < hidden),
+            cache_modifier=".cg",
+        )
+        for i in range(0, num_copies):
+            row_i = column(rows, entries, i)
+            ptrs = recv_x_ptr + row_i.to(tl.int64)[:, None] * hidden + cols[None, :]
+            tl.store(ptrs, tile, mask=(row_i >= 0)[:, None] & cmask[None, :])
+        tile = next_tile
 
 
 @triton.jit
@@ -102,8 +251,6 @@ def dispatch_kernel(
     dtype = x_ptr.dtype.element_ty
     # Invalid routing on any rank: every rank saw it in the layout exchange and moves nothing.
     aborted = tl.load(info_ptr + 1) >= 0
-    num_chunks = tl.where(aborted, 0, tl.cdiv(num_tokens, CHUNK))
-    entries = tl.arange(0, MS_P2)
 
     for peer in range(0, world_size):
         signal(region(peer_bases_ptr, peer, ready_off, tl.int64) + rank * P_MAX + pid, seq)
@@ -111,97 +258,30 @@ def dispatch_kernel(
     for peer in range(0, world_size):
         wait_at_least(my_ready + peer * P_MAX + pid, seq, timeout_ns, status_ptr, peer, 2)
 
-    # Send.
-    slots = tl.arange(0, K_P2)
-    ranks = tl.arange(0, W_P2)
-    for c in range(pid, num_chunks, num_programs):
-        tokens = c * CHUNK + tl.arange(0, CHUNK)
-        tmask = tokens < num_tokens
-        smask = tmask[:, None] & (slots[None, :] < topk)
-        slot_offs = tokens[:, None] * topk + slots[None, :]
-        ids = tl.load(topk_idx_ptr + slot_offs, mask=smask, other=-1).to(tl.int32)
-        used = ids >= 0
-        dest = ids // experts_per_rank
-        out_row = tl.load(chunk_expert_base_ptr + c * num_experts + ids, mask=used, other=0)
-        out_row += tl.load(slot_pos_ptr + slot_offs, mask=used, other=0)
-        if HAS_WEIGHTS:
-            weight = tl.load(topk_weights_ptr + slot_offs, mask=used, other=0.0)
-        # Row of each (token, destination) in that destination's staging area, or -1.
-        rmask = tmask[:, None] & (ranks[None, :] < world_size)
-        pos = tl.load(token_rank_pos_ptr + tokens[:, None] * world_size + ranks[None, :], mask=rmask, other=-1)
-        starts = tl.load(send_chunk_start_ptr + c * world_size + ranks, mask=ranks < world_size)
-        stream_rows = tl.where(pos >= 0, rank * T_MAX + starts[None, :] + pos, -1)
-        for q in tl.static_range(W_P2):
-            if q < world_size:
-                row = column(stream_rows, ranks, q)
-                sel = used & (dest == q)
-                sel_i = sel.to(tl.int32)
-                slot_index = tl.cumsum(sel_i, axis=1) - sel_i
-                unused_entry = (entries[None, :] >= tl.sum(sel_i, axis=1)[:, None]) & (
-                    entries[None, :] < MS
-                )
-                meta = row.to(tl.int64)[:, None] * MS
-                meta_rows = region(peer_bases_ptr, q, meta_rows_off, tl.int32) + meta
-                tl.store(meta_rows + slot_index, out_row, mask=sel)
-                tl.store(
-                    meta_rows + entries[None, :],
-                    tl.full([CHUNK, MS_P2], -1, tl.int32),
-                    mask=(row >= 0)[:, None] & unused_entry,
-                )
-                if HAS_WEIGHTS:
-                    meta_weights = region(peer_bases_ptr, q, meta_weights_off, tl.float32)
-                    tl.store(meta_weights + meta + slot_index, weight, mask=sel)
-        for h0 in range(0, hidden, BLOCK_H):
-            cols = h0 + tl.arange(0, BLOCK_H)
-            cmask = cols < hidden
-            tile = tl.load(
-                x_ptr + tokens.to(tl.int64)[:, None] * x_stride + cols[None, :],
-                mask=tmask[:, None] & cmask[None, :],
-            )
-            for q in tl.static_range(W_P2):
-                if q < world_size:
-                    row = column(stream_rows, ranks, q)
-                    staging = region(peer_bases_ptr, q, staging_off, dtype)
-                    ptrs = staging + row.to(tl.int64)[:, None] * hidden + cols[None, :]
-                    tl.store(ptrs, tile, mask=(row >= 0)[:, None] & cmask[None, :])
+    for c in range(pid, tl.where(aborted, 0, tl.cdiv(num_tokens, CHUNK)), num_programs):
+        _send_chunk(
+            c, x_ptr, x_stride, topk_idx_ptr, topk_weights_ptr, num_tokens, topk, hidden,
+            num_experts, experts_per_rank, world_size, rank, slot_pos_ptr, token_rank_pos_ptr,
+            send_chunk_start_ptr, chunk_expert_base_ptr, peer_bases_ptr, meta_rows_off,
+            meta_weights_off, staging_off, T_MAX, MS, MS_P2, K_P2, W_P2, CHUNK, BLOCK_H,
+            HAS_WEIGHTS,
+        )  # fmt: skip
         for peer in range(0, world_size):
-            flags = region(peer_bases_ptr, peer, chunk_flags_off, tl.int64)
-            signal(flags + rank * NC_MAX + c, seq)
+            signal(region(peer_bases_ptr, peer, chunk_flags_off, tl.int64) + rank * NC_MAX + c, seq)
 
-    # Receive and expand.
     my_flags = region(peer_bases_ptr, rank, chunk_flags_off, tl.int64)
-    my_meta_rows = region(peer_bases_ptr, rank, meta_rows_off, tl.int32)
-    my_meta_weights = region(peer_bases_ptr, rank, meta_weights_off, tl.float32)
-    my_staging = region(peer_bases_ptr, rank, staging_off, dtype)
     for src in range(0, world_size):
         src_chunks = tl.where(aborted, 0, tl.cdiv(tl.load(recv_src_tokens_ptr + src), CHUNK))
         for c in range(pid, src_chunks, num_programs):
             wait_at_least(my_flags + src * NC_MAX + c, seq, timeout_ns, status_ptr, src, 3)
-            start = tl.load(recv_chunk_start_ptr + src * (NC_MAX + 1) + c)
-            end = tl.load(recv_chunk_start_ptr + src * (NC_MAX + 1) + c + 1)
-            staged = src * T_MAX + start + tl.arange(0, CHUNK)
-            jmask = staged < src * T_MAX + end
-            emask = jmask[:, None] & (entries[None, :] < MS)
-            meta = staged.to(tl.int64)[:, None] * MS + entries[None, :]
-            rows = tl.load(my_meta_rows + meta, mask=emask, other=-1, cache_modifier=".cg")
-            num_copies = tl.max(tl.sum((rows >= 0).to(tl.int32), axis=1), axis=0)
-            rows = tl.where(rows < num_out_rows, rows, -1)  # past max_recv_tokens: dropped
-            tl.store(staged_rows_ptr + meta, rows, mask=emask)
-            if HAS_WEIGHTS:
-                weights = tl.load(my_meta_weights + meta, mask=emask, cache_modifier=".cg")
-                tl.store(recv_weights_ptr + rows, weights, mask=rows >= 0)
-            for h0 in range(0, hidden, BLOCK_H):
-                cols = h0 + tl.arange(0, BLOCK_H)
-                cmask = cols < hidden
-                tile = tl.load(
-                    my_staging + staged.to(tl.int64)[:, None] * hidden + cols[None, :],
-                    mask=jmask[:, None] & cmask[None, :],
-                    cache_modifier=".cg",
-                )
-                for i in range(0, num_copies):
-                    row_i = column(rows, entries, i)
-                    ptrs = recv_x_ptr + row_i.to(tl.int64)[:, None] * hidden + cols[None, :]
-                    tl.store(ptrs, tile, mask=(row_i >= 0)[:, None] & cmask[None, :])
+            table = recv_chunk_start_ptr + src * (NC_MAX + 1) + c
+            _expand_chunk(
+                src * T_MAX + tl.load(table), src * T_MAX + tl.load(table + 1), hidden,
+                num_out_rows, region(peer_bases_ptr, rank, meta_rows_off, tl.int32),
+                region(peer_bases_ptr, rank, meta_weights_off, tl.float32),
+                region(peer_bases_ptr, rank, staging_off, dtype), staged_rows_ptr, recv_x_ptr,
+                recv_weights_ptr, MS, MS_P2, CHUNK, BLOCK_H, HAS_WEIGHTS,
+            )  # fmt: skip
 
     # Zero padding rows and the rows past the valid count (max_recv_tokens mode).
     for e in range(pid, tl.where(aborted, 0, experts_per_rank), num_programs):
@@ -210,8 +290,7 @@ def dispatch_kernel(
         last = tl.minimum(seg + tl.load(expert_layout_ptr + 2 * experts_per_rank + e), num_out_rows)
         _zero_rows(recv_x_ptr, recv_weights_ptr, first, last, hidden, HAS_WEIGHTS, CHUNK, BLOCK_H)
     valid_rows = tl.where(aborted, 0, tl.minimum(tl.load(info_ptr), num_out_rows)).to(tl.int32)
-    tail_blocks = tl.cdiv(num_out_rows - valid_rows, CHUNK)
-    for b in range(pid, tail_blocks, num_programs):
+    for b in range(pid, tl.cdiv(num_out_rows - valid_rows, CHUNK), num_programs):
         first = valid_rows + b * CHUNK
         last = tl.minimum(first + CHUNK, num_out_rows)
         _zero_rows(recv_x_ptr, recv_weights_ptr, first, last, hidden, HAS_WEIGHTS, CHUNK, BLOCK_H)

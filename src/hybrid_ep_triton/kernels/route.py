@@ -61,7 +61,9 @@ def count_chunk_kernel(
     out_of_range = slot_mask & ((ids < -1) | (ids >= num_experts))
     same = (ids[:, :, None] == ids[:, None, :]) & used[:, :, None]
     same = same & (slots[None, :, None] != slots[None, None, :])
-    bad_row = (tl.sum(out_of_range.to(tl.int32), axis=1) + tl.sum(tl.sum(same.to(tl.int32), 2), 1)) > 0
+    bad_row = (
+        tl.sum(out_of_range.to(tl.int32), axis=1) + tl.sum(tl.sum(same.to(tl.int32), 2), 1)
+    ) > 0
     first_bad = tl.min(tl.where(bad_row, tokens, 2147483647), axis=0)
     if first_bad < 2147483647:
         tl.atomic_min(invalid_row_ptr, first_bad.to(tl.int64))
@@ -163,9 +165,13 @@ def exchange_layout_kernel(
             chunk_rank_count_ptr + chunks[:, None] * world_size + ranks[None, :], mask=m, other=0
         )
         start = carry_r[None, :] + tl.cumsum(cnt, 0) - cnt
-        tl.store(send_chunk_start_ptr + chunks[:, None] * world_size + ranks[None, :], start, mask=m)
+        tl.store(
+            send_chunk_start_ptr + chunks[:, None] * world_size + ranks[None, :], start, mask=m
+        )
         carry_r += tl.sum(cnt, axis=0)
-    tl.store(send_chunk_start_ptr + num_chunks * world_size + ranks, carry_r, mask=ranks < world_size)
+    tl.store(
+        send_chunk_start_ptr + num_chunks * world_size + ranks, carry_r, mask=ranks < world_size
+    )
     tl.debug_barrier()
 
     invalid = (tl.load(invalid_row_ptr) < num_tokens).to(tl.int32)
@@ -178,7 +184,11 @@ def exchange_layout_kernel(
         for c0 in range(0, num_chunks + 1, C_BLOCK):
             chunks = c0 + tl.arange(0, C_BLOCK)
             m = chunks <= num_chunks
-            tl.store(table + chunks, tl.load(send_chunk_start_ptr + chunks * world_size + peer, mask=m), mask=m)
+            tl.store(
+                table + chunks,
+                tl.load(send_chunk_start_ptr + chunks * world_size + peer, mask=m),
+                mask=m,
+            )
     for peer in range(0, world_size):
         flags = region(peer_bases_ptr, peer, count_flags_off, tl.int64)
         signal(flags + rank, seq)

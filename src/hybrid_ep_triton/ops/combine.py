@@ -12,7 +12,7 @@ from .dispatch import DispatchHandle
 def reduce_tokens(
     rt: Runtime, y: torch.Tensor, handle: DispatchHandle, weights: torch.Tensor | None
 ) -> torch.Tensor:
-    """Sum ``y`` [N, H] (times ``weights`` [N] float32 when given) back into out [T, H]; collective."""
+    """Sum ``y`` [N, H] (times ``weights`` [N] float32) back into out [T, H]; collective."""
     plan, cfg = rt.plan, rt.plan.config
     out = torch.empty(handle.num_tokens, plan.hidden, dtype=y.dtype, device=rt.device)
     has_weights = weights is not None

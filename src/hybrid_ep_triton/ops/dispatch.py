@@ -121,7 +121,9 @@ def move_tokens(
     num_rows = handle.num_recv_rows
     recv_x = torch.empty(num_rows, plan.hidden, dtype=x.dtype, device=rt.device)
     has_weights = topk_weights is not None
-    recv_weights = torch.empty(num_rows if has_weights else 0, dtype=torch.float32, device=rt.device)
+    recv_weights = torch.empty(
+        num_rows if has_weights else 0, dtype=torch.float32, device=rt.device
+    )
     weights_arg = topk_weights.contiguous() if has_weights else recv_weights
     dispatch_kernel[(cfg.num_programs,)](
         x, x.stride(0), handle.topk_idx, weights_arg, handle.num_tokens, handle.topk, plan.hidden,
@@ -138,4 +140,3 @@ def move_tokens(
         HAS_WEIGHTS=has_weights, num_warps=cfg.num_warps,
     )  # fmt: skip
     return recv_x, (recv_weights if has_weights else None)
-
