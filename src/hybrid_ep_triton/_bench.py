@@ -168,6 +168,7 @@ def _time_buffer(buf, sets, warmup: int, iters: int) -> dict:
     graphs = []
     for x, i, w in sets:
         g_disp, (rx, rw, _, h) = _capture(partial(dispatch, x, i, w, max_recv_tokens=max_rows))
+        g_disp.replay()  # capturing runs nothing: fill the handle before combine uses it
         g_comb, _ = _capture(partial(buf.combine, torch.randn_like(rx), h, weights=rw))
         graphs.append((g_disp, g_comb))
     times["dispatch", "graph"] = _median_us(lambda g, _: g.replay(), graphs, warmup, iters)
@@ -191,12 +192,14 @@ def _bench_rank(rank: int, world: int, opts: dict) -> dict:
                       topk=shape.topk, experts=shape.experts, ranks=world)  # fmt: skip
         for sms in opts["sms"] if name in ("S1", "S2") else opts["spot_sms"]:
             buf = hep.Buffer(None, hidden_size=shape.hidden, max_tokens_per_rank=shape.tokens,
-                             num_experts=shape.experts, num_sms=sms)  # fmt: skip
+                             num_experts=shape.experts, num_sms=sms, timeout_s=30)  # fmt: skip
             error = _check(buf, reference, shape, *sets[0])
             if error:
                 result["errors"].append(f"num_sms={sms}: {error}")
             else:
                 for (op, mode), (t, host) in _time_buffer(buf, sets, warmup, iters).items():
+                    if rank == 0:
+                        print(f"{name} {op} {mode} sms={sms}: {t:.1f} us", flush=True)
                     result["rows"].append(
                         dict(common, op=op, mode=mode, num_sms=sms, time_us=t, host_us=host,
                              algo_GBps=rows_all * row_bytes / t / 1e3,
@@ -301,6 +304,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--warmup", type=int, default=10)
     parser.add_argument("--iters", type=int, default=50)
     parser.add_argument("--out", default="bench/results")
+    parser.add_argument("--timeout", type=float, default=1800, help="seconds for the whole run")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -315,7 +319,7 @@ def run(args: argparse.Namespace) -> int:
         warmup=args.warmup,
         iters=args.iters,
     )
-    per_rank = run_ranks(_bench_rank, world, opts, device="cuda", timeout_s=3000)
+    per_rank = run_ranks(_bench_rank, world, opts, device="cuda", timeout_s=args.timeout)
     name = torch.cuda.get_device_name(0)
     result = dict(
         machine=f"{world}x {name}",

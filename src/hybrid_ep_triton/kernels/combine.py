@@ -160,7 +160,9 @@ def combine_kernel(
     # Expert side: one partial row per staged row, pushed back to its source.
     for src in range(0, world_size):
         table = recv_chunk_start_ptr + src * (NC_MAX + 1)
-        for c in range(pid, tl.cdiv(tl.load(recv_src_tokens_ptr + src), CHUNK), num_programs):
+        # Clamped: a garbage handle must not turn into an endless loop.
+        src_tokens = tl.minimum(tl.load(recv_src_tokens_ptr + src), T_MAX)
+        for c in range(pid, tl.cdiv(src_tokens, CHUNK), num_programs):
             start = tl.load(table + c)
             _reduce_chunk(
                 src * T_MAX + start, src * T_MAX + tl.load(table + c + 1), rank * T_MAX + start,

@@ -271,7 +271,9 @@ def dispatch_kernel(
 
     my_flags = region(peer_bases_ptr, rank, chunk_flags_off, tl.int64)
     for src in range(0, world_size):
-        src_chunks = tl.where(aborted, 0, tl.cdiv(tl.load(recv_src_tokens_ptr + src), CHUNK))
+        # Clamped: a garbage handle must not turn into an endless loop.
+        src_tokens = tl.minimum(tl.load(recv_src_tokens_ptr + src), T_MAX)
+        src_chunks = tl.where(aborted, 0, tl.cdiv(src_tokens, CHUNK))
         for c in range(pid, src_chunks, num_programs):
             wait_at_least(my_flags + src * NC_MAX + c, seq, timeout_ns, status_ptr, src, 3)
             table = recv_chunk_start_ptr + src * (NC_MAX + 1) + c
