@@ -1,0 +1,5 @@
+"""``python -m hybrid_ep_triton``: the ``hybrid-ep`` command line."""
+
+from .cli import main
+
+raise SystemExit(main())
