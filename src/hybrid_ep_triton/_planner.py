@@ -28,6 +28,8 @@ class KernelConfig:
     block_h: hidden elements per tile of the dispatch kernel; a power of two.
     combine_block_h: the same for combine, whose fp32 accumulators need more registers.
     copy_unroll: expert rows combine gathers at once.
+    h_slices: column slices of a chunk; a work item is one (chunk, slice), so small batches still
+        spread over all programs.
     num_warps: warps per program.
     """
 
@@ -36,6 +38,7 @@ class KernelConfig:
     block_h: int
     combine_block_h: int
     copy_unroll: int
+    h_slices: int
     num_warps: int
 
 
@@ -49,14 +52,19 @@ def default_config(hidden: int, max_tokens: int, num_sms: int | None, on_gpu: bo
     """
     if not on_gpu:
         return KernelConfig(
-            num_programs=num_sms or 2, chunk_tokens=4, block_h=64, combine_block_h=64,
-            copy_unroll=2, num_warps=1,
+            num_programs=num_sms or 2, chunk_tokens=4, block_h=32, combine_block_h=32,
+            copy_unroll=2, h_slices=2, num_warps=1,
         )  # fmt: skip
+    programs = num_sms or 8
     chunk = 16 if max_tokens <= 512 else 32
     block_h = min(triton.next_power_of_2(hidden), 16384 // chunk)
+    # About two work items per program when every rank sends max_tokens, at most one tile
+    # column per slice.
+    chunks = max(1, triton.cdiv(max_tokens, chunk))
+    slices = max(1, min(triton.cdiv(2 * programs, chunks), triton.cdiv(hidden, block_h), 8))
     return KernelConfig(
-        num_programs=num_sms or 8, chunk_tokens=chunk, block_h=block_h,
-        combine_block_h=max(block_h // 2, 32), copy_unroll=4, num_warps=16,
+        num_programs=programs, chunk_tokens=chunk, block_h=block_h,
+        combine_block_h=max(block_h // 2, 32), copy_unroll=4, h_slices=slices, num_warps=16,
     )  # fmt: skip
 
 
@@ -66,7 +74,7 @@ class HeapLayout:
 
     count_flags   int64 [W]              source s raised its layout counts (sequence number)
     ready_flags   int64 [W, MAX_PROGRAMS] program p of rank s started its launch
-    chunk_flags   int64 [W, NC_MAX]      chunk c of the stream from/to rank s has landed
+    chunk_flags   int64 [W, NC_MAX * S]  work item (chunk, slice) from/to rank s has landed
     counts        int32 [W, E + 3]       per-expert totals of s, then tokens, invalid, pad
     chunk_table   int32 [W, NC_MAX + 1]  offsets of s's chunks in its stream to this rank
     meta_rows     int32 [W, T_MAX, MS]   expert-major rows of each staged token
@@ -116,7 +124,7 @@ def make_plan(
     sizes = [
         ("count_flags", world_size * 8),
         ("ready_flags", world_size * MAX_PROGRAMS * 8),
-        ("chunk_flags", world_size * max_chunks * 8),
+        ("chunk_flags", world_size * max_chunks * config.h_slices * 8),
         ("counts", world_size * counts_row * 4),
         ("chunk_table", world_size * (max_chunks + 1) * 4),
         ("meta_rows", rows * meta_stride * 4),

@@ -25,6 +25,8 @@ def _reduce_chunk(
     staged_first,
     staged_end,
     dst_first,
+    h_first,
+    h_last,
     hidden,
     y_ptr,
     y_stride,
@@ -38,8 +40,9 @@ def _reduce_chunk(
     HAS_WEIGHTS: tl.constexpr,
     COPY_UNROLL: tl.constexpr,
 ):
-    """Reduce the expert-major rows of staged rows [staged_first, staged_end) into one fp32
-    partial row each, stored as rows dst_first... of ``partial_ptr`` (the source's staging)."""
+    """Reduce columns [h_first, h_last) of the expert-major rows of staged rows
+    [staged_first, staged_end) into one fp32 partial row each, stored as rows dst_first... of
+    ``partial_ptr`` (the source's staging)."""
     entries = tl.arange(0, MS_P2)
     staged = staged_first + tl.arange(0, CHUNK)
     jmask = staged < staged_end
@@ -51,9 +54,9 @@ def _reduce_chunk(
     # Rows dropped past max_recv_tokens left holes: loop up to the last kept entry.
     num_copies = tl.max(tl.max(tl.where(rows >= 0, entries[None, :] + 1, 0), axis=1), axis=0)
     dst_rows = (dst_first + tl.arange(0, CHUNK)).to(tl.int64)
-    for h0 in range(0, hidden, BLOCK_H):
+    for h0 in range(h_first, h_last, BLOCK_H):
         cols = h0 + tl.arange(0, BLOCK_H)
-        cmask = cols < hidden
+        cmask = cols < h_last
         acc = tl.zeros([CHUNK, BLOCK_H], tl.float32)
         # COPY_UNROLL independent gathers in flight per step, not one at a time.
         for i0 in range(0, num_copies, COPY_UNROLL):
@@ -75,6 +78,8 @@ def _reduce_chunk(
 @triton.jit(noinline=True)
 def _sum_chunk(
     c,
+    h_first,
+    h_last,
     num_tokens,
     hidden,
     world_size,
@@ -87,7 +92,8 @@ def _sum_chunk(
     CHUNK: tl.constexpr,
     BLOCK_H: tl.constexpr,
 ):
-    """out rows of chunk ``c``: the sum, in fp32, of each token's partial rows from its ranks."""
+    """Columns [h_first, h_last) of the out rows of chunk ``c``: the sum, in fp32, of each
+    token's partial rows from its ranks."""
     ranks = tl.arange(0, W_P2)
     tokens = c * CHUNK + tl.arange(0, CHUNK)
     tmask = tokens < num_tokens
@@ -97,9 +103,9 @@ def _sum_chunk(
     )
     starts = tl.load(send_chunk_start_ptr + c * world_size + ranks, mask=ranks < world_size)
     partial_rows = tl.where(pos >= 0, ranks[None, :] * T_MAX + starts[None, :] + pos, -1)
-    for h0 in range(0, hidden, BLOCK_H):
+    for h0 in range(h_first, h_last, BLOCK_H):
         cols = h0 + tl.arange(0, BLOCK_H)
-        cmask = cols < hidden
+        cmask = cols < h_last
         acc = tl.zeros([CHUNK, BLOCK_H], tl.float32)
         for q in tl.static_range(W_P2):
             row = column(partial_rows, ranks, q)
@@ -136,6 +142,7 @@ def combine_kernel(
     timeout_ns,
     T_MAX: tl.constexpr,
     NC_MAX: tl.constexpr,
+    H_SLICES: tl.constexpr,  # column slices per chunk: work items are (chunk, slice)
     P_MAX: tl.constexpr,
     MS: tl.constexpr,
     MS_P2: tl.constexpr,
@@ -157,28 +164,37 @@ def combine_kernel(
     for peer in range(0, world_size):
         wait_at_least(my_ready + peer * P_MAX + pid, seq, timeout_ns, status_ptr, peer, 4)
 
+    # Work items are (chunk, column slice), numbered as in dispatch.
+    slice_cols = tl.cdiv(tl.cdiv(hidden, H_SLICES), BLOCK_H) * BLOCK_H
+
     # Expert side: one partial row per staged row, pushed back to its source.
     for src in range(0, world_size):
         table = recv_chunk_start_ptr + src * (NC_MAX + 1)
         # Clamped: a garbage handle must not turn into an endless loop.
         src_tokens = tl.minimum(tl.load(recv_src_tokens_ptr + src), T_MAX)
-        for c in range(pid, tl.cdiv(src_tokens, CHUNK), num_programs):
-            start = tl.load(table + c)
+        for w in range(pid, tl.cdiv(src_tokens, CHUNK) * H_SLICES, num_programs):
+            start = tl.load(table + w // H_SLICES)
+            h_first = (w % H_SLICES) * slice_cols
             _reduce_chunk(
-                src * T_MAX + start, src * T_MAX + tl.load(table + c + 1), rank * T_MAX + start,
-                hidden, y_ptr, y_stride, weights_ptr, staged_rows_ptr,
+                src * T_MAX + start, src * T_MAX + tl.load(table + w // H_SLICES + 1),
+                rank * T_MAX + start, h_first, tl.minimum(h_first + slice_cols, hidden), hidden,
+                y_ptr, y_stride, weights_ptr, staged_rows_ptr,
                 region(peer_bases_ptr, src, staging_off, dtype), MS, MS_P2, CHUNK, BLOCK_H,
                 HAS_WEIGHTS, COPY_UNROLL,
             )  # fmt: skip
-            signal(region(peer_bases_ptr, src, chunk_flags_off, tl.int64) + rank * NC_MAX + c, seq)
+            flags = region(peer_bases_ptr, src, chunk_flags_off, tl.int64)
+            signal(flags + rank * NC_MAX * H_SLICES + w, seq)
 
     # Token side: sum the partial rows of every rank a token went to.
     my_flags = region(peer_bases_ptr, rank, chunk_flags_off, tl.int64)
-    for c in range(pid, tl.cdiv(num_tokens, CHUNK), num_programs):
+    for w in range(pid, tl.cdiv(num_tokens, CHUNK) * H_SLICES, num_programs):
         for peer in range(0, world_size):
-            wait_at_least(my_flags + peer * NC_MAX + c, seq, timeout_ns, status_ptr, peer, 5)
+            flag = my_flags + peer * NC_MAX * H_SLICES + w
+            wait_at_least(flag, seq, timeout_ns, status_ptr, peer, 5)
+        h_first = (w % H_SLICES) * slice_cols
         _sum_chunk(
-            c, num_tokens, hidden, world_size, token_rank_pos_ptr, send_chunk_start_ptr,
+            w // H_SLICES, h_first, tl.minimum(h_first + slice_cols, hidden), num_tokens, hidden,
+            world_size, token_rank_pos_ptr, send_chunk_start_ptr,
             region(peer_bases_ptr, rank, staging_off, dtype), out_ptr, T_MAX, W_P2, CHUNK, BLOCK_H,
         )  # fmt: skip
 

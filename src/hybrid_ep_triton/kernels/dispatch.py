@@ -54,6 +54,8 @@ def _zero_rows(
 @triton.jit(noinline=True)
 def _send_chunk(
     c,
+    h_first,
+    h_last,
     x_ptr,
     x_stride,
     topk_idx_ptr,
@@ -82,8 +84,9 @@ def _send_chunk(
     BLOCK_H: tl.constexpr,
     HAS_WEIGHTS: tl.constexpr,
 ):
-    """Push chunk ``c`` of this rank's tokens to every rank that holds one of their experts:
-    the row once per rank, with the expert-major rows (and weights) of its slots there."""
+    """Push columns [h_first, h_last) of chunk ``c`` of this rank's tokens to every rank that holds
+    one of their experts: each row once per rank, with the expert-major rows (and weights) of its
+    slots there (every column slice writes these, so the receiver of a slice needs no other)."""
     dtype = x_ptr.dtype.element_ty
     slots = tl.arange(0, K_P2)
     ranks = tl.arange(0, W_P2)
@@ -128,14 +131,14 @@ def _send_chunk(
                 tl.store(meta_weights + meta + slot_index, weight, mask=sel)
     # Double-buffered: the next tile's load is in flight while this one is stored.
     x_rows = x_ptr + tokens.to(tl.int64)[:, None] * x_stride
-    cols = tl.arange(0, BLOCK_H)
-    tile = tl.load(x_rows + cols[None, :], mask=tmask[:, None] & (cols[None, :] < hidden))
-    for h0 in range(0, hidden, BLOCK_H):
+    cols = h_first + tl.arange(0, BLOCK_H)
+    tile = tl.load(x_rows + cols[None, :], mask=tmask[:, None] & (cols[None, :] < h_last))
+    for h0 in range(h_first, h_last, BLOCK_H):
         cols = h0 + tl.arange(0, BLOCK_H)
-        cmask = cols < hidden
+        cmask = cols < h_last
         next_cols = cols + BLOCK_H
         next_tile = tl.load(
-            x_rows + next_cols[None, :], mask=tmask[:, None] & (next_cols[None, :] < hidden)
+            x_rows + next_cols[None, :], mask=tmask[:, None] & (next_cols[None, :] < h_last)
         )
         for q in tl.static_range(W_P2):
             if q < world_size:
@@ -150,6 +153,8 @@ def _send_chunk(
 def _expand_chunk(
     staged_first,
     staged_end,
+    h_first,
+    h_last,
     hidden,
     num_out_rows,
     meta_rows_ptr,
@@ -164,7 +169,8 @@ def _expand_chunk(
     BLOCK_H: tl.constexpr,
     HAS_WEIGHTS: tl.constexpr,
 ):
-    """Copy staged rows [staged_first, staged_end) to their expert-major rows of recv_x."""
+    """Copy columns [h_first, h_last) of staged rows [staged_first, staged_end) to their
+    expert-major rows of recv_x."""
     entries = tl.arange(0, MS_P2)
     staged = staged_first + tl.arange(0, CHUNK)
     jmask = staged < staged_end
@@ -178,19 +184,19 @@ def _expand_chunk(
         weights = tl.load(meta_weights_ptr + meta, mask=emask, cache_modifier=".cg")
         tl.store(recv_weights_ptr + rows, weights, mask=rows >= 0)
     src_rows = staging_ptr + staged.to(tl.int64)[:, None] * hidden
-    cols = tl.arange(0, BLOCK_H)
+    cols = h_first + tl.arange(0, BLOCK_H)
     tile = tl.load(
         src_rows + cols[None, :],
-        mask=jmask[:, None] & (cols[None, :] < hidden),
+        mask=jmask[:, None] & (cols[None, :] < h_last),
         cache_modifier=".cg",
     )
-    for h0 in range(0, hidden, BLOCK_H):
+    for h0 in range(h_first, h_last, BLOCK_H):
         cols = h0 + tl.arange(0, BLOCK_H)
-        cmask = cols < hidden
+        cmask = cols < h_last
         next_cols = cols + BLOCK_H
         next_tile = tl.load(
             src_rows + next_cols[None, :],
-            mask=jmask[:, None] & (next_cols[None, :] < hidden),
+            mask=jmask[:, None] & (next_cols[None, :] < h_last),
             cache_modifier=".cg",
         )
         for i in range(0, num_copies):
@@ -235,6 +241,7 @@ def dispatch_kernel(
     timeout_ns,
     T_MAX: tl.constexpr,
     NC_MAX: tl.constexpr,
+    H_SLICES: tl.constexpr,  # column slices per chunk: work items are (chunk, slice)
     P_MAX: tl.constexpr,
     MS: tl.constexpr,
     MS_P2: tl.constexpr,
@@ -258,28 +265,37 @@ def dispatch_kernel(
     for peer in range(0, world_size):
         wait_at_least(my_ready + peer * P_MAX + pid, seq, timeout_ns, status_ptr, peer, 2)
 
-    for c in range(pid, tl.where(aborted, 0, tl.cdiv(num_tokens, CHUNK)), num_programs):
+    # Work item w = (chunk c, column slice s); program p takes w = p, p + P, ... on every rank,
+    # so the receiver of an item is the program with the sender's number.
+    slice_cols = tl.cdiv(tl.cdiv(hidden, H_SLICES), BLOCK_H) * BLOCK_H
+    for w in range(pid, tl.where(aborted, 0, tl.cdiv(num_tokens, CHUNK) * H_SLICES), num_programs):
+        c = w // H_SLICES
+        h_first = (w % H_SLICES) * slice_cols
         _send_chunk(
-            c, x_ptr, x_stride, topk_idx_ptr, topk_weights_ptr, num_tokens, topk, hidden,
-            num_experts, experts_per_rank, world_size, rank, slot_pos_ptr, token_rank_pos_ptr,
-            send_chunk_start_ptr, chunk_expert_base_ptr, peer_bases_ptr, meta_rows_off,
-            meta_weights_off, staging_off, T_MAX, MS, MS_P2, K_P2, W_P2, CHUNK, BLOCK_H,
-            HAS_WEIGHTS,
+            c, h_first, tl.minimum(h_first + slice_cols, hidden), x_ptr, x_stride, topk_idx_ptr,
+            topk_weights_ptr, num_tokens, topk, hidden, num_experts, experts_per_rank, world_size,
+            rank, slot_pos_ptr, token_rank_pos_ptr, send_chunk_start_ptr, chunk_expert_base_ptr,
+            peer_bases_ptr, meta_rows_off, meta_weights_off, staging_off, T_MAX, MS, MS_P2, K_P2,
+            W_P2, CHUNK, BLOCK_H, HAS_WEIGHTS,
         )  # fmt: skip
         for peer in range(0, world_size):
-            signal(region(peer_bases_ptr, peer, chunk_flags_off, tl.int64) + rank * NC_MAX + c, seq)
+            flags = region(peer_bases_ptr, peer, chunk_flags_off, tl.int64)
+            signal(flags + rank * NC_MAX * H_SLICES + w, seq)
 
     my_flags = region(peer_bases_ptr, rank, chunk_flags_off, tl.int64)
     for src in range(0, world_size):
         # Clamped: a garbage handle must not turn into an endless loop.
         src_tokens = tl.minimum(tl.load(recv_src_tokens_ptr + src), T_MAX)
-        src_chunks = tl.where(aborted, 0, tl.cdiv(src_tokens, CHUNK))
-        for c in range(pid, src_chunks, num_programs):
-            wait_at_least(my_flags + src * NC_MAX + c, seq, timeout_ns, status_ptr, src, 3)
-            table = recv_chunk_start_ptr + src * (NC_MAX + 1) + c
+        src_items = tl.where(aborted, 0, tl.cdiv(src_tokens, CHUNK) * H_SLICES)
+        for w in range(pid, src_items, num_programs):
+            flag = my_flags + src * NC_MAX * H_SLICES + w
+            wait_at_least(flag, seq, timeout_ns, status_ptr, src, 3)
+            table = recv_chunk_start_ptr + src * (NC_MAX + 1) + w // H_SLICES
+            h_first = (w % H_SLICES) * slice_cols
             _expand_chunk(
-                src * T_MAX + tl.load(table), src * T_MAX + tl.load(table + 1), hidden,
-                num_out_rows, region(peer_bases_ptr, rank, meta_rows_off, tl.int32),
+                src * T_MAX + tl.load(table), src * T_MAX + tl.load(table + 1), h_first,
+                tl.minimum(h_first + slice_cols, hidden), hidden, num_out_rows,
+                region(peer_bases_ptr, rank, meta_rows_off, tl.int32),
                 region(peer_bases_ptr, rank, meta_weights_off, tl.float32),
                 region(peer_bases_ptr, rank, staging_off, dtype), staged_rows_ptr, recv_x_ptr,
                 recv_weights_ptr, MS, MS_P2, CHUNK, BLOCK_H, HAS_WEIGHTS,

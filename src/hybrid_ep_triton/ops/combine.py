@@ -22,7 +22,7 @@ def reduce_tokens(
         handle.recv_chunk_start, handle.recv_src_tokens, handle.staged_rows,
         rt.heap.peer_bases, plan.heap.ready_flags, plan.heap.chunk_flags, plan.heap.staging,
         rt.control, rt.timeout_ns,
-        T_MAX=plan.max_tokens, NC_MAX=plan.max_chunks, P_MAX=MAX_PROGRAMS,
+        T_MAX=plan.max_tokens, NC_MAX=plan.max_chunks, H_SLICES=cfg.h_slices, P_MAX=MAX_PROGRAMS,
         MS=plan.meta_stride, MS_P2=triton.next_power_of_2(plan.meta_stride),
         W_P2=triton.next_power_of_2(rt.world_size), CHUNK=cfg.chunk_tokens,
         BLOCK_H=cfg.combine_block_h, HAS_WEIGHTS=has_weights, COPY_UNROLL=cfg.copy_unroll,

@@ -133,7 +133,7 @@ def move_tokens(
         handle.staged_rows, recv_x, recv_weights,
         rt.heap.peer_bases, plan.heap.ready_flags, plan.heap.chunk_flags, plan.heap.meta_rows,
         plan.heap.meta_weights, plan.heap.staging, rt.control, rt.timeout_ns,
-        T_MAX=plan.max_tokens, NC_MAX=plan.max_chunks, P_MAX=MAX_PROGRAMS,
+        T_MAX=plan.max_tokens, NC_MAX=plan.max_chunks, H_SLICES=cfg.h_slices, P_MAX=MAX_PROGRAMS,
         MS=plan.meta_stride, MS_P2=triton.next_power_of_2(plan.meta_stride),
         K_P2=triton.next_power_of_2(handle.topk), W_P2=triton.next_power_of_2(rt.world_size),
         CHUNK=cfg.chunk_tokens, BLOCK_H=cfg.block_h,
