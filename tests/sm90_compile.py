@@ -1,0 +1,83 @@
+"""Compile every kernel for sm_90 with Triton's own ptxas, on a machine without a GPU.
+
+Run as a script (``python tests/sm90_compile.py``) without TRITON_INTERPRET, because the
+interpreter replaces ``triton.jit``. Compiles the launch shapes of EP2 and EP8 and prints one
+line per kernel with ptxas' resource usage (registers, and STACK: bytes spilled); any compile
+error fails. Integer arguments that the JIT would specialise as multiples of 16 (pointers,
+hidden sizes, strides) are marked so.
+"""
+
+import inspect
+import os
+import subprocess
+import sys
+import tempfile
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from hybrid_ep_triton.kernels.combine import combine_kernel
+from hybrid_ep_triton.kernels.dispatch import dispatch_kernel
+from hybrid_ep_triton.kernels.route import count_chunk_kernel, exchange_layout_kernel
+
+_ALIGNED_INTS = {"hidden", "x_stride", "y_stride"}
+_INT64 = {"timeout_ns"}
+
+
+def _signature(kernel, pointers: dict, constexprs: dict) -> tuple[dict, dict]:
+    signature, attrs = {}, {}
+    for index, name in enumerate(inspect.signature(kernel.fn).parameters):
+        if name in constexprs:
+            signature[name] = "constexpr"
+            continue
+        if name.endswith("_ptr"):
+            signature[name] = pointers.get(name, "*i32")
+        else:
+            signature[name] = "i64" if name in _INT64 else "i32"
+        if name.endswith("_ptr") or name in _ALIGNED_INTS:
+            attrs[(index,)] = [["tt.divisibility", 16]]
+    return signature, attrs
+
+
+def _resource_usage(cubin: bytes) -> str:
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        out = subprocess.run(
+            [tool, "--dump-resource-usage", f.name], capture_output=True, text=True
+        )
+    return " ".join(line.strip() for line in out.stdout.splitlines() if "REG:" in line)
+
+
+def main() -> int:
+    i64 = {n: "*i64" for n in ("peer_bases_ptr", "control_ptr", "info_ptr", "invalid_row_ptr")}
+    i64["tokens_per_expert_ptr"] = "*i64"
+    for world in (2, 8):
+        common = dict(T_MAX=4096, NC_MAX=128, H_SLICES=2, P_MAX=132, MS=32, MS_P2=32, W_P2=world)
+        builds = [
+            (count_chunk_kernel, dict(i64, topk_idx_ptr="*i64"),
+             dict(CHUNK=32, K_P2=8, W_P2=world, E_BLOCK=32), 4),
+            (exchange_layout_kernel, i64,
+             dict(NC_MAX=128, ROW=259, C_BLOCK=64, E_BLOCK=32, W_P2=world, L_P2=256 // world), 4),
+            (dispatch_kernel, dict(i64, x_ptr="*bf16", topk_idx_ptr="*i64",
+                                   topk_weights_ptr="*fp32", recv_x_ptr="*bf16",
+                                   recv_weights_ptr="*fp32"),
+             dict(common, CHUNK=32, K_P2=8, BLOCK_H=512, HAS_WEIGHTS=True), 16),
+            (combine_kernel, dict(i64, y_ptr="*bf16", weights_ptr="*fp32", out_ptr="*bf16"),
+             dict(common, CHUNK=32, BLOCK_H=256, HAS_WEIGHTS=True, COPY_UNROLL=4), 16),
+        ]  # fmt: skip
+        for kernel, pointers, constexprs, num_warps in builds:
+            signature, attrs = _signature(kernel, pointers, constexprs)
+            compiled = triton.compile(
+                ASTSource(kernel, signature, constexprs, attrs),
+                target=GPUTarget("cuda", 90, 32),
+                options=dict(num_warps=num_warps),
+            )
+            print(f"EP{world} {kernel.fn.__name__}: {_resource_usage(compiled.asm['cubin'])}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

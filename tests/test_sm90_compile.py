@@ -1,0 +1,16 @@
+"""The kernels compile for Hopper (sm_90), checked on a machine without a GPU."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+
+def test_kernels_compile_for_sm90():
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    script = Path(__file__).with_name("sm90_compile.py")
+    result = subprocess.run(
+        [sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=600
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert result.stdout.count("REG:") == 8, result.stdout
