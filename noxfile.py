@@ -1,0 +1,44 @@
+"""Developer tasks: `nox -s tests` (CPU, Triton interpreter), `lint`, `bench` (GPU), `demo`."""
+
+from pathlib import Path
+
+import nox
+
+nox.options.default_venv_backend = "venv"
+nox.options.reuse_venv = "yes"  # installs still run each time, so venvs stay up to date
+nox.options.sessions = ["lint", "tests"]
+
+CPU_TORCH = "torch==2.13.0"  # installed first so that the CPU wheel is the one used
+LINT_PATHS = ["src", "tests", "bench", "noxfile.py"]
+
+
+@nox.session
+def tests(session: nox.Session) -> None:
+    """Run the test suite with CPU ranks under the Triton interpreter."""
+    session.install(CPU_TORCH)
+    session.install("-e", ".[test]")
+    session.run("pytest", "-q", *session.posargs, env={"TRITON_INTERPRET": "1"})
+
+
+@nox.session
+def lint(session: nox.Session) -> None:
+    """ruff check and ruff format --check."""
+    session.install("ruff")
+    paths = [p for p in LINT_PATHS if Path(p).exists()]
+    session.run("ruff", "check", *paths)
+    session.run("ruff", "format", "--check", *paths)
+
+
+@nox.session
+def bench(session: nox.Session) -> None:
+    """Benchmark on GPUs (needs a CUDA build of torch)."""
+    session.install("-e", ".[bench]")
+    session.run("python", "-m", "hybrid_ep_triton", "bench", *session.posargs)
+
+
+@nox.session
+def demo(session: nox.Session) -> None:
+    """Run the demo."""
+    session.install(CPU_TORCH)
+    session.install("-e", ".")
+    session.run("hybrid-ep", "demo", *session.posargs)
