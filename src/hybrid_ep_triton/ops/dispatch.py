@@ -1,5 +1,6 @@
 """Dispatch launches: the layout (two kernels) and the data move (one persistent kernel)."""
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -63,17 +64,37 @@ def compute_layout(
     chunk = plan.config.chunk_tokens
     num_chunks = triton.cdiv(num_tokens, chunk)
     world, experts, local = rt.world_size, plan.num_experts, plan.experts_per_rank
-    i32 = dict(dtype=torch.int32, device=dev)
     topk_idx = topk_idx.contiguous()
-    slot_pos = torch.empty(num_tokens, topk, **i32)
-    token_rank_pos = torch.empty(num_tokens, world, **i32)
-    chunk_expert_count = torch.empty(num_chunks, experts, **i32)
-    chunk_rank_count = torch.empty(num_chunks, world, **i32)
-    info = torch.full((4,), 2**62, dtype=torch.int64, device=dev)
+    # One int32 and one int64 allocation for the whole handle and the counting scratch: a
+    # dispatch is latency-bound at small batches, and every allocator call costs host time.
+    shapes = {
+        "slot_pos": (num_tokens, topk),
+        "token_rank_pos": (num_tokens, world),
+        "chunk_expert_count": (num_chunks, experts),
+        "chunk_rank_count": (num_chunks, world),
+        "send_chunk_start": (plan.max_chunks + 1, world),
+        "chunk_expert_base": (num_chunks, experts),
+        "recv_chunk_start": (world, plan.max_chunks + 1),
+        "recv_src_tokens": (world,),
+        "expert_layout": (3, local),
+        "staged_rows": (world, plan.max_tokens, plan.meta_stride),
+    }
+    # Each part starts on a 16-byte boundary, as Triton's pointer specialisation expects.
+    sizes = [triton.cdiv(math.prod(shape), 4) * 4 for shape in shapes.values()]
+    flat = torch.empty(sum(sizes), dtype=torch.int32, device=dev).split(sizes)
+    t = {
+        name: part[: math.prod(shape)].view(shape)
+        for (name, shape), part in zip(shapes.items(), flat, strict=True)
+    }
+    info, tokens_per_expert = torch.empty(4 + local, dtype=torch.int64, device=dev).split(
+        [4, local]
+    )
+    info.fill_(2**62)
     if num_chunks:
         count_chunk_kernel[(num_chunks,)](
             topk_idx, num_tokens, topk, experts, local, world,
-            slot_pos, token_rank_pos, chunk_expert_count, chunk_rank_count, info[2:],
+            t["slot_pos"], t["token_rank_pos"], t["chunk_expert_count"], t["chunk_rank_count"],
+            info[2:],
             CHUNK=chunk, K_P2=triton.next_power_of_2(topk),
             W_P2=triton.next_power_of_2(world), E_BLOCK=_E_BLOCK,
         )  # fmt: skip
@@ -83,22 +104,22 @@ def compute_layout(
         num_recv_rows=-1 if max_recv_tokens is None else max_recv_tokens,
         max_recv_tokens=max_recv_tokens,
         topk_idx=topk_idx,
-        slot_pos=slot_pos,
-        token_rank_pos=token_rank_pos,
-        send_chunk_start=torch.empty(plan.max_chunks + 1, world, **i32),
-        chunk_expert_base=torch.empty(num_chunks, experts, **i32),
-        recv_chunk_start=torch.empty(world, plan.max_chunks + 1, **i32),
-        recv_src_tokens=torch.empty(world, **i32),
-        expert_layout=torch.empty(3, local, **i32),
-        tokens_per_expert=torch.empty(local, dtype=torch.int64, device=dev),
-        staged_rows=torch.empty(world, plan.max_tokens, plan.meta_stride, **i32),
+        slot_pos=t["slot_pos"],
+        token_rank_pos=t["token_rank_pos"],
+        send_chunk_start=t["send_chunk_start"],
+        chunk_expert_base=t["chunk_expert_base"],
+        recv_chunk_start=t["recv_chunk_start"],
+        recv_src_tokens=t["recv_src_tokens"],
+        expert_layout=t["expert_layout"],
+        tokens_per_expert=tokens_per_expert,
+        staged_rows=t["staged_rows"],
         info=info,
     )
     exchange_layout_kernel[(1,)](
         rt.heap.peer_bases, rt.rank, world, num_tokens, num_chunks, experts, local, pad_multiple,
         2**31 - 1 if max_recv_tokens is None else max_recv_tokens,
-        chunk_expert_count, chunk_rank_count, info[2:],
-        handle.chunk_expert_base, handle.send_chunk_start, handle.recv_chunk_start,
+        t["chunk_expert_count"], t["chunk_rank_count"], info[2:], handle.chunk_expert_base,
+        handle.send_chunk_start, handle.recv_chunk_start,
         handle.recv_src_tokens, handle.expert_layout, handle.tokens_per_expert, info, rt.control,
         plan.heap.count_flags, plan.heap.counts, plan.heap.chunk_table, rt.timeout_ns,
         NC_MAX=plan.max_chunks, ROW=plan.counts_row, C_BLOCK=_C_BLOCK, E_BLOCK=_E_BLOCK,
