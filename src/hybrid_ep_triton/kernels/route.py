@@ -52,13 +52,14 @@ def count_chunk_kernel(
     slots = tl.arange(0, K_P2)
     token_ok = tokens < num_tokens
     slot_mask = token_ok[:, None] & (slots[None, :] < topk)
-    ids = tl.load(
+    raw_ids = tl.load(
         topk_idx_ptr + tokens[:, None] * topk + slots[None, :], mask=slot_mask, other=-1
-    ).to(tl.int32)
+    )
+    # Validation: range (in the ids' own width: int64 ids must not wrap into int32), and no id
+    # twice in a row.
+    out_of_range = slot_mask & ((raw_ids < -1) | (raw_ids >= num_experts))
+    ids = tl.where(out_of_range, -1, raw_ids).to(tl.int32)
     used = ids >= 0
-
-    # Validation: range, and no id twice in a row.
-    out_of_range = slot_mask & ((ids < -1) | (ids >= num_experts))
     same = (ids[:, :, None] == ids[:, None, :]) & used[:, :, None]
     same = same & (slots[None, :, None] != slots[None, None, :])
     bad_row = (

@@ -1,0 +1,363 @@
+"""``Buffer.dispatch`` / ``Buffer.combine`` against the plain-torch ``hybrid_ep_triton.reference``.
+
+Dispatch must match the reference bit for bit (recv_x, recv_weights, tokens_per_expert), also
+for a cached dispatch along an earlier handle. Combine sends partial sums per (token, rank) in
+the Buffer's dtype, so it is compared with a tolerance of about two ulps of the dtype, scaled
+by the magnitude of the summed terms (sum over a token's slots of |weight * y|, which bounds the
+partial sums that get rounded).
+
+Spawning a process group costs seconds and the Triton interpreter is slow, so every test spawns
+its ranks once, builds ONE Buffer (hidden size, dtype and expert count are fixed per Buffer) and
+runs a list of cases on it in sequence. That sequence is itself the repeated-call test: T,
+routing, pad_multiple and the exact / max_recv_tokens mode change from call to call, with cached
+dispatches and double combines in between. Every rank returns a list of failure messages, and
+the test asserts that all lists are empty. Inputs are drawn from a seed of (group, case, rank):
+deterministic, and different for every case.
+"""
+
+from __future__ import annotations
+
+import traceback
+from dataclasses import dataclass
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from hybrid_ep_triton import Buffer, reference
+
+BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
+I32, I64 = torch.int32, torch.int64
+MAX_TOKENS = 12  # max_tokens_per_rank of every Buffer here: cases use 0..12 tokens per rank
+# Combine tolerance per dtype: |out - ref| <= TOL * (1 + sum over slots of |weight * y|).
+TOL = {BF16: 2e-2, FP16: 2e-3, FP32: 1e-5}
+
+
+@dataclass(frozen=True)
+class Case:
+    """One dispatch (+ combines) on the group's Buffer.
+
+    tokens: T of rank r is tokens[r % len(tokens)].
+    hot_expert: every token picks this global expert, and fills its other slots with other
+        experts of the same rank (then -1), so one rank receives every row.
+    unused_prob: chance that a slot is -1; with it, one token per rank has only -1 slots.
+    recv: "exact" (max_recv_tokens=None), or max_recv_tokens M relative to the rows needed:
+        "fit" (M = needed), "more" (needed + 5: zero tail), "less" (needed // 2: truncation),
+        "zero" (M = 0).
+    combine: weight modes of the combines run on the handle, in order: "recv" passes
+        recv_weights, "none" passes None.
+    cached: then dispatch new rows (and new weights) along the handle, and combine them.
+    strided: x and y are column slices of wider tensors (row stride > H, storage offset > 0).
+    """
+
+    name: str
+    tokens: tuple[int, ...] = (5, 9, 3, 12)
+    topk: int = 2
+    idx_dtype: torch.dtype = I64
+    unused_prob: float = 0.0
+    hot_expert: int | None = None
+    with_weights: bool = True
+    pad_multiple: int = 1
+    recv: str = "exact"
+    combine: tuple[str, ...] = ("recv",)
+    cached: bool = False
+    strided: bool = False
+
+
+@dataclass(frozen=True)
+class Group:
+    """The cases run in order on one Buffer of one spawn of world_size ranks."""
+
+    world_size: int
+    hidden: int
+    dtype: torch.dtype
+    num_experts: int
+    seed: int
+    cases: tuple[Case, ...]
+
+    @property
+    def id(self) -> str:
+        return f"W{self.world_size}-H{self.hidden}-{str(self.dtype).removeprefix('torch.')}"
+
+
+GROUPS = [
+    # W=2, E=8: 4 experts per rank. Modes alternate exact / max_recv_tokens.
+    Group(2, 7, BF16, 8, seed=1, cases=(
+        Case("basic", tokens=(5, 9)),
+        Case("int32_unused_pad3_zero_tail_cached", tokens=(7, 4), topk=3, idx_dtype=I32,
+             unused_prob=0.3, pad_multiple=3, recv="more", combine=("none",), cached=True),
+        Case("k1_pad8_no_weights", tokens=(6, 10), topk=1, with_weights=False, pad_multiple=8,
+             combine=("none",)),
+        Case("hot_expert_k1_fit", tokens=(12, 12), topk=1, hot_expert=5, recv="fit"),
+        Case("all_ranks_empty", tokens=(0,), combine=("none",)),
+        Case("empty_rank_truncated", tokens=(0, 11), recv="less", combine=("none", "recv")),
+        Case("strided_int32_pad8", tokens=(9, 3), topk=4, idx_dtype=I32, pad_multiple=8,
+             strided=True),
+        Case("k8_all_experts_pad3_truncated_cached", tokens=(4, 6), topk=8, unused_prob=0.25,
+             pad_multiple=3, recv="less", cached=True),
+        Case("all_slots_maybe_unused", tokens=(8, 2), topk=2, unused_prob=0.6,
+             combine=("recv", "none")),
+        Case("all_ranks_empty_zero_tail", tokens=(0,), pad_multiple=8, recv="more"),
+        Case("hot_expert_k3_cached", tokens=(10, 8), topk=3, hot_expert=2, cached=True),
+        Case("dispatch_only_fit", tokens=(7, 7), unused_prob=0.2, recv="fit", combine=()),
+        Case("max_recv_zero", tokens=(3, 5), recv="zero"),
+        Case("after_zero", tokens=(12, 1), topk=3, idx_dtype=I32, pad_multiple=3),
+    )),
+    Group(2, 33, FP16, 8, seed=2, cases=(
+        Case("int32_unused_fit", tokens=(6, 11), idx_dtype=I32, unused_prob=0.2, recv="fit"),
+        Case("k3_pad3_both_combines", tokens=(9, 5), topk=3, pad_multiple=3,
+             combine=("recv", "none")),
+        Case("hot_expert_rank0_truncated", tokens=(7, 12), hot_expert=0, recv="less"),
+        Case("no_weights_strided", tokens=(4, 10), topk=1, with_weights=False, strided=True,
+             combine=("none",)),
+        Case("zero_tail_cached", tokens=(12, 3), topk=4, unused_prob=0.3, pad_multiple=8,
+             recv="more", cached=True),
+    )),
+    # H=100 > the interpreter's 64-wide tiles: two tiles per row, the second partial.
+    Group(2, 100, FP32, 8, seed=3, cases=(
+        Case("basic", tokens=(5, 8)),
+        Case("int32_pad8_truncated", tokens=(10, 7), topk=3, idx_dtype=I32, pad_multiple=8,
+             recv="less"),
+        Case("hot_expert_k1", tokens=(6, 9), topk=1, hot_expert=7, combine=("none", "recv")),
+        Case("empty_rank_zero_tail_cached", tokens=(8, 0), unused_prob=0.3, recv="more",
+             cached=True, combine=("none",)),
+    )),
+    # W=4, E=8: 2 experts per rank, so K=3 and K=4 exceed the experts of one rank.
+    Group(4, 13, BF16, 8, seed=4, cases=(
+        Case("basic", tokens=(5, 12, 3, 9)),
+        Case("k3_int32_pad3_zero_tail_cached", tokens=(6, 2, 11, 4), topk=3, idx_dtype=I32,
+             unused_prob=0.2, pad_multiple=3, recv="more", cached=True),
+        Case("hot_expert_on_empty_rank", tokens=(7, 12, 0, 5), topk=1, hot_expert=4),
+        Case("k3_pad8_truncated", tokens=(8, 3, 10, 6), topk=3, pad_multiple=8, recv="less",
+             combine=("none", "recv")),
+        Case("all_ranks_empty", tokens=(0,)),
+        Case("dispatch_only_truncated", tokens=(4, 9, 6, 2), recv="less", combine=()),
+        Case("int32_no_weights_fit", tokens=(12, 1, 0, 6), idx_dtype=I32, with_weights=False,
+             recv="fit", combine=("none",)),
+        Case("k1_pad3_unused_strided", tokens=(9, 4, 7, 11), topk=1, unused_prob=0.3,
+             pad_multiple=3, strided=True, combine=("recv", "none")),
+        Case("k4_zero_tail_cached", tokens=(3, 9, 5, 0), topk=4, unused_prob=0.2, recv="more",
+             cached=True),
+    )),
+    Group(4, 33, FP32, 8, seed=5, cases=(
+        Case("unused_pad3", tokens=(4, 7, 10, 2), topk=3, unused_prob=0.2, pad_multiple=3),
+        Case("int32_truncated", tokens=(9, 5, 3, 12), idx_dtype=I32, recv="less"),
+        Case("hot_rank0_fit_cached", tokens=(6, 0, 8, 3), hot_expert=1, recv="fit",
+             cached=True, combine=("none",)),
+    )),
+    # W=8, E=16: slow on two cores, so only two cases.
+    Group(8, 13, BF16, 16, seed=6, cases=(
+        Case("k3_unused_pad3_empty_ranks", tokens=(3, 0, 5, 2, 6, 0, 4, 1), topk=3,
+             unused_prob=0.2, pad_multiple=3),
+        Case("int32_truncated_cached", tokens=(4, 2, 0, 5, 3, 6, 1, 2), idx_dtype=I32,
+             recv="less", cached=True, combine=("none",)),
+    )),
+]  # fmt: skip
+
+
+# --- inputs --------------------------------------------------------------------------------
+
+
+def _rows(num: int, hidden: int, dtype: torch.dtype, gen, strided: bool) -> torch.Tensor:
+    """Random [num, hidden] rows; a column slice of a wider tensor when ``strided``."""
+    if not strided:
+        return torch.randn(num, hidden, generator=gen).to(dtype)
+    wide = torch.randn(num, hidden + 5, generator=gen).to(dtype)
+    return wide[:, 2 : 2 + hidden]
+
+
+def _routing(case: Case, num_tokens: int, num_experts: int, local: int, gen) -> torch.Tensor:
+    """[T, K] distinct expert ids per row, with -1 slots (see ``Case``)."""
+    k = case.topk
+    if case.hot_expert is None:
+        idx = torch.rand(num_tokens, num_experts, generator=gen).topk(k, dim=1).indices
+        idx[torch.rand(num_tokens, k, generator=gen) < case.unused_prob] = -1
+        if case.unused_prob and num_tokens:
+            idx[num_tokens // 2] = -1  # one token with no valid slot at all
+    else:
+        hot = case.hot_expert
+        first = hot // local * local
+        others = torch.tensor([e for e in range(first, first + local) if e != hot])
+        idx = torch.full((num_tokens, k), -1, dtype=torch.int64)
+        idx[:, 0] = hot
+        n = min(k - 1, others.numel())
+        if n:
+            pick = torch.rand(num_tokens, others.numel(), generator=gen).argsort(dim=1)
+            idx[:, 1 : 1 + n] = others[pick[:, :n]]
+        # Shuffle the slots of every row so the hot expert is not always in slot 0.
+        idx = idx.gather(1, torch.rand(num_tokens, k, generator=gen).argsort(dim=1))
+    return idx.to(case.idx_dtype)
+
+
+# --- checks --------------------------------------------------------------------------------
+
+
+def _diff(got: torch.Tensor, want: torch.Tensor) -> str:
+    if got.shape != want.shape or got.dtype != want.dtype:
+        return f"got {tuple(got.shape)} {got.dtype}, reference {tuple(want.shape)} {want.dtype}"
+    bad = got != want
+    if bad.dim() > 1:
+        bad = bad.any(dim=1)
+    rows = bad.nonzero().flatten()
+    return f"{rows.numel()} rows differ, first {rows[:8].tolist()}"
+
+
+def _check_dispatch(fail, what: str, got, want, num_valid: int) -> None:
+    """Bit-exact comparison with the reference; rows past ``num_valid`` must be zero."""
+    (rx, rw, tpe), (ex, ew, etpe) = got, want
+    if rx.dtype != ex.dtype or not torch.equal(rx, ex):
+        fail(f"{what}: recv_x differs from the reference: {_diff(rx, ex)}")
+    if (rw is None) != (ew is None):
+        fail(f"{what}: recv_weights is {type(rw).__name__}, reference {type(ew).__name__}")
+    elif rw is not None and (rw.dtype != torch.float32 or not torch.equal(rw, ew)):
+        fail(f"{what}: recv_weights differs from the reference: {_diff(rw, ew)}")
+    if tpe.dtype != torch.int64 or not torch.equal(tpe, etpe):
+        fail(f"{what}: tokens_per_expert {tpe.tolist()} ({tpe.dtype}), reference {etpe.tolist()}")
+    tail = (rx[num_valid:] != 0).any(dim=1).nonzero().flatten() + num_valid
+    if tail.numel():
+        fail(f"{what}: rows past the valid count {num_valid} are not zero: {tail[:8].tolist()}")
+    if rw is not None and (rw[num_valid:] != 0).any():
+        fail(f"{what}: recv_weights past the valid count {num_valid} are not zero")
+
+
+def _check_combine(fail, what: str, out, want, magnitude, topk_idx, dtype) -> None:
+    if out.dtype != dtype or out.shape != want.shape:
+        fail(f"{what}: out is {tuple(out.shape)} {out.dtype}, reference {tuple(want.shape)}")
+        return
+    err = (out.float() - want.float()).abs()
+    allowed = TOL[dtype] * (1 + magnitude)
+    bad = (err > allowed).any(dim=1).nonzero().flatten()
+    if bad.numel():
+        worst = (err / allowed).flatten().argmax()
+        fail(
+            f"{what}: {bad.numel()} tokens off the reference, first {bad[:8].tolist()}; worst "
+            f"error {err.flatten()[worst]:.3g} > allowed {allowed.flatten()[worst]:.3g}"
+        )
+    no_slot = (topk_idx < 0).all(dim=1)
+    if (out[no_slot] != 0).any():
+        fail(f"{what}: tokens without a valid slot are not zero: {no_slot.nonzero().tolist()}")
+
+
+# --- rank body -----------------------------------------------------------------------------
+
+
+def _to(t: torch.Tensor | None, device) -> torch.Tensor | None:
+    return None if t is None else t.to(device)
+
+
+def _run_case(buf: Buffer, rank: int, world: int, grp: Group, index: int, case: Case, fail):
+    """Dispatch (+ check, combines, cached dispatch) on ``buf`` and on the reference.
+
+    Inputs are drawn on the CPU, both implementations run on the test device, and the results
+    are compared on the CPU.
+    """
+    group, dev = dist.group.WORLD, _device()
+    hidden, dtype, num_experts = grp.hidden, grp.dtype, grp.num_experts
+    gen = torch.Generator().manual_seed(grp.seed * 100_000 + index * 100 + rank)
+    num_tokens = case.tokens[rank % len(case.tokens)]
+    x = _rows(num_tokens, hidden, dtype, gen, case.strided)
+    idx = _routing(case, num_tokens, num_experts, num_experts // world, gen)
+    w = torch.rand(num_tokens, case.topk, generator=gen) if case.with_weights else None
+    kw = dict(num_experts=num_experts, pad_multiple=case.pad_multiple)
+
+    def ref_dispatch(x_, w_, max_recv):
+        got = reference.dispatch(
+            group, _to(x_, dev), _to(idx, dev), _to(w_, dev), max_recv_tokens=max_recv, **kw
+        )
+        return (*(_to(t, "cpu") for t in got[:3]), got[3])
+
+    def buf_dispatch(x_, w_, **more):
+        got = buf.dispatch(_to(x_, dev), topk_weights=_to(w_, dev), **more)
+        return (*(_to(t, "cpu") for t in got[:3]), got[3])
+
+    max_recv = None
+    if case.recv != "exact":
+        needed = ref_dispatch(x, w, None)[3].num_recv_rows
+        max_recv = {"fit": needed, "more": needed + 5, "less": needed // 2, "zero": 0}[case.recv]
+        if case.recv == "less":  # some rank must actually drop rows, or the case is vacuous
+            dropping = torch.tensor([int(needed > max_recv)], device=dev)
+            dist.all_reduce(dropping, op=dist.ReduceOp.MAX)
+            if not dropping.item() and rank == 0:
+                fail("no rank drops rows in this truncation case: change its inputs")
+    ex, ew, etpe, eh = ref_dispatch(x, w, max_recv)
+    needed = eh.num_recv_rows  # rows of the exact layout, also when truncated
+    num_valid = min(needed, ex.shape[0])
+
+    rx, rw, tpe, handle = buf_dispatch(
+        x, w, topk_idx=_to(idx, dev), pad_multiple=case.pad_multiple, max_recv_tokens=max_recv
+    )
+    _check_dispatch(fail, "dispatch", (rx, rw, tpe), (ex, ew, etpe), num_valid)
+
+    # check(): OverflowError with the real row count exactly when rows were dropped.
+    try:
+        buf.check(handle)
+        if max_recv is not None and needed > max_recv:
+            fail(f"check() did not raise OverflowError ({needed} rows needed, M={max_recv})")
+    except OverflowError as e:
+        if max_recv is None or needed <= max_recv:
+            fail(f"check() raised OverflowError although nothing was dropped: {e}")
+        elif f"needed {needed} rows" not in str(e):
+            fail(f"check()'s OverflowError does not name the {needed} rows needed: {e}")
+
+    def combines(what, h, rh, recv_w, ref_w):
+        y = _to(_rows(ex.shape[0], hidden, dtype, gen, case.strided), dev)  # [N, H] like recv_x
+        for mode in case.combine:
+            weights, ref_weights = (recv_w, ref_w) if mode == "recv" else (None, None)
+            weights, ref_weights = _to(weights, dev), _to(ref_weights, dev)
+            out = buf.combine(y, h, weights=weights).cpu()
+            want = reference.combine(group, y, rh, weights=ref_weights).cpu()
+            abs_w = None if ref_weights is None else ref_weights.abs()
+            magnitude = reference.combine(group, y.float().abs(), rh, weights=abs_w).cpu()
+            _check_combine(fail, f"{what} (weights={mode})", out, want, magnitude, idx, dtype)
+
+    combines("combine", handle, eh, rw, ew)
+
+    if case.cached:  # new rows and weights along the same handle
+        x2 = _rows(num_tokens, hidden, dtype, gen, case.strided)
+        w2 = torch.rand(num_tokens, case.topk, generator=gen) if case.with_weights else None
+        ex2, ew2, etpe2, eh2 = ref_dispatch(x2, w2, max_recv)
+        rx2, rw2, tpe2, handle2 = buf_dispatch(x2, w2, handle=handle)
+        _check_dispatch(fail, "cached dispatch", (rx2, rw2, tpe2), (ex2, ew2, etpe2), num_valid)
+        combines("combine after cached dispatch", handle2, eh2, rw2, ew2)
+
+
+def _device() -> torch.device:
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _rank_body(rank: int, world_size: int, grp: Group) -> list[str]:
+    """Run the group's cases in order on one Buffer; return this rank's failure messages."""
+    failures: list[str] = []
+    buf = Buffer(
+        None,
+        hidden_size=grp.hidden,
+        max_tokens_per_rank=MAX_TOKENS,
+        num_experts=grp.num_experts,
+        dtype=grp.dtype,
+    )
+    try:
+        for index, case in enumerate(grp.cases):
+            prefix = f"[{grp.id} case {case.name!r}] rank {rank}:"
+
+            def fail(msg: str, prefix=prefix) -> None:
+                failures.append(f"{prefix} {msg}")
+
+            try:
+                _run_case(buf, rank, world_size, grp, index, case, fail)
+            except Exception as e:  # ranks may be out of step now: stop here
+                frames = traceback.extract_tb(e.__traceback__)
+                ours = [f for f in frames if "hybrid_ep_triton" in f.filename] or frames
+                fail(f"raised {e!r}\n" + "".join(traceback.format_list(ours[-3:])).rstrip())
+                break
+    finally:
+        buf.destroy()
+    return failures
+
+
+@pytest.mark.parametrize("grp", GROUPS, ids=lambda g: g.id)
+def test_dispatch_combine_match_reference(launch, grp):
+    results = launch(_rank_body, grp.world_size, grp)
+    failures = [msg for per_rank in results for msg in per_rank]
+    assert not failures, f"{len(failures)} failure(s):\n" + "\n".join(failures)

@@ -1,0 +1,336 @@
+"""The symmetric heap (``_heap``) and the communication primitives (``kernels.primitives``).
+
+A small Triton kernel, written here, uses ``region`` / ``signal`` / ``wait_at_least`` the way the
+library's kernels do: every rank writes a rank-, peer-, round- and position-dependent byte
+pattern into every peer's heap, raises its flag there, and waits for every peer's flag; each
+rank then checks every byte of its own heap in torch. A peer that never signals must turn into
+a recorded timeout (status words), not a hang, and through ``Buffer`` into TimeoutError.
+
+POSIX shared-memory segments must never outlive the ranks: each rank reports the
+``/dev/shm/hybrid_ep_triton-*`` segments it has mapped (from /proc/self/maps), and the parent
+checks after ``run_ranks`` returns that none of them exists any more, even when a rank was
+killed with ``os._exit`` right after allocating.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+import triton
+import triton.language as tl
+
+from hybrid_ep_triton import Buffer
+from hybrid_ep_triton._heap import allocate_heap
+from hybrid_ep_triton._launcher import RankFailure
+from hybrid_ep_triton.kernels.primitives import (
+    STATUS_OK,
+    STATUS_TIMED_OUT,
+    region,
+    signal,
+    wait_at_least,
+)
+
+SHM_PREFIX = "/dev/shm/hybrid_ep_triton-"
+FLAGS_OFF = 0  # int64 [W] flags: flag s = last round in which rank s finished writing here
+DATA_OFF = 256  # uint8 [W, SLOT]: slot s is what rank s wrote here
+SLOT = 1000  # not a multiple of BLOCK: the last block of a slot is partial
+BLOCK = 256
+TAIL = 77  # unused bytes at the end of the heap: must stay zero
+STAGE = 9  # stage number the test kernel records on a timeout
+NEVER_NS = 600 * 10**9  # a timeout that a test would hit only by hanging
+
+
+def _heap_bytes(world: int) -> int:
+    return DATA_OFF + world * SLOT + TAIL
+
+
+@triton.jit
+def _exchange_kernel(
+    peer_bases_ptr,
+    rank,
+    world_size,
+    round_no,
+    status_ptr,
+    timeout_ns,
+    SLOT_BYTES: tl.constexpr,
+    FLAGS_OFFSET: tl.constexpr,
+    DATA_OFFSET: tl.constexpr,
+    BLOCK_BYTES: tl.constexpr,
+    STAGE_NO: tl.constexpr,
+):
+    seq = round_no.to(tl.int64)
+    for peer in range(0, world_size):
+        dst = region(peer_bases_ptr, peer, DATA_OFFSET + rank * SLOT_BYTES, tl.uint8)
+        for b0 in range(0, SLOT_BYTES, BLOCK_BYTES):
+            pos = b0 + tl.arange(0, BLOCK_BYTES)
+            value = (rank * 37 + peer * 11 + round_no * 101 + pos * 7 + 1) % 251
+            tl.store(dst + pos, value.to(tl.uint8), mask=pos < SLOT_BYTES)
+    for peer in range(0, world_size):
+        signal(region(peer_bases_ptr, peer, FLAGS_OFFSET, tl.int64) + rank, seq)
+    my_flags = region(peer_bases_ptr, rank, FLAGS_OFFSET, tl.int64)
+    for peer in range(0, world_size):
+        wait_at_least(my_flags + peer, seq, timeout_ns, status_ptr, peer, STAGE_NO)
+
+
+def _exchange(heap, rank, world, round_no, status, timeout_ns) -> None:
+    _exchange_kernel[(1,)](
+        heap.peer_bases, rank, world, round_no, status, timeout_ns,
+        SLOT_BYTES=SLOT, FLAGS_OFFSET=FLAGS_OFF, DATA_OFFSET=DATA_OFF, BLOCK_BYTES=BLOCK,
+        STAGE_NO=STAGE,
+    )  # fmt: skip
+
+
+def _pattern(src: int, dst: int, round_no: int) -> torch.Tensor:
+    pos = torch.arange(SLOT, dtype=torch.int64)
+    return ((src * 37 + dst * 11 + round_no * 101 + pos * 7 + 1) % 251).to(torch.uint8)
+
+
+def _expected_heap(rank: int, world: int, flags: list[int], rounds: list[int]) -> torch.Tensor:
+    """Every byte of ``rank``'s heap after source s wrote round rounds[s] (0: nothing)."""
+    want = torch.zeros(_heap_bytes(world), dtype=torch.uint8)
+    want[FLAGS_OFF : FLAGS_OFF + 8 * world] = torch.tensor(flags, dtype=torch.int64).view(
+        torch.uint8
+    )
+    for src, round_no in enumerate(rounds):
+        if round_no:
+            start = DATA_OFF + src * SLOT
+            want[start : start + SLOT] = _pattern(src, rank, round_no)
+    return want
+
+
+def _compare_heap(what: str, got: torch.Tensor, want: torch.Tensor) -> list[str]:
+    got = got.cpu()
+    if torch.equal(got, want):
+        return []
+    bad = (got != want).nonzero().flatten()
+    first = int(bad[0])
+    return [
+        f"{what}: {bad.numel()} heap bytes differ, first at byte {first} "
+        f"(got {int(got[first])}, expected {int(want[first])})"
+    ]
+
+
+def _device() -> torch.device:
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _mapped_segments() -> list[str]:
+    """Paths of the hybrid_ep_triton shared-memory segments mapped into this process."""
+    paths = set()
+    with open("/proc/self/maps") as f:
+        for line in f:
+            fields = line.split(maxsplit=5)
+            if len(fields) == 6 and fields[5].startswith(SHM_PREFIX):
+                paths.add(fields[5].strip().removesuffix(" (deleted)"))
+    return sorted(paths)
+
+
+def _assert_no_leftovers(results_segments: list[list[str]], world: int) -> None:
+    for rank, segs in enumerate(results_segments):
+        # Every rank maps every rank's segment: a vacuous list would hide a broken probe.
+        assert len(segs) >= world, f"rank {rank} reported {segs}, expected >= {world} segments"
+    left = sorted({p for segs in results_segments for p in segs if os.path.exists(p)})
+    assert not left, f"shared-memory segments left behind: {left}"
+
+
+def _skip_unless_cpu(device: str) -> None:
+    if device != "cpu":
+        pytest.skip("POSIX shared-memory heap: CPU ranks only")
+
+
+# --- every rank writes into every peer ------------------------------------------------------
+
+
+def _exchange_body(rank: int, world_size: int) -> tuple[list[str], list[str]]:
+    failures: list[str] = []
+    dev = _device()
+    heap = allocate_heap(dist.group.WORLD, _heap_bytes(world_size), dev)
+    segments = _mapped_segments()
+    failures += _compare_heap(
+        f"rank {rank}: fresh heap",
+        heap.local,
+        torch.zeros(_heap_bytes(world_size), dtype=torch.uint8),
+    )
+    status = torch.zeros(3, dtype=torch.int64, device=dev)
+    for round_no in (1, 2):  # round 2 overwrites round 1: a stale flag must not satisfy it
+        _exchange(heap, rank, world_size, round_no, status, NEVER_NS)
+        if status.tolist() != [STATUS_OK, 0, 0]:
+            failures.append(f"rank {rank}, round {round_no}: status words {status.tolist()}")
+        want = _expected_heap(rank, world_size, [round_no] * world_size, [round_no] * world_size)
+        failures += _compare_heap(f"rank {rank}, round {round_no}", heap.local, want)
+        dist.barrier()  # every rank verified before anyone writes the next round
+    heap.close()
+    if _mapped_segments():
+        failures.append(f"rank {rank}: close() left segments mapped: {_mapped_segments()}")
+    return failures, segments
+
+
+@pytest.mark.parametrize("world_size", [2, 4, 8])
+def test_every_rank_writes_every_peer(launch, device, world_size):
+    results = launch(_exchange_body, world_size)
+    failures = [msg for per_rank, _ in results for msg in per_rank]
+    assert not failures, "\n".join(failures)
+    if device == "cpu":
+        _assert_no_leftovers([segs for _, segs in results], world_size)
+
+
+# --- a peer that never signals ---------------------------------------------------------------
+
+
+def _missing_peer_body(rank: int, world_size: int) -> tuple[list[str], list[str]]:
+    failures: list[str] = []
+    dev = _device()
+    heap = allocate_heap(dist.group.WORLD, _heap_bytes(world_size), dev)
+    segments = _mapped_segments()
+    if rank == 0:
+        status = torch.zeros(3, dtype=torch.int64, device=dev)
+        _exchange(heap, rank, world_size, 1, status, 2 * 10**9)  # rank 1 never signals
+        if status.tolist() != [STATUS_TIMED_OUT, 1, STAGE]:
+            failures.append(f"status after the timeout: {status.tolist()}, expected "
+                            f"[{STATUS_TIMED_OUT}, 1, {STAGE}] (code, peer, stage)")  # fmt: skip
+        # A recorded status makes every later wait return at once, however long its timeout.
+        _exchange(heap, rank, world_size, 2, status, NEVER_NS)
+        if status.tolist() != [STATUS_TIMED_OUT, 1, STAGE]:
+            failures.append(f"status after a second launch: {status.tolist()}")
+        want = _expected_heap(rank, world_size, [2, 0], [2, 0])  # rank 0 wrote its own slot
+        failures += _compare_heap("rank 0", heap.local, want)
+    dist.barrier()
+    if rank == 1:  # rank 0's one-sided writes landed although rank 1 launched nothing
+        failures += _compare_heap(
+            "rank 1", heap.local, _expected_heap(1, world_size, [2, 0], [2, 0])
+        )
+    heap.close()
+    return failures, segments
+
+
+def test_missing_peer_records_a_timeout(launch, device):
+    results = launch(_missing_peer_body, 2, timeout_s=300)
+    failures = [msg for per_rank, _ in results for msg in per_rank]
+    assert not failures, "\n".join(failures)
+    if device == "cpu":
+        _assert_no_leftovers([segs for _, segs in results], 2)
+
+
+# --- through Buffer --------------------------------------------------------------------------
+
+H, T = 8, 4
+
+
+def _expect_timeout(failures, what, call, stage: str) -> None:
+    try:
+        call()
+        failures.append(f"{what}: no TimeoutError")
+    except TimeoutError as e:
+        for part in ("rank 1", stage):
+            if part not in str(e):
+                failures.append(f"{what}: TimeoutError {str(e)!r} does not mention {part!r}")
+    except Exception as e:
+        failures.append(f"{what}: raised {e!r}, expected TimeoutError")
+
+
+def _expect_unusable(failures, what: str, buf: Buffer, x, idx) -> None:
+    for name, call in (
+        ("dispatch", lambda: buf.dispatch(x, idx)),
+        ("combine", lambda: buf.combine(x, None)),
+    ):
+        try:
+            call()
+            failures.append(f"{what}: {name} on the broken Buffer did not raise")
+        except RuntimeError as e:
+            if "unusable" not in str(e) or "rank 1" not in str(e):
+                failures.append(f"{what}: {name} on the broken Buffer: unclear error {e}")
+        except Exception as e:
+            failures.append(f"{what}: {name} on the broken Buffer raised {e!r}")
+
+
+def _skipped_call_body(rank: int, world_size: int) -> tuple[list[str], list[str]]:
+    """Rank 1 skips collective calls that rank 0 makes; rank 0 must time out, naming it."""
+    failures: list[str] = []
+    dev = _device()
+    x = torch.randn(T, H).to(torch.bfloat16).to(dev)
+    idx = torch.tensor([[0, 3], [1, -1], [2, 0], [3, 1]], device=dev)
+    make = dict(hidden_size=H, max_tokens_per_rank=T, num_experts=4, timeout_s=3)
+
+    # 1. Rank 1 skips a dispatch (exact mode).
+    buf = Buffer(None, **make)
+    segments = set(_mapped_segments())
+    if rank == 0:
+        what = "dispatch skipped by rank 1"
+        _expect_timeout(failures, what, lambda: buf.dispatch(x, idx), "layout exchange")
+        _expect_unusable(failures, what, buf, x, idx)
+    dist.barrier()
+    buf.destroy()
+    buf.destroy()  # idempotent
+
+    # 2. Rank 1 skips a dispatch in max_recv_tokens mode (CPU ranks raise at once, GPUs in check).
+    buf = Buffer(None, **make)
+    segments.update(_mapped_segments())
+    if rank == 0:
+        what = "max-mode dispatch skipped by rank 1"
+
+        def call():
+            handle = buf.dispatch(x, idx, max_recv_tokens=16)[3]
+            buf.check(handle)
+
+        _expect_timeout(failures, what, call, "layout exchange")
+        _expect_unusable(failures, what, buf, x, idx)
+    dist.barrier()
+    buf.destroy()
+
+    # 3. Both dispatch; rank 1 skips the combine.
+    buf = Buffer(None, **make)
+    segments.update(_mapped_segments())
+    recv_x, _, _, handle = buf.dispatch(x, idx)
+    if rank == 0:
+        what = "combine skipped by rank 1"
+        _expect_timeout(failures, what, lambda: buf.combine(recv_x, handle), "start of combine")
+        _expect_unusable(failures, what, buf, x, idx)
+    dist.barrier()
+    buf.destroy()
+    try:
+        buf.dispatch(x, idx)
+        failures.append(f"rank {rank}: dispatch on a destroyed Buffer did not raise")
+    except RuntimeError as e:
+        if "destroyed" not in str(e):
+            failures.append(f"rank {rank}: dispatch after destroy: unclear error {e}")
+    if dist.get_backend() == "gloo" and _mapped_segments():
+        failures.append(f"rank {rank}: destroy() left segments mapped: {_mapped_segments()}")
+    return failures, sorted(segments)
+
+
+def test_buffer_times_out_on_a_skipped_call(launch, device):
+    results = launch(_skipped_call_body, 2, timeout_s=300)
+    failures = [msg for per_rank, _ in results for msg in per_rank]
+    assert not failures, "\n".join(failures)
+    if device == "cpu":
+        _assert_no_leftovers([segs for _, segs in results], 2)
+
+
+# --- a rank killed after allocating ----------------------------------------------------------
+
+
+def _killed_body(rank: int, world_size: int, out_dir: str) -> int:
+    heap = allocate_heap(dist.group.WORLD, _heap_bytes(world_size), torch.device("cpu"))
+    with open(os.path.join(out_dir, f"rank{rank}.segments"), "w") as f:
+        f.write("\n".join(_mapped_segments()))
+    dist.barrier()  # both reports are written
+    if rank == 1:
+        os._exit(3)  # no close(), no finally blocks, no process-group teardown
+    del heap
+    return rank
+
+
+def test_no_leftovers_when_a_rank_is_killed(launch, device, tmp_path):
+    _skip_unless_cpu(device)
+    with pytest.raises(RankFailure) as info:
+        launch(_killed_body, 2, str(tmp_path), timeout_s=300)
+    assert 1 in info.value.failures and "exited with code 3" in info.value.failures[1], str(
+        info.value
+    )
+    segments = [(tmp_path / f"rank{r}.segments").read_text().split() for r in range(2)]
+    _assert_no_leftovers(segments, 2)

@@ -1,0 +1,294 @@
+"""Input validation of ``Buffer``: bad input raises ValueError, and the Buffer stays usable.
+
+Shape / dtype / parameter errors are detected locally before any launch, so every rank makes
+the same bad call (all ranks raise, and they stay in lock-step); the test checks on every rank
+that the call raised ValueError, that nothing moved (the Buffer's control words and this rank's
+symmetric heap are unchanged), and at the end that a correct dispatch + combine still matches
+``hybrid_ep_triton.reference``. Routing VALUE errors (ids out of range, duplicates) are found on
+the device during the collective layout step: only one rank passes bad ids, and every rank
+must raise ValueError, the bad rank naming its first bad row and the others naming the bad rank.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from hybrid_ep_triton import Buffer, reference
+
+BF16 = torch.bfloat16
+TOL = {torch.bfloat16: 2e-2, torch.float16: 2e-3, torch.float32: 1e-5}
+
+
+def _device() -> torch.device:
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _inputs(seed: int, num_tokens: int, hidden: int, num_experts: int, topk: int, dtype):
+    """x [T, H], topk_idx [T, K] int64 (distinct ids, some -1), weights [T, K] on the device."""
+    gen = torch.Generator().manual_seed(seed)
+    dev = _device()
+    x = torch.randn(num_tokens, hidden, generator=gen).to(dtype)
+    idx = torch.rand(num_tokens, num_experts, generator=gen).topk(topk, dim=1).indices
+    idx[torch.rand(num_tokens, topk, generator=gen) < 0.2] = -1
+    w = torch.rand(num_tokens, topk, generator=gen)
+    return x.to(dev), idx.to(dev), w.to(dev)
+
+
+def _check_round_trip(buf: Buffer, seed: int, num_tokens: int, topk: int, what: str, **kw):
+    """A correct dispatch + combine on ``buf`` matches the reference; returns failure strings."""
+    failures = []
+    rank = dist.get_rank()
+    x, idx, w = _inputs(seed, num_tokens, buf.hidden_size, buf.num_experts, topk, buf.dtype)
+    got = buf.dispatch(x, idx, w, **kw)
+    want = reference.dispatch(None, x, idx, w, num_experts=buf.num_experts, **kw)
+    for name, a, b in zip(
+        ("recv_x", "recv_weights", "tokens_per_expert"), got[:3], want[:3], strict=True
+    ):
+        if a.dtype != b.dtype or not torch.equal(a, b):
+            failures.append(f"rank {rank}, {what}: dispatch {name} differs from the reference")
+    y = torch.randn(got[0].shape, generator=torch.Generator().manual_seed(seed + 1))
+    y = y.to(buf.dtype).to(x.device)
+    out = buf.combine(y, got[3], weights=got[1])
+    ref = reference.combine(None, y, want[3], weights=want[1])
+    tol = TOL[buf.dtype]
+    if out.dtype != ref.dtype or not torch.allclose(out.float(), ref.float(), atol=tol, rtol=tol):
+        err = (out.float() - ref.float()).abs().max().item() if out.shape == ref.shape else None
+        failures.append(f"rank {rank}, {what}: combine differs from the reference (max err {err})")
+    return failures
+
+
+def _expect_value_error(failures: list, what: str, call, match: str | None = None) -> None:
+    try:
+        call()
+    except ValueError as e:
+        if match is not None and match not in str(e):
+            failures.append(f"{what}: ValueError {str(e)!r} does not mention {match!r}")
+    except Exception as e:
+        failures.append(f"{what}: raised {e!r}, expected ValueError")
+    else:
+        failures.append(f"{what}: did not raise ValueError")
+
+
+# --- bad tensors and arguments of dispatch / combine ----------------------------------------
+
+H, T_MAX, E, K = 5, 6, 4, 2  # W=2: 2 experts per rank
+
+
+def _bad_call_body(rank: int, world_size: int) -> list[str]:
+    failures: list[str] = []
+    dev = _device()
+    buf = Buffer(None, hidden_size=H, max_tokens_per_rank=T_MAX, num_experts=E, dtype=BF16)
+    rt = buf._rt  # internals, only to prove that a refused call moved nothing
+
+    def refused(what: str, call, match: str | None = None) -> None:
+        dist.barrier()  # no peer is still inside an earlier launch writing into our heap
+        control, heap = rt.control.clone(), rt.heap.local.clone()
+        _expect_value_error(failures, f"rank {rank}: {what}", call, match)
+        if not torch.equal(rt.control, control):
+            failures.append(f"rank {rank}: {what}: control words {control} -> {rt.control}")
+        if not torch.equal(rt.heap.local, heap):
+            failures.append(f"rank {rank}: {what}: the symmetric heap changed")
+
+    x, idx, w = _inputs(100 + rank, 4, H, E, K, BF16)
+    z = dict(device=dev)
+    refused("x with the wrong hidden size", lambda: buf.dispatch(x[:, :4], idx, w), "x must")
+    refused("1-D x", lambda: buf.dispatch(x.flatten(), idx, w), "x must")
+    refused("x as a list", lambda: buf.dispatch(x.tolist(), idx, w), "x must")
+    refused("x float32", lambda: buf.dispatch(x.float(), idx, w), "x must be torch.bfloat16")
+    big = torch.zeros(T_MAX + 1, H, dtype=BF16, **z)
+    big_idx = torch.zeros(T_MAX + 1, K, dtype=torch.int64, **z)
+    refused("too many tokens", lambda: buf.dispatch(big, big_idx), "max_tokens_per_rank")
+    cols = torch.zeros(H, 4, dtype=BF16, **z).t()  # [4, H] with stride(1) != 1
+    refused("x with non-contiguous rows", lambda: buf.dispatch(cols, idx, w), "contiguous")
+    refused("topk_idx float", lambda: buf.dispatch(x, idx.float(), w), "int32 or int64")
+    refused("topk_idx int16", lambda: buf.dispatch(x, idx.to(torch.int16), w), "int32 or int64")
+    refused("topk_idx with a row too many", lambda: buf.dispatch(x, torch.cat([idx, idx[:1]])))
+    refused("1-D topk_idx", lambda: buf.dispatch(x, idx[:, 0], None), "topk_idx")
+    refused("topk_idx with K=0", lambda: buf.dispatch(x, idx[:, :0], None), "K >= 1")
+    refused("no topk_idx and no handle", lambda: buf.dispatch(x), "topk_idx")
+    refused("topk_weights [T, K+1]", lambda: buf.dispatch(x, idx, torch.cat([w, w[:, :1]], 1)))
+    refused("topk_weights [T+1, K]", lambda: buf.dispatch(x, idx, torch.cat([w, w[:1]])))
+    refused("topk_weights float64", lambda: buf.dispatch(x, idx, w.double()), "float32")
+    refused("topk_weights bf16", lambda: buf.dispatch(x, idx, w.to(BF16)), "float32")
+    refused("pad_multiple 0", lambda: buf.dispatch(x, idx, w, pad_multiple=0), "pad_multiple")
+    refused("pad_multiple 2.0", lambda: buf.dispatch(x, idx, w, pad_multiple=2.0))
+    refused("max_recv_tokens -1", lambda: buf.dispatch(x, idx, w, max_recv_tokens=-1))
+    refused("handle of another type", lambda: buf.dispatch(x, handle=object()), "handle")
+
+    # A correct dispatch gives a handle for the bad cached dispatches and combines.
+    failures += _check_round_trip(buf, 200 + rank, 3 + rank, K, "dispatch between bad calls")
+    rx, rw, _, h = buf.dispatch(x, idx, w)
+    n = rx.shape[0]
+    y = torch.randn(n, H).to(BF16).to(dev)
+    refused("cached dispatch with fewer tokens", lambda: buf.dispatch(x[:3], handle=h), "handle")
+    w_wide = torch.cat([w, w[:, :1]], 1)
+    refused("cached dispatch, weights [T, K+1]", lambda: buf.dispatch(x, None, w_wide, handle=h))
+    refused("y with a row too many", lambda: buf.combine(torch.cat([y, y[:1]]), h), "y must")
+    refused("y with the wrong hidden size", lambda: buf.combine(y[:, :4], h), "y must")
+    refused("y float32", lambda: buf.combine(y.float(), h), "y must be torch.bfloat16")
+    refused("1-D y", lambda: buf.combine(y.flatten(), h), "y must")
+    y_cols = torch.zeros(H, n, dtype=BF16, **z).t()
+    refused("y with non-contiguous rows", lambda: buf.combine(y_cols, h), "contiguous")
+    refused("weights [N+1]", lambda: buf.combine(y, h, weights=torch.zeros(n + 1, **z)), "weights")
+    refused("weights [N, 1]", lambda: buf.combine(y, h, weights=rw[:, None]), "weights")
+    refused("weights bf16", lambda: buf.combine(y, h, weights=rw.to(BF16)), "weights")
+    refused("combine without a handle", lambda: buf.combine(y, None), "handle")
+
+    # Still usable: the pending handle, then fresh calls in both modes.
+    out = buf.combine(y, h, weights=rw)
+    if out.shape != (4, H):
+        failures.append(f"rank {rank}: combine after the bad calls returned {tuple(out.shape)}")
+    failures += _check_round_trip(buf, 300 + rank, 5 - rank, K, "after the bad calls")
+    failures += _check_round_trip(
+        buf, 400 + rank, T_MAX, K, "after the bad calls, max mode", max_recv_tokens=30
+    )
+    buf.destroy()
+    try:
+        buf.dispatch(x, idx, w)
+        failures.append(f"rank {rank}: dispatch on a destroyed Buffer did not raise")
+    except RuntimeError as e:
+        if "destroyed" not in str(e):
+            failures.append(f"rank {rank}: dispatch after destroy: unclear message {e}")
+    return failures
+
+
+def test_bad_dispatch_and_combine_arguments(launch):
+    results = launch(_bad_call_body, 2)
+    failures = [msg for per_rank in results for msg in per_rank]
+    assert not failures, "\n".join(failures)
+
+
+# --- constructor -----------------------------------------------------------------------------
+
+
+def _constructor_body(rank: int, world_size: int) -> list[str]:
+    failures: list[str] = []
+    good = dict(hidden_size=8, max_tokens_per_rank=4, num_experts=4, dtype=BF16)
+    same_bad = [
+        ("hidden_size 0", dict(hidden_size=0), "hidden_size"),
+        ("hidden_size -3", dict(hidden_size=-3), "hidden_size"),
+        ("hidden_size True", dict(hidden_size=True), "hidden_size"),
+        ("max_tokens_per_rank -1", dict(max_tokens_per_rank=-1), "max_tokens_per_rank"),
+        ("num_experts 0", dict(num_experts=0), "num_experts"),
+        ("num_experts 3 with 2 ranks", dict(num_experts=3), "divisible"),
+        ("dtype int8", dict(dtype=torch.int8), "dtype"),
+        ("dtype float64", dict(dtype=torch.float64), "dtype"),
+        ("num_sms 0", dict(num_sms=0), "num_sms"),
+        ("num_sms 133", dict(num_sms=133), "num_sms"),
+        ("timeout_s 0", dict(timeout_s=0), "timeout_s"),
+    ]
+    for what, change, match in same_bad:
+        kw = {**good, **change}
+        _expect_value_error(
+            failures, f"rank {rank}: {what}", lambda kw=kw: Buffer(None, **kw), match
+        )
+    # Parameters that differ between ranks: every rank raises, naming the parameter.
+    differing = [
+        ("hidden_size", dict(hidden_size=8 + rank)),
+        ("max_tokens_per_rank", dict(max_tokens_per_rank=4 + rank)),
+        ("num_experts", dict(num_experts=4 * (1 + rank))),
+        ("dtype", dict(dtype=(BF16, torch.float16)[rank % 2])),
+        ("num_sms", dict(num_sms=None if rank == 0 else 3)),
+    ]
+    for name, change in differing:
+        kw = {**good, **change}
+        _expect_value_error(
+            failures, f"rank {rank}: {name} differs between ranks",
+            lambda kw=kw: Buffer(None, **kw), f"{name} differs",
+        )  # fmt: skip
+    with Buffer(None, **good) as buf:
+        failures += _check_round_trip(buf, 10 + rank, 4, 2, "after the refused constructors")
+    return failures
+
+
+def test_bad_constructor_arguments(launch):
+    results = launch(_constructor_body, 2)
+    failures = [msg for per_rank in results for msg in per_rank]
+    assert not failures, "\n".join(failures)
+
+
+# --- routing values, checked on the device ---------------------------------------------------
+
+BAD_RANK, BAD_ROW = 1, 3
+RT_H, RT_T, RT_E, RT_K = 6, 6, 6, 2  # W=3: 2 experts per rank
+
+
+def _bad_routing(kind: str, idx: torch.Tensor) -> torch.Tensor:
+    """Copy of ``idx`` with row BAD_ROW (and row 5) made invalid in the way ``kind`` says."""
+    idx = idx.clone()
+    for row in (BAD_ROW, 5):
+        if kind == "too_large":
+            idx[row] = torch.tensor([1, RT_E])
+        elif kind == "below_minus_one":
+            idx[row] = torch.tensor([-2, 0])
+        elif kind == "duplicate":
+            idx[row] = torch.tensor([4, 4])
+        elif kind == "huge_int64":  # wraps to a valid id if narrowed to int32
+            idx[row] = torch.tensor([2**32 + 1, -1])
+        elif kind == "huge_negative_int64":  # wraps to -1 if narrowed to int32
+            idx[row] = torch.tensor([-(2**32) - 1, 2])
+    return idx
+
+
+def _routing_body(rank: int, world_size: int, kinds: list[str]) -> list[str]:
+    failures: list[str] = []
+    buf = Buffer(None, hidden_size=RT_H, max_tokens_per_rank=RT_T, num_experts=RT_E, dtype=BF16)
+    num_tokens = (4, RT_T, 5)[rank]
+    for i, kind in enumerate(kinds):
+        for mode, max_recv in (("exact", None), ("max_recv_tokens", 40)):
+            what = f"rank {rank}, {kind} ids on rank {BAD_RANK}, {mode} mode"
+            x, idx, w = _inputs(1000 * i + 10 * rank + (max_recv is None), num_tokens, RT_H,
+                                RT_E, RT_K, BF16)  # fmt: skip
+            if rank == BAD_RANK:
+                idx = _bad_routing(kind, idx)
+            match = f"row {BAD_ROW} " if rank == BAD_RANK else f"rank {BAD_RANK} passed"
+            try:
+                h = buf.dispatch(x, idx, w, max_recv_tokens=max_recv)[3]
+                if max_recv is None or x.device.type == "cpu":
+                    failures.append(f"{what}: dispatch did not raise ValueError")
+                    continue
+                # GPU, max mode: no host sync in dispatch; check() reports it.
+                _expect_value_error(failures, f"{what}: check()", lambda h=h: buf.check(h), match)
+            except ValueError as e:
+                if match not in str(e):
+                    failures.append(f"{what}: ValueError {str(e)!r} does not mention {match!r}")
+            except Exception as e:
+                failures.append(f"{what}: raised {e!r}, expected ValueError")
+                return failures  # ranks may be out of step
+            failures += _check_round_trip(
+                buf, 5000 + 1000 * i + rank, num_tokens, RT_K, f"{what}: next call",
+                max_recv_tokens=max_recv,
+            )  # fmt: skip
+    buf.destroy()
+    return failures
+
+
+def test_invalid_routing_values_raise_on_every_rank(launch):
+    # int64 ids past the int32 range must not be narrowed into valid-looking ones.
+    kinds = ["too_large", "below_minus_one", "duplicate", "huge_int64", "huge_negative_int64"]
+    results = launch(_routing_body, 3, kinds)
+    failures = [msg for per_rank in results for msg in per_rank]
+    assert not failures, "\n".join(failures)
+
+
+# --- a group of one rank ---------------------------------------------------------------------
+
+
+def _single_rank_body(rank: int, world_size: int) -> list[str]:
+    failures: list[str] = []
+    with Buffer(
+        None, hidden_size=9, max_tokens_per_rank=7, num_experts=3, dtype=torch.float16
+    ) as buf:
+        failures += _check_round_trip(buf, 1, 7, 2, "W=1 exact")
+        failures += _check_round_trip(buf, 2, 5, 3, "W=1 pad 4", pad_multiple=4)
+        failures += _check_round_trip(buf, 3, 6, 2, "W=1 truncated", max_recv_tokens=4)
+        failures += _check_round_trip(buf, 4, 0, 1, "W=1 no tokens", max_recv_tokens=3)
+    return failures
+
+
+def test_group_of_one_rank(launch):
+    (failures,) = launch(_single_rank_body, 1)
+    assert not failures, "\n".join(failures)
