@@ -1,8 +1,8 @@
 """Shared test setup: where multi-rank tests run.
 
 HEP_TEST_DEVICE=cpu (default): ranks are CPU processes (gloo) running Triton kernels under the
-interpreter. HEP_TEST_DEVICE=cuda: ranks use NCCL on the local GPUs, shared round-robin when there
-are more ranks than GPUs (NCCL collectives then fail: NCCL wants one GPU per rank).
+interpreter. HEP_TEST_DEVICE=cuda: ranks use NCCL on the local GPUs, one GPU per rank; a test
+with more ranks than GPUs is skipped (NCCL and NVSHMEM want one GPU per rank).
 HEP_TEST_TIMEOUT (seconds, default 600) bounds each multi-rank launch.
 """
 
@@ -48,6 +48,12 @@ def launch(device):
     from hybrid_ep_triton._launcher import run_ranks
 
     def _launch(fn, world_size: int, *args, timeout_s: float | None = None) -> list:
+        if device == "cuda":
+            import torch
+
+            if world_size > torch.cuda.device_count():
+                # NCCL and NVSHMEM want one GPU per rank.
+                pytest.skip(f"{world_size} ranks need {world_size} GPUs")
         timeout = TIMEOUT_S if timeout_s is None else timeout_s
         return run_ranks(fn, world_size, *args, device=device, timeout_s=timeout)
 
