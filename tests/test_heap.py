@@ -61,7 +61,7 @@ def _exchange_kernel(
     BLOCK_BYTES: tl.constexpr,
     STAGE_NO: tl.constexpr,
 ):
-    seq = round_no.to(tl.int64)
+    seq = round_no + tl.zeros([], tl.int64)  # round_no == 1 arrives as a constexpr on GPUs
     for peer in range(0, world_size):
         dst = region(peer_bases_ptr, peer, DATA_OFFSET + rank * SLOT_BYTES, tl.uint8)
         for b0 in range(0, SLOT_BYTES, BLOCK_BYTES):
@@ -282,13 +282,18 @@ def _skipped_call_body(rank: int, world_size: int) -> tuple[list[str], list[str]
     dist.barrier()
     buf.destroy()
 
-    # 3. Both dispatch; rank 1 skips the combine.
+    # 3. Both dispatch; rank 1 skips the combine (CPU ranks raise at once, GPUs in check).
     buf = Buffer(None, **make)
     segments.update(_mapped_segments())
     recv_x, _, _, handle = buf.dispatch(x, idx)
     if rank == 0:
         what = "combine skipped by rank 1"
-        _expect_timeout(failures, what, lambda: buf.combine(recv_x, handle), "start of combine")
+
+        def call():
+            buf.combine(recv_x, handle)
+            buf.check(handle)
+
+        _expect_timeout(failures, what, call, "start of combine")
         _expect_unusable(failures, what, buf, x, idx)
     dist.barrier()
     buf.destroy()
