@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 
 from .dispatch import column
-from .primitives import finish_launch, region, signal, wait_at_least
+from .primitives import finish_launch, handshake, region, signal, wait_at_least
 
 STAGE_COMBINE_READY = 4
 STAGE_COMBINE_DATA = 5
@@ -158,11 +158,7 @@ def combine_kernel(
     status_ptr = control_ptr + 3
     dtype = out_ptr.dtype.element_ty
 
-    for peer in range(0, world_size):
-        signal(region(peer_bases_ptr, peer, ready_off, tl.int64) + rank * P_MAX + pid, seq)
-    my_ready = region(peer_bases_ptr, rank, ready_off, tl.int64)
-    for peer in range(0, world_size):
-        wait_at_least(my_ready + peer * P_MAX + pid, seq, timeout_ns, status_ptr, peer, 4)
+    handshake(peer_bases_ptr, ready_off, rank, world_size, seq, timeout_ns, status_ptr, 4, P_MAX)
 
     # Work items are (chunk, column slice), numbered as in dispatch.
     slice_cols = tl.cdiv(tl.cdiv(hidden, H_SLICES), BLOCK_H) * BLOCK_H

@@ -15,7 +15,7 @@ Program p only ever waits for program p of other ranks, never for a program of i
 import triton
 import triton.language as tl
 
-from .primitives import finish_launch, region, signal, wait_at_least
+from .primitives import finish_launch, handshake, region, signal, wait_at_least
 
 STAGE_DISPATCH_READY = 2
 STAGE_DISPATCH_DATA = 3
@@ -259,11 +259,7 @@ def dispatch_kernel(
     # Invalid routing on any rank: every rank saw it in the layout exchange and moves nothing.
     aborted = tl.load(info_ptr + 1) >= 0
 
-    for peer in range(0, world_size):
-        signal(region(peer_bases_ptr, peer, ready_off, tl.int64) + rank * P_MAX + pid, seq)
-    my_ready = region(peer_bases_ptr, rank, ready_off, tl.int64)
-    for peer in range(0, world_size):
-        wait_at_least(my_ready + peer * P_MAX + pid, seq, timeout_ns, status_ptr, peer, 2)
+    handshake(peer_bases_ptr, ready_off, rank, world_size, seq, timeout_ns, status_ptr, 2, P_MAX)
 
     # Work item w = (chunk c, column slice s); program p takes w = p, p + P, ... on every rank,
     # so the receiver of an item is the program with the sender's number.

@@ -84,6 +84,21 @@ def wait_at_least(flag_ptr, target, timeout_ns, status_ptr, peer, stage):
 
 
 @triton.jit
+def handshake(
+    peer_bases_ptr, ready_off, rank, world_size, seq, timeout_ns, status_ptr, stage, P_MAX
+):
+    """Tell every peer that this rank's program ``pid`` started launch ``seq`` (so this rank's
+    earlier launches, which read its staging area, are over), then wait until program ``pid`` of
+    every peer has said the same. ready flags: int64 [world, P_MAX] in every heap."""
+    pid = tl.program_id(0)
+    for peer in range(0, world_size):
+        signal(region(peer_bases_ptr, peer, ready_off, tl.int64) + rank * P_MAX + pid, seq)
+    my_ready = region(peer_bases_ptr, rank, ready_off, tl.int64)
+    for peer in range(0, world_size):
+        wait_at_least(my_ready + peer * P_MAX + pid, seq, timeout_ns, status_ptr, peer, stage)
+
+
+@triton.jit
 def finish_launch(control_ptr, seq, num_programs):
     """Publish ``seq`` as the last completed sequence number once every program got here.
 
