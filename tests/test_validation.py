@@ -286,6 +286,16 @@ def _single_rank_body(rank: int, world_size: int) -> list[str]:
         failures += _check_round_trip(buf, 2, 5, 3, "W=1 pad 4", pad_multiple=4)
         failures += _check_round_trip(buf, 3, 6, 2, "W=1 truncated", max_recv_tokens=4)
         failures += _check_round_trip(buf, 4, 0, 1, "W=1 no tokens", max_recv_tokens=3)
+        # Nobody called check() for the truncated dispatch: the next exact-mode dispatch
+        # reports its overflow (once), and the Buffer stays usable.
+        x, idx, _ = _inputs(5, 3, buf.hidden_size, buf.num_experts, 1, buf.dtype)
+        try:
+            buf.dispatch(x, idx)
+            failures.append("W=1: exact dispatch after an unchecked overflow did not raise")
+        except OverflowError as e:
+            if "max_recv_tokens is 4" not in str(e):
+                failures.append(f"W=1: OverflowError does not name the limit: {e}")
+        failures += _check_round_trip(buf, 6, 7, 2, "W=1 exact after the overflow report")
     return failures
 
 

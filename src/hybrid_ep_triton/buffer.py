@@ -10,6 +10,8 @@ from .ops.combine import reduce_tokens
 from .ops.dispatch import DispatchHandle, compute_layout, move_tokens
 
 DEFAULT_TIMEOUT_S = 60.0
+# Unchecked max_recv_tokens dispatches remembered for the next exact-mode call.
+_MAX_UNCHECKED = 1024
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 _STAGES = {
@@ -88,6 +90,8 @@ class Buffer:
         self.dtype = dtype
         self.timeout_s = float(timeout_s)
         self._broken: str | None = None
+        # max_recv_tokens dispatches whose overflow nobody has checked yet: (info, M).
+        self._unchecked: list[tuple[torch.Tensor, int]] = []
         self._rt = Runtime(
             plan=plan,
             heap=allocate_heap(group, plan.heap.total_bytes, device),
@@ -120,7 +124,8 @@ class Buffer:
             pad_multiple: pad each expert's segment with zero rows (weight 0) to a multiple of it.
             max_recv_tokens: None: the output has exactly the rows needed (one device-to-host
                 read). M: the output has M rows, with no host synchronisation; rows past the
-                valid count are zero; rows that do not fit are dropped and ``check`` raises
+                valid count are zero; rows that do not fit are dropped, and ``check`` (or the
+                next exact-mode dispatch of this Buffer, once its work is done) raises
                 OverflowError. Size M as world * max_tokens_per_rank * min(K, L) plus
                 L * (pad_multiple - 1) to never drop a row.
             handle: the handle of an earlier dispatch: send new rows ``x`` along the same routing
@@ -156,7 +161,8 @@ class Buffer:
                 "topk_weights", topk_weights, (num_tokens, topk), torch.float32, rt.device
             )
 
-        if handle is None:
+        new_layout = handle is None
+        if new_layout:
             handle = compute_layout(rt, topk_idx, pad_multiple, max_recv_tokens)
             if max_recv_tokens is None:
                 # One device-to-host read: the row count, routing validity and wait status.
@@ -170,6 +176,14 @@ class Buffer:
         if rt.device.type == "cpu":  # launches are synchronous: report now
             self._raise_on_status(*rt.control[3:6].tolist())
             self._raise_on_invalid_routing(handle)
+        if new_layout and max_recv_tokens is not None:
+            if len(self._unchecked) < _MAX_UNCHECKED:
+                self._unchecked.append((handle.info, max_recv_tokens))
+        elif new_layout and self._unchecked:
+            # This exact-mode call synchronised already: report earlier overflows now, after
+            # the collective work is done, so that no peer is left waiting.
+            pending, self._unchecked = self._unchecked, []
+            self._raise_on_overflow(pending)
         return recv_x, recv_weights, handle.tokens_per_expert, handle
 
     def combine(
@@ -212,11 +226,9 @@ class Buffer:
         ).tolist()
         self._raise_on_status(code, peer, stage)
         self._raise_on_invalid_routing(handle)
-        if handle.max_recv_tokens is not None and needed > handle.max_recv_tokens:
-            raise OverflowError(
-                f"rank {self._rt.rank}: dispatch needed {needed} rows but max_recv_tokens is "
-                f"{handle.max_recv_tokens}; the rows past it were dropped"
-            )
+        self._unchecked = [entry for entry in self._unchecked if entry[0] is not handle.info]
+        if handle.max_recv_tokens is not None:
+            self._raise_on_overflow([(handle.info, handle.max_recv_tokens)])
 
     def destroy(self) -> None:
         """Free the symmetric buffers (collective; idempotent)."""
@@ -284,6 +296,19 @@ class Buffer:
                 f"at {_STAGES.get(stage, f'stage {stage}')}"
             )
             raise TimeoutError(self._broken)
+
+    def _raise_on_overflow(self, dispatches: list[tuple[torch.Tensor, int]]) -> None:
+        """Raise OverflowError for the first of ``dispatches`` (info, M) that needed more than
+        M rows."""
+        needed = torch.stack([info[0] for info, _ in dispatches]).tolist()
+        for (_, limit), rows in zip(dispatches, needed, strict=True):
+            if rows > limit:
+                raise OverflowError(
+                    f"rank {self._rt.rank}: a dispatch needed {rows} rows but max_recv_tokens is "
+                    f"{limit}; the rows past it were dropped. Size max_recv_tokens as "
+                    "world * max_tokens_per_rank * min(K, L) + L * (pad_multiple - 1) to never "
+                    "drop a row"
+                )
 
     def _raise_on_invalid_routing(self, handle: DispatchHandle) -> None:
         _, src, row = handle.info[:3].tolist()
