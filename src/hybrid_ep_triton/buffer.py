@@ -6,8 +6,8 @@ import torch.distributed as dist
 from ._heap import allocate_heap
 from ._planner import MAX_PROGRAMS, MAX_TOPK, default_config, make_plan
 from .ops import Runtime
-from .ops.combine import reduce_tokens
-from .ops.dispatch import DispatchHandle, compute_layout, move_tokens
+from .ops.autograd import combine_tokens, dispatch_tokens
+from .ops.dispatch import DispatchHandle, compute_layout
 
 DEFAULT_TIMEOUT_S = 60.0
 # Unchecked max_recv_tokens dispatches remembered for the next exact-mode call.
@@ -100,6 +100,8 @@ class Buffer:
             world_size=world,
             device=device,
             timeout_ns=int(timeout_s * 1e9),
+            group=group,
+            check_status=self._raise_if_timed_out,
         )
 
     # -- public API -------------------------------------------------------------------------
@@ -172,9 +174,8 @@ class Buffer:
                 self._raise_on_status(code, peer, stage)
                 self._raise_on_invalid_routing(handle)
                 handle.num_recv_rows = needed
-        recv_x, recv_weights = move_tokens(rt, x, topk_weights, handle)
+        recv_x, recv_weights = dispatch_tokens(rt, x, topk_weights, handle)
         if rt.device.type == "cpu":  # launches are synchronous: report now
-            self._raise_on_status(*rt.control[3:6].tolist())
             self._raise_on_invalid_routing(handle)
         if new_layout and max_recv_tokens is not None:
             if len(self._unchecked) < _MAX_UNCHECKED:
@@ -208,10 +209,7 @@ class Buffer:
             raise ValueError("y must have contiguous rows (stride(1) == 1)")
         if weights is not None:
             _check_tensor("weights", weights, (handle.num_recv_rows,), torch.float32, rt.device)
-        out = reduce_tokens(rt, y, handle, weights)
-        if rt.device.type == "cpu":
-            self._raise_on_status(*rt.control[3:6].tolist())
-        return out
+        return combine_tokens(rt, y, handle, weights)
 
     def check(self, handle: DispatchHandle) -> None:
         """Synchronise and raise what the device recorded for ``handle``'s dispatch.
@@ -288,6 +286,10 @@ class Buffer:
             raise ValueError(
                 f"handle must be a DispatchHandle of this Buffer, got {_describe(handle)}"
             )
+
+    def _raise_if_timed_out(self) -> None:
+        if self._rt.device.type == "cpu":  # launches are synchronous: report now
+            self._raise_on_status(*self._rt.control[3:6].tolist())
 
     def _raise_on_status(self, code: int, peer: int, stage: int) -> None:
         if code:

@@ -1,8 +1,10 @@
 """Torch-facing operations: they launch the kernels for a Buffer's runtime state."""
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 
 from .._planner import Plan
 
@@ -15,6 +17,8 @@ class Runtime:
     control: int64 [6] on the device: [0] last data-launch sequence number, [1] ticket of the
         running launch, [2] last layout-exchange sequence number, [3:6] status (code, peer, stage).
     timeout_ns: bound of every wait on a peer, in nanoseconds.
+    check_status: called after every launch; raises TimeoutError where launches are synchronous
+        (CPU ranks), as soon as a wait timed out.
     """
 
     plan: Plan
@@ -24,3 +28,5 @@ class Runtime:
     world_size: int
     device: torch.device
     timeout_ns: int
+    group: dist.ProcessGroup
+    check_status: Callable[[], None]
