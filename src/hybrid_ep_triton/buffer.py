@@ -5,6 +5,9 @@ import torch.distributed as dist
 
 from ._heap import allocate_heap
 from ._planner import MAX_PROGRAMS, MAX_TOPK, default_config, make_plan
+from .kernels.combine import STAGE_COMBINE_DATA, STAGE_COMBINE_READY
+from .kernels.dispatch import STAGE_DISPATCH_DATA, STAGE_DISPATCH_READY
+from .kernels.route import STAGE_LAYOUT
 from .ops import Runtime
 from .ops.autograd import combine_tokens, dispatch_tokens
 from .ops.dispatch import DispatchHandle, compute_layout
@@ -15,11 +18,11 @@ _MAX_UNCHECKED = 1024
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 _STAGES = {
-    1: "the dispatch layout exchange",
-    2: "the start of dispatch (peer not ready)",
-    3: "dispatch token chunks",
-    4: "the start of combine (peer not ready)",
-    5: "combine partial sums",
+    STAGE_LAYOUT: "the dispatch layout exchange",
+    STAGE_DISPATCH_READY: "the start of dispatch (peer not ready)",
+    STAGE_DISPATCH_DATA: "dispatch token chunks",
+    STAGE_COMBINE_READY: "the start of combine (peer not ready)",
+    STAGE_COMBINE_DATA: "combine partial sums",
 }
 
 

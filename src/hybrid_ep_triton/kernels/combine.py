@@ -158,7 +158,10 @@ def combine_kernel(
     status_ptr = control_ptr + 3
     dtype = out_ptr.dtype.element_ty
 
-    handshake(peer_bases_ptr, ready_off, rank, world_size, seq, timeout_ns, status_ptr, 4, P_MAX)
+    stage = 4  # STAGE_COMBINE_READY
+    handshake(
+        peer_bases_ptr, ready_off, rank, world_size, seq, timeout_ns, status_ptr, stage, P_MAX
+    )
 
     # Work items are (chunk, column slice), numbered as in dispatch.
     slice_cols = tl.cdiv(tl.cdiv(hidden, H_SLICES), BLOCK_H) * BLOCK_H
@@ -186,7 +189,7 @@ def combine_kernel(
     for w in range(pid, tl.cdiv(num_tokens, CHUNK) * H_SLICES, num_programs):
         for peer in range(0, world_size):
             flag = my_flags + peer * NC_MAX * H_SLICES + w
-            wait_at_least(flag, seq, timeout_ns, status_ptr, peer, 5)
+            wait_at_least(flag, seq, timeout_ns, status_ptr, peer, 5)  # STAGE_COMBINE_DATA
         h_first = (w % H_SLICES) * slice_cols
         _sum_chunk(
             w // H_SLICES, h_first, tl.minimum(h_first + slice_cols, hidden), num_tokens, hidden,

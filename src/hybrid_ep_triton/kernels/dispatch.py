@@ -259,7 +259,10 @@ def dispatch_kernel(
     # Invalid routing on any rank: every rank saw it in the layout exchange and moves nothing.
     aborted = tl.load(info_ptr + 1) >= 0
 
-    handshake(peer_bases_ptr, ready_off, rank, world_size, seq, timeout_ns, status_ptr, 2, P_MAX)
+    stage = 2  # STAGE_DISPATCH_READY
+    handshake(
+        peer_bases_ptr, ready_off, rank, world_size, seq, timeout_ns, status_ptr, stage, P_MAX
+    )
 
     # Work item w = (chunk c, column slice s); program p takes w = p, p + P, ... on every rank,
     # so the receiver of an item is the program with the sender's number.
@@ -285,7 +288,7 @@ def dispatch_kernel(
         src_items = tl.where(aborted, 0, tl.cdiv(src_tokens, CHUNK) * H_SLICES)
         for w in range(pid, src_items, num_programs):
             flag = my_flags + src * NC_MAX * H_SLICES + w
-            wait_at_least(flag, seq, timeout_ns, status_ptr, src, 3)
+            wait_at_least(flag, seq, timeout_ns, status_ptr, src, 3)  # STAGE_DISPATCH_DATA
             table = recv_chunk_start_ptr + src * (NC_MAX + 1) + w // H_SLICES
             h_first = (w % H_SLICES) * slice_cols
             _expand_chunk(

@@ -20,13 +20,7 @@ import triton.language as tl
 
 from .primitives import region, signal, wait_at_least
 
-# Columns of a published counts row: per-expert totals, then these.
-COL_TOKENS = 0  # number of tokens of the source rank
-COL_INVALID = 1  # 1 when the source's topk_idx failed validation
-COL_PAD = 2  # the source's pad_multiple: senders lay out a destination's segments with it
-EXTRA_COLS = 3
-
-STAGE_LAYOUT = 1
+STAGE_LAYOUT = 1  # stage number a timed-out wait records (literal inside the kernels)
 
 
 @triton.jit
@@ -178,9 +172,10 @@ def exchange_layout_kernel(
     invalid = (tl.load(invalid_row_ptr) < num_tokens).to(tl.int32)
     for peer in range(0, world_size):
         counts = region(peer_bases_ptr, peer, counts_off, tl.int32) + rank * ROW + num_experts
-        tl.store(counts + 0, num_tokens)  # COL_TOKENS
-        tl.store(counts + 1, invalid)  # COL_INVALID
-        tl.store(counts + 2, pad_multiple)  # COL_PAD
+        # A counts row: per-expert totals, then tokens, invalid routing, pad_multiple.
+        tl.store(counts + 0, num_tokens)
+        tl.store(counts + 1, invalid)
+        tl.store(counts + 2, pad_multiple)
         table = region(peer_bases_ptr, peer, chunk_table_off, tl.int32) + rank * (NC_MAX + 1)
         for c0 in range(0, num_chunks + 1, C_BLOCK):
             chunks = c0 + tl.arange(0, C_BLOCK)
