@@ -58,23 +58,31 @@ _PLOTTED = (
 
 def _median_us(fn, args_list, warmup: int, iters: int) -> tuple[float, float]:
     """(device time, host time) per call in µs: the largest over ranks of the medians of
-    event-timed calls, and of the host time spent issuing each call."""
+    event-timed calls, and of the host time spent issuing each call. On CPU ranks (gloo, the
+    interpreter) calls are synchronous and both are the host time."""
+    on_gpu = dist.get_backend() == "nccl"
     for i in range(warmup):
         fn(*args_list[i % len(args_list)])
-    torch.cuda.synchronize()
+    if on_gpu:
+        torch.cuda.synchronize()
     dist.barrier()
     events, host = [], []
     for i in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         t0 = time.perf_counter()
-        start.record()
+        if on_gpu:
+            events.append(
+                (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+            )
+            events[-1][0].record()
         fn(*args_list[i % len(args_list)])
-        end.record()
+        if on_gpu:
+            events[-1][1].record()
         host.append((time.perf_counter() - t0) * 1e6)
-        events.append((start, end))
-    torch.cuda.synchronize()
-    mine = [statistics.median(s.elapsed_time(e) * 1e3 for s, e in events), statistics.median(host)]
-    worst = torch.tensor(mine, device="cuda")
+    if on_gpu:
+        torch.cuda.synchronize()
+    device = [s.elapsed_time(e) * 1e3 for s, e in events] if on_gpu else host
+    mine = [statistics.median(device), statistics.median(host)]
+    worst = torch.tensor(mine, device="cuda" if on_gpu else "cpu")
     dist.all_reduce(worst, op=dist.ReduceOp.MAX)
     return tuple(worst.tolist())
 

@@ -4,7 +4,8 @@ import torch
 import torch.distributed as dist
 
 from ._heap import allocate_heap
-from ._planner import MAX_PROGRAMS, MAX_TOPK, default_config, make_plan
+from ._planner import MAX_PROGRAMS, MAX_TOPK, make_plan
+from ._tuning import cache_key, select_config
 from .kernels.combine import STAGE_COMBINE_DATA, STAGE_COMBINE_READY
 from .kernels.dispatch import STAGE_DISPATCH_DATA, STAGE_DISPATCH_READY
 from .kernels.route import STAGE_LAYOUT
@@ -42,7 +43,10 @@ class Buffer:
         num_experts: E, global experts, divisible by the group size.
         dtype: element type of token rows: torch.bfloat16, torch.float16 or torch.float32.
         num_sms: programs (channels, about one SM each) of the dispatch and combine kernels;
-            1..132. Default: 8 on GPUs, 2 on CPU ranks.
+            1..132. Default: the tuned configuration's (``hybrid-ep tune``), else 8 on GPUs and
+            2 on CPU ranks. The other kernel parameters come from the tuning cache when it has
+            an entry for this GPU, Triton version, group size, hidden size and dtype, else from
+            the planner's heuristic.
         timeout_s: seconds any wait on another rank may last before TimeoutError (default 60).
     """
 
@@ -76,7 +80,8 @@ class Buffer:
         device = (
             torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
         )
-        config = default_config(hidden_size, max_tokens_per_rank, num_sms, on_gpu)
+        key = cache_key(device, world, hidden_size, dtype)
+        config = select_config(key, hidden_size, max_tokens_per_rank, num_sms, on_gpu)
         _check_same_on_all_ranks(
             group,
             hidden_size=hidden_size,
@@ -84,6 +89,7 @@ class Buffer:
             num_experts=num_experts,
             dtype=dtype,
             num_sms=config.num_programs,
+            kernel_config=config,  # from each rank's tuning cache: must agree too
         )
         plan = make_plan(world, hidden_size, max_tokens_per_rank, num_experts, dtype, config)
         self.group = group

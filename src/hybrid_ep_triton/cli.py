@@ -106,11 +106,25 @@ def run_bench(args: argparse.Namespace) -> int:
     return run(args)
 
 
+def _tune_arguments(p: argparse.ArgumentParser) -> None:
+    from ._tune import add_arguments
+
+    add_arguments(p)
+
+
+def run_tune(args: argparse.Namespace) -> int:
+    """Sweep the kernels' parameters for one shape and cache the fastest for this machine."""
+    from ._tune import run
+
+    return run(args)
+
+
 COMMANDS: dict[str, Command] = {
     "demo": Command("run one checked MoE dispatch/combine round", _demo_arguments, run_demo),
     "bench": Command(
         "benchmark on the local GPUs (writes bench/results/)", _bench_arguments, run_bench
     ),
+    "tune": Command("tune kernel parameters, cache the best", _tune_arguments, run_tune),
 }
 
 

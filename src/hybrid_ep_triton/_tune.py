@@ -1,0 +1,140 @@
+"""``hybrid-ep tune``: sweep the kernels' free parameters for one shape and cache the fastest.
+
+Candidates are every combination of tokens per chunk, dispatch tile width (combine uses half),
+warps per program and column slices per chunk, at the given number of programs (the SM budget).
+Each candidate gets its own Buffer; the score is the time of a cached-handle dispatch (the data
+move) plus a combine, medians of ``iters`` calls after ``warmup``, the slowest rank's. The
+timing is the benchmark's (CUDA events) rather than ``triton.testing.do_bench``: do_bench picks
+its repetition count from each process's own first measurements, and these calls are
+collective, so every rank must make exactly the same number of them.
+"""
+
+import argparse
+import itertools
+
+import torch
+
+from ._bench import _median_us
+from ._launcher import run_ranks
+from ._planner import KernelConfig
+from ._tuning import cache_key, cache_path, forced, store
+
+
+def _ints(text: str) -> list[int]:
+    return [int(v) for v in text.split(",")]
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--ranks", type=int, help="default: every local GPU (2 CPU ranks without)")
+    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    p.add_argument("--tokens", type=int, default=4096, help="tokens per rank (default 4096)")
+    p.add_argument("--hidden", type=int, default=7168)
+    p.add_argument("--experts", type=int, default=256)
+    p.add_argument("--topk", type=int, default=8)
+    p.add_argument("--sms", type=int, default=8, help="programs (SM budget), default 8")
+    p.add_argument("--chunks", type=_ints, default=[16, 32], help="tokens per chunk")
+    p.add_argument("--block-h", type=_ints, default=[256, 512, 1024], help="dispatch tile width")
+    p.add_argument("--warps", type=_ints, default=[8, 16])
+    p.add_argument("--slices", type=_ints, default=[1, 2, 4], help="column slices per chunk")
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--timeout", type=float, default=3600)
+
+
+def _candidates(args: argparse.Namespace, on_gpu: bool) -> list[KernelConfig]:
+    grid = itertools.product(args.chunks, args.block_h, args.warps, args.slices)
+    return [
+        KernelConfig(
+            num_programs=args.sms,
+            chunk_tokens=chunk,
+            block_h=block_h,
+            combine_block_h=max(block_h // 2, 32),
+            copy_unroll=4 if on_gpu else 2,
+            h_slices=slices,
+            num_warps=warps,
+        )  # fmt: skip
+        for chunk, block_h, warps, slices in grid
+    ]
+
+
+def _tune_rank(rank: int, world: int, opts: dict) -> tuple[str, list[tuple[float, float]]]:
+    from . import Buffer
+
+    device = torch.device("cuda", torch.cuda.current_device()) if opts["on_gpu"] else None
+    device = device or torch.device("cpu")
+    g = torch.Generator().manual_seed(rank)
+    x = torch.randn(opts["tokens"], opts["hidden"], generator=g).to(torch.bfloat16).to(device)
+    scores = torch.rand(opts["tokens"], opts["experts"], generator=g)
+    idx = scores.topk(opts["topk"], dim=1).indices.to(device)
+    weights = torch.rand(idx.shape, generator=g).to(device)
+    progress = _progress(len(opts["candidates"])) if rank == 0 else None
+    times = []
+    for config in opts["candidates"]:
+        with forced(config):
+            buf = Buffer(None, hidden_size=opts["hidden"], max_tokens_per_rank=opts["tokens"],
+                         num_experts=opts["experts"])  # fmt: skip
+        times.append(_score(buf, x, idx, weights, opts["warmup"], opts["iters"]))
+        buf.destroy()
+        if progress:
+            progress()
+    return cache_key(device, world, opts["hidden"], torch.bfloat16), times
+
+
+def _score(buf, x, idx, weights, warmup: int, iters: int) -> tuple[float, float]:
+    """(cached-handle dispatch µs, combine µs) of one Buffer."""
+    recv_x, recv_w, _, handle = buf.dispatch(x, idx, weights)
+    y = torch.randn_like(recv_x)
+    t_dispatch, _ = _median_us(
+        lambda: buf.dispatch(x, None, weights, handle=handle), [()], warmup, iters
+    )
+    t_combine, _ = _median_us(lambda: buf.combine(y, handle, weights=recv_w), [()], warmup, iters)
+    return t_dispatch, t_combine
+
+
+def _progress(total: int):
+    """A callable that advances a progress bar (rich if installed, else a counter line)."""
+    try:
+        from rich.progress import Progress
+    except ImportError:
+        done = [0]
+
+        def step():
+            done[0] += 1
+            print(f"tune: {done[0]}/{total} candidates", flush=True)
+
+        return step
+    bar = Progress(transient=False)
+    task = bar.add_task("tuning", total=total)
+    bar.start()
+
+    def step():
+        bar.advance(task)
+        if bar.finished:
+            bar.stop()
+
+    return step
+
+
+def run(args: argparse.Namespace) -> int:
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    on_gpu = args.device == "cuda" or (args.device == "auto" and gpus > 0)
+    world = args.ranks or (gpus if on_gpu else 2)
+    candidates = _candidates(args, on_gpu)
+    opts = dict(on_gpu=on_gpu, candidates=candidates)
+    opts.update({k: getattr(args, k) for k in ("tokens", "hidden", "experts", "topk")})
+    opts.update(warmup=args.warmup, iters=args.iters)
+    per_rank = run_ranks(
+        _tune_rank, world, opts, device="cuda" if on_gpu else "cpu", timeout_s=args.timeout
+    )
+    key = per_rank[0][0]
+    totals = [max(d + c for d, c in (r[1][i] for r in per_rank)) for i in range(len(candidates))]
+    best = min(range(len(candidates)), key=totals.__getitem__)
+    dispatch_us = max(r[1][best][0] for r in per_rank)
+    combine_us = max(r[1][best][1] for r in per_rank)
+    for config, total in sorted(zip(candidates, totals, strict=True), key=lambda p: p[1]):
+        print(f"{total:10.1f} µs  {config}")
+    measured = dict(dispatch_us=dispatch_us, combine_us=combine_us, tokens=args.tokens,
+                    experts=args.experts, topk=args.topk)  # fmt: skip
+    store(key, candidates[best], measured)
+    print(f"best for {key}: {candidates[best]}\nstored in {cache_path()}")
+    return 0

@@ -1,0 +1,75 @@
+"""Kernel configurations of a Buffer: the per-machine cache that ``hybrid-ep tune`` writes, with
+the planner's heuristic as the fallback. Tuning never runs implicitly: a Buffer only reads.
+
+The cache is one JSON file, ``$HEP_CACHE_DIR`` or ``$XDG_CACHE_HOME/hybrid_ep_triton`` (default
+``~/.cache/hybrid_ep_triton``) ``/kernel_configs.json``, keyed by GPU name, Triton version,
+world size, hidden size and dtype.
+"""
+
+import contextlib
+import dataclasses
+import json
+import os
+from pathlib import Path
+
+import torch
+import triton
+
+from ._planner import KernelConfig, default_config
+
+_FORCED: list[KernelConfig] = []  # set by ``forced`` while a tuner measures a candidate
+
+
+def cache_path() -> Path:
+    root = os.environ.get("HEP_CACHE_DIR")
+    if root is None:
+        xdg = os.environ.get("XDG_CACHE_HOME") or os.path.join(Path.home(), ".cache")
+        root = os.path.join(xdg, "hybrid_ep_triton")
+    return Path(root) / "kernel_configs.json"
+
+
+def cache_key(device: torch.device, world_size: int, hidden: int, dtype: torch.dtype) -> str:
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu-interpreter"
+    return f"{name}|triton {triton.__version__}|world {world_size}|hidden {hidden}|{dtype}"
+
+
+def _load() -> dict:
+    try:
+        return json.loads(cache_path().read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def store(key: str, config: KernelConfig, measured: dict) -> None:
+    """Record ``config`` as the best for ``key``, with what was measured (µs, shape)."""
+    entries = _load()
+    entries[key] = {"config": dataclasses.asdict(config), "measured": measured}
+    path = cache_path()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(entries, indent=1, sort_keys=True))
+    tmp.replace(path)  # atomic: a Buffer reading at the same time sees the old or the new file
+
+
+def select_config(
+    key: str, hidden: int, max_tokens: int, num_sms: int | None, on_gpu: bool
+) -> KernelConfig:
+    """The cached configuration for ``key`` (with ``num_sms`` programs when given), else the
+    heuristic ``default_config``."""
+    if _FORCED:
+        return _FORCED[-1]
+    entry = _load().get(key)
+    if entry is None:
+        return default_config(hidden, max_tokens, num_sms, on_gpu)
+    config = KernelConfig(**entry["config"])
+    return dataclasses.replace(config, num_programs=num_sms) if num_sms else config
+
+
+@contextlib.contextmanager
+def forced(config: KernelConfig):
+    """Buffers constructed inside use ``config`` (for the tuner's candidates)."""
+    _FORCED.append(config)
+    try:
+        yield
+    finally:
+        _FORCED.pop()

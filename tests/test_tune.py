@@ -1,0 +1,44 @@
+"""hybrid-ep tune writes the per-machine cache; a Buffer takes its configuration from it."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import subprocess
+import sys
+
+from hybrid_ep_triton import Buffer
+from hybrid_ep_triton._planner import default_config
+
+TUNE = ["--device", "cpu", "--ranks", "2", "--tokens", "4", "--hidden", "8", "--experts", "4",
+        "--topk", "2", "--sms", "2", "--chunks", "4", "--block-h", "32", "--warps", "1",
+        "--slices", "1,2", "--warmup", "1", "--iters", "2"]  # fmt: skip
+
+
+def _configs_body(rank: int, world_size: int) -> dict:
+    configs = {}
+    for name, hidden, num_sms in (("tuned", 8, None), ("tuned, 3 SMs", 8, 3), ("untuned", 6, None)):
+        with Buffer(None, hidden_size=hidden, max_tokens_per_rank=4, num_experts=4,
+                    num_sms=num_sms) as buf:  # fmt: skip
+            configs[name] = dataclasses.asdict(buf._rt.plan.config)
+    return configs
+
+
+def test_tune_caches_the_best_configuration_and_buffer_uses_it(launch, tmp_path, monkeypatch):
+    monkeypatch.setenv("HEP_CACHE_DIR", str(tmp_path))
+    result = subprocess.run(
+        [sys.executable, "-m", "hybrid_ep_triton", "tune", *TUNE],
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout + result.stderr
+    entries = json.loads((tmp_path / "kernel_configs.json").read_text())
+    (key, entry), *others = entries.items()
+    assert not others and "world 2|hidden 8|torch.bfloat16" in key, entries
+    best = entry["config"]
+    assert best["h_slices"] in (1, 2) and best["num_programs"] == 2, best
+    assert entry["measured"]["dispatch_us"] > 0 and entry["measured"]["combine_us"] > 0
+
+    for configs in launch(_configs_body, 2):
+        assert configs["tuned"] == best
+        assert configs["tuned, 3 SMs"] == dict(best, num_programs=3)
+        assert configs["untuned"] == dataclasses.asdict(default_config(6, 4, None, False))
