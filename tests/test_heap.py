@@ -297,6 +297,28 @@ def _skipped_call_body(rank: int, world_size: int) -> tuple[list[str], list[str]
         _expect_unusable(failures, what, buf, x, idx)
     dist.barrier()
     buf.destroy()
+
+    # 4. Mismatched calls: rank 0 dispatches (cached handle) while rank 1 combines. Both time
+    # out at the start of their call instead of taking each other's data for their own.
+    mismatched = Buffer(None, **make)
+    segments.update(_mapped_segments())
+    recv_x, _, _, handle = mismatched.dispatch(x, idx)
+    if rank == 0:
+
+        def call():
+            mismatched.dispatch(x, handle=handle)
+            mismatched.check(handle)
+
+        _expect_timeout(failures, "dispatch met by a combine", call, "start of dispatch")
+    else:
+
+        def call():
+            mismatched.combine(recv_x, handle)
+            mismatched.check(handle)
+
+        _expect_timeout(failures, "combine met by a dispatch", call, "start of combine")
+    dist.barrier()
+    mismatched.destroy()
     try:
         buf.dispatch(x, idx)
         failures.append(f"rank {rank}: dispatch on a destroyed Buffer did not raise")

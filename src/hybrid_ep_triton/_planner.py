@@ -73,7 +73,10 @@ class HeapLayout:
     """Byte offsets of the regions of one rank's symmetric buffer (the same on every rank).
 
     count_flags   int64 [W]              source s raised its layout counts (sequence number)
-    ready_flags   int64 [W, MAX_PROGRAMS] program p of rank s started its launch
+    dispatch_ready int64 [W, MAX_PROGRAMS] program p of rank s started a dispatch launch
+    combine_ready int64 [W, MAX_PROGRAMS] ... a combine launch (apart from dispatch's, so a
+                                         dispatch met by a peer's combine times out instead of
+                                         exchanging data)
     chunk_flags   int64 [W, NC_MAX * S]  work item (chunk, slice) from/to rank s has landed
     counts        int32 [W, E + 3]       per-expert totals of s, then tokens, invalid, pad
     chunk_table   int32 [W, NC_MAX + 1]  offsets of s's chunks in its stream to this rank
@@ -83,7 +86,8 @@ class HeapLayout:
     """
 
     count_flags: int
-    ready_flags: int
+    dispatch_ready: int
+    combine_ready: int
     chunk_flags: int
     counts: int
     chunk_table: int
@@ -123,7 +127,8 @@ def make_plan(
     rows = world_size * max(max_tokens, 1)
     sizes = [
         ("count_flags", world_size * 8),
-        ("ready_flags", world_size * MAX_PROGRAMS * 8),
+        ("dispatch_ready", world_size * MAX_PROGRAMS * 8),
+        ("combine_ready", world_size * MAX_PROGRAMS * 8),
         ("chunk_flags", world_size * max_chunks * config.h_slices * 8),
         ("counts", world_size * counts_row * 4),
         ("chunk_table", world_size * (max_chunks + 1) * 4),

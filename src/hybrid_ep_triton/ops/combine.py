@@ -20,7 +20,7 @@ def reduce_tokens(
         y, y.stride(0), weights.contiguous() if has_weights else y, out, handle.num_tokens,
         plan.hidden, rt.world_size, rt.rank, handle.token_rank_pos, handle.send_chunk_start,
         handle.recv_chunk_start, handle.recv_src_tokens, handle.staged_rows,
-        rt.heap.peer_bases, plan.heap.ready_flags, plan.heap.chunk_flags, plan.heap.staging,
+        rt.heap.peer_bases, plan.heap.combine_ready, plan.heap.chunk_flags, plan.heap.staging,
         rt.control, rt.timeout_ns,
         T_MAX=plan.max_tokens, NC_MAX=plan.max_chunks, H_SLICES=cfg.h_slices, P_MAX=MAX_PROGRAMS,
         MS=plan.meta_stride, MS_P2=triton.next_power_of_2(plan.meta_stride),

@@ -152,7 +152,7 @@ def move_tokens(
         handle.slot_pos, handle.token_rank_pos, handle.send_chunk_start, handle.chunk_expert_base,
         handle.recv_chunk_start, handle.recv_src_tokens, handle.expert_layout, handle.info,
         handle.staged_rows, recv_x, recv_weights,
-        rt.heap.peer_bases, plan.heap.ready_flags, plan.heap.chunk_flags, plan.heap.meta_rows,
+        rt.heap.peer_bases, plan.heap.dispatch_ready, plan.heap.chunk_flags, plan.heap.meta_rows,
         plan.heap.meta_weights, plan.heap.staging, rt.control, rt.timeout_ns,
         T_MAX=plan.max_tokens, NC_MAX=plan.max_chunks, H_SLICES=cfg.h_slices, P_MAX=MAX_PROGRAMS,
         MS=plan.meta_stride, MS_P2=triton.next_power_of_2(plan.meta_stride),
