@@ -51,10 +51,7 @@ def default_config(hidden: int, max_tokens: int, num_sms: int | None, on_gpu: bo
     programs), 32 otherwise (fewer flags). Under the CPU interpreter: small tiles.
     """
     if not on_gpu:
-        return KernelConfig(
-            num_programs=num_sms or 2, chunk_tokens=4, block_h=32, combine_block_h=32,
-            copy_unroll=2, h_slices=2, num_warps=1,
-        )  # fmt: skip
+        return make_config(num_sms or 2, 4, 32, 2, 1, on_gpu)
     programs = num_sms or 8
     chunk = 16 if max_tokens <= 512 else 32
     block_h = min(triton.next_power_of_2(hidden), 16384 // chunk)
@@ -62,9 +59,18 @@ def default_config(hidden: int, max_tokens: int, num_sms: int | None, on_gpu: bo
     # column per slice.
     chunks = max(1, triton.cdiv(max_tokens, chunk))
     slices = max(1, min(triton.cdiv(2 * programs, chunks), triton.cdiv(hidden, block_h), 8))
+    return make_config(programs, chunk, block_h, slices, 16, on_gpu)
+
+
+def make_config(
+    num_programs: int, chunk_tokens: int, block_h: int, h_slices: int, num_warps: int, on_gpu: bool
+) -> KernelConfig:
+    """A KernelConfig from its free parameters. On GPUs combine tiles are half as wide as
+    dispatch's (fp32 accumulators) with 4 gathers in flight; the interpreter keeps them small."""
     return KernelConfig(
-        num_programs=programs, chunk_tokens=chunk, block_h=block_h,
-        combine_block_h=max(block_h // 2, 32), copy_unroll=4, h_slices=slices, num_warps=16,
+        num_programs=num_programs, chunk_tokens=chunk_tokens, block_h=block_h,
+        combine_block_h=max(block_h // 2, 32) if on_gpu else block_h,
+        copy_unroll=4 if on_gpu else 2, h_slices=h_slices, num_warps=num_warps,
     )  # fmt: skip
 
 

@@ -16,7 +16,7 @@ import torch
 
 from ._bench import _median_us
 from ._launcher import run_ranks
-from ._planner import KernelConfig
+from ._planner import KernelConfig, make_config
 from ._tuning import cache_key, cache_path, forced, store
 
 
@@ -44,15 +44,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def _candidates(args: argparse.Namespace, on_gpu: bool) -> list[KernelConfig]:
     grid = itertools.product(args.chunks, args.block_h, args.warps, args.slices)
     return [
-        KernelConfig(
-            num_programs=args.sms,
-            chunk_tokens=chunk,
-            block_h=block_h,
-            combine_block_h=max(block_h // 2, 32),
-            copy_unroll=4 if on_gpu else 2,
-            h_slices=slices,
-            num_warps=warps,
-        )  # fmt: skip
+        make_config(args.sms, chunk, block_h, slices, warps, on_gpu)
         for chunk, block_h, warps, slices in grid
     ]
 

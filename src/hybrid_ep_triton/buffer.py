@@ -176,16 +176,10 @@ class Buffer:
         if new_layout:
             handle = compute_layout(rt, topk_idx, pad_multiple, max_recv_tokens)
             if max_recv_tokens is None:
-                # One device-to-host read: the row count, routing validity and wait status.
-                needed, _, _, code, peer, stage = torch.cat(
-                    [handle.info[:3], rt.control[3:6]]
-                ).tolist()
-                self._raise_on_status(code, peer, stage)
-                self._raise_on_invalid_routing(handle)
-                handle.num_recv_rows = needed
+                handle.num_recv_rows = self._read_report(handle)
         recv_x, recv_weights = dispatch_tokens(rt, x, topk_weights, handle)
         if rt.device.type == "cpu":  # launches are synchronous: report now
-            self._raise_on_invalid_routing(handle)
+            self._read_report(handle)
         if new_layout and max_recv_tokens is not None:
             if len(self._unchecked) < _MAX_UNCHECKED:
                 self._unchecked.append((handle.info, max_recv_tokens))
@@ -228,11 +222,7 @@ class Buffer:
         OverflowError: more rows were needed than max_recv_tokens (the excess was dropped).
         """
         self._check_handle(handle)
-        needed, _, _, code, peer, stage = torch.cat(
-            [handle.info[:3], self._rt.control[3:6]]
-        ).tolist()
-        self._raise_on_status(code, peer, stage)
-        self._raise_on_invalid_routing(handle)
+        self._read_report(handle)
         self._unchecked = [entry for entry in self._unchecked if entry[0] is not handle.info]
         if handle.max_recv_tokens is not None:
             self._raise_on_overflow([(handle.info, handle.max_recv_tokens)])
@@ -321,15 +311,21 @@ class Buffer:
                     "drop a row"
                 )
 
-    def _raise_on_invalid_routing(self, handle: DispatchHandle) -> None:
-        _, src, row = handle.info[:3].tolist()
-        if src < 0:
-            return
-        if src == self._rt.rank:
-            detail = f"row {row} has an id outside [-1, {self.num_experts}) or a repeated id"
-        else:
-            detail = f"rank {src} passed an invalid topk_idx"
-        raise ValueError(f"topk_idx: {detail}; nothing was dispatched")
+    def _read_report(self, handle: DispatchHandle) -> int:
+        """One device-to-host read of what the device recorded for ``handle``'s dispatch:
+        raises TimeoutError (a wait timed out) or ValueError (invalid routing on some rank);
+        returns the rows the expert-major layout needs."""
+        needed, src, row, code, peer, stage = torch.cat(
+            [handle.info[:3], self._rt.control[3:6]]
+        ).tolist()
+        self._raise_on_status(code, peer, stage)
+        if src >= 0:
+            if src == self._rt.rank:
+                detail = f"row {row} has an id outside [-1, {self.num_experts}) or a repeated id"
+            else:
+                detail = f"rank {src} passed an invalid topk_idx"
+            raise ValueError(f"topk_idx: {detail}; nothing was dispatched")
+        return needed
 
 
 def _describe(value) -> str:
