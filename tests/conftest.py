@@ -44,10 +44,11 @@ def device() -> str:
 
 @pytest.fixture
 def launch(device):
-    """``launch(fn, world_size, *args, timeout_s=None)``: run_ranks on the chosen device."""
+    """``launch(fn, world_size, *args, timeout_s=None, **kwargs)``: run_ranks on the chosen
+    device (kwargs: run_ranks's other options, e.g. failure_grace_s)."""
     from hybrid_ep_triton._launcher import run_ranks
 
-    def _launch(fn, world_size: int, *args, timeout_s: float | None = None) -> list:
+    def _launch(fn, world_size: int, *args, timeout_s: float | None = None, **kwargs) -> list:
         if device == "cuda":
             import torch
 
@@ -55,6 +56,6 @@ def launch(device):
                 # NCCL and NVSHMEM want one GPU per rank.
                 pytest.skip(f"{world_size} ranks need {world_size} GPUs")
         timeout = TIMEOUT_S if timeout_s is None else timeout_s
-        return run_ranks(fn, world_size, *args, device=device, timeout_s=timeout)
+        return run_ranks(fn, world_size, *args, device=device, timeout_s=timeout, **kwargs)
 
     return _launch

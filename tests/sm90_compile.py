@@ -64,7 +64,7 @@ def main() -> int:
             (dispatch_kernel, dict(i64, x_ptr="*bf16", topk_idx_ptr="*i64",
                                    topk_weights_ptr="*fp32", recv_x_ptr="*bf16",
                                    recv_weights_ptr="*fp32"),
-             dict(common, CHUNK=32, K_P2=8, BLOCK_H=512, HAS_WEIGHTS=True), 16),
+             dict(common, CHUNK=32, K_P2=8, BLOCK_H=512, HAS_WEIGHTS=True, WRITE_ROWS=True), 16),
             (combine_kernel, dict(i64, y_ptr="*bf16", weights_ptr="*fp32", out_ptr="*bf16"),
              dict(common, CHUNK=32, BLOCK_H=256, HAS_WEIGHTS=True, COPY_UNROLL=4), 16),
         ]  # fmt: skip

@@ -1,4 +1,5 @@
-"""Tests of the command line (hybrid_ep_triton.cli): ``hybrid-ep demo`` end to end."""
+"""Tests of the command line (hybrid_ep_triton.cli): ``hybrid-ep demo`` end to end, and how
+``hybrid-ep soak`` parses its options and reports (its rank body is tested in test_soak)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from hybrid_ep_triton.cli import main
+from hybrid_ep_triton import _launcher
+from hybrid_ep_triton.cli import build_parser, main, run_soak
 
 SRC = str(Path(__file__).resolve().parents[1] / "src")
 # Small enough for two interpreted CPU ranks to finish well within a minute.
@@ -61,6 +63,9 @@ def test_console_script_help_lists_demo():
         ["demo", "--device", "cpu", "--ranks", "3", "--experts", "8"],  # 8 % 3 != 0
         ["demo", "--device", "cpu", "--ranks", "2", "--experts", "8", "--topk", "9"],
         ["demo", "--device", "cpu", "--ranks", "0"],
+        ["soak", "--device", "cpu", "--ranks", "3"],  # 8 experts by default
+        ["soak", "--device", "cpu", "--rounds", "0"],
+        ["soak", "--device", "cpu", "--op-timeout", "0"],
     ],
 )
 def test_demo_rejects_bad_sizes(argv, capsys):
@@ -71,3 +76,48 @@ def test_demo_rejects_bad_sizes(argv, capsys):
 def test_no_command_prints_help(capsys):
     assert main([]) == 2
     assert "demo" in capsys.readouterr().out
+
+
+def test_soak_command_parses():
+    argv = "soak --ranks 2 --rounds 10000 --device cuda --seed 7 --timeout 7200 --dtype fp16"
+    args = build_parser().parse_args(argv.split() + ["--tokens", "4096", "--op-timeout", "30"])
+    assert args.run is run_soak
+    got = (args.ranks, args.rounds, args.device, args.seed, args.timeout, args.dtype)
+    assert got == (2, 10000, "cuda", 7, 7200, "fp16")
+    assert (args.tokens, args.op_timeout) == (4096, 30)
+    defaults = build_parser().parse_args(["soak"])
+    assert defaults.rounds is None and defaults.hidden is None  # per device, chosen at run time
+    assert (defaults.device, defaults.dtype, defaults.op_timeout) == ("auto", "bf16", 60)
+
+
+def _fake_soak_ranks(failures: int):
+    """A run_ranks stand-in returning one soak summary per rank (rank 1 with ``failures``)."""
+
+    def run_ranks(fn, world_size, cfg, **kwargs):
+        from hybrid_ep_triton._soak import _summary
+
+        per_rank = []
+        for rank in range(world_size):
+            bad = failures if rank == 1 else 0
+            messages = ["round 3: recv_x differs"] * bad
+            s = _summary(rank, cfg, False, bad, messages, [1 << 20] * cfg.rounds,
+                         [2 << 20] * cfg.rounds, [0.01] * cfg.rounds)  # fmt: skip
+            per_rank.append({**s, "coverage": {"exact": cfg.rounds}})
+        return per_rank
+
+    return run_ranks
+
+
+@pytest.mark.parametrize("failures", [0, 1])
+def test_soak_reports_every_rank(monkeypatch, capsys, failures):
+    monkeypatch.setattr(_launcher, "run_ranks", _fake_soak_ranks(failures))
+    code = main(["soak", "--device", "cpu", "--ranks", "2", "--rounds", "5"])
+    out = capsys.readouterr().out
+    assert code == (1 if failures else 0), out
+    assert out.startswith("hybrid-ep soak: 2 CPU ranks"), out
+    for rank in (0, 1):
+        bad = failures if rank == 1 else 0
+        assert f"soak rank {rank}: 5 rounds, {bad} failures;" in out, out
+    assert ("  rank 1: round 3: recv_x differs" in out) == bool(failures), out
+    assert "  rank 0 rounds with: exact 5" in out, out
+    assert out.rstrip().splitlines()[-1].startswith("FAILED in " if failures else "OK in "), out

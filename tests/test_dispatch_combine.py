@@ -153,6 +153,20 @@ GROUPS = [
              recv="less", cached=True, combine=("none",)),
     )),
 ]  # fmt: skip
+# One rank, on GPUs only (on CPU ranks the groups above cover the same code): every row stays
+# on its rank; the wide row uses the GPU configuration's full tiles and column slices. (Only a
+# peer can truncate what an empty rank receives.)
+ONE_RANK_GROUPS = [
+    Group(
+        1,
+        7,
+        BF16,
+        8,
+        seed=7,
+        cases=tuple(case for case in GROUPS[0].cases if case.name != "empty_rank_truncated"),
+    ),
+    Group(1, 7168, BF16, 16, seed=8, cases=GROUPS[3].cases),
+]
 
 
 # --- inputs --------------------------------------------------------------------------------
@@ -356,7 +370,11 @@ def _rank_body(rank: int, world_size: int, grp: Group) -> list[str]:
     return failures
 
 
-@pytest.mark.parametrize("grp", GROUPS, ids=lambda g: g.id)
+@pytest.mark.parametrize(
+    "grp",
+    [*GROUPS, *(pytest.param(g, marks=pytest.mark.gpu) for g in ONE_RANK_GROUPS)],
+    ids=lambda g: g.id,
+)
 def test_dispatch_combine_match_reference(launch, grp):
     results = launch(_rank_body, grp.world_size, grp)
     failures = [msg for per_rank in results for msg in per_rank]

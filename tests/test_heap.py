@@ -9,12 +9,16 @@ a recorded timeout (status words), not a hang, and through ``Buffer`` into Timeo
 POSIX shared-memory segments must never outlive the ranks: each rank reports the
 ``/dev/shm/hybrid_ep_triton-*`` segments it has mapped (from /proc/self/maps), and the parent
 checks after ``run_ranks`` returns that none of them exists any more, even when a rank was
-killed with ``os._exit`` right after allocating.
+killed with ``os._exit`` right after allocating, or with SIGKILL in the middle of a dispatch.
 """
 
 from __future__ import annotations
 
+import json
 import os
+import signal as signals
+import threading
+import time
 
 import pytest
 import torch
@@ -24,7 +28,8 @@ import triton.language as tl
 
 from hybrid_ep_triton import Buffer
 from hybrid_ep_triton._heap import allocate_heap
-from hybrid_ep_triton._launcher import RankFailure
+from hybrid_ep_triton._launcher import RankFailure, RanksTimedOut
+from hybrid_ep_triton._planner import MAX_PROGRAMS
 from hybrid_ep_triton.kernels.primitives import (
     STATUS_OK,
     STATUS_TIMED_OUT,
@@ -361,3 +366,126 @@ def test_no_leftovers_when_a_rank_is_killed(launch, device, tmp_path):
     )
     segments = [(tmp_path / f"rank{r}.segments").read_text().split() for r in range(2)]
     _assert_no_leftovers(segments, 2)
+
+
+# --- a rank killed in the middle of a dispatch -----------------------------------------------
+#
+# Three ranks dispatch along a cached handle, so the call is the data-move kernel alone. Rank 0
+# (EARLY) and the victim (rank 2) start it at once; rank 1 (LATE) starts it only once the victim
+# is dead. A watcher thread in the victim polls the victim's own heap and SIGKILLs its process
+# when both its own and EARLY's "dispatch started" flags have landed there: the data move is
+# then running on the victim, which cannot get past its handshake (it waits for LATE), so it
+# dies before it has sent a single token, every time. Both survivors then wait for its token
+# chunks, and must raise TimeoutError naming rank 2 and that stage, timeout_s after the death.
+
+KILL_TIMEOUT_S = 5.0  # the Buffer's timeout_s; EARLY waits for LATE for part of it
+KILL_MARGIN_S = 20.0  # interpreted kernels on a loaded 2-core machine
+EARLY, LATE, VICTIM = 0, 1, 2
+KILL_T, KILL_H = 8, 8  # tokens per rank, hidden size
+
+
+def _own_flags(buf: Buffer, region: str) -> torch.Tensor:
+    """int64 [W, n] view of a flag region of this rank's own heap: row s holds what rank s
+    signalled here. Buffer internals, read by the test only."""
+    rt = buf._rt
+    if region == "dispatch_ready":  # one flag per program
+        width = MAX_PROGRAMS
+    else:  # chunk_flags: one per (chunk, column slice)
+        width = rt.plan.max_chunks * rt.plan.config.h_slices
+    start = getattr(rt.plan.heap, region)
+    flags = rt.heap.local[start : start + 8 * rt.world_size * width].view(torch.int64)
+    return flags.view(rt.world_size, width)
+
+
+def _kill_self_when(started) -> None:
+    """Watcher thread: SIGKILL this process as soon as ``started()`` is true."""
+
+    def watch() -> None:
+        while not started():
+            time.sleep(0.001)
+        os.kill(os.getpid(), signals.SIGKILL)
+
+    threading.Thread(target=watch, daemon=True).start()
+
+
+def _wait_until_dead(pid: int, limit_s: float = 120.0) -> float:
+    """Poll /proc until ``pid`` is a zombie or gone; returns time.monotonic() then."""
+    until = time.monotonic() + limit_s
+    while time.monotonic() < until:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                state = f.read().rpartition(")")[2].split()[0]
+        except FileNotFoundError:
+            state = "X"
+        if state in ("Z", "X"):
+            return time.monotonic()
+        time.sleep(0.001)
+    raise AssertionError(f"rank {VICTIM} (pid {pid}) still alive after {limit_s:g} s")
+
+
+def _killed_mid_dispatch_body(rank: int, world_size: int, out_dir: str) -> None:
+    experts = 2 * world_size
+    x = torch.randn(KILL_T, KILL_H).to(torch.bfloat16)
+    # Every token goes to every rank (one of its two experts), so every rank waits for
+    # token chunks from every other rank.
+    idx = torch.arange(world_size)[None, :] * 2 + torch.arange(KILL_T)[:, None] % 2
+    buf = Buffer(None, hidden_size=KILL_H, max_tokens_per_rank=KILL_T, num_experts=experts,
+                 timeout_s=KILL_TIMEOUT_S)  # fmt: skip
+    record = {"pid": os.getpid(), "segments": _mapped_segments()}
+    handle = buf.dispatch(x, idx)[3]  # the layout: the next dispatch is the data move alone
+    pids = [None] * world_size
+    dist.all_gather_object(pids, os.getpid())
+    ready, chunks = _own_flags(buf, "dispatch_ready"), _own_flags(buf, "chunk_flags")
+    ready_before, chunks_before = ready[:, 0].clone(), chunks.clone()
+    path = os.path.join(out_dir, f"rank{rank}.json")
+    with open(path, "w") as f:
+        json.dump(record, f)
+    dist.barrier()  # the last collective outside the killed dispatch
+    if rank == VICTIM:
+        _kill_self_when(
+            lambda: bool((ready[[VICTIM, EARLY], 0] > ready_before[[VICTIM, EARLY]]).all())
+        )
+        buf.dispatch(x, handle=handle)  # waits in the handshake for LATE until it is killed
+        raise AssertionError("the victim's dispatch returned")
+    if rank == LATE:
+        record["died"] = _wait_until_dead(pids[VICTIM])
+        # What the victim left in this heap: it started the data move, but sent no chunk.
+        record["victim_started"] = bool(ready[VICTIM, 0] > ready_before[VICTIM])
+        record["victim_chunks"] = int((chunks[VICTIM] != chunks_before[VICTIM]).sum())
+    try:
+        buf.dispatch(x, handle=handle)
+        record["error"] = None
+    except Exception as e:
+        record["error"] = f"{type(e).__name__}: {e}"
+        raise
+    finally:
+        record["raised_at"] = time.monotonic()
+        with open(path, "w") as f:
+            json.dump(record, f)
+    raise AssertionError("dispatch returned although rank 2 died")
+
+
+def test_rank_killed_mid_dispatch(launch, device, tmp_path):
+    """A rank SIGKILLed inside a dispatch's data move: both survivors raise TimeoutError naming
+    it and the stage, timeout_s after its death; the launcher reports the death; no shm."""
+    _skip_unless_cpu(device)
+    with pytest.raises(RankFailure) as info:
+        launch(_killed_mid_dispatch_body, 3, str(tmp_path), timeout_s=300,
+               failure_grace_s=KILL_TIMEOUT_S + KILL_MARGIN_S)  # fmt: skip
+    assert not isinstance(info.value, RanksTimedOut), str(info.value)
+    failures = info.value.failures  # survivors still running after the grace would be here
+    assert "was killed by SIGKILL" in failures.get(VICTIM, ""), str(info.value)
+    records = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(3)]
+    assert records[VICTIM]["pid"] == info.value.pids[VICTIM]
+    late = records[LATE]
+    assert "died" in late, f"rank {LATE} did not see rank {VICTIM} die\n{info.value}"
+    assert late["victim_started"] and late["victim_chunks"] == 0, late  # died mid-dispatch
+    for r in (EARLY, LATE):
+        error = records[r].get("error")
+        assert error and error.startswith("TimeoutError: "), f"rank {r}: {error}\n{info.value}"
+        assert f"rank {VICTIM} did not answer" in error and "dispatch token chunks" in error, error
+        assert error.splitlines()[0] in failures.get(r, ""), str(info.value)  # reported too
+        # Its last wait began after the death (LATE only started then) and lasted timeout_s.
+        after = records[r]["raised_at"] - late["died"]
+        assert KILL_TIMEOUT_S <= after <= KILL_TIMEOUT_S + KILL_MARGIN_S, (r, after)
+    _assert_no_leftovers([rec["segments"] for rec in records], 3)

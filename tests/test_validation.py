@@ -117,6 +117,7 @@ def _bad_call_body(rank: int, world_size: int) -> list[str]:
     refused("pad_multiple 2.0", lambda: buf.dispatch(x, idx, w, pad_multiple=2.0))
     refused("max_recv_tokens -1", lambda: buf.dispatch(x, idx, w, max_recv_tokens=-1))
     refused("handle of another type", lambda: buf.dispatch(x, handle=object()), "handle")
+    refused("previous_event of another type", lambda: buf.dispatch(x, idx, previous_event=object()))
 
     # A correct dispatch gives a handle for the bad cached dispatches and combines.
     failures += _check_round_trip(buf, 200 + rank, 3 + rank, K, "dispatch between bad calls")
@@ -136,6 +137,7 @@ def _bad_call_body(rank: int, world_size: int) -> list[str]:
     refused("weights [N, 1]", lambda: buf.combine(y, h, weights=rw[:, None]), "weights")
     refused("weights bf16", lambda: buf.combine(y, h, weights=rw.to(BF16)), "weights")
     refused("combine without a handle", lambda: buf.combine(y, None), "handle")
+    refused("combine, previous_event a tensor", lambda: buf.combine(y, h, previous_event=y))
 
     # Still usable: the pending handle, then fresh calls in both modes.
     out = buf.combine(y, h, weights=rw)

@@ -25,7 +25,7 @@ import torch
 
 __all__ = ["RankFailure", "RanksTimedOut", "run_ranks"]
 
-# How long failure collection waits for other ranks to report after the first failure.
+# How long failure collection waits for other ranks to report after the first failure (default).
 _FAILURE_GRACE_S = 1.0
 # How long terminated ranks get to exit on SIGTERM before SIGKILL.
 _TERMINATE_GRACE_S = 5.0
@@ -59,6 +59,7 @@ def run_ranks(
     *args: object,
     device: str = "cpu",
     timeout_s: float = 300.0,
+    failure_grace_s: float = _FAILURE_GRACE_S,
 ) -> list:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` fresh processes (spawn) and return
     the per-rank results in rank order.
@@ -75,6 +76,8 @@ def run_ranks(
     signal), and :class:`RanksTimedOut` if ranks are still running ``timeout_s`` seconds after the
     call. Either way every remaining rank is terminated (then killed) before the exception
     propagates; its message holds each failing rank's traceback, or a hung rank's Python stack.
+    After the first failure the other ranks get ``failure_grace_s`` seconds (at most until the
+    deadline) to report or exit, e.g. to raise their own TimeoutError when a peer died.
     """
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
@@ -110,14 +113,14 @@ def run_ranks(
                     finally:
                         send.close()
                     procs.append(p)
-            return _supervise(procs, conns, stacks, deadline, timeout_s)
+            return _supervise(procs, conns, stacks, deadline, timeout_s, failure_grace_s)
         finally:
             _stop(procs)
             for c in conns:
                 c.close()
 
 
-def _supervise(procs, conns, stacks, deadline, timeout_s) -> list:
+def _supervise(procs, conns, stacks, deadline, timeout_s, failure_grace_s) -> list:
     n = len(procs)
     reports: dict[int, tuple[str, object]] = {}
     failures: dict[int, str] = {}
@@ -170,7 +173,7 @@ def _supervise(procs, conns, stacks, deadline, timeout_s) -> list:
     pump(deadline, stop_on_failure=True)
     if failures:
         # Give ranks failing at about the same time a moment to report too.
-        pump(min(deadline, time.monotonic() + _FAILURE_GRACE_S), stop_on_failure=False)
+        pump(min(deadline, time.monotonic() + failure_grace_s), stop_on_failure=False)
     hung = sorted(set(running.values()) | timed_out)
     if hung and not failures:
         # Hung ranks dump their stacks and exit _DUMP_DELAY_S after the deadline.

@@ -3,15 +3,15 @@
 import torch
 import torch.distributed as dist
 
+from ._checks import check_int, check_tensor, describe
 from ._heap import allocate_heap
 from ._planner import MAX_PROGRAMS, MAX_TOPK, make_plan
 from ._tuning import cache_key, select_config
 from .kernels.combine import STAGE_COMBINE_DATA, STAGE_COMBINE_READY
 from .kernels.dispatch import STAGE_DISPATCH_DATA, STAGE_DISPATCH_READY
 from .kernels.route import STAGE_LAYOUT
-from .ops import Runtime
-from .ops.autograd import combine_tokens, dispatch_tokens
-from .ops.dispatch import DispatchHandle, compute_layout
+from .ops import Runtime, library
+from .ops.dispatch import DispatchHandle, make_handle
 
 DEFAULT_TIMEOUT_S = 60.0
 # Unchecked max_recv_tokens dispatches remembered for the next exact-mode call.
@@ -63,9 +63,9 @@ class Buffer:
     ):
         group = group if group is not None else dist.group.WORLD
         world, rank = dist.get_world_size(group), dist.get_rank(group)
-        _check_int("hidden_size", hidden_size, 1)
-        _check_int("max_tokens_per_rank", max_tokens_per_rank, 0)
-        _check_int("num_experts", num_experts, 1)
+        check_int("hidden_size", hidden_size, 1)
+        check_int("max_tokens_per_rank", max_tokens_per_rank, 0)
+        check_int("num_experts", num_experts, 1)
         if num_experts % world:
             raise ValueError(
                 f"num_experts must be divisible by the group size {world}, got {num_experts}"
@@ -73,7 +73,7 @@ class Buffer:
         if dtype not in SUPPORTED_DTYPES:
             raise ValueError(f"dtype must be one of {SUPPORTED_DTYPES}, got {dtype}")
         if num_sms is not None:
-            _check_int("num_sms", num_sms, 1, MAX_PROGRAMS)
+            check_int("num_sms", num_sms, 1, MAX_PROGRAMS)
         if not timeout_s > 0:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
         on_gpu = dist.get_backend(group) == "nccl"
@@ -111,7 +111,10 @@ class Buffer:
             timeout_ns=int(timeout_s * 1e9),
             group=group,
             check_status=self._raise_if_timed_out,
+            read_report=self._read_report,
         )
+        self._id = library.register(self._rt)
+        self._comm_stream: torch.cuda.Stream | None = None
 
     # -- public API -------------------------------------------------------------------------
 
@@ -124,6 +127,8 @@ class Buffer:
         pad_multiple: int = 1,
         max_recv_tokens: int | None = None,
         handle: DispatchHandle | None = None,
+        previous_event: torch.cuda.Event | None = None,
+        async_finish: bool = False,
     ):
         """Send every token to the ranks that hold its experts, grouped by local expert there.
 
@@ -142,6 +147,12 @@ class Buffer:
             handle: the handle of an earlier dispatch: send new rows ``x`` along the same routing
                 without recomputing the layout (topk_idx, pad_multiple and max_recv_tokens are
                 taken from it).
+            previous_event: a CUDA event the call waits for before it starts (instead of the
+                calling stream's work so far, with async_finish).
+            async_finish: run on the Buffer's communication stream and also return an event
+                that completes with the call, so the calling stream can compute meanwhile (see
+                ``README``: calls of one Buffer must stay ordered). On CPU ranks the call is
+                synchronous and the event is None.
 
         Returns:
             recv_x: [N, H], rows grouped by local expert 0..L-1, within an expert by source
@@ -150,6 +161,7 @@ class Buffer:
                 padding), or None when topk_weights is None.
             tokens_per_expert: [L] int64, rows of each local expert, padding included.
             handle: for ``combine`` and cached dispatches.
+            event: only with async_finish, see above.
         """
         self._check_usable()
         rt = self._rt
@@ -157,9 +169,9 @@ class Buffer:
         num_tokens = x.shape[0]
         if handle is None:
             topk = self._check_routing(topk_idx, num_tokens)
-            _check_int("pad_multiple", pad_multiple, 1)
+            check_int("pad_multiple", pad_multiple, 1)
             if max_recv_tokens is not None:
-                _check_int("max_recv_tokens", max_recv_tokens, 0)
+                check_int("max_recv_tokens", max_recv_tokens, 0)
         else:
             self._check_handle(handle)
             if x.shape[0] != handle.num_tokens:
@@ -168,51 +180,71 @@ class Buffer:
                 )
             topk = handle.topk
         if topk_weights is not None:
-            _check_tensor(
-                "topk_weights", topk_weights, (num_tokens, topk), torch.float32, rt.device
-            )
+            check_tensor("topk_weights", topk_weights, (num_tokens, topk), torch.float32, rt.device)
 
-        new_layout = handle is None
-        if new_layout:
-            handle = compute_layout(rt, topk_idx, pad_multiple, max_recv_tokens)
-            if max_recv_tokens is None:
-                handle.num_recv_rows = self._read_report(handle)
-        recv_x, recv_weights = dispatch_tokens(rt, x, topk_weights, handle)
-        if rt.device.type == "cpu":  # launches are synchronous: report now
-            self._read_report(handle)
-        if new_layout and max_recv_tokens is not None:
-            if len(self._unchecked) < _MAX_UNCHECKED:
-                self._unchecked.append((handle.info, max_recv_tokens))
-        elif new_layout and self._unchecked:
-            # This exact-mode call synchronised already: report earlier overflows now, after
-            # the collective work is done, so that no peer is left waiting.
-            pending, self._unchecked = self._unchecked, []
-            self._raise_on_overflow(pending)
-        return recv_x, recv_weights, handle.tokens_per_expert, handle
+        self._check_event(previous_event)
+        if handle is None:
+            topk_idx = topk_idx.contiguous()
+            (recv_x, recv_weights, ints, longs), event = self._launch(
+                lambda: library.dispatch(
+                    self._id, x, topk_idx, topk_weights, pad_multiple,
+                    -1 if max_recv_tokens is None else max_recv_tokens,
+                ),
+                (x, topk_idx, topk_weights), previous_event, async_finish,
+            )  # fmt: skip
+            handle = make_handle(rt.plan, topk_idx, ints, longs, recv_x.shape[0], max_recv_tokens)
+            self._track_overflow(handle)
+        else:
+            (recv_x, recv_weights), event = self._launch(
+                lambda: library.dispatch_cached(
+                    self._id, x, topk_weights, handle.topk_idx, handle.ints, handle.longs,
+                    handle.num_recv_rows,
+                ),
+                (x, topk_weights), previous_event, async_finish,
+            )  # fmt: skip
+        if topk_weights is None:
+            recv_weights = None
+        outputs = recv_x, recv_weights, handle.tokens_per_expert, handle
+        return (*outputs, event) if async_finish else outputs
 
     def combine(
-        self, y: torch.Tensor, handle: DispatchHandle, *, weights: torch.Tensor | None = None
-    ) -> torch.Tensor:
+        self,
+        y: torch.Tensor,
+        handle: DispatchHandle,
+        *,
+        weights: torch.Tensor | None = None,
+        previous_event: torch.cuda.Event | None = None,
+        async_finish: bool = False,
+    ):
         """Send expert outputs back to their tokens' ranks and sum them per token.
 
         Args:
             y: [N, H] expert outputs in recv_x's row order, the Buffer's dtype.
             handle: the handle returned by the dispatch that produced recv_x.
             weights: [N] float32 per-row factors (e.g. recv_weights), or None for 1.
+            previous_event, async_finish: as for ``dispatch``.
 
         Returns:
             out: [T, H] in y's dtype, out[t] = sum over t's valid slots of weight * y[row],
             accumulated in fp32; zeros for a token without valid slots; padding rows ignored.
+            event: only with async_finish: completes with the call.
         """
         self._check_usable()
         self._check_handle(handle)
         rt = self._rt
-        _check_tensor("y", y, (handle.num_recv_rows, self.hidden_size), self.dtype, rt.device)
+        check_tensor("y", y, (handle.num_recv_rows, self.hidden_size), self.dtype, rt.device)
         if y.stride(1) != 1:
             raise ValueError("y must have contiguous rows (stride(1) == 1)")
         if weights is not None:
-            _check_tensor("weights", weights, (handle.num_recv_rows,), torch.float32, rt.device)
-        return combine_tokens(rt, y, handle, weights)
+            check_tensor("weights", weights, (handle.num_recv_rows,), torch.float32, rt.device)
+        self._check_event(previous_event)
+        out, event = self._launch(
+            lambda: library.combine(
+                self._id, y, weights, handle.topk_idx, handle.ints, handle.longs
+            ),
+            (y, weights), previous_event, async_finish,
+        )  # fmt: skip
+        return (out, event) if async_finish else out
 
     def check(self, handle: DispatchHandle) -> None:
         """Synchronise and raise what the device recorded for ``handle``'s dispatch.
@@ -230,6 +262,7 @@ class Buffer:
     def destroy(self) -> None:
         """Free the symmetric buffers (collective; idempotent)."""
         if getattr(self, "_rt", None) is not None:
+            library.unregister(self._id)
             self._rt.heap.close()
             self._rt = None
 
@@ -239,7 +272,55 @@ class Buffer:
     def __exit__(self, *exc) -> None:
         self.destroy()
 
+    # -- launching ------------------------------------------------------------------------
+
+    def _launch(self, call, inputs, previous_event, async_finish):
+        """Run ``call`` (an operator; returns a tensor or a tuple of tensors) on the calling
+        stream, or on the communication stream with async_finish; returns (outputs, event)."""
+        on_gpu = self._rt.device.type == "cuda"
+        caller = torch.cuda.current_stream() if on_gpu else None
+        if not (async_finish and on_gpu):
+            if previous_event is not None:
+                caller.wait_event(previous_event)
+            return call(), None
+        if self._comm_stream is None:
+            self._comm_stream = torch.cuda.Stream(self._rt.device)
+        comm = self._comm_stream
+        if previous_event is not None:
+            comm.wait_event(previous_event)
+        else:
+            comm.wait_stream(caller)
+        with torch.cuda.stream(comm):
+            outputs = call()
+        # The caching allocator must not hand these blocks to another stream while in use:
+        # inputs are read on comm, outputs (allocated on comm) are used on the caller's stream.
+        for t in inputs:
+            if t is not None:
+                t.record_stream(comm)
+        for t in outputs if isinstance(outputs, tuple) else (outputs,):
+            t.record_stream(caller)
+        return outputs, comm.record_event()
+
+    def _track_overflow(self, handle: DispatchHandle) -> None:
+        """Remember an unchecked max_recv_tokens dispatch; after an exact-mode one (which has
+        synchronised already, once its collective work is done, so no peer is left waiting)
+        raise the overflows of earlier ones."""
+        if handle.max_recv_tokens is not None:
+            if len(self._unchecked) < _MAX_UNCHECKED:
+                self._unchecked.append((handle.info, handle.max_recv_tokens))
+        elif self._unchecked:
+            pending, self._unchecked = self._unchecked, []
+            self._raise_on_overflow(pending)
+
     # -- checks -----------------------------------------------------------------------------
+
+    def _check_event(self, event) -> None:
+        if event is None:
+            return
+        if self._rt.device.type != "cuda" or not isinstance(event, torch.cuda.Event):
+            raise ValueError(
+                f"previous_event must be a torch.cuda.Event on GPUs or None, got {describe(event)}"
+            )
 
     def _check_usable(self) -> None:
         if self._rt is None:
@@ -253,7 +334,7 @@ class Buffer:
                 f"{name} must be a [T, {self.hidden_size}] tensor, got "
                 f"{tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__}"
             )
-        _check_tensor(name, x, tuple(x.shape), self.dtype, self._rt.device)
+        check_tensor(name, x, tuple(x.shape), self.dtype, self._rt.device)
         if x.shape[0] > self.max_tokens_per_rank:
             raise ValueError(
                 f"{name} has {x.shape[0]} tokens, more than max_tokens_per_rank="
@@ -266,11 +347,11 @@ class Buffer:
         if topk_idx is None:
             raise ValueError("topk_idx is required without a handle")
         if not isinstance(topk_idx, torch.Tensor) or topk_idx.dim() != 2:
-            raise ValueError(f"topk_idx must be a [T, K] tensor, got {_describe(topk_idx)}")
+            raise ValueError(f"topk_idx must be a [T, K] tensor, got {describe(topk_idx)}")
         if topk_idx.dtype not in (torch.int32, torch.int64):
             raise ValueError(f"topk_idx must be int32 or int64, got {topk_idx.dtype}")
         topk = topk_idx.shape[1]
-        _check_tensor("topk_idx", topk_idx, (num_tokens, topk), topk_idx.dtype, self._rt.device)
+        check_tensor("topk_idx", topk_idx, (num_tokens, topk), topk_idx.dtype, self._rt.device)
         if topk < 1:
             raise ValueError("topk_idx must have at least one slot per token (K >= 1)")
         if min(topk, self._rt.plan.experts_per_rank) > self._rt.plan.meta_stride:
@@ -283,7 +364,7 @@ class Buffer:
     def _check_handle(self, handle) -> None:
         if not isinstance(handle, DispatchHandle) or handle.staged_rows.device != self._rt.device:
             raise ValueError(
-                f"handle must be a DispatchHandle of this Buffer, got {_describe(handle)}"
+                f"handle must be a DispatchHandle of this Buffer, got {describe(handle)}"
             )
 
     def _raise_if_timed_out(self) -> None:
@@ -326,30 +407,6 @@ class Buffer:
                 detail = f"rank {src} passed an invalid topk_idx"
             raise ValueError(f"topk_idx: {detail}; nothing was dispatched")
         return needed
-
-
-def _describe(value) -> str:
-    if isinstance(value, torch.Tensor):
-        return f"tensor of shape {tuple(value.shape)}, {value.dtype} on {value.device}"
-    return type(value).__name__
-
-
-def _check_int(name: str, value, minimum: int, maximum: int | None = None) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
-    if maximum is not None and value > maximum:
-        raise ValueError(f"{name} must be <= {maximum}, got {value!r}")
-
-
-def _check_tensor(name: str, t, shape: tuple, dtype: torch.dtype, device: torch.device) -> None:
-    if not isinstance(t, torch.Tensor):
-        raise ValueError(f"{name} must be a tensor, got {type(t).__name__}")
-    if tuple(t.shape) != tuple(shape):
-        raise ValueError(f"{name} must have shape {tuple(shape)}, got {tuple(t.shape)}")
-    if t.dtype != dtype:
-        raise ValueError(f"{name} must be {dtype}, got {t.dtype}")
-    if t.device.type != device.type or (device.index is not None and t.device != device):
-        raise ValueError(f"{name} must be on {device}, got {t.device}")
 
 
 def _check_same_on_all_ranks(group: dist.ProcessGroup, **params) -> None:

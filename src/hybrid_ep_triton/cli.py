@@ -23,9 +23,9 @@ class Command(NamedTuple):
     run: Callable[[argparse.Namespace], int]
 
 
-# -- demo -----------------------------------------------------------------------------------
+# -- demo and soak: one process per rank on this machine ----------------------------------
 
-DEMO_OPTIONS = {
+SIZE_OPTIONS = {
     "tokens": "tokens per rank",
     "hidden": "hidden size",
     "experts": "global experts",
@@ -39,9 +39,17 @@ DEMO_SIZES = {
 CPU_RANKS = 4
 
 
-def _demo_arguments(p: argparse.ArgumentParser) -> None:
+class CommandError(Exception):
+    """A bad command line, or ranks that failed: ``main`` prints it and returns 2."""
+
+
+def _rank_arguments(
+    p: argparse.ArgumentParser, sizes: dict, cpu_ranks: int, timeout: float, tokens_help: str
+) -> None:
+    """--ranks, --device, the size options (defaults per device from ``sizes``), --seed and
+    --timeout (seconds for the whole run)."""
     p.add_argument(
-        "--ranks", type=int, help=f"ranks (default: every local GPU, or {CPU_RANKS} CPU ranks)"
+        "--ranks", type=int, help=f"ranks (default: every local GPU, or {cpu_ranks} CPU ranks)"
     )
     p.add_argument(
         "--device",
@@ -50,47 +58,136 @@ def _demo_arguments(p: argparse.ArgumentParser) -> None:
         help="cuda: NCCL, one process per GPU; cpu: gloo and the Triton interpreter "
         "(default: cuda when a GPU is visible)",
     )
-    for name, what in DEMO_OPTIONS.items():
-        cpu, gpu = DEMO_SIZES["cpu"][name], DEMO_SIZES["cuda"][name]
+    for name, what in {**SIZE_OPTIONS, "tokens": tokens_help}.items():
+        cpu, gpu = sizes["cpu"][name], sizes["cuda"][name]
         p.add_argument(f"--{name}", type=int, help=f"{what} (default: {cpu} on CPU, {gpu} on GPU)")
     p.add_argument("--seed", type=int, default=0, help="random seed (default: 0)")
     p.add_argument(
-        "--timeout", type=float, default=600.0, help="seconds before giving up (default: 600)"
+        "--timeout",
+        type=float,
+        default=timeout,
+        help=f"seconds before giving up on the whole run (default: {timeout:g})",
     )
+
+
+def _rank_plan(args: argparse.Namespace, sizes: dict, cpu_ranks: int) -> tuple[str, int, dict]:
+    """(device, ranks, sizes) from the options of ``_rank_arguments``; CommandError if invalid."""
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    device = args.device if args.device != "auto" else ("cuda" if gpus else "cpu")
+    if device == "cuda" and not gpus:
+        raise CommandError("--device cuda, but torch sees no CUDA device")
+    ranks = args.ranks if args.ranks is not None else (gpus if device == "cuda" else cpu_ranks)
+    if ranks < 1 or device == "cuda" and ranks > gpus:
+        raise CommandError(
+            f"--ranks must be in [1, {gpus if device == 'cuda' else 'any'}], got {ranks}"
+        )
+    given = {k: getattr(args, k) for k in SIZE_OPTIONS if getattr(args, k) is not None}
+    chosen = {**sizes[device], **given}
+    if chosen["experts"] % ranks:
+        raise CommandError(
+            f"--experts ({chosen['experts']}) must be a multiple of --ranks ({ranks})"
+        )
+    if not 1 <= chosen["topk"] <= chosen["experts"] or chosen["tokens"] < 0 or chosen["hidden"] < 1:
+        raise CommandError(f"need tokens >= 0, hidden >= 1 and 1 <= topk <= experts, got {chosen}")
+    return device, ranks, chosen
+
+
+def _on_ranks(command: str, details: str, fn, cfg, device, ranks, timeout) -> tuple[list, float]:
+    """Print what runs where, run ``fn(rank, ranks, cfg)`` on the ranks; returns (per-rank
+    results, seconds). CommandError if a rank fails."""
+    from ._launcher import RankFailure, run_ranks
+
+    kind = "GPU ranks (NCCL)" if device == "cuda" else "CPU ranks (gloo, Triton interpreter)"
+    print(f"hybrid-ep {command}: {ranks} {kind}; {details}", flush=True)
+    start = time.perf_counter()
+    try:
+        results = run_ranks(fn, ranks, cfg, device=device, timeout_s=timeout)
+    except RankFailure as e:
+        raise CommandError(str(e)) from None
+    return results, time.perf_counter() - start
+
+
+def _demo_arguments(p: argparse.ArgumentParser) -> None:
+    _rank_arguments(p, DEMO_SIZES, CPU_RANKS, 600.0, SIZE_OPTIONS["tokens"])
 
 
 def run_demo(args: argparse.Namespace) -> int:
     """One MoE layer on every rank, checked against the reference; exit code 1 on mismatch."""
     from ._demo import DemoConfig, demo_rank
-    from ._launcher import RankFailure, run_ranks
 
-    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    device = args.device if args.device != "auto" else ("cuda" if gpus else "cpu")
-    if device == "cuda" and not gpus:
-        return _fail("--device cuda, but torch sees no CUDA device")
-    ranks = args.ranks if args.ranks is not None else (gpus if device == "cuda" else CPU_RANKS)
-    if ranks < 1 or device == "cuda" and ranks > gpus:
-        return _fail(f"--ranks must be in [1, {gpus if device == 'cuda' else 'any'}], got {ranks}")
-    sizes = {k: getattr(args, k) for k in DEMO_OPTIONS if getattr(args, k) is not None}
-    cfg = DemoConfig(**{**DEMO_SIZES[device], **sizes}, seed=args.seed)
-    if cfg.experts % ranks:
-        return _fail(f"--experts ({cfg.experts}) must be a multiple of --ranks ({ranks})")
-    if not 1 <= cfg.topk <= cfg.experts or cfg.tokens < 0 or cfg.hidden < 1:
-        return _fail(f"need tokens >= 0, hidden >= 1 and 1 <= topk <= experts, got {cfg}")
-
-    where = "GPU ranks (NCCL)" if device == "cuda" else "CPU ranks (gloo, Triton interpreter)"
-    print(
-        f"hybrid-ep demo: {ranks} {where}; {cfg.tokens} tokens per rank, hidden {cfg.hidden}, "
-        f"{cfg.experts} experts, top-{cfg.topk}, bf16",
-        flush=True,
+    device, ranks, sizes = _rank_plan(args, DEMO_SIZES, CPU_RANKS)
+    cfg = DemoConfig(**sizes, seed=args.seed)
+    details = (
+        f"{cfg.tokens} tokens per rank, hidden {cfg.hidden}, {cfg.experts} experts, "
+        f"top-{cfg.topk}, bf16"
     )
-    start = time.perf_counter()
-    try:
-        ok = run_ranks(demo_rank, ranks, cfg, device=device, timeout_s=args.timeout)
-    except RankFailure as e:
-        return _fail(str(e))
-    print(f"{'OK' if all(ok) else 'MISMATCH'} in {time.perf_counter() - start:.1f} s", flush=True)
+    ok, seconds = _on_ranks("demo", details, demo_rank, cfg, device, ranks, args.timeout)
+    print(f"{'OK' if all(ok) else 'MISMATCH'} in {seconds:.1f} s", flush=True)
     return 0 if all(ok) else 1
+
+
+# Tiny under the CPU interpreter; the demo's DeepSeek-V3-like sizes on GPUs.
+SOAK_SIZES = {
+    "cpu": {"tokens": 8, "hidden": 16, "experts": 8, "topk": 2},
+    "cuda": DEMO_SIZES["cuda"],
+}
+SOAK_ROUNDS = {"cpu": 20, "cuda": 10_000}
+SOAK_CPU_RANKS = 2
+
+
+def _soak_arguments(p: argparse.ArgumentParser) -> None:
+    from ._soak import DTYPES
+
+    _rank_arguments(
+        p, SOAK_SIZES, SOAK_CPU_RANKS, 3600.0, "most tokens per rank (each round draws 0..this)"
+    )
+    cpu, gpu = SOAK_ROUNDS["cpu"], SOAK_ROUNDS["cuda"]
+    p.add_argument("--rounds", type=int, help=f"rounds (default: {cpu} on CPU, {gpu} on GPU)")
+    p.add_argument(
+        "--dtype", choices=tuple(DTYPES), default="bf16", help="token element type (default: bf16)"
+    )
+    p.add_argument(
+        "--op-timeout",
+        type=float,
+        default=60.0,
+        help="the Buffer's timeout_s: seconds a wait on another rank may last (default: 60)",
+    )
+    p.add_argument(
+        "--progress-every",
+        type=int,
+        help="rank 0 prints a line every this many rounds (default: rounds / 20; 0: never)",
+    )
+
+
+def run_soak(args: argparse.Namespace) -> int:
+    """Many dispatch/combine rounds on one Buffer with changing token counts, routing and modes,
+    every round checked against the reference; memory growth after a warm-up fails, time drift
+    is reported. One summary line per rank; exit code 1 on any failure."""
+    from ._soak import SoakConfig, format_summary, soak_rank
+
+    device, ranks, sizes = _rank_plan(args, SOAK_SIZES, SOAK_CPU_RANKS)
+    rounds = args.rounds if args.rounds is not None else SOAK_ROUNDS[device]
+    if rounds < 1 or args.op_timeout <= 0:
+        raise CommandError(
+            f"need --rounds >= 1 and --op-timeout > 0, got {rounds}, {args.op_timeout}"
+        )
+    every = args.progress_every if args.progress_every is not None else max(1, rounds // 20)
+    cfg = SoakConfig(rounds=rounds, **sizes, dtype=args.dtype, seed=args.seed,
+                     timeout_s=args.op_timeout, progress_every=max(every, 0))  # fmt: skip
+    details = (
+        f"{rounds} rounds of 0..{cfg.tokens} tokens per rank, hidden {cfg.hidden}, "
+        f"{cfg.experts} experts, top-{cfg.topk}, {cfg.dtype}"
+    )
+    summaries, seconds = _on_ranks("soak", details, soak_rank, cfg, device, ranks, args.timeout)
+    for s in summaries:
+        print(format_summary(s))
+        covered = ", ".join(f"{name} {n}" for name, n in sorted(s["coverage"].items()))
+        print(f"  rank {s['rank']} rounds with: {covered}")
+        for message in s["messages"]:
+            print(f"  rank {s['rank']}: {message}")
+    ok = all(s["ok"] for s in summaries)
+    print(f"{'OK' if ok else 'FAILED'} in {seconds:.1f} s", flush=True)
+    return 0 if ok else 1
 
 
 def _bench_arguments(p: argparse.ArgumentParser) -> None:
@@ -125,6 +222,11 @@ COMMANDS: dict[str, Command] = {
         "benchmark on the local GPUs (writes bench/results/)", _bench_arguments, run_bench
     ),
     "tune": Command("tune kernel parameters, cache the best", _tune_arguments, run_tune),
+    "soak": Command(
+        "many checked dispatch/combine rounds: failures, memory growth, drift",
+        _soak_arguments,
+        run_soak,
+    ),
 }
 
 
@@ -152,4 +254,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command is None:
         parser.print_help()
         return 2
-    return args.run(args)
+    try:
+        return args.run(args)
+    except CommandError as e:
+        return _fail(str(e))

@@ -168,9 +168,10 @@ def _expand_chunk(
     CHUNK: tl.constexpr,
     BLOCK_H: tl.constexpr,
     HAS_WEIGHTS: tl.constexpr,
+    WRITE_ROWS: tl.constexpr,
 ):
     """Copy columns [h_first, h_last) of staged rows [staged_first, staged_end) to their
-    expert-major rows of recv_x."""
+    expert-major rows of recv_x (and record those rows in staged_rows if WRITE_ROWS)."""
     entries = tl.arange(0, MS_P2)
     staged = staged_first + tl.arange(0, CHUNK)
     jmask = staged < staged_end
@@ -179,7 +180,8 @@ def _expand_chunk(
     rows = tl.load(meta_rows_ptr + meta, mask=emask, other=-1, cache_modifier=".cg")
     num_copies = tl.max(tl.sum((rows >= 0).to(tl.int32), axis=1), axis=0)
     rows = tl.where(rows < num_out_rows, rows, -1)  # past max_recv_tokens: dropped
-    tl.store(staged_rows_ptr + meta, rows, mask=emask)
+    if WRITE_ROWS:
+        tl.store(staged_rows_ptr + meta, rows, mask=emask)
     if HAS_WEIGHTS:
         weights = tl.load(meta_weights_ptr + meta, mask=emask, cache_modifier=".cg")
         tl.store(recv_weights_ptr + rows, weights, mask=rows >= 0)
@@ -250,6 +252,7 @@ def dispatch_kernel(
     CHUNK: tl.constexpr,
     BLOCK_H: tl.constexpr,
     HAS_WEIGHTS: tl.constexpr,
+    WRITE_ROWS: tl.constexpr,  # False for a cached dispatch: its handle has them already
 ):
     pid = tl.program_id(0)
     num_programs = tl.num_programs(0)
@@ -297,7 +300,7 @@ def dispatch_kernel(
                 region(peer_bases_ptr, rank, meta_rows_off, tl.int32),
                 region(peer_bases_ptr, rank, meta_weights_off, tl.float32),
                 region(peer_bases_ptr, rank, staging_off, dtype), staged_rows_ptr, recv_x_ptr,
-                recv_weights_ptr, MS, MS_P2, CHUNK, BLOCK_H, HAS_WEIGHTS,
+                recv_weights_ptr, MS, MS_P2, CHUNK, BLOCK_H, HAS_WEIGHTS, WRITE_ROWS,
             )  # fmt: skip
 
     # Zero padding rows and the rows past the valid count (max_recv_tokens mode).

@@ -19,6 +19,8 @@ class Runtime:
     timeout_ns: bound of every wait on a peer, in nanoseconds.
     check_status: called after every launch; raises TimeoutError where launches are synchronous
         (CPU ranks), as soon as a wait timed out.
+    read_report: reads what the device recorded for a handle's layout (one device-to-host
+        read), raises TimeoutError or ValueError (invalid routing), returns the rows needed.
     """
 
     plan: Plan
@@ -30,3 +32,4 @@ class Runtime:
     timeout_ns: int
     group: dist.ProcessGroup
     check_status: Callable[[], None]
+    read_report: Callable[..., int]

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 import torch
 import triton
 
-from .._planner import MAX_PROGRAMS
+from .._planner import MAX_PROGRAMS, Plan
 from ..kernels.dispatch import dispatch_kernel
 from ..kernels.route import count_chunk_kernel, exchange_layout_kernel
 from . import Runtime
@@ -21,8 +21,10 @@ _C_BLOCK = 64
 class DispatchHandle:
     """Everything combine and a cached dispatch need; produced by ``Buffer.dispatch``.
 
+    The int32 parts are views of one tensor, ``ints``, and the int64 parts of ``longs``, so that
+    the torch.library operators pass a handle as a few tensors (``make_handle`` rebuilds it).
     Sender side (this rank's tokens):
-        topk_idx [T, K] int32, slot_pos [T, K] int32, token_rank_pos [T, W] int32,
+        topk_idx [T, K] int32 or int64, slot_pos [T, K] int32, token_rank_pos [T, W] int32,
         send_chunk_start [NC_MAX + 1, W] int32, chunk_expert_base [NC_MAX, E] int32.
     Receiver side (rows that came to this rank):
         recv_chunk_start [W, NC_MAX + 1] int32, recv_src_tokens [W] int32,
@@ -39,6 +41,8 @@ class DispatchHandle:
     num_recv_rows: int
     max_recv_tokens: int | None
     topk_idx: torch.Tensor
+    ints: torch.Tensor
+    longs: torch.Tensor
     slot_pos: torch.Tensor
     token_rank_pos: torch.Tensor
     send_chunk_start: torch.Tensor
@@ -51,10 +55,82 @@ class DispatchHandle:
     info: torch.Tensor
 
 
+def _int_parts(plan: Plan, num_tokens: int, topk: int) -> dict[str, tuple[int, ...]]:
+    """Shapes of the int32 parts of a handle (and the counting scratch), in ``ints`` order."""
+    world, experts = plan.world_size, plan.num_experts
+    num_chunks = triton.cdiv(num_tokens, plan.config.chunk_tokens)
+    return {
+        "slot_pos": (num_tokens, topk),
+        "token_rank_pos": (num_tokens, world),
+        "chunk_expert_count": (num_chunks, experts),
+        "chunk_rank_count": (num_chunks, world),
+        "send_chunk_start": (plan.max_chunks + 1, world),
+        "chunk_expert_base": (num_chunks, experts),
+        "recv_chunk_start": (world, plan.max_chunks + 1),
+        "recv_src_tokens": (world,),
+        "expert_layout": (3, plan.experts_per_rank),
+        "staged_rows": (world, plan.max_tokens, plan.meta_stride),
+    }
+
+
+def _part_sizes(shapes) -> list[int]:
+    # Each part starts on a 16-byte boundary, as Triton's pointer specialisation expects.
+    return [triton.cdiv(math.prod(shape), 4) * 4 for shape in shapes]
+
+
+def handle_sizes(plan: Plan, num_tokens: int, topk: int) -> tuple[int, int]:
+    """Elements of a handle's ``ints`` (int32) and ``longs`` (int64) tensors."""
+    return sum(_part_sizes(_int_parts(plan, num_tokens, topk).values())), 4 + plan.experts_per_rank
+
+
+def _int_views(plan: Plan, num_tokens: int, topk: int, ints: torch.Tensor) -> dict:
+    shapes = _int_parts(plan, num_tokens, topk)
+    return {
+        name: part[: math.prod(shape)].view(shape)
+        for (name, shape), part in zip(
+            shapes.items(), ints.split(_part_sizes(shapes.values())), strict=True
+        )
+    }
+
+
+def make_handle(
+    plan: Plan,
+    topk_idx: torch.Tensor,
+    ints: torch.Tensor,
+    longs: torch.Tensor,
+    num_recv_rows: int,
+    max_recv_tokens: int | None,
+) -> DispatchHandle:
+    """The handle whose parts are views of ``ints`` and ``longs`` (see handle_sizes)."""
+    num_tokens, topk = topk_idx.shape
+    parts = _int_views(plan, num_tokens, topk, ints)
+    info, tokens_per_expert = longs.split([4, plan.experts_per_rank])
+    return DispatchHandle(
+        num_tokens=num_tokens,
+        topk=topk,
+        num_recv_rows=num_recv_rows,
+        max_recv_tokens=max_recv_tokens,
+        topk_idx=topk_idx,
+        ints=ints,
+        longs=longs,
+        slot_pos=parts["slot_pos"],
+        token_rank_pos=parts["token_rank_pos"],
+        send_chunk_start=parts["send_chunk_start"],
+        chunk_expert_base=parts["chunk_expert_base"],
+        recv_chunk_start=parts["recv_chunk_start"],
+        recv_src_tokens=parts["recv_src_tokens"],
+        expert_layout=parts["expert_layout"],
+        tokens_per_expert=tokens_per_expert,
+        staged_rows=parts["staged_rows"],
+        info=info,
+    )
+
+
 def compute_layout(
     rt: Runtime, topk_idx: torch.Tensor, pad_multiple: int, max_recv_tokens: int | None
 ) -> DispatchHandle:
-    """Launch the counting and exchange kernels for ``topk_idx`` [T, K]; collective.
+    """Launch the counting and exchange kernels for ``topk_idx`` [T, K] (contiguous);
+    collective.
 
     With ``max_recv_tokens`` the handle's ``num_recv_rows`` is set to it; without, it is left
     at -1 for the caller to set once it has read the row count.
@@ -64,61 +140,36 @@ def compute_layout(
     chunk = plan.config.chunk_tokens
     num_chunks = triton.cdiv(num_tokens, chunk)
     world, experts, local = rt.world_size, plan.num_experts, plan.experts_per_rank
-    topk_idx = topk_idx.contiguous()
     # One int32 and one int64 allocation for the whole handle and the counting scratch: a
     # dispatch is latency-bound at small batches, and every allocator call costs host time.
-    shapes = {
-        "slot_pos": (num_tokens, topk),
-        "token_rank_pos": (num_tokens, world),
-        "chunk_expert_count": (num_chunks, experts),
-        "chunk_rank_count": (num_chunks, world),
-        "send_chunk_start": (plan.max_chunks + 1, world),
-        "chunk_expert_base": (num_chunks, experts),
-        "recv_chunk_start": (world, plan.max_chunks + 1),
-        "recv_src_tokens": (world,),
-        "expert_layout": (3, local),
-        "staged_rows": (world, plan.max_tokens, plan.meta_stride),
-    }
-    # Each part starts on a 16-byte boundary, as Triton's pointer specialisation expects.
-    sizes = [triton.cdiv(math.prod(shape), 4) * 4 for shape in shapes.values()]
-    flat = torch.empty(sum(sizes), dtype=torch.int32, device=dev).split(sizes)
-    t = {
-        name: part[: math.prod(shape)].view(shape)
-        for (name, shape), part in zip(shapes.items(), flat, strict=True)
-    }
-    info, tokens_per_expert = torch.empty(4 + local, dtype=torch.int64, device=dev).split(
-        [4, local]
+    num_ints, num_longs = handle_sizes(plan, num_tokens, topk)
+    handle = make_handle(
+        plan,
+        topk_idx,
+        torch.empty(num_ints, dtype=torch.int32, device=dev),
+        torch.empty(num_longs, dtype=torch.int64, device=dev),
+        -1 if max_recv_tokens is None else max_recv_tokens,
+        max_recv_tokens,
     )
+    scratch = _int_views(plan, num_tokens, topk, handle.ints)
+    chunk_expert_count, chunk_rank_count = (
+        scratch["chunk_expert_count"],
+        scratch["chunk_rank_count"],
+    )
+    info = handle.info
     info.fill_(2**62)
     if num_chunks:
         count_chunk_kernel[(num_chunks,)](
             topk_idx, num_tokens, topk, experts, local, world,
-            t["slot_pos"], t["token_rank_pos"], t["chunk_expert_count"], t["chunk_rank_count"],
+            handle.slot_pos, handle.token_rank_pos, chunk_expert_count, chunk_rank_count,
             info[2:],
             CHUNK=chunk, K_P2=triton.next_power_of_2(topk),
             W_P2=triton.next_power_of_2(world), E_BLOCK=_E_BLOCK,
         )  # fmt: skip
-    handle = DispatchHandle(
-        num_tokens=num_tokens,
-        topk=topk,
-        num_recv_rows=-1 if max_recv_tokens is None else max_recv_tokens,
-        max_recv_tokens=max_recv_tokens,
-        topk_idx=topk_idx,
-        slot_pos=t["slot_pos"],
-        token_rank_pos=t["token_rank_pos"],
-        send_chunk_start=t["send_chunk_start"],
-        chunk_expert_base=t["chunk_expert_base"],
-        recv_chunk_start=t["recv_chunk_start"],
-        recv_src_tokens=t["recv_src_tokens"],
-        expert_layout=t["expert_layout"],
-        tokens_per_expert=tokens_per_expert,
-        staged_rows=t["staged_rows"],
-        info=info,
-    )
     exchange_layout_kernel[(1,)](
         rt.heap.peer_bases, rt.rank, world, num_tokens, num_chunks, experts, local, pad_multiple,
         2**31 - 1 if max_recv_tokens is None else max_recv_tokens,
-        t["chunk_expert_count"], t["chunk_rank_count"], info[2:], handle.chunk_expert_base,
+        chunk_expert_count, chunk_rank_count, info[2:], handle.chunk_expert_base,
         handle.send_chunk_start, handle.recv_chunk_start,
         handle.recv_src_tokens, handle.expert_layout, handle.tokens_per_expert, info, rt.control,
         plan.heap.count_flags, plan.heap.counts, plan.heap.chunk_table, rt.timeout_ns,
@@ -133,8 +184,10 @@ def move_tokens(
     x: torch.Tensor,
     topk_weights: torch.Tensor | None,
     handle: DispatchHandle,
+    cached: bool,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Launch the data move for ``x`` [T, H] along ``handle``; collective.
+    """Launch the data move for ``x`` [T, H] along ``handle``; collective. ``cached``: the
+    handle's staged_rows were filled by an earlier move and stay as they are.
 
     Returns recv_x [N, H] (x's dtype) and recv_weights [N] float32 (None without topk_weights).
     """
@@ -158,6 +211,6 @@ def move_tokens(
         MS=plan.meta_stride, MS_P2=triton.next_power_of_2(plan.meta_stride),
         K_P2=triton.next_power_of_2(handle.topk), W_P2=triton.next_power_of_2(rt.world_size),
         CHUNK=cfg.chunk_tokens, BLOCK_H=cfg.block_h,
-        HAS_WEIGHTS=has_weights, num_warps=cfg.num_warps,
+        HAS_WEIGHTS=has_weights, WRITE_ROWS=not cached, num_warps=cfg.num_warps,
     )  # fmt: skip
     return recv_x, (recv_weights if has_weights else None)

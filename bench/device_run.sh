@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# One call on a lent GPU machine: install the carried nvshmem4py wheel, then run the steps named
+# in $STEPS (default: tests) with every log written to $OUT (the folder that comes back).
+#   tests  the GPU test suite (HEP_TEST_DEVICE=cuda: tests with more ranks than GPUs skip)
+#   bench  bench/run.py (JSON, Markdown, PNG into $OUT)
+#   soak   hybrid-ep soak on every local GPU ($SOAK_ROUNDS rounds, default 10000)
+#   tune   hybrid-ep tune for the S1 shape
+# Usage there: OUT=... STEPS="tests bench" HEP_COMMIT=<hash> bash bench/device_run.sh
+set -uo pipefail
+cd "$(dirname "$0")/.."
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/*.whl || exit 1
+export PYTHONPATH=/tmp/site:$PWD/src PYTHONUNBUFFERED=1
+export NCCL_NVLS_ENABLE=0 NVSHMEM_DISABLE_NVLS=1 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
+: "${OUT:?set OUT}" "${STEPS:=tests}" "${STEP_TIMEOUT:=240}"
+nvidia-smi --query-gpu=name,driver_version --format=csv > "$OUT/gpus.txt" 2>&1
+status=0
+for step in $STEPS; do
+    case $step in
+        tests) cmd=(env HEP_TEST_DEVICE=cuda HEP_TEST_TIMEOUT=120 python3 -m pytest -q -rs
+                    tests/test_streams.py tests/test_compile.py tests/test_moe.py
+                    tests/test_dispatch_combine.py tests/test_heap.py tests/test_validation.py
+                    tests/test_autograd.py) ;;
+        bench) cmd=(python3 bench/run.py --iters 50 --warmup 10 --timeout 200 --out "$OUT") ;;
+        soak) cmd=(python3 -m hybrid_ep_triton soak --device cuda --rounds "${SOAK_ROUNDS:-10000}") ;;
+        tune) cmd=(python3 -m hybrid_ep_triton tune) ;;
+        *) echo "unknown step $step" >&2; exit 2 ;;
+    esac
+    echo "== $step: ${cmd[*]}" | tee -a "$OUT/summary.txt"
+    timeout "$STEP_TIMEOUT" "${cmd[@]}" > "$OUT/$step.log" 2>&1
+    rc=$?
+    echo "== $step: exit $rc" | tee -a "$OUT/summary.txt"
+    tail -3 "$OUT/$step.log" | tee -a "$OUT/summary.txt"
+    [ $rc -ne 0 ] && status=$rc
+done
+exit $status

@@ -1,0 +1,274 @@
+"""torch.library operators for dispatch and combine: fake implementations and autograd.
+
+The operators take a Buffer's runtime by its registry id (an int) and a handle as its tensors
+(``topk_idx``, ``ints``, ``longs``), so torch.compile traces a model that calls them without
+graph breaks: in max_recv_tokens mode every output shape is static; in exact mode the received
+row count is a data-dependent size.
+
+Autograd: each data move's backward is the other one along the same handle.
+- dispatch (x, topk_weights) -> (recv_x, recv_weights): grad x is the combine of grad recv_x
+  (each token sums the gradients of its rows); grad topk_weights[t, k] is grad recv_weights at
+  the row that slot (t, k) landed on, sent back to the token's rank.
+- combine (y, weights) -> out: grad y is the cached dispatch of grad out times weights; grad
+  weights[row] is <y[row], grad out[token of row]> in fp32.
+Backward passes reuse the forward's handle (no new layout), work in max_recv_tokens mode, and
+are collective like the forward: every rank runs them, in the same order.
+"""
+
+import itertools
+
+import torch
+
+# An operator's first call imports torch._dynamo, which takes seconds: import it with the
+# library instead, so that no rank's first collective call is late by that much.
+import torch._dynamo  # noqa: F401
+import torch.distributed as dist
+from torch import Tensor
+
+from . import Runtime
+from .combine import reduce_tokens
+from .dispatch import DispatchHandle, compute_layout, handle_sizes, make_handle, move_tokens
+
+_runtimes: dict[int, Runtime] = {}
+_ids = itertools.count()
+
+
+def register(rt: Runtime) -> int:
+    """Make ``rt`` reachable by the operators; returns its id."""
+    runtime_id = next(_ids)
+    _runtimes[runtime_id] = rt
+    return runtime_id
+
+
+def unregister(runtime_id: int) -> None:
+    _runtimes.pop(runtime_id, None)
+
+
+def _runtime(runtime_id: int) -> Runtime:
+    rt = _runtimes.get(runtime_id)
+    if rt is None:
+        raise RuntimeError(f"hybrid_ep: no live Buffer has id {runtime_id} (destroyed?)")
+    return rt
+
+
+def _handle(rt: Runtime, topk_idx, ints, longs, num_recv_rows: int) -> DispatchHandle:
+    return make_handle(rt.plan, topk_idx, ints, longs, num_recv_rows, None)
+
+
+# -- operators ------------------------------------------------------------------------------
+
+
+@torch.library.custom_op("hybrid_ep::dispatch", mutates_args=())
+def dispatch(
+    runtime_id: int,
+    x: Tensor,
+    topk_idx: Tensor,
+    topk_weights: Tensor | None,
+    pad_multiple: int,
+    max_recv_tokens: int,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Layout and data move. max_recv_tokens < 0: exact mode (one device-to-host read).
+
+    Returns recv_x [N, H], recv_weights [N] float32 ([0] without topk_weights), and the handle's
+    ints and longs (see DispatchHandle).
+    """
+    rt = _runtime(runtime_id)
+    handle = compute_layout(
+        rt, topk_idx, pad_multiple, max_recv_tokens if max_recv_tokens >= 0 else None
+    )
+    if max_recv_tokens < 0:
+        handle.num_recv_rows = rt.read_report(handle)
+    recv_x, recv_weights = move_tokens(rt, x, topk_weights, handle, cached=False)
+    rt.check_status()
+    if rt.device.type == "cpu":  # launches are synchronous: report routing errors now
+        rt.read_report(handle)
+    return recv_x, _weights_or_empty(recv_weights, rt), handle.ints, handle.longs
+
+
+@dispatch.register_fake
+def _(runtime_id, x, topk_idx, topk_weights, pad_multiple, max_recv_tokens):
+    rt = _runtime(runtime_id)
+    if max_recv_tokens >= 0:
+        rows = max_recv_tokens
+    else:
+        rows = torch.library.get_ctx().new_dynamic_size()
+    num_ints, num_longs = handle_sizes(rt.plan, *topk_idx.shape)
+    return (
+        x.new_empty(rows, x.shape[1]),
+        x.new_empty(rows if topk_weights is not None else 0, dtype=torch.float32),
+        x.new_empty(num_ints, dtype=torch.int32),
+        x.new_empty(num_longs, dtype=torch.int64),
+    )
+
+
+@torch.library.custom_op("hybrid_ep::dispatch_cached", mutates_args=())
+def dispatch_cached(
+    runtime_id: int,
+    x: Tensor,
+    topk_weights: Tensor | None,
+    topk_idx: Tensor,
+    ints: Tensor,
+    longs: Tensor,
+    num_recv_rows: int,
+) -> tuple[Tensor, Tensor]:
+    """Data move along an earlier dispatch's handle: recv_x [N, H], recv_weights [N] or [0]."""
+    rt = _runtime(runtime_id)
+    handle = _handle(rt, topk_idx, ints, longs, num_recv_rows)
+    recv_x, recv_weights = move_tokens(rt, x, topk_weights, handle, cached=True)
+    rt.check_status()
+    return recv_x, _weights_or_empty(recv_weights, rt)
+
+
+@dispatch_cached.register_fake
+def _(runtime_id, x, topk_weights, topk_idx, ints, longs, num_recv_rows):
+    rows_weighted = num_recv_rows if topk_weights is not None else 0
+    return x.new_empty(num_recv_rows, x.shape[1]), x.new_empty(rows_weighted, dtype=torch.float32)
+
+
+@torch.library.custom_op("hybrid_ep::combine", mutates_args=())
+def combine(
+    runtime_id: int,
+    y: Tensor,
+    weights: Tensor | None,
+    topk_idx: Tensor,
+    ints: Tensor,
+    longs: Tensor,
+) -> Tensor:
+    """out [T, H] in y's dtype: the (weighted) sum of each token's rows of y [N, H]."""
+    rt = _runtime(runtime_id)
+    out = reduce_tokens(rt, y, _handle(rt, topk_idx, ints, longs, y.shape[0]), weights)
+    rt.check_status()
+    return out
+
+
+@combine.register_fake
+def _(runtime_id, y, weights, topk_idx, ints, longs):
+    return y.new_empty(topk_idx.shape[0], y.shape[1])
+
+
+@torch.library.custom_op("hybrid_ep::slot_gradients", mutates_args=())
+def slot_gradients(
+    runtime_id: int, grad_recv_weights: Tensor, topk_idx: Tensor, ints: Tensor, longs: Tensor
+) -> Tensor:
+    """grad topk_weights [T, K] float32 from grad recv_weights [N] float32."""
+    rt = _runtime(runtime_id)
+    handle = _handle(rt, topk_idx, ints, longs, grad_recv_weights.shape[0])
+    return _slot_gradients(rt, handle, grad_recv_weights)
+
+
+@slot_gradients.register_fake
+def _(runtime_id, grad_recv_weights, topk_idx, ints, longs):
+    return grad_recv_weights.new_empty(topk_idx.shape)
+
+
+def _weights_or_empty(recv_weights: Tensor | None, rt: Runtime) -> Tensor:
+    # An operator returns tensors only: no weights is an empty one.
+    if recv_weights is None:
+        return torch.empty(0, dtype=torch.float32, device=rt.device)
+    return recv_weights
+
+
+# -- autograd -------------------------------------------------------------------------------
+
+
+def _save_handle(ctx, runtime_id, x, num_recv_rows, *tensors) -> None:
+    """Keep what a backward needs: the handle's tensors (topk_idx, ints, longs) and others."""
+    ctx.runtime_id, ctx.num_recv_rows = runtime_id, num_recv_rows
+    ctx.dtype, ctx.hidden = x.dtype, x.shape[1]
+    ctx.save_for_backward(*tensors)
+
+
+def _dispatch_backward(ctx, grad_recv_x, grad_recv_weights, x_index: int, weights_index: int):
+    """Gradients of a data move's inputs: combine for x, slot_gradients for topk_weights."""
+    topk_idx, ints, longs = ctx.saved_tensors
+    grads = [None] * ctx.num_inputs
+    if ctx.needs_input_grad[x_index]:
+        if grad_recv_x is None:  # still a collective: every rank takes part
+            grad_recv_x = topk_idx.new_zeros(ctx.num_recv_rows, ctx.hidden, dtype=ctx.dtype)
+        grad_rows = grad_recv_x.to(ctx.dtype).contiguous()
+        grads[x_index] = combine(ctx.runtime_id, grad_rows, None, topk_idx, ints, longs)
+    if ctx.needs_input_grad[weights_index]:
+        if grad_recv_weights is None:
+            grad_recv_weights = topk_idx.new_zeros(ctx.num_recv_rows, dtype=torch.float32)
+        grads[weights_index] = slot_gradients(
+            ctx.runtime_id, grad_recv_weights.float().contiguous(), topk_idx, ints, longs
+        )
+    return tuple(grads)
+
+
+def _dispatch_setup(ctx, inputs, output):
+    runtime_id, x, topk_idx = inputs[:3]
+    _, _, ints, longs = output
+    _save_handle(ctx, runtime_id, x, output[0].shape[0], topk_idx, ints, longs)
+    ctx.num_inputs = len(inputs)
+
+
+def _dispatch_grads(ctx, grad_recv_x, grad_recv_weights, _grad_ints, _grad_longs):
+    return _dispatch_backward(ctx, grad_recv_x, grad_recv_weights, x_index=1, weights_index=3)
+
+
+def _dispatch_cached_setup(ctx, inputs, output):
+    runtime_id, x, _, topk_idx, ints, longs, num_recv_rows = inputs
+    _save_handle(ctx, runtime_id, x, num_recv_rows, topk_idx, ints, longs)
+    ctx.num_inputs = len(inputs)
+
+
+def _dispatch_cached_grads(ctx, grad_recv_x, grad_recv_weights):
+    return _dispatch_backward(ctx, grad_recv_x, grad_recv_weights, x_index=1, weights_index=2)
+
+
+def _combine_setup(ctx, inputs, output):
+    runtime_id, y, weights, topk_idx, ints, longs = inputs
+    _save_handle(ctx, runtime_id, y, y.shape[0], topk_idx, ints, longs, y, weights)
+
+
+def _combine_grads(ctx, grad_out):
+    topk_idx, ints, longs, y, weights = ctx.saved_tensors
+    # Row r of grad_rows is grad_out of the token row r came from (zero on padding).
+    grad_rows, _ = dispatch_cached(
+        ctx.runtime_id, grad_out.to(ctx.dtype).contiguous(), None, topk_idx, ints, longs,
+        ctx.num_recv_rows,
+    )  # fmt: skip
+    grad_y = grad_weights = None
+    if ctx.needs_input_grad[1]:
+        grad_y = grad_rows if weights is None else grad_rows * weights[:, None].to(y.dtype)
+    if ctx.needs_input_grad[2]:
+        grad_weights = (y.float() * grad_rows.float()).sum(dim=1)
+    return None, grad_y, grad_weights, None, None, None
+
+
+dispatch.register_autograd(_dispatch_grads, setup_context=_dispatch_setup)
+dispatch_cached.register_autograd(_dispatch_cached_grads, setup_context=_dispatch_cached_setup)
+combine.register_autograd(_combine_grads, setup_context=_combine_setup)
+
+
+def _slot_gradients(rt: Runtime, handle: DispatchHandle, grad_rows: Tensor) -> Tensor:
+    """grad topk_weights [T, K] float32 from grad recv_weights [N]: each receiver looks up the rows
+    of its staged tokens' entries, sends them back with one all_to_all, and each source picks the
+    entry of every slot."""
+    plan, dev = rt.plan, rt.device
+    # Receiver: entry (s, j, i) holds the row of the i-th local slot of s's j-th staged token.
+    src_tokens = handle.recv_src_tokens.long().clamp(max=plan.max_tokens)
+    last_chunk = (src_tokens + plan.config.chunk_tokens - 1) // plan.config.chunk_tokens
+    streamed = handle.recv_chunk_start.long().gather(1, last_chunk[:, None])  # [W, 1]
+    staged = torch.arange(plan.max_tokens, device=dev)[None, :] < streamed  # [W, T_MAX]
+    rows = handle.staged_rows.long()
+    rows = torch.where(staged[:, :, None] & (rows >= 0), rows, -1)
+    # Row -1 (no row) reads the zero appended at the end, also when N == 0.
+    back = torch.cat([grad_rows, grad_rows.new_zeros(1)])[rows]
+    returned = torch.empty_like(back)
+    dist.all_to_all_single(returned, back, group=rt.group)  # block d: what rank d looked up
+    # Source: slot (t, k) went to rank d as staged token j, entry i = its rank among t's slots
+    # on d (the sender packs them in slot order).
+    idx = handle.topk_idx.long()
+    valid = idx >= 0
+    dest = torch.where(valid, idx // plan.experts_per_rank, 0)
+    chunk = torch.arange(handle.num_tokens, device=dev) // plan.config.chunk_tokens
+    j = handle.send_chunk_start.long()[chunk[:, None], dest] + handle.token_rank_pos.long().gather(
+        1, dest
+    )
+    k = torch.arange(handle.topk, device=dev)
+    earlier = (dest[:, None, :] == dest[:, :, None]) & valid[:, None, :] & (k[None, :] < k[:, None])
+    entry = earlier.sum(dim=2)
+    grad = returned[dest, j.clamp(min=0), entry.clamp(max=plan.meta_stride - 1)]
+    return torch.where(valid & (j >= 0), grad, 0.0)
