@@ -186,7 +186,8 @@ class Buffer:
         if handle is None:
             topk_idx = topk_idx.contiguous()
             (recv_x, recv_weights, ints, longs), event = self._launch(
-                lambda: library.dispatch(
+                lambda: library.call(
+                    library.dispatch,
                     self._id, x, topk_idx, topk_weights, pad_multiple,
                     -1 if max_recv_tokens is None else max_recv_tokens,
                 ),
@@ -196,7 +197,8 @@ class Buffer:
             self._track_overflow(handle)
         else:
             (recv_x, recv_weights), event = self._launch(
-                lambda: library.dispatch_cached(
+                lambda: library.call(
+                    library.dispatch_cached,
                     self._id, x, topk_weights, handle.topk_idx, handle.ints, handle.longs,
                     handle.num_recv_rows,
                 ),
@@ -239,7 +241,8 @@ class Buffer:
             check_tensor("weights", weights, (handle.num_recv_rows,), torch.float32, rt.device)
         self._check_event(previous_event)
         out, event = self._launch(
-            lambda: library.combine(
+            lambda: library.call(
+                library.combine,
                 self._id, y, weights, handle.topk_idx, handle.ints, handle.longs
             ),
             (y, weights), previous_event, async_finish,

@@ -58,8 +58,7 @@ def _handle(rt: Runtime, topk_idx, ints, longs, num_recv_rows: int) -> DispatchH
 # -- operators ------------------------------------------------------------------------------
 
 
-@torch.library.custom_op("hybrid_ep::dispatch", mutates_args=())
-def dispatch(
+def _dispatch(
     runtime_id: int,
     x: Tensor,
     topk_idx: Tensor,
@@ -85,6 +84,9 @@ def dispatch(
     return recv_x, _weights_or_empty(recv_weights, rt), handle.ints, handle.longs
 
 
+dispatch = torch.library.custom_op("hybrid_ep::dispatch", _dispatch, mutates_args=())
+
+
 @dispatch.register_fake
 def _(runtime_id, x, topk_idx, topk_weights, pad_multiple, max_recv_tokens):
     rt = _runtime(runtime_id)
@@ -101,8 +103,7 @@ def _(runtime_id, x, topk_idx, topk_weights, pad_multiple, max_recv_tokens):
     )
 
 
-@torch.library.custom_op("hybrid_ep::dispatch_cached", mutates_args=())
-def dispatch_cached(
+def _dispatch_cached(
     runtime_id: int,
     x: Tensor,
     topk_weights: Tensor | None,
@@ -119,14 +120,18 @@ def dispatch_cached(
     return recv_x, _weights_or_empty(recv_weights, rt)
 
 
+dispatch_cached = torch.library.custom_op(
+    "hybrid_ep::dispatch_cached", _dispatch_cached, mutates_args=()
+)
+
+
 @dispatch_cached.register_fake
 def _(runtime_id, x, topk_weights, topk_idx, ints, longs, num_recv_rows):
     rows_weighted = num_recv_rows if topk_weights is not None else 0
     return x.new_empty(num_recv_rows, x.shape[1]), x.new_empty(rows_weighted, dtype=torch.float32)
 
 
-@torch.library.custom_op("hybrid_ep::combine", mutates_args=())
-def combine(
+def _combine(
     runtime_id: int,
     y: Tensor,
     weights: Tensor | None,
@@ -141,13 +146,15 @@ def combine(
     return out
 
 
+combine = torch.library.custom_op("hybrid_ep::combine", _combine, mutates_args=())
+
+
 @combine.register_fake
 def _(runtime_id, y, weights, topk_idx, ints, longs):
     return y.new_empty(topk_idx.shape[0], y.shape[1])
 
 
-@torch.library.custom_op("hybrid_ep::slot_gradients", mutates_args=())
-def slot_gradients(
+def _slot_gradients_op(
     runtime_id: int, grad_recv_weights: Tensor, topk_idx: Tensor, ints: Tensor, longs: Tensor
 ) -> Tensor:
     """grad topk_weights [T, K] float32 from grad recv_weights [N] float32."""
@@ -156,9 +163,33 @@ def slot_gradients(
     return _slot_gradients(rt, handle, grad_recv_weights)
 
 
+slot_gradients = torch.library.custom_op(
+    "hybrid_ep::slot_gradients", _slot_gradients_op, mutates_args=()
+)
+
+
 @slot_gradients.register_fake
 def _(runtime_id, grad_recv_weights, topk_idx, ints, longs):
     return grad_recv_weights.new_empty(topk_idx.shape)
+
+
+_IMPLEMENTATIONS = {
+    dispatch: _dispatch,
+    dispatch_cached: _dispatch_cached,
+    combine: _combine,
+    slot_gradients: _slot_gradients_op,
+}
+
+
+def call(op, *args):
+    """Run operator ``op``: through torch's dispatcher where torch must see it (while
+    torch.compile traces, or for autograd when an input requires grad), else its implementation
+    directly, which saves tens of µs of host time per call."""
+    if torch.compiler.is_compiling() or (
+        torch.is_grad_enabled() and any(isinstance(a, Tensor) and a.requires_grad for a in args)
+    ):
+        return op(*args)
+    return _IMPLEMENTATIONS[op](*args)
 
 
 def _weights_or_empty(recv_weights: Tensor | None, rt: Runtime) -> Tensor:
