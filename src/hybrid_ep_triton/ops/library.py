@@ -16,6 +16,7 @@ are collective like the forward: every rank runs them, in the same order.
 """
 
 import itertools
+import weakref
 
 import torch
 
@@ -29,7 +30,8 @@ from . import Runtime
 from .combine import reduce_tokens
 from .dispatch import DispatchHandle, compute_layout, handle_sizes, make_handle, move_tokens
 
-_runtimes: dict[int, Runtime] = {}
+# Weak: a Buffer dropped without destroy() is freed as before (its runtime with it).
+_runtimes: weakref.WeakValueDictionary[int, Runtime] = weakref.WeakValueDictionary()
 _ids = itertools.count()
 
 
@@ -184,7 +186,7 @@ _IMPLEMENTATIONS = {
 def call(op, *args):
     """Run operator ``op``: through torch's dispatcher where torch must see it (while
     torch.compile traces, or for autograd when an input requires grad), else its implementation
-    directly, which saves tens of µs of host time per call."""
+    directly (which skips about 40 µs of dispatcher overhead per call on a slow CPU)."""
     if torch.compiler.is_compiling() or (
         torch.is_grad_enabled() and any(isinstance(a, Tensor) and a.requires_grad for a in args)
     ):
