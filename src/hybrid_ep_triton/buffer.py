@@ -48,6 +48,9 @@ class Buffer:
             an entry for this GPU, Triton version, group size, hidden size and dtype, else from
             the planner's heuristic.
         timeout_s: seconds any wait on another rank may last before TimeoutError (default 60).
+
+    Attributes: the arguments above, and ``device``, where tokens live: the current CUDA device
+    at construction with NCCL, the CPU with gloo.
     """
 
     def __init__(
@@ -97,6 +100,7 @@ class Buffer:
         self.max_tokens_per_rank = max_tokens_per_rank
         self.num_experts = num_experts
         self.dtype = dtype
+        self.device = device
         self.timeout_s = float(timeout_s)
         self._broken: str | None = None
         # max_recv_tokens dispatches whose overflow nobody has checked yet: (info, M).

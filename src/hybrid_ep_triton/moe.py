@@ -47,7 +47,7 @@ class TokenDispatcher:
         pad_multiple: pad each local expert's rows with zero rows (prob 0) to a multiple of it.
 
     Attributes: buffer, router_topk, max_recv_tokens, pad_multiple, num_experts (E),
-    num_local_experts (L) and device (the Buffer's: the current CUDA device with NCCL, else CPU).
+    num_local_experts (L) and device (the Buffer's).
     """
 
     def __init__(
@@ -70,10 +70,7 @@ class TokenDispatcher:
         self.pad_multiple = pad_multiple
         self.num_experts = buffer.num_experts
         self.num_local_experts = buffer.num_experts // dist.get_world_size(buffer.group)
-        if dist.get_backend(buffer.group) == "nccl":  # as the Buffer: the current CUDA device
-            self.device = torch.device("cuda", torch.cuda.current_device())
-        else:
-            self.device = torch.device("cpu")
+        self.device = buffer.device
         self._pending = None  # (handle, input shape, N) of a dispatch not combined yet
         self._last_handle = None
 

@@ -102,8 +102,20 @@ def make_handle(
     max_recv_tokens: int | None,
 ) -> DispatchHandle:
     """The handle whose parts are views of ``ints`` and ``longs`` (see handle_sizes)."""
+    parts = _int_views(plan, *topk_idx.shape, ints)
+    return _handle_from_parts(plan, topk_idx, parts, ints, longs, num_recv_rows, max_recv_tokens)
+
+
+def _handle_from_parts(
+    plan: Plan,
+    topk_idx: torch.Tensor,
+    parts: dict,
+    ints: torch.Tensor,
+    longs: torch.Tensor,
+    num_recv_rows: int,
+    max_recv_tokens: int | None,
+) -> DispatchHandle:
     num_tokens, topk = topk_idx.shape
-    parts = _int_views(plan, num_tokens, topk, ints)
     info, tokens_per_expert = longs.split([4, plan.experts_per_rank])
     return DispatchHandle(
         num_tokens=num_tokens,
@@ -143,19 +155,18 @@ def compute_layout(
     # One int32 and one int64 allocation for the whole handle and the counting scratch: a
     # dispatch is latency-bound at small batches, and every allocator call costs host time.
     num_ints, num_longs = handle_sizes(plan, num_tokens, topk)
-    handle = make_handle(
+    ints = torch.empty(num_ints, dtype=torch.int32, device=dev)
+    parts = _int_views(plan, num_tokens, topk, ints)  # the handle's and the counting scratch
+    handle = _handle_from_parts(
         plan,
         topk_idx,
-        torch.empty(num_ints, dtype=torch.int32, device=dev),
+        parts,
+        ints,
         torch.empty(num_longs, dtype=torch.int64, device=dev),
         -1 if max_recv_tokens is None else max_recv_tokens,
         max_recv_tokens,
     )
-    scratch = _int_views(plan, num_tokens, topk, handle.ints)
-    chunk_expert_count, chunk_rank_count = (
-        scratch["chunk_expert_count"],
-        scratch["chunk_rank_count"],
-    )
+    chunk_expert_count, chunk_rank_count = parts["chunk_expert_count"], parts["chunk_rank_count"]
     info = handle.info
     info.fill_(2**62)
     if num_chunks:
