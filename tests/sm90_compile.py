@@ -17,8 +17,8 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from hybrid_ep_triton.kernels.combine import combine_kernel
-from hybrid_ep_triton.kernels.dispatch import dispatch_kernel
+from hybrid_ep_triton.kernels.combine import reduce_kernel, return_kernel, sum_kernel
+from hybrid_ep_triton.kernels.dispatch import expand_kernel, send_kernel
 from hybrid_ep_triton.kernels.route import count_chunk_kernel, exchange_layout_kernel
 
 _ALIGNED_INTS = {"hidden", "x_stride", "y_stride"}
@@ -55,20 +55,47 @@ def main() -> int:
     i64 = {n: "*i64" for n in ("peer_bases_ptr", "control_ptr", "info_ptr", "invalid_row_ptr")}
     i64["tokens_per_expert_ptr"] = "*i64"
     for world in (2, 8):
-        common = dict(T_MAX=4096, NC_MAX=128, H_SLICES=2, P_MAX=132, MS=32, MS_P2=32, W_P2=world)
+        # Every constexpr of the data-move kernels; each kernel takes the ones it declares.
+        common = dict(
+            T_MAX=4096,
+            NC_MAX=128,
+            H_SLICES=2,
+            P_MAX=132,
+            MS=32,
+            MS_P2=32,
+            W_P2=world,
+            W=world,
+            CHUNK=32,
+            K_P2=8,
+            HAS_WEIGHTS=True,
+            WRITE_ROWS=True,
+            COPY_UNROLL=4,
+        )
+        tokens = dict(
+            i64,
+            x_ptr="*bf16",
+            topk_idx_ptr="*i64",
+            topk_weights_ptr="*fp32",
+            recv_x_ptr="*bf16",
+            recv_weights_ptr="*fp32",
+        )
+        partials = dict(
+            i64, y_ptr="*bf16", weights_ptr="*fp32", outbox_ptr="*bf16", out_ptr="*bf16"
+        )
         builds = [
             (count_chunk_kernel, dict(i64, topk_idx_ptr="*i64"),
              dict(CHUNK=32, K_P2=8, W_P2=world, E_BLOCK=32), 4),
             (exchange_layout_kernel, i64,
              dict(NC_MAX=128, ROW=259, C_BLOCK=64, E_BLOCK=32, W_P2=world, L_P2=256 // world), 4),
-            (dispatch_kernel, dict(i64, x_ptr="*bf16", topk_idx_ptr="*i64",
-                                   topk_weights_ptr="*fp32", recv_x_ptr="*bf16",
-                                   recv_weights_ptr="*fp32"),
-             dict(common, CHUNK=32, K_P2=8, BLOCK_H=512, HAS_WEIGHTS=True, WRITE_ROWS=True), 16),
-            (combine_kernel, dict(i64, y_ptr="*bf16", weights_ptr="*fp32", out_ptr="*bf16"),
-             dict(common, CHUNK=32, BLOCK_H=256, HAS_WEIGHTS=True, COPY_UNROLL=4), 16),
+            (send_kernel, tokens, dict(common, BLOCK_H=512), 16),
+            (expand_kernel, tokens, dict(common, BLOCK_H=512), 16),
+            (reduce_kernel, partials, dict(common, BLOCK_H=256), 16),
+            (return_kernel, partials, dict(common, BLOCK_H=512), 16),
+            (sum_kernel, partials, dict(common, BLOCK_H=256), 16),
         ]  # fmt: skip
         for kernel, pointers, constexprs, num_warps in builds:
+            params = inspect.signature(kernel.fn).parameters
+            constexprs = {k: v for k, v in constexprs.items() if k in params}
             signature, attrs = _signature(kernel, pointers, constexprs)
             compiled = triton.compile(
                 ASTSource(kernel, signature, constexprs, attrs),

@@ -17,6 +17,8 @@ DEFAULT_TIMEOUT_S = 60.0
 # Unchecked max_recv_tokens dispatches remembered for the next exact-mode call.
 _MAX_UNCHECKED = 1024
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+# Programs of the local kernels on CPU ranks (on GPUs: one per SM).
+_CPU_LOCAL_PROGRAMS = 2
 
 _STAGES = {
     STAGE_LAYOUT: "the dispatch layout exchange",
@@ -42,11 +44,14 @@ class Buffer:
         max_tokens_per_rank: most tokens any rank passes to one dispatch.
         num_experts: E, global experts, divisible by the group size.
         dtype: element type of token rows: torch.bfloat16, torch.float16 or torch.float32.
-        num_sms: programs (channels, about one SM each) of the dispatch and combine kernels;
-            1..132. Default: the tuned configuration's (``hybrid-ep tune``), else 8 on GPUs and
-            2 on CPU ranks. The other kernel parameters come from the tuning cache when it has
-            an entry for this GPU, Triton version, group size, hidden size and dtype, else from
-            the planner's heuristic.
+        num_sms: programs (channels, about one SM each) of the kernels that move data between
+            ranks, dispatch's and combine's; 1..132. The local steps around them (dispatch's
+            expansion into expert-major rows, combine's reduction of a token's expert rows and
+            its final sum) are ordinary kernels over all SMs, like a grouped GEMM's permute.
+            Default: the tuned configuration's (``hybrid-ep tune``), else 8 on GPUs and 2 on
+            CPU ranks. The other kernel parameters come from the tuning cache when it has an
+            entry for this GPU, Triton version, group size, hidden size and dtype, else from the
+            planner's heuristic.
         timeout_s: seconds any wait on another rank may last before TimeoutError (default 60).
 
     Attributes: the arguments above, and ``device``, where tokens live: the current CUDA device
@@ -113,6 +118,14 @@ class Buffer:
             world_size=world,
             device=device,
             timeout_ns=int(timeout_s * 1e9),
+            local_programs=(
+                torch.cuda.get_device_properties(device).multi_processor_count
+                if on_gpu
+                else _CPU_LOCAL_PROGRAMS
+            ),
+            outbox=torch.empty(
+                world * max(max_tokens_per_rank, 1), hidden_size, dtype=dtype, device=device
+            ),
             group=group,
             check_status=self._raise_if_timed_out,
             read_report=self._read_report,

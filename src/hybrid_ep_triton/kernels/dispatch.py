@@ -1,15 +1,21 @@
 """Dispatch: tokens to the ranks that hold their experts, expanded there into expert-major rows.
 
-One persistent launch of P programs; program p is an independent channel:
+Two launches after the layout, so that only the transfer is bound to the Buffer's SM budget:
+
+``send_kernel``, persistent, P programs (``num_sms``); program p is an independent channel:
 1. it raises its ready flag on every peer (its rank's previous launch has finished with the
    staging area) and waits for program p of every peer to have done the same;
-2. send: for its token chunks c = p, p + P, ... it pushes each token row once to every rank that
-   holds one of its experts, into that rank's staging area (stream of this source, row j), with the
-   destination rows and weights of the token's slots there, then sets the chunk's flag;
-3. receive: for the same chunk numbers of every source it waits for the chunk's flag and copies
-   each staged row to the expert-major rows listed with it;
-4. it zeroes its share of the padding rows and of the rows past the valid count.
+2. for its token chunks c = p, p + P, ... it pushes each token row once to every *other* rank
+   that holds one of its experts, into that rank's staging area (stream of this source, row j),
+   with the destination rows and weights of the token's slots there, then sets the chunk's flag;
+3. it waits for the flags of the same chunk numbers from every other rank, so that when the
+   launch ends, everything this rank receives has landed.
 Program p only ever waits for program p of other ranks, never for a program of its own launch.
+
+``expand_kernel``, a local grid over all SMs (the GPU is otherwise idle between the two): it copies
+every staged row, and every own token with a local expert straight from ``x`` (own tokens never
+go through the staging area), to its expert-major rows, then zeroes the padding rows and the
+rows past the valid count.
 """
 
 import triton
@@ -84,9 +90,10 @@ def _send_chunk(
     BLOCK_H: tl.constexpr,
     HAS_WEIGHTS: tl.constexpr,
 ):
-    """Push columns [h_first, h_last) of chunk ``c`` of this rank's tokens to every rank that holds
-    one of their experts: each row once per rank, with the expert-major rows (and weights) of its
-    slots there (every column slice writes these, so the receiver of a slice needs no other)."""
+    """Push columns [h_first, h_last) of chunk ``c`` of this rank's tokens to every other rank that
+    holds one of their experts: each row once per rank, with the expert-major rows (and weights)
+    of its slots there (every column slice writes these, so the receiver of a slice needs no
+    other)."""
     dtype = x_ptr.dtype.element_ty
     slots = tl.arange(0, K_P2)
     ranks = tl.arange(0, W_P2)
@@ -102,8 +109,8 @@ def _send_chunk(
     out_row += tl.load(slot_pos_ptr + slot_offs, mask=used, other=0)
     if HAS_WEIGHTS:
         weight = tl.load(topk_weights_ptr + slot_offs, mask=used, other=0.0)
-    # Row of each (token, destination) in that destination's staging area, or -1.
-    rmask = tmask[:, None] & (ranks[None, :] < world_size)
+    # Row of each (token, other destination) in that destination's staging area, or -1.
+    rmask = tmask[:, None] & (ranks[None, :] < world_size) & (ranks[None, :] != rank)
     pos = tl.load(
         token_rank_pos_ptr + tokens[:, None] * world_size + ranks[None, :], mask=rmask, other=-1
     )
@@ -112,7 +119,7 @@ def _send_chunk(
     for q in tl.static_range(W_P2):
         if q < world_size:
             row = column(stream_rows, ranks, q)
-            sel = used & (dest == q)
+            sel = used & (dest == q) & (row >= 0)[:, None]
             sel_i = sel.to(tl.int32)
             slot_index = tl.cumsum(sel_i, axis=1) - sel_i
             unused_entry = (entries[None, :] >= tl.sum(sel_i, axis=1)[:, None]) & (
@@ -208,8 +215,83 @@ def _expand_chunk(
         tile = next_tile
 
 
+@triton.jit(noinline=True)
+def _expand_own_chunk(
+    c,
+    h_first,
+    h_last,
+    x_ptr,
+    x_stride,
+    topk_idx_ptr,
+    topk_weights_ptr,
+    num_tokens,
+    topk,
+    hidden,
+    num_experts,
+    experts_per_rank,
+    rank,
+    num_out_rows,
+    slot_pos_ptr,
+    token_rank_pos_ptr,
+    own_stream_first,
+    chunk_expert_base_ptr,
+    staged_rows_ptr,
+    recv_x_ptr,
+    recv_weights_ptr,
+    W: tl.constexpr,
+    MS: tl.constexpr,
+    MS_P2: tl.constexpr,
+    K_P2: tl.constexpr,
+    CHUNK: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    HAS_WEIGHTS: tl.constexpr,
+    WRITE_ROWS: tl.constexpr,
+):
+    """Copy columns [h_first, h_last) of this rank's tokens of chunk ``c`` straight from ``x``
+    to the expert-major rows of their local experts, and (if WRITE_ROWS) record those rows in
+    staged_rows as the rows of the token's place in its stream to this rank, which starts at
+    row ``own_stream_first``, packed in slot order as a sender packs them."""
+    slots = tl.arange(0, K_P2)
+    entries = tl.arange(0, MS_P2)
+    tokens = c * CHUNK + tl.arange(0, CHUNK)
+    tmask = tokens < num_tokens
+    slot_offs = tokens[:, None] * topk + slots[None, :]
+    ids = tl.load(
+        topk_idx_ptr + slot_offs, mask=tmask[:, None] & (slots[None, :] < topk), other=-1
+    ).to(tl.int32)
+    mine = (ids >= 0) & (ids // experts_per_rank == rank)
+    out_row = tl.load(chunk_expert_base_ptr + c * num_experts + ids, mask=mine, other=0)
+    out_row += tl.load(slot_pos_ptr + slot_offs, mask=mine, other=0)
+    out_row = tl.where(mine & (out_row < num_out_rows), out_row, -1)  # past max_recv_tokens
+    if WRITE_ROWS:
+        staged = own_stream_first + tl.load(token_rank_pos_ptr + tokens * W + rank, mask=tmask)
+        mine_i = mine.to(tl.int32)
+        entry = tl.cumsum(mine_i, axis=1) - mine_i
+        meta = staged.to(tl.int64)[:, None] * MS
+        tl.store(staged_rows_ptr + meta + entry, out_row, mask=mine)
+        unused = (entries[None, :] >= tl.sum(mine_i, axis=1)[:, None]) & (entries[None, :] < MS)
+        tl.store(
+            staged_rows_ptr + meta + entries[None, :],
+            tl.full([CHUNK, MS_P2], -1, tl.int32),
+            mask=(tl.max(mine_i, axis=1) > 0)[:, None] & unused,
+        )
+    if HAS_WEIGHTS:
+        weight = tl.load(topk_weights_ptr + slot_offs, mask=mine)
+        tl.store(recv_weights_ptr + out_row, weight, mask=out_row >= 0)
+    x_rows = x_ptr + tokens.to(tl.int64)[:, None] * x_stride
+    wanted = tl.max(out_row, axis=1) >= 0
+    for h0 in range(h_first, h_last, BLOCK_H):
+        cols = h0 + tl.arange(0, BLOCK_H)
+        cmask = cols < h_last
+        tile = tl.load(x_rows + cols[None, :], mask=wanted[:, None] & cmask[None, :])
+        for k in tl.static_range(K_P2):
+            row_k = column(out_row, slots, k)
+            ptrs = recv_x_ptr + row_k.to(tl.int64)[:, None] * hidden + cols[None, :]
+            tl.store(ptrs, tile, mask=(row_k >= 0)[:, None] & cmask[None, :])
+
+
 @triton.jit
-def dispatch_kernel(
+def send_kernel(
     x_ptr,  # [T, H], row stride x_stride
     x_stride,
     topk_idx_ptr,  # [T, K] int32/int64
@@ -221,18 +303,12 @@ def dispatch_kernel(
     experts_per_rank,
     world_size,
     rank,
-    num_out_rows,  # N: rows of recv_x
     slot_pos_ptr,  # [T, K] int32
     token_rank_pos_ptr,  # [T, W] int32
     send_chunk_start_ptr,  # [NC_MAX + 1, W] int32
     chunk_expert_base_ptr,  # [NC_MAX, E] int32
-    recv_chunk_start_ptr,  # [W, NC_MAX + 1] int32
     recv_src_tokens_ptr,  # [W] int32
-    expert_layout_ptr,  # [3, L] int32
     info_ptr,  # [4] int64
-    staged_rows_ptr,  # out [W, T_MAX, MS] int32: expert-major rows of each staged row, or -1
-    recv_x_ptr,  # out [N, H]
-    recv_weights_ptr,  # out [N] float32 (unused unless HAS_WEIGHTS)
     peer_bases_ptr,
     ready_off,
     chunk_flags_off,
@@ -252,13 +328,11 @@ def dispatch_kernel(
     CHUNK: tl.constexpr,
     BLOCK_H: tl.constexpr,
     HAS_WEIGHTS: tl.constexpr,
-    WRITE_ROWS: tl.constexpr,  # False for a cached dispatch: its handle has them already
 ):
     pid = tl.program_id(0)
     num_programs = tl.num_programs(0)
     seq = tl.load(control_ptr) + 1
     status_ptr = control_ptr + 3
-    dtype = x_ptr.dtype.element_ty
     # Invalid routing on any rank: every rank saw it in the layout exchange and moves nothing.
     aborted = tl.load(info_ptr + 1) >= 0
 
@@ -281,27 +355,97 @@ def dispatch_kernel(
             W_P2, CHUNK, BLOCK_H, HAS_WEIGHTS,
         )  # fmt: skip
         for peer in range(0, world_size):
-            flags = region(peer_bases_ptr, peer, chunk_flags_off, tl.int64)
-            signal(flags + rank * NC_MAX * H_SLICES + w, seq)
+            if peer != rank:
+                flags = region(peer_bases_ptr, peer, chunk_flags_off, tl.int64)
+                signal(flags + rank * NC_MAX * H_SLICES + w, seq)
 
+    # The same items of every other rank have landed here before the launch ends.
     my_flags = region(peer_bases_ptr, rank, chunk_flags_off, tl.int64)
     for src in range(0, world_size):
         # Clamped: a garbage handle must not turn into an endless loop.
         src_tokens = tl.minimum(tl.load(recv_src_tokens_ptr + src), T_MAX)
-        src_items = tl.where(aborted, 0, tl.cdiv(src_tokens, CHUNK) * H_SLICES)
+        src_items = tl.where(aborted | (src == rank), 0, tl.cdiv(src_tokens, CHUNK) * H_SLICES)
         for w in range(pid, src_items, num_programs):
             flag = my_flags + src * NC_MAX * H_SLICES + w
             wait_at_least(flag, seq, timeout_ns, status_ptr, src, 3)  # STAGE_DISPATCH_DATA
-            table = recv_chunk_start_ptr + src * (NC_MAX + 1) + w // H_SLICES
-            h_first = (w % H_SLICES) * slice_cols
-            _expand_chunk(
-                src * T_MAX + tl.load(table), src * T_MAX + tl.load(table + 1), h_first,
-                tl.minimum(h_first + slice_cols, hidden), hidden, num_out_rows,
-                region(peer_bases_ptr, rank, meta_rows_off, tl.int32),
-                region(peer_bases_ptr, rank, meta_weights_off, tl.float32),
-                region(peer_bases_ptr, rank, staging_off, dtype), staged_rows_ptr, recv_x_ptr,
-                recv_weights_ptr, MS, MS_P2, CHUNK, BLOCK_H, HAS_WEIGHTS, WRITE_ROWS,
-            )  # fmt: skip
+
+    finish_launch(control_ptr, seq, num_programs)
+
+
+@triton.jit
+def expand_kernel(
+    x_ptr,  # [T, H], row stride x_stride
+    x_stride,
+    topk_idx_ptr,  # [T, K] int32/int64
+    topk_weights_ptr,  # [T, K] float32 (unused unless HAS_WEIGHTS)
+    num_tokens,
+    topk,
+    hidden,
+    num_experts,
+    experts_per_rank,
+    rank,
+    num_out_rows,  # N: rows of recv_x
+    num_slices,  # column slices per chunk: work items are (source, chunk, slice)
+    slot_pos_ptr,  # [T, K] int32
+    token_rank_pos_ptr,  # [T, W] int32
+    send_chunk_start_ptr,  # [NC_MAX + 1, W] int32
+    chunk_expert_base_ptr,  # [NC_MAX, E] int32
+    recv_chunk_start_ptr,  # [W, NC_MAX + 1] int32
+    recv_src_tokens_ptr,  # [W] int32
+    expert_layout_ptr,  # [3, L] int32
+    info_ptr,  # [4] int64
+    staged_rows_ptr,  # out [W, T_MAX, MS] int32: expert-major rows of each staged row, or -1
+    recv_x_ptr,  # out [N, H]
+    recv_weights_ptr,  # out [N] float32 (unused unless HAS_WEIGHTS)
+    peer_bases_ptr,
+    meta_rows_off,
+    meta_weights_off,
+    staging_off,
+    W: tl.constexpr,
+    T_MAX: tl.constexpr,
+    NC_MAX: tl.constexpr,
+    MS: tl.constexpr,
+    MS_P2: tl.constexpr,
+    K_P2: tl.constexpr,
+    CHUNK: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    HAS_WEIGHTS: tl.constexpr,
+    WRITE_ROWS: tl.constexpr,  # False for a cached dispatch: its handle has them already
+):
+    pid = tl.program_id(0)
+    num_programs = tl.num_programs(0)
+    dtype = recv_x_ptr.dtype.element_ty
+    aborted = tl.load(info_ptr + 1) >= 0
+
+    slice_cols = tl.cdiv(tl.cdiv(hidden, num_slices), BLOCK_H) * BLOCK_H
+    for src in range(0, W):
+        # This rank's own tokens come from x, chunk by chunk; the others' from the staging area.
+        # Clamped: a garbage handle must not turn into an endless loop.
+        src_tokens = tl.where(src == rank, num_tokens, tl.load(recv_src_tokens_ptr + src))
+        src_items = tl.where(aborted, 0, tl.cdiv(tl.minimum(src_tokens, T_MAX), CHUNK) * num_slices)
+        table = recv_chunk_start_ptr + src * (NC_MAX + 1)
+        for w in range(pid, src_items, num_programs):
+            c = w // num_slices
+            h_first = (w % num_slices) * slice_cols
+            h_last = tl.minimum(h_first + slice_cols, hidden)
+            if src == rank:
+                _expand_own_chunk(
+                    c, h_first, h_last, x_ptr, x_stride, topk_idx_ptr, topk_weights_ptr,
+                    num_tokens, topk, hidden, num_experts, experts_per_rank, rank, num_out_rows,
+                    slot_pos_ptr, token_rank_pos_ptr,
+                    rank * T_MAX + tl.load(send_chunk_start_ptr + c * W + rank),
+                    chunk_expert_base_ptr, staged_rows_ptr, recv_x_ptr, recv_weights_ptr, W, MS,
+                    MS_P2, K_P2, CHUNK, BLOCK_H, HAS_WEIGHTS, WRITE_ROWS,
+                )  # fmt: skip
+            else:
+                _expand_chunk(
+                    src * T_MAX + tl.load(table + c), src * T_MAX + tl.load(table + c + 1),
+                    h_first, h_last, hidden, num_out_rows,
+                    region(peer_bases_ptr, rank, meta_rows_off, tl.int32),
+                    region(peer_bases_ptr, rank, meta_weights_off, tl.float32),
+                    region(peer_bases_ptr, rank, staging_off, dtype), staged_rows_ptr, recv_x_ptr,
+                    recv_weights_ptr, MS, MS_P2, CHUNK, BLOCK_H, HAS_WEIGHTS, WRITE_ROWS,
+                )  # fmt: skip
 
     # Zero padding rows and the rows past the valid count (max_recv_tokens mode).
     for e in range(pid, tl.where(aborted, 0, experts_per_rank), num_programs):
@@ -314,5 +458,3 @@ def dispatch_kernel(
         first = valid_rows + b * CHUNK
         last = tl.minimum(first + CHUNK, num_out_rows)
         _zero_rows(recv_x_ptr, recv_weights_ptr, first, last, hidden, HAS_WEIGHTS, CHUNK, BLOCK_H)
-
-    finish_launch(control_ptr, seq, num_programs)

@@ -1,4 +1,5 @@
-"""Dispatch launches: the layout (two kernels) and the data move (one persistent kernel)."""
+"""Dispatch launches: the layout (two kernels), then the data move: the transfer (one persistent
+kernel on the Buffer's SM budget) and the local expansion (a grid over the whole GPU)."""
 
 import math
 from dataclasses import dataclass
@@ -7,9 +8,9 @@ import torch
 import triton
 
 from .._planner import MAX_PROGRAMS, Plan
-from ..kernels.dispatch import dispatch_kernel
+from ..kernels.dispatch import expand_kernel, send_kernel
 from ..kernels.route import count_chunk_kernel, exchange_layout_kernel
-from . import Runtime
+from . import Runtime, local_slices
 
 # Experts per tile in the counting kernel: bounds its [CHUNK, K, E_BLOCK] comparison tile.
 _E_BLOCK = 32
@@ -210,18 +211,30 @@ def move_tokens(
         num_rows if has_weights else 0, dtype=torch.float32, device=rt.device
     )
     weights_arg = topk_weights.contiguous() if has_weights else recv_weights
-    dispatch_kernel[(cfg.num_programs,)](
-        x, x.stride(0), handle.topk_idx, weights_arg, handle.num_tokens, handle.topk, plan.hidden,
-        plan.num_experts, plan.experts_per_rank, rt.world_size, rt.rank, num_rows,
-        handle.slot_pos, handle.token_rank_pos, handle.send_chunk_start, handle.chunk_expert_base,
-        handle.recv_chunk_start, handle.recv_src_tokens, handle.expert_layout, handle.info,
-        handle.staged_rows, recv_x, recv_weights,
-        rt.heap.peer_bases, plan.heap.dispatch_ready, plan.heap.chunk_flags, plan.heap.meta_rows,
-        plan.heap.meta_weights, plan.heap.staging, rt.control, rt.timeout_ns,
+    topk_idx, num_tokens, topk = handle.topk_idx, handle.num_tokens, handle.topk
+    world, rank, heap = rt.world_size, rt.rank, plan.heap
+    send_kernel[(cfg.num_programs,)](
+        x, x.stride(0), topk_idx, weights_arg, num_tokens, topk, plan.hidden, plan.num_experts,
+        plan.experts_per_rank, world, rank, handle.slot_pos, handle.token_rank_pos,
+        handle.send_chunk_start, handle.chunk_expert_base, handle.recv_src_tokens, handle.info,
+        rt.heap.peer_bases, heap.dispatch_ready, heap.chunk_flags, heap.meta_rows,
+        heap.meta_weights, heap.staging, rt.control, rt.timeout_ns,
         T_MAX=plan.max_tokens, NC_MAX=plan.max_chunks, H_SLICES=cfg.h_slices, P_MAX=MAX_PROGRAMS,
         MS=plan.meta_stride, MS_P2=triton.next_power_of_2(plan.meta_stride),
-        K_P2=triton.next_power_of_2(handle.topk), W_P2=triton.next_power_of_2(rt.world_size),
-        CHUNK=cfg.chunk_tokens, BLOCK_H=cfg.block_h,
-        HAS_WEIGHTS=has_weights, WRITE_ROWS=not cached, num_warps=cfg.num_warps,
+        K_P2=triton.next_power_of_2(topk), W_P2=triton.next_power_of_2(world),
+        CHUNK=cfg.chunk_tokens, BLOCK_H=cfg.block_h, HAS_WEIGHTS=has_weights,
+        num_warps=cfg.num_warps,
+    )  # fmt: skip
+    expand_kernel[(rt.local_programs,)](
+        x, x.stride(0), topk_idx, weights_arg, num_tokens, topk, plan.hidden, plan.num_experts,
+        plan.experts_per_rank, rank, num_rows, local_slices(rt), handle.slot_pos,
+        handle.token_rank_pos, handle.send_chunk_start, handle.chunk_expert_base,
+        handle.recv_chunk_start, handle.recv_src_tokens, handle.expert_layout, handle.info,
+        handle.staged_rows, recv_x, recv_weights, rt.heap.peer_bases, heap.meta_rows,
+        heap.meta_weights, heap.staging,
+        W=world, T_MAX=plan.max_tokens, NC_MAX=plan.max_chunks, MS=plan.meta_stride,
+        MS_P2=triton.next_power_of_2(plan.meta_stride), K_P2=triton.next_power_of_2(topk),
+        CHUNK=cfg.chunk_tokens, BLOCK_H=cfg.block_h, HAS_WEIGHTS=has_weights,
+        WRITE_ROWS=not cached, num_warps=cfg.num_warps,
     )  # fmt: skip
     return recv_x, (recv_weights if has_weights else None)
