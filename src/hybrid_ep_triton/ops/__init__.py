@@ -18,7 +18,7 @@ class Runtime:
     control: int64 [6] on the device: [0] last data-launch sequence number, [1] ticket of the
         running launch, [2] last layout-exchange sequence number, [3:6] status (code, peer, stage).
     timeout_ns: bound of every wait on a peer, in nanoseconds.
-    local_programs: programs of the local kernels (expansion, reduction, sum): one per SM on GPUs.
+    local_programs, local_warps: launch shape of the local kernels (expansion, reduction, sum).
     outbox: [W * T_MAX, H] of the Buffer's dtype: combine's partial rows for the other ranks,
         laid out like the heap's staging area.
     check_status: called after every launch; raises TimeoutError where launches are synchronous
@@ -35,6 +35,7 @@ class Runtime:
     device: torch.device
     timeout_ns: int
     local_programs: int
+    local_warps: int
     outbox: torch.Tensor
     group: dist.ProcessGroup
     check_status: Callable[[], None]

@@ -26,7 +26,7 @@ def reduce_tokens(
         W=world, T_MAX=plan.max_tokens, NC_MAX=plan.max_chunks, MS=plan.meta_stride,
         MS_P2=triton.next_power_of_2(plan.meta_stride), CHUNK=cfg.chunk_tokens,
         BLOCK_H=cfg.combine_block_h, HAS_WEIGHTS=has_weights, COPY_UNROLL=cfg.copy_unroll,
-        num_warps=cfg.num_warps,
+        num_warps=rt.local_warps,
     )  # fmt: skip
     return_kernel[(cfg.num_programs,)](
         rt.outbox, num_tokens, plan.hidden, world, rank, handle.recv_chunk_start,
@@ -39,6 +39,6 @@ def reduce_tokens(
         out, num_tokens, plan.hidden, world, rank, slices, handle.token_rank_pos,
         handle.send_chunk_start, rt.heap.peer_bases, heap.staging,
         T_MAX=plan.max_tokens, W_P2=triton.next_power_of_2(world), CHUNK=cfg.chunk_tokens,
-        BLOCK_H=cfg.combine_block_h, num_warps=cfg.num_warps,
+        BLOCK_H=cfg.combine_block_h, num_warps=rt.local_warps,
     )  # fmt: skip
     return out

@@ -235,6 +235,6 @@ def move_tokens(
         W=world, T_MAX=plan.max_tokens, NC_MAX=plan.max_chunks, MS=plan.meta_stride,
         MS_P2=triton.next_power_of_2(plan.meta_stride), K_P2=triton.next_power_of_2(topk),
         CHUNK=cfg.chunk_tokens, BLOCK_H=cfg.block_h, HAS_WEIGHTS=has_weights,
-        WRITE_ROWS=not cached, num_warps=cfg.num_warps,
+        WRITE_ROWS=not cached, num_warps=rt.local_warps,
     )  # fmt: skip
     return recv_x, (recv_weights if has_weights else None)
