@@ -1,12 +1,12 @@
 """Device time of every kernel of a dispatch and a combine, per launch shape (S1 by default).
 
-Where the time of a call goes: the layout kernels, the transfer (``num_sms`` programs) and the
-local kernels around it (a grid of ``local_programs`` programs of ``local_warps`` warps).
-Each variant is ``SMS:LOCAL_PROGRAMS:LOCAL_WARPS``; a cached dispatch and a combine are run
-``--iters`` times after a warm-up under torch.profiler, and rank 0 prints the mean time per
-launch of each kernel in µs. Run on a machine with the GPUs:
+Where the time of a call goes: the layout kernels and the data moves, whose launches hold
+``num_sms`` senders and ``local_programs`` programs for the work that stays on the GPU.
+Each variant is ``SMS:LOCAL_PROGRAMS``; an exact-mode dispatch, a cached dispatch and a combine
+are run ``--iters`` times after a warm-up under torch.profiler, and every rank prints the mean
+time per launch of each kernel in µs. Run on a machine with the GPUs:
 
-    python3 bench/stages.py --variants 8:132:16,8:264:8,32:264:8
+    python3 bench/stages.py --variants 8:132,8:264,32:132
 """
 
 import argparse
@@ -35,10 +35,10 @@ def _rank(rank: int, world: int, args) -> list[str]:
     x, topk_idx, weights = _inputs(shape, rank, seed=0)
     lines = []
     for variant in args.variants.split(","):
-        sms, local_programs, local_warps = (int(v) for v in variant.split(":"))
+        sms, local_programs = (int(v) for v in variant.split(":"))
         buf = hep.Buffer(None, hidden_size=shape.hidden, max_tokens_per_rank=shape.tokens,
                          num_experts=shape.experts, num_sms=sms)  # fmt: skip
-        buf._rt.local_programs, buf._rt.local_warps = local_programs, local_warps
+        buf._rt.local_programs = local_programs
         recv_x, recv_w, _, handle = buf.dispatch(x, topk_idx, weights)
         for _ in range(args.warmup):
             buf.dispatch(x, handle=handle)
@@ -47,21 +47,20 @@ def _rank(rank: int, world: int, args) -> list[str]:
         dist.barrier()
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             for _ in range(args.iters):
+                buf.dispatch(x, topk_idx, weights)
                 buf.dispatch(x, handle=handle)
                 buf.combine(recv_x, handle, weights=recv_w)
             torch.cuda.synchronize()
         times = _kernel_times(prof)
         row = " ".join(f"{name} {us:.0f}" for name, us in sorted(times.items()))
-        lines.append(
-            f"rank {rank} {args.shape} sms {sms} local {local_programs}x{local_warps}w: {row}"
-        )
+        lines.append(f"rank {rank} {args.shape} sms {sms} local {local_programs}: {row}")
         buf.destroy()
     return lines
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--variants", default="8:132:16")
+    parser.add_argument("--variants", default="8:132")
     parser.add_argument("--shape", default="S1", choices=sorted(SHAPES))
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--iters", type=int, default=20)

@@ -17,8 +17,8 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from hybrid_ep_triton.kernels.combine import reduce_kernel, return_kernel, sum_kernel
-from hybrid_ep_triton.kernels.dispatch import expand_kernel, send_kernel
+from hybrid_ep_triton.kernels.combine import combine_kernel
+from hybrid_ep_triton.kernels.dispatch import dispatch_kernel
 from hybrid_ep_triton.kernels.route import count_chunk_kernel, exchange_layout_kernel
 
 _ALIGNED_INTS = {"hidden", "x_stride", "y_stride"}
@@ -87,11 +87,8 @@ def main() -> int:
              dict(CHUNK=32, K_P2=8, W_P2=world, E_BLOCK=32), 4),
             (exchange_layout_kernel, i64,
              dict(NC_MAX=128, ROW=259, C_BLOCK=64, E_BLOCK=32, W_P2=world, L_P2=256 // world), 4),
-            (send_kernel, tokens, dict(common, BLOCK_H=512), 16),
-            (expand_kernel, tokens, dict(common, BLOCK_H=512), 16),
-            (reduce_kernel, partials, dict(common, BLOCK_H=256), 16),
-            (return_kernel, partials, dict(common, BLOCK_H=512), 16),
-            (sum_kernel, partials, dict(common, BLOCK_H=256), 16),
+            (dispatch_kernel, tokens, dict(common, BLOCK_H=512), 16),
+            (combine_kernel, partials, dict(common, BLOCK_H=256, COPY_BLOCK_H=512), 16),
         ]  # fmt: skip
         for kernel, pointers, constexprs, num_warps in builds:
             params = inspect.signature(kernel.fn).parameters

@@ -84,17 +84,21 @@ class HeapLayout:
                                          dispatch met by a peer's combine times out instead of
                                          exchanging data)
     chunk_flags   int64 [W, NC_MAX * S]  work item (chunk, slice) from/to rank s has landed
+    reduced_flags int64 [W, NC_MAX * S]  combine: this rank's partial rows of that item are ready
     counts        int32 [W, E + 3]       per-expert totals of s, then tokens, invalid, pad
     chunk_table   int32 [W, NC_MAX + 1]  offsets of s's chunks in its stream to this rank
     meta_rows     int32 [W, T_MAX, MS]   expert-major rows of each staged token
     meta_weights  float32 [W, T_MAX, MS] their routing weights
-    staging       dtype [W, T_MAX, H]    staged tokens (dispatch) or partial sums (combine)
+    staging       dtype [W, T_MAX, H]    staged tokens (dispatch) or partial sums (combine); block
+                                         s: what rank s sent here (this rank's own block holds
+                                         only its own partial sums: own tokens are not staged)
     """
 
     count_flags: int
     dispatch_ready: int
     combine_ready: int
     chunk_flags: int
+    reduced_flags: int
     counts: int
     chunk_table: int
     meta_rows: int
@@ -136,6 +140,7 @@ def make_plan(
         ("dispatch_ready", world_size * MAX_PROGRAMS * 8),
         ("combine_ready", world_size * MAX_PROGRAMS * 8),
         ("chunk_flags", world_size * max_chunks * config.h_slices * 8),
+        ("reduced_flags", world_size * max_chunks * config.h_slices * 8),
         ("counts", world_size * counts_row * 4),
         ("chunk_table", world_size * (max_chunks + 1) * 4),
         ("meta_rows", rows * meta_stride * 4),

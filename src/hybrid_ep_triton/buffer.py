@@ -123,7 +123,6 @@ class Buffer:
                 if on_gpu
                 else _CPU_LOCAL_PROGRAMS
             ),
-            local_warps=config.num_warps,
             outbox=torch.empty(
                 world * max(max_tokens_per_rank, 1), hidden_size, dtype=dtype, device=device
             ),

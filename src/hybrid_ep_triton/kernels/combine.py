@@ -1,20 +1,24 @@
 """Combine: expert outputs back to their tokens' ranks, summed per token.
 
-The mirror of dispatch, three launches, only the transfer bound to the Buffer's SM budget:
+The mirror of dispatch, one launch in three roles; only the senders are bound to the Buffer's SM
+budget, and the three overlap chunk by chunk:
 
-``reduce_kernel``, a local grid over all SMs: it reduces each staged row's expert-major rows of
-``y`` (times ``weights`` when given) in fp32 into one partial row, so a token crosses the link once
-per rank, not once per expert. Partial rows for this rank's own tokens go straight to its own
-staging area; the others to the outbox, a local buffer laid out like the staging area.
+Reducers, programs [0, R): each staged row's expert-major rows of ``y`` (times ``weights`` when
+given) reduced in fp32 into one partial row, so a token crosses the link once per rank, not once
+per expert. Partial rows for other ranks go to the outbox, a local buffer laid out like the
+staging area, first; those of this rank's own tokens go straight to its own staging area. Each
+work item raises a local flag when done.
 
-``return_kernel``, persistent, P programs (``num_sms``); program p is an independent channel:
-1. ready flags as in dispatch;
-2. for chunk c = p, p + P, ... of every other rank's stream it copies the partial rows from the
-   outbox into that rank's staging area and sets the chunk's flag there;
-3. it waits for the flags of its own chunks c = p, p + P, ... from every other rank.
+Senders, the next P programs (``num_sms``); program p is an independent channel: ready flags as
+in dispatch, then for chunk c = p, p + P, ... of every other rank's stream it waits for the
+reducers, copies the partial rows from the outbox into that rank's staging area and sets the
+chunk's flag there.
 
-``sum_kernel``, a local grid: per token, the sum in fp32 of the partial rows of the ranks it went
-to.
+Summers, the other programs: per own chunk, once its partial rows from every rank are in, the sum
+per token in fp32.
+
+Programs wait only for programs that come earlier in the launch order or belong to another rank,
+so the launch finishes whichever of its programs run first.
 """
 
 import triton
@@ -130,17 +134,23 @@ def _copy_rows(
 ):
     """Copy columns [h_first, h_last) of rows [0, num_rows), num_rows <= CHUNK, from ``src_ptr``
     to ``dst_ptr`` (both rows of ``hidden`` elements); the next tile's load is in flight while
-    this one is stored."""
+    this one is stored. Loads bypass L1: other programs of the launch wrote ``src_ptr``."""
     rows = tl.arange(0, CHUNK)
     rmask = rows < num_rows
     offs = rows.to(tl.int64)[:, None] * hidden
     cols = h_first + tl.arange(0, BLOCK_H)
-    tile = tl.load(src_ptr + offs + cols[None, :], mask=rmask[:, None] & (cols[None, :] < h_last))
+    tile = tl.load(
+        src_ptr + offs + cols[None, :],
+        mask=rmask[:, None] & (cols[None, :] < h_last),
+        cache_modifier=".cg",
+    )
     for h0 in range(h_first, h_last, BLOCK_H):
         cols = h0 + tl.arange(0, BLOCK_H)
         next_cols = cols + BLOCK_H
         next_tile = tl.load(
-            src_ptr + offs + next_cols[None, :], mask=rmask[:, None] & (next_cols[None, :] < h_last)
+            src_ptr + offs + next_cols[None, :],
+            mask=rmask[:, None] & (next_cols[None, :] < h_last),
+            cache_modifier=".cg",
         )
         cmask = cols < h_last
         tl.store(dst_ptr + offs + cols[None, :], tile, mask=rmask[:, None] & cmask[None, :])
@@ -148,142 +158,117 @@ def _copy_rows(
 
 
 @triton.jit
-def reduce_kernel(
+def combine_kernel(
     y_ptr,  # [N, H], row stride y_stride
     y_stride,
     weights_ptr,  # [N] float32 (unused unless HAS_WEIGHTS)
-    outbox_ptr,  # out [W, T_MAX, H]: partial rows for the other ranks
+    outbox_ptr,  # [W, T_MAX, H]: partial rows for the other ranks
+    out_ptr,  # out [T, H]
+    num_tokens,
     hidden,
     rank,
-    num_slices,  # column slices per chunk: work items are (source, chunk, slice)
+    num_reducers,  # R: programs [0, R) reduce
+    num_senders,  # P: programs [R, R + P) send; the others sum
+    token_rank_pos_ptr,  # [T, W] int32
+    send_chunk_start_ptr,  # [NC_MAX + 1, W] int32
     recv_chunk_start_ptr,  # [W, NC_MAX + 1] int32
     recv_src_tokens_ptr,  # [W] int32
     staged_rows_ptr,  # [W, T_MAX, MS] int32
     peer_bases_ptr,
+    ready_off,
+    chunk_flags_off,
+    reduced_flags_off,
     staging_off,
+    control_ptr,
+    timeout_ns,
     W: tl.constexpr,
     T_MAX: tl.constexpr,
     NC_MAX: tl.constexpr,
+    H_SLICES: tl.constexpr,  # column slices per chunk: work items are (chunk, slice)
+    P_MAX: tl.constexpr,
     MS: tl.constexpr,
     MS_P2: tl.constexpr,
+    W_P2: tl.constexpr,
     CHUNK: tl.constexpr,
     BLOCK_H: tl.constexpr,
+    COPY_BLOCK_H: tl.constexpr,
     HAS_WEIGHTS: tl.constexpr,
     COPY_UNROLL: tl.constexpr,
 ):
     pid = tl.program_id(0)
     num_programs = tl.num_programs(0)
-    staging = region(peer_bases_ptr, rank, staging_off, outbox_ptr.dtype.element_ty)
-    slice_cols = tl.cdiv(tl.cdiv(hidden, num_slices), BLOCK_H) * BLOCK_H
-    for src in range(0, W):
-        table = recv_chunk_start_ptr + src * (NC_MAX + 1)
-        # Clamped: a garbage handle must not turn into an endless loop.
-        src_tokens = tl.minimum(tl.load(recv_src_tokens_ptr + src), T_MAX)
-        for w in range(pid, tl.cdiv(src_tokens, CHUNK) * num_slices, num_programs):
-            first = src * T_MAX + tl.load(table + w // num_slices)
-            end = src * T_MAX + tl.load(table + w // num_slices + 1)
-            h_first = (w % num_slices) * slice_cols
-            h_last = tl.minimum(h_first + slice_cols, hidden)
-            # The outbox is laid out like the staging area: same row numbers in both.
-            if src == rank:
-                partial_ptr = staging
-            else:
-                partial_ptr = outbox_ptr
-            _reduce_chunk(
-                first, end, h_first, h_last, hidden, y_ptr, y_stride, weights_ptr,
-                staged_rows_ptr, partial_ptr, MS, MS_P2, CHUNK, BLOCK_H, HAS_WEIGHTS, COPY_UNROLL,
-            )  # fmt: skip
-
-
-@triton.jit
-def return_kernel(
-    outbox_ptr,  # [W, T_MAX, H]
-    num_tokens,
-    hidden,
-    world_size,
-    rank,
-    recv_chunk_start_ptr,  # [W, NC_MAX + 1] int32
-    recv_src_tokens_ptr,  # [W] int32
-    peer_bases_ptr,
-    ready_off,
-    chunk_flags_off,
-    staging_off,
-    control_ptr,
-    timeout_ns,
-    T_MAX: tl.constexpr,
-    NC_MAX: tl.constexpr,
-    H_SLICES: tl.constexpr,  # column slices per chunk: work items are (chunk, slice)
-    P_MAX: tl.constexpr,
-    CHUNK: tl.constexpr,
-    BLOCK_H: tl.constexpr,
-):
-    pid = tl.program_id(0)
-    num_programs = tl.num_programs(0)
     seq = tl.load(control_ptr) + 1
     status_ptr = control_ptr + 3
-    dtype = outbox_ptr.dtype.element_ty
-
-    stage = 4  # STAGE_COMBINE_READY
-    handshake(
-        peer_bases_ptr, ready_off, rank, world_size, seq, timeout_ns, status_ptr, stage, P_MAX
-    )
-
-    # Work items are (chunk, column slice), numbered as in dispatch.
-    slice_cols = tl.cdiv(tl.cdiv(hidden, H_SLICES), BLOCK_H) * BLOCK_H
-    for src in range(0, world_size):
-        table = recv_chunk_start_ptr + src * (NC_MAX + 1)
-        # Clamped: a garbage handle must not turn into an endless loop.
-        src_tokens = tl.minimum(tl.load(recv_src_tokens_ptr + src), T_MAX)
-        src_items = tl.where(src == rank, 0, tl.cdiv(src_tokens, CHUNK) * H_SLICES)
-        for w in range(pid, src_items, num_programs):
-            start = tl.load(table + w // H_SLICES)
-            h_first = (w % H_SLICES) * slice_cols
-            _copy_rows(
-                outbox_ptr + (src * T_MAX + start).to(tl.int64) * hidden,
-                region(peer_bases_ptr, src, staging_off, dtype)
-                + (rank * T_MAX + start).to(tl.int64) * hidden,
-                tl.load(table + w // H_SLICES + 1) - start, h_first,
-                tl.minimum(h_first + slice_cols, hidden), hidden, CHUNK, BLOCK_H,
-            )  # fmt: skip
-            flags = region(peer_bases_ptr, src, chunk_flags_off, tl.int64)
-            signal(flags + rank * NC_MAX * H_SLICES + w, seq)
-
-    # The partial rows of this rank's own chunks have landed before the launch ends.
+    dtype = out_ptr.dtype.element_ty
+    staging = region(peer_bases_ptr, rank, staging_off, dtype)
     my_flags = region(peer_bases_ptr, rank, chunk_flags_off, tl.int64)
-    for w in range(pid, tl.cdiv(num_tokens, CHUNK) * H_SLICES, num_programs):
-        for peer in range(0, world_size):
-            if peer != rank:
-                flag = my_flags + peer * NC_MAX * H_SLICES + w
-                wait_at_least(flag, seq, timeout_ns, status_ptr, peer, 5)  # STAGE_COMBINE_DATA
+    reduced_flags = region(peer_bases_ptr, rank, reduced_flags_off, tl.int64)
+    # Work item w of a stream = (chunk c, column slice s) of its source's tokens, as in dispatch.
+    slice_cols = tl.cdiv(tl.cdiv(hidden, H_SLICES), BLOCK_H) * BLOCK_H
+    items_of_src = NC_MAX * H_SLICES
+
+    if pid < num_reducers:
+        # The other ranks' streams first (the senders wait for them), then this rank's own.
+        for i in range(0, W):
+            src = (rank + 1 + i) % W
+            table = recv_chunk_start_ptr + src * (NC_MAX + 1)
+            # Clamped: a garbage handle must not turn into an endless loop.
+            src_tokens = tl.minimum(tl.load(recv_src_tokens_ptr + src), T_MAX)
+            for w in range(pid, tl.cdiv(src_tokens, CHUNK) * H_SLICES, num_reducers):
+                c = w // H_SLICES
+                h_first = (w % H_SLICES) * slice_cols
+                # The outbox is laid out like the staging area: same row numbers in both.
+                if src == rank:
+                    partial_ptr = staging
+                else:
+                    partial_ptr = outbox_ptr
+                _reduce_chunk(
+                    src * T_MAX + tl.load(table + c), src * T_MAX + tl.load(table + c + 1),
+                    h_first, tl.minimum(h_first + slice_cols, hidden), hidden, y_ptr, y_stride,
+                    weights_ptr, staged_rows_ptr, partial_ptr, MS, MS_P2, CHUNK, BLOCK_H,
+                    HAS_WEIGHTS, COPY_UNROLL,
+                )  # fmt: skip
+                signal(reduced_flags + src * items_of_src + w, seq)
+    elif pid < num_reducers + num_senders:
+        sender = pid - num_reducers
+        stage = 4  # STAGE_COMBINE_READY
+        handshake(
+            peer_bases_ptr, ready_off, rank, W, seq, timeout_ns, status_ptr, stage, P_MAX, sender
+        )
+        for src in range(0, W):
+            table = recv_chunk_start_ptr + src * (NC_MAX + 1)
+            src_tokens = tl.minimum(tl.load(recv_src_tokens_ptr + src), T_MAX)
+            src_items = tl.where(src == rank, 0, tl.cdiv(src_tokens, CHUNK) * H_SLICES)
+            for w in range(sender, src_items, num_senders):
+                # A reducer of this launch: it never waits, so this rank names itself.
+                wait_at_least(reduced_flags + src * items_of_src + w, seq, timeout_ns, status_ptr,
+                              rank, 5)  # fmt: skip
+                start = tl.load(table + w // H_SLICES)
+                h_first = (w % H_SLICES) * slice_cols
+                _copy_rows(
+                    outbox_ptr + (src * T_MAX + start).to(tl.int64) * hidden,
+                    region(peer_bases_ptr, src, staging_off, dtype)
+                    + (rank * T_MAX + start).to(tl.int64) * hidden,
+                    tl.load(table + w // H_SLICES + 1) - start, h_first,
+                    tl.minimum(h_first + slice_cols, hidden), hidden, CHUNK, COPY_BLOCK_H,
+                )  # fmt: skip
+                flags = region(peer_bases_ptr, src, chunk_flags_off, tl.int64)
+                signal(flags + rank * items_of_src + w, seq)
+    else:
+        summer = pid - num_reducers - num_senders
+        num_summers = num_programs - num_reducers - num_senders
+        for w in range(summer, tl.cdiv(num_tokens, CHUNK) * H_SLICES, num_summers):
+            wait_at_least(reduced_flags + rank * items_of_src + w, seq, timeout_ns, status_ptr,
+                          rank, 5)  # fmt: skip
+            for peer in range(0, W):
+                if peer != rank:
+                    flag = my_flags + peer * items_of_src + w
+                    wait_at_least(flag, seq, timeout_ns, status_ptr, peer, 5)  # COMBINE_DATA
+            h_first = (w % H_SLICES) * slice_cols
+            _sum_chunk(
+                w // H_SLICES, h_first, tl.minimum(h_first + slice_cols, hidden), num_tokens,
+                hidden, W, token_rank_pos_ptr, send_chunk_start_ptr, staging, out_ptr, T_MAX,
+                W_P2, CHUNK, BLOCK_H,
+            )  # fmt: skip
 
     finish_launch(control_ptr, seq, num_programs)
-
-
-@triton.jit
-def sum_kernel(
-    out_ptr,  # out [T, H]
-    num_tokens,
-    hidden,
-    world_size,
-    rank,
-    num_slices,  # column slices per chunk: work items are (chunk, slice)
-    token_rank_pos_ptr,  # [T, W] int32
-    send_chunk_start_ptr,  # [NC_MAX + 1, W] int32
-    peer_bases_ptr,
-    staging_off,
-    T_MAX: tl.constexpr,
-    W_P2: tl.constexpr,
-    CHUNK: tl.constexpr,
-    BLOCK_H: tl.constexpr,
-):
-    pid = tl.program_id(0)
-    num_programs = tl.num_programs(0)
-    staging = region(peer_bases_ptr, rank, staging_off, out_ptr.dtype.element_ty)
-    slice_cols = tl.cdiv(tl.cdiv(hidden, num_slices), BLOCK_H) * BLOCK_H
-    for w in range(pid, tl.cdiv(num_tokens, CHUNK) * num_slices, num_programs):
-        h_first = (w % num_slices) * slice_cols
-        _sum_chunk(
-            w // num_slices, h_first, tl.minimum(h_first + slice_cols, hidden), num_tokens,
-            hidden, world_size, token_rank_pos_ptr, send_chunk_start_ptr, staging, out_ptr, T_MAX,
-            W_P2, CHUNK, BLOCK_H,
-        )  # fmt: skip

@@ -1,21 +1,21 @@
 """Dispatch: tokens to the ranks that hold their experts, expanded there into expert-major rows.
 
-Two launches after the layout, so that only the transfer is bound to the Buffer's SM budget:
+One launch after the layout, in two roles, so that only the transfer is bound to the Buffer's SM
+budget and the expansion overlaps it:
 
-``send_kernel``, persistent, P programs (``num_sms``); program p is an independent channel:
+Senders, the first P programs (``num_sms``); program p is an independent channel:
 1. it raises its ready flag on every peer (its rank's previous launch has finished with the
    staging area) and waits for program p of every peer to have done the same;
 2. for its token chunks c = p, p + P, ... it pushes each token row once to every *other* rank
    that holds one of its experts, into that rank's staging area (stream of this source, row j),
-   with the destination rows and weights of the token's slots there, then sets the chunk's flag;
-3. it waits for the flags of the same chunk numbers from every other rank, so that when the
-   launch ends, everything this rank receives has landed.
-Program p only ever waits for program p of other ranks, never for a program of its own launch.
+   with the destination rows and weights of the token's slots there, then sets the chunk's flag.
+Senders never wait for a program of their own launch.
 
-``expand_kernel``, a local grid over all SMs (the GPU is otherwise idle between the two): it copies
-every staged row, and every own token with a local expert straight from ``x`` (own tokens never
-go through the staging area), to its expert-major rows, then zeroes the padding rows and the
-rows past the valid count.
+Expanders, the other programs (about one per SM: the expansion is bound by local memory, not by
+the link): they copy this rank's own tokens straight from ``x`` to their expert-major rows (own
+tokens never go through the staging area), then every other rank's chunks, each as soon as its
+flag is up, from the staging area; then they zero the padding rows and the rows past the valid
+count. Expanders wait only for senders, which come first in the launch order.
 """
 
 import triton
@@ -291,89 +291,7 @@ def _expand_own_chunk(
 
 
 @triton.jit
-def send_kernel(
-    x_ptr,  # [T, H], row stride x_stride
-    x_stride,
-    topk_idx_ptr,  # [T, K] int32/int64
-    topk_weights_ptr,  # [T, K] float32 (unused unless HAS_WEIGHTS)
-    num_tokens,
-    topk,
-    hidden,
-    num_experts,
-    experts_per_rank,
-    world_size,
-    rank,
-    slot_pos_ptr,  # [T, K] int32
-    token_rank_pos_ptr,  # [T, W] int32
-    send_chunk_start_ptr,  # [NC_MAX + 1, W] int32
-    chunk_expert_base_ptr,  # [NC_MAX, E] int32
-    recv_src_tokens_ptr,  # [W] int32
-    info_ptr,  # [4] int64
-    peer_bases_ptr,
-    ready_off,
-    chunk_flags_off,
-    meta_rows_off,
-    meta_weights_off,
-    staging_off,
-    control_ptr,
-    timeout_ns,
-    T_MAX: tl.constexpr,
-    NC_MAX: tl.constexpr,
-    H_SLICES: tl.constexpr,  # column slices per chunk: work items are (chunk, slice)
-    P_MAX: tl.constexpr,
-    MS: tl.constexpr,
-    MS_P2: tl.constexpr,
-    K_P2: tl.constexpr,
-    W_P2: tl.constexpr,
-    CHUNK: tl.constexpr,
-    BLOCK_H: tl.constexpr,
-    HAS_WEIGHTS: tl.constexpr,
-):
-    pid = tl.program_id(0)
-    num_programs = tl.num_programs(0)
-    seq = tl.load(control_ptr) + 1
-    status_ptr = control_ptr + 3
-    # Invalid routing on any rank: every rank saw it in the layout exchange and moves nothing.
-    aborted = tl.load(info_ptr + 1) >= 0
-
-    stage = 2  # STAGE_DISPATCH_READY
-    handshake(
-        peer_bases_ptr, ready_off, rank, world_size, seq, timeout_ns, status_ptr, stage, P_MAX
-    )
-
-    # Work item w = (chunk c, column slice s); program p takes w = p, p + P, ... on every rank,
-    # so the receiver of an item is the program with the sender's number.
-    slice_cols = tl.cdiv(tl.cdiv(hidden, H_SLICES), BLOCK_H) * BLOCK_H
-    for w in range(pid, tl.where(aborted, 0, tl.cdiv(num_tokens, CHUNK) * H_SLICES), num_programs):
-        c = w // H_SLICES
-        h_first = (w % H_SLICES) * slice_cols
-        _send_chunk(
-            c, h_first, tl.minimum(h_first + slice_cols, hidden), x_ptr, x_stride, topk_idx_ptr,
-            topk_weights_ptr, num_tokens, topk, hidden, num_experts, experts_per_rank, world_size,
-            rank, slot_pos_ptr, token_rank_pos_ptr, send_chunk_start_ptr, chunk_expert_base_ptr,
-            peer_bases_ptr, meta_rows_off, meta_weights_off, staging_off, T_MAX, MS, MS_P2, K_P2,
-            W_P2, CHUNK, BLOCK_H, HAS_WEIGHTS,
-        )  # fmt: skip
-        for peer in range(0, world_size):
-            if peer != rank:
-                flags = region(peer_bases_ptr, peer, chunk_flags_off, tl.int64)
-                signal(flags + rank * NC_MAX * H_SLICES + w, seq)
-
-    # The same items of every other rank have landed here before the launch ends.
-    my_flags = region(peer_bases_ptr, rank, chunk_flags_off, tl.int64)
-    for src in range(0, world_size):
-        # Clamped: a garbage handle must not turn into an endless loop.
-        src_tokens = tl.minimum(tl.load(recv_src_tokens_ptr + src), T_MAX)
-        src_items = tl.where(aborted | (src == rank), 0, tl.cdiv(src_tokens, CHUNK) * H_SLICES)
-        for w in range(pid, src_items, num_programs):
-            flag = my_flags + src * NC_MAX * H_SLICES + w
-            wait_at_least(flag, seq, timeout_ns, status_ptr, src, 3)  # STAGE_DISPATCH_DATA
-
-    finish_launch(control_ptr, seq, num_programs)
-
-
-@triton.jit
-def expand_kernel(
+def dispatch_kernel(
     x_ptr,  # [T, H], row stride x_stride
     x_stride,
     topk_idx_ptr,  # [T, K] int32/int64
@@ -385,7 +303,8 @@ def expand_kernel(
     experts_per_rank,
     rank,
     num_out_rows,  # N: rows of recv_x
-    num_slices,  # column slices per chunk: work items are (source, chunk, slice)
+    num_senders,  # P: the first P programs send, the others expand
+    expand_slices,  # column slices of an own chunk in the expansion
     slot_pos_ptr,  # [T, K] int32
     token_rank_pos_ptr,  # [T, W] int32
     send_chunk_start_ptr,  # [NC_MAX + 1, W] int32
@@ -398,15 +317,22 @@ def expand_kernel(
     recv_x_ptr,  # out [N, H]
     recv_weights_ptr,  # out [N] float32 (unused unless HAS_WEIGHTS)
     peer_bases_ptr,
+    ready_off,
+    chunk_flags_off,
     meta_rows_off,
     meta_weights_off,
     staging_off,
+    control_ptr,
+    timeout_ns,
     W: tl.constexpr,
     T_MAX: tl.constexpr,
     NC_MAX: tl.constexpr,
+    H_SLICES: tl.constexpr,  # column slices per chunk sent: work items are (chunk, slice)
+    P_MAX: tl.constexpr,
     MS: tl.constexpr,
     MS_P2: tl.constexpr,
     K_P2: tl.constexpr,
+    W_P2: tl.constexpr,
     CHUNK: tl.constexpr,
     BLOCK_H: tl.constexpr,
     HAS_WEIGHTS: tl.constexpr,
@@ -414,47 +340,90 @@ def expand_kernel(
 ):
     pid = tl.program_id(0)
     num_programs = tl.num_programs(0)
+    seq = tl.load(control_ptr) + 1
+    status_ptr = control_ptr + 3
     dtype = recv_x_ptr.dtype.element_ty
+    # Invalid routing on any rank: every rank saw it in the layout exchange and moves nothing.
     aborted = tl.load(info_ptr + 1) >= 0
+    # Work item w of a source = (chunk c, column slice s) of its tokens: sender program p takes
+    # w = p, p + P, ... and raises the item's flag on the destination.
+    send_cols = tl.cdiv(tl.cdiv(hidden, H_SLICES), BLOCK_H) * BLOCK_H
 
-    slice_cols = tl.cdiv(tl.cdiv(hidden, num_slices), BLOCK_H) * BLOCK_H
-    for src in range(0, W):
-        # This rank's own tokens come from x, chunk by chunk; the others' from the staging area.
-        # Clamped: a garbage handle must not turn into an endless loop.
-        src_tokens = tl.where(src == rank, num_tokens, tl.load(recv_src_tokens_ptr + src))
-        src_items = tl.where(aborted, 0, tl.cdiv(tl.minimum(src_tokens, T_MAX), CHUNK) * num_slices)
-        table = recv_chunk_start_ptr + src * (NC_MAX + 1)
-        for w in range(pid, src_items, num_programs):
-            c = w // num_slices
-            h_first = (w % num_slices) * slice_cols
-            h_last = tl.minimum(h_first + slice_cols, hidden)
-            if src == rank:
-                _expand_own_chunk(
-                    c, h_first, h_last, x_ptr, x_stride, topk_idx_ptr, topk_weights_ptr,
-                    num_tokens, topk, hidden, num_experts, experts_per_rank, rank, num_out_rows,
-                    slot_pos_ptr, token_rank_pos_ptr,
-                    rank * T_MAX + tl.load(send_chunk_start_ptr + c * W + rank),
-                    chunk_expert_base_ptr, staged_rows_ptr, recv_x_ptr, recv_weights_ptr, W, MS,
-                    MS_P2, K_P2, CHUNK, BLOCK_H, HAS_WEIGHTS, WRITE_ROWS,
-                )  # fmt: skip
-            else:
+    if pid < num_senders:
+        stage = 2  # STAGE_DISPATCH_READY
+        handshake(
+            peer_bases_ptr, ready_off, rank, W, seq, timeout_ns, status_ptr, stage, P_MAX, pid
+        )
+        items = tl.where(aborted, 0, tl.cdiv(num_tokens, CHUNK) * H_SLICES)
+        for w in range(pid, items, num_senders):
+            c = w // H_SLICES
+            h_first = (w % H_SLICES) * send_cols
+            _send_chunk(
+                c, h_first, tl.minimum(h_first + send_cols, hidden), x_ptr, x_stride,
+                topk_idx_ptr, topk_weights_ptr, num_tokens, topk, hidden, num_experts,
+                experts_per_rank, W, rank, slot_pos_ptr, token_rank_pos_ptr,
+                send_chunk_start_ptr, chunk_expert_base_ptr, peer_bases_ptr, meta_rows_off,
+                meta_weights_off, staging_off, T_MAX, MS, MS_P2, K_P2, W_P2, CHUNK, BLOCK_H,
+                HAS_WEIGHTS,
+            )  # fmt: skip
+            for peer in range(0, W):
+                if peer != rank:
+                    flags = region(peer_bases_ptr, peer, chunk_flags_off, tl.int64)
+                    signal(flags + rank * NC_MAX * H_SLICES + w, seq)
+    else:
+        lid = pid - num_senders
+        num_expanders = num_programs - num_senders
+        # Own tokens first (straight from x, nothing to wait for), in finer column slices.
+        own_cols = tl.cdiv(tl.cdiv(hidden, expand_slices), BLOCK_H) * BLOCK_H
+        own_items = tl.where(aborted, 0, tl.cdiv(num_tokens, CHUNK) * expand_slices)
+        for w in range(lid, own_items, num_expanders):
+            c = w // expand_slices
+            h_first = (w % expand_slices) * own_cols
+            _expand_own_chunk(
+                c, h_first, tl.minimum(h_first + own_cols, hidden), x_ptr, x_stride,
+                topk_idx_ptr, topk_weights_ptr, num_tokens, topk, hidden, num_experts,
+                experts_per_rank, rank, num_out_rows, slot_pos_ptr, token_rank_pos_ptr,
+                rank * T_MAX + tl.load(send_chunk_start_ptr + c * W + rank),
+                chunk_expert_base_ptr, staged_rows_ptr, recv_x_ptr, recv_weights_ptr, W, MS,
+                MS_P2, K_P2, CHUNK, BLOCK_H, HAS_WEIGHTS, WRITE_ROWS,
+            )  # fmt: skip
+        # Then every other rank's items, each as soon as its flag says it has landed.
+        my_flags = region(peer_bases_ptr, rank, chunk_flags_off, tl.int64)
+        for src in range(0, W):
+            # Clamped: a garbage handle must not turn into an endless loop.
+            src_tokens = tl.minimum(tl.load(recv_src_tokens_ptr + src), T_MAX)
+            src_items = tl.where(aborted | (src == rank), 0, tl.cdiv(src_tokens, CHUNK) * H_SLICES)
+            table = recv_chunk_start_ptr + src * (NC_MAX + 1)
+            for w in range(lid, src_items, num_expanders):
+                flag = my_flags + src * NC_MAX * H_SLICES + w
+                wait_at_least(flag, seq, timeout_ns, status_ptr, src, 3)  # STAGE_DISPATCH_DATA
+                c = w // H_SLICES
+                h_first = (w % H_SLICES) * send_cols
                 _expand_chunk(
                     src * T_MAX + tl.load(table + c), src * T_MAX + tl.load(table + c + 1),
-                    h_first, h_last, hidden, num_out_rows,
+                    h_first, tl.minimum(h_first + send_cols, hidden), hidden, num_out_rows,
                     region(peer_bases_ptr, rank, meta_rows_off, tl.int32),
                     region(peer_bases_ptr, rank, meta_weights_off, tl.float32),
                     region(peer_bases_ptr, rank, staging_off, dtype), staged_rows_ptr, recv_x_ptr,
                     recv_weights_ptr, MS, MS_P2, CHUNK, BLOCK_H, HAS_WEIGHTS, WRITE_ROWS,
                 )  # fmt: skip
 
-    # Zero padding rows and the rows past the valid count (max_recv_tokens mode).
-    for e in range(pid, tl.where(aborted, 0, experts_per_rank), num_programs):
-        seg = tl.load(expert_layout_ptr + e)
-        first = seg + tl.load(expert_layout_ptr + experts_per_rank + e)
-        last = tl.minimum(seg + tl.load(expert_layout_ptr + 2 * experts_per_rank + e), num_out_rows)
-        _zero_rows(recv_x_ptr, recv_weights_ptr, first, last, hidden, HAS_WEIGHTS, CHUNK, BLOCK_H)
-    valid_rows = tl.where(aborted, 0, tl.minimum(tl.load(info_ptr), num_out_rows)).to(tl.int32)
-    for b in range(pid, tl.cdiv(num_out_rows - valid_rows, CHUNK), num_programs):
-        first = valid_rows + b * CHUNK
-        last = tl.minimum(first + CHUNK, num_out_rows)
-        _zero_rows(recv_x_ptr, recv_weights_ptr, first, last, hidden, HAS_WEIGHTS, CHUNK, BLOCK_H)
+        # Zero padding rows and the rows past the valid count (max_recv_tokens mode).
+        for e in range(lid, tl.where(aborted, 0, experts_per_rank), num_expanders):
+            seg = tl.load(expert_layout_ptr + e)
+            first = seg + tl.load(expert_layout_ptr + experts_per_rank + e)
+            last = tl.minimum(
+                seg + tl.load(expert_layout_ptr + 2 * experts_per_rank + e), num_out_rows
+            )
+            _zero_rows(
+                recv_x_ptr, recv_weights_ptr, first, last, hidden, HAS_WEIGHTS, CHUNK, BLOCK_H
+            )
+        valid_rows = tl.where(aborted, 0, tl.minimum(tl.load(info_ptr), num_out_rows)).to(tl.int32)
+        for b in range(lid, tl.cdiv(num_out_rows - valid_rows, CHUNK), num_expanders):
+            first = valid_rows + b * CHUNK
+            last = tl.minimum(first + CHUNK, num_out_rows)
+            _zero_rows(
+                recv_x_ptr, recv_weights_ptr, first, last, hidden, HAS_WEIGHTS, CHUNK, BLOCK_H
+            )
+
+    finish_launch(control_ptr, seq, num_programs)

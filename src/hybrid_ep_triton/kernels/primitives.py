@@ -87,17 +87,16 @@ def wait_at_least(flag_ptr, target, timeout_ns, status_ptr, peer, stage):
 
 @triton.jit
 def handshake(
-    peer_bases_ptr, ready_off, rank, world_size, seq, timeout_ns, status_ptr, stage, P_MAX
+    peer_bases_ptr, ready_off, rank, world_size, seq, timeout_ns, status_ptr, stage, P_MAX, channel
 ):
-    """Tell every peer that this rank's program ``pid`` started launch ``seq`` (so this rank's
-    earlier launches, which read its staging area, are over), then wait until program ``pid`` of
-    every peer has said the same. ready flags: int64 [world, P_MAX] in every heap."""
-    pid = tl.program_id(0)
+    """Tell every peer that this rank's ``channel`` started launch ``seq`` (so this rank's earlier
+    launches, which read its staging area, are over), then wait until ``channel`` of every peer
+    has said the same. ready flags: int64 [world, P_MAX] in every heap."""
     for peer in range(0, world_size):
-        signal(region(peer_bases_ptr, peer, ready_off, tl.int64) + rank * P_MAX + pid, seq)
+        signal(region(peer_bases_ptr, peer, ready_off, tl.int64) + rank * P_MAX + channel, seq)
     my_ready = region(peer_bases_ptr, rank, ready_off, tl.int64)
     for peer in range(0, world_size):
-        wait_at_least(my_ready + peer * P_MAX + pid, seq, timeout_ns, status_ptr, peer, stage)
+        wait_at_least(my_ready + peer * P_MAX + channel, seq, timeout_ns, status_ptr, peer, stage)
 
 
 @triton.jit

@@ -5,7 +5,6 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-import triton
 
 from .._planner import Plan
 
@@ -18,7 +17,8 @@ class Runtime:
     control: int64 [6] on the device: [0] last data-launch sequence number, [1] ticket of the
         running launch, [2] last layout-exchange sequence number, [3:6] status (code, peer, stage).
     timeout_ns: bound of every wait on a peer, in nanoseconds.
-    local_programs, local_warps: launch shape of the local kernels (expansion, reduction, sum).
+    local_programs: programs of a launch for the work that stays on this GPU (expansion,
+        reduction, sums): about one per SM; the senders' SMs are taken from it.
     outbox: [W * T_MAX, H] of the Buffer's dtype: combine's partial rows for the other ranks,
         laid out like the heap's staging area.
     check_status: called after every launch; raises TimeoutError where launches are synchronous
@@ -35,22 +35,7 @@ class Runtime:
     device: torch.device
     timeout_ns: int
     local_programs: int
-    local_warps: int
     outbox: torch.Tensor
     group: dist.ProcessGroup
     check_status: Callable[[], None]
     read_report: Callable[..., int]
-
-
-def local_slices(rt: Runtime) -> int:
-    """Column slices of a chunk in the local kernels: about four work items per program when every
-    rank sends max_tokens, at most one tile column per slice."""
-    plan = rt.plan
-    items_per_slice = rt.world_size * plan.max_chunks
-    return max(
-        1,
-        min(
-            triton.cdiv(plan.hidden, plan.config.block_h),
-            triton.cdiv(4 * rt.local_programs, items_per_slice),
-        ),
-    )

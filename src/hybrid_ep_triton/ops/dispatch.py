@@ -1,5 +1,5 @@
-"""Dispatch launches: the layout (two kernels), then the data move: the transfer (one persistent
-kernel on the Buffer's SM budget) and the local expansion (a grid over the whole GPU)."""
+"""Dispatch launches: the layout (two kernels), then the data move (one kernel whose first
+``num_sms`` programs send and whose others, about one per SM, expand into expert-major rows)."""
 
 import math
 from dataclasses import dataclass
@@ -8,9 +8,9 @@ import torch
 import triton
 
 from .._planner import MAX_PROGRAMS, Plan
-from ..kernels.dispatch import expand_kernel, send_kernel
+from ..kernels.dispatch import dispatch_kernel
 from ..kernels.route import count_chunk_kernel, exchange_layout_kernel
-from . import Runtime, local_slices
+from . import Runtime
 
 # Experts per tile in the counting kernel: bounds its [CHUNK, K, E_BLOCK] comparison tile.
 _E_BLOCK = 32
@@ -191,6 +191,14 @@ def compute_layout(
     return handle
 
 
+def _own_slices(rt: Runtime, expanders: int) -> int:
+    """Column slices of an own chunk in the expansion: about two work items per expander at
+    max_tokens, at most one tile column per slice."""
+    plan = rt.plan
+    tiles = triton.cdiv(plan.hidden, plan.config.block_h)
+    return max(1, min(tiles, triton.cdiv(2 * expanders, plan.max_chunks)))
+
+
 def move_tokens(
     rt: Runtime,
     x: torch.Tensor,
@@ -213,28 +221,20 @@ def move_tokens(
     weights_arg = topk_weights.contiguous() if has_weights else recv_weights
     topk_idx, num_tokens, topk = handle.topk_idx, handle.num_tokens, handle.topk
     world, rank, heap = rt.world_size, rt.rank, plan.heap
-    send_kernel[(cfg.num_programs,)](
+    # Senders on their own SMs, expanders on the rest: the launch is one wave on a GPU.
+    expanders = max(rt.local_programs - cfg.num_programs, rt.local_programs // 2)
+    dispatch_kernel[(cfg.num_programs + expanders,)](
         x, x.stride(0), topk_idx, weights_arg, num_tokens, topk, plan.hidden, plan.num_experts,
-        plan.experts_per_rank, world, rank, handle.slot_pos, handle.token_rank_pos,
-        handle.send_chunk_start, handle.chunk_expert_base, handle.recv_src_tokens, handle.info,
-        rt.heap.peer_bases, heap.dispatch_ready, heap.chunk_flags, heap.meta_rows,
-        heap.meta_weights, heap.staging, rt.control, rt.timeout_ns,
-        T_MAX=plan.max_tokens, NC_MAX=plan.max_chunks, H_SLICES=cfg.h_slices, P_MAX=MAX_PROGRAMS,
-        MS=plan.meta_stride, MS_P2=triton.next_power_of_2(plan.meta_stride),
+        plan.experts_per_rank, rank, num_rows, cfg.num_programs, _own_slices(rt, expanders),
+        handle.slot_pos, handle.token_rank_pos, handle.send_chunk_start, handle.chunk_expert_base,
+        handle.recv_chunk_start, handle.recv_src_tokens, handle.expert_layout, handle.info,
+        handle.staged_rows, recv_x, recv_weights, rt.heap.peer_bases, heap.dispatch_ready,
+        heap.chunk_flags, heap.meta_rows, heap.meta_weights, heap.staging, rt.control,
+        rt.timeout_ns,
+        W=world, T_MAX=plan.max_tokens, NC_MAX=plan.max_chunks, H_SLICES=cfg.h_slices,
+        P_MAX=MAX_PROGRAMS, MS=plan.meta_stride, MS_P2=triton.next_power_of_2(plan.meta_stride),
         K_P2=triton.next_power_of_2(topk), W_P2=triton.next_power_of_2(world),
         CHUNK=cfg.chunk_tokens, BLOCK_H=cfg.block_h, HAS_WEIGHTS=has_weights,
-        num_warps=cfg.num_warps,
-    )  # fmt: skip
-    expand_kernel[(rt.local_programs,)](
-        x, x.stride(0), topk_idx, weights_arg, num_tokens, topk, plan.hidden, plan.num_experts,
-        plan.experts_per_rank, rank, num_rows, local_slices(rt), handle.slot_pos,
-        handle.token_rank_pos, handle.send_chunk_start, handle.chunk_expert_base,
-        handle.recv_chunk_start, handle.recv_src_tokens, handle.expert_layout, handle.info,
-        handle.staged_rows, recv_x, recv_weights, rt.heap.peer_bases, heap.meta_rows,
-        heap.meta_weights, heap.staging,
-        W=world, T_MAX=plan.max_tokens, NC_MAX=plan.max_chunks, MS=plan.meta_stride,
-        MS_P2=triton.next_power_of_2(plan.meta_stride), K_P2=triton.next_power_of_2(topk),
-        CHUNK=cfg.chunk_tokens, BLOCK_H=cfg.block_h, HAS_WEIGHTS=has_weights,
-        WRITE_ROWS=not cached, num_warps=rt.local_warps,
+        WRITE_ROWS=not cached, num_warps=cfg.num_warps,
     )  # fmt: skip
     return recv_x, (recv_weights if has_weights else None)
