@@ -375,8 +375,9 @@ def test_no_leftovers_when_a_rank_is_killed(launch, device, tmp_path):
 # is dead. A watcher thread in the victim polls the victim's own heap and SIGKILLs its process
 # when both its own and EARLY's "dispatch started" flags have landed there: the data move is
 # then running on the victim, which cannot get past its handshake (it waits for LATE), so it
-# dies before it has sent a single token, every time. Both survivors then wait for its token
-# chunks, and must raise TimeoutError naming rank 2 and that stage, timeout_s after the death.
+# dies before it has sent a single token, every time. Both survivors then wait for it (for its
+# token chunks, or for the start of its channels that had not begun), and must raise
+# TimeoutError naming rank 2 and a dispatch stage, timeout_s after the death.
 
 KILL_TIMEOUT_S = 5.0  # the Buffer's timeout_s; EARLY waits for LATE for part of it
 KILL_MARGIN_S = 20.0  # interpreted kernels on a loaded 2-core machine
@@ -483,7 +484,9 @@ def test_rank_killed_mid_dispatch(launch, device, tmp_path):
     for r in (EARLY, LATE):
         error = records[r].get("error")
         assert error and error.startswith("TimeoutError: "), f"rank {r}: {error}\n{info.value}"
-        assert f"rank {VICTIM} did not answer" in error and "dispatch token chunks" in error, error
+        # The victim's first channel started, its others may not have: either dispatch stage.
+        assert f"rank {VICTIM} did not answer" in error, error
+        assert "dispatch token chunks" in error or "start of dispatch" in error, error
         assert error.splitlines()[0] in failures.get(r, ""), str(info.value)  # reported too
         # Its last wait began after the death (LATE only started then) and lasted timeout_s.
         after = records[r]["raised_at"] - late["died"]

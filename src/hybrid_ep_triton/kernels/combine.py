@@ -202,6 +202,7 @@ def combine_kernel(
     dtype = out_ptr.dtype.element_ty
     staging = region(peer_bases_ptr, rank, staging_off, dtype)
     my_flags = region(peer_bases_ptr, rank, chunk_flags_off, tl.int64)
+    my_ready = region(peer_bases_ptr, rank, ready_off, tl.int64)
     reduced_flags = region(peer_bases_ptr, rank, reduced_flags_off, tl.int64)
     # Work item w of a stream = (chunk c, column slice s) of its source's tokens, as in dispatch.
     slice_cols = tl.cdiv(tl.cdiv(hidden, H_SLICES), BLOCK_H) * BLOCK_H
@@ -262,6 +263,9 @@ def combine_kernel(
                           rank, 5)  # fmt: skip
             for peer in range(0, W):
                 if peer != rank:
+                    # First the sender's start, so that a peer that never came times out as such.
+                    ready = my_ready + peer * P_MAX + w % num_senders
+                    wait_at_least(ready, seq, timeout_ns, status_ptr, peer, 4)  # COMBINE_READY
                     flag = my_flags + peer * items_of_src + w
                     wait_at_least(flag, seq, timeout_ns, status_ptr, peer, 5)  # COMBINE_DATA
             h_first = (w % H_SLICES) * slice_cols

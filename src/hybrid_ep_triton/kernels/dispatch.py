@@ -389,12 +389,16 @@ def dispatch_kernel(
             )  # fmt: skip
         # Then every other rank's items, each as soon as its flag says it has landed.
         my_flags = region(peer_bases_ptr, rank, chunk_flags_off, tl.int64)
+        my_ready = region(peer_bases_ptr, rank, ready_off, tl.int64)
         for src in range(0, W):
             # Clamped: a garbage handle must not turn into an endless loop.
             src_tokens = tl.minimum(tl.load(recv_src_tokens_ptr + src), T_MAX)
             src_items = tl.where(aborted | (src == rank), 0, tl.cdiv(src_tokens, CHUNK) * H_SLICES)
             table = recv_chunk_start_ptr + src * (NC_MAX + 1)
             for w in range(lid, src_items, num_expanders):
+                # First the sender's start, so that a peer that never came times out as such.
+                ready = my_ready + src * P_MAX + w % num_senders
+                wait_at_least(ready, seq, timeout_ns, status_ptr, src, 2)  # DISPATCH_READY
                 flag = my_flags + src * NC_MAX * H_SLICES + w
                 wait_at_least(flag, seq, timeout_ns, status_ptr, src, 3)  # STAGE_DISPATCH_DATA
                 c = w // H_SLICES
