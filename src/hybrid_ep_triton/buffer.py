@@ -34,8 +34,9 @@ class Buffer:
 
     Rank r of the group owns global experts [r*L, (r+1)*L) with L = num_experts / group size.
     The constructor is collective: it checks that every rank passed the same parameters and
-    allocates the worst-case symmetric buffers (max_tokens_per_rank tokens from every rank);
-    dispatch and combine are collective too, called in the same order on every rank.
+    allocates the worst-case buffers: a symmetric staging area of max_tokens_per_rank rows from
+    every rank, and a local outbox of the same size for combine's partial rows. Dispatch and
+    combine are collective too, called in the same order on every rank.
 
     Args:
         group: torch.distributed group of the expert-parallel ranks: NCCL with CUDA tensors, or
@@ -44,10 +45,10 @@ class Buffer:
         max_tokens_per_rank: most tokens any rank passes to one dispatch.
         num_experts: E, global experts, divisible by the group size.
         dtype: element type of token rows: torch.bfloat16, torch.float16 or torch.float32.
-        num_sms: programs (channels, about one SM each) of the kernels that move data between
-            ranks, dispatch's and combine's; 1..132. The local steps around them (dispatch's
-            expansion into expert-major rows, combine's reduction of a token's expert rows and
-            its final sum) are ordinary kernels over all SMs, like a grouped GEMM's permute.
+        num_sms: programs (channels, about one SM each) that move data between ranks in
+            dispatch and combine; 1..132. The work that stays on the GPU (dispatch's expansion
+            into expert-major rows, combine's reduction of a token's expert rows and its final
+            sum) runs in the same launches on the other SMs, overlapped with the transfer.
             Default: the tuned configuration's (``hybrid-ep tune``), else 8 on GPUs and 2 on
             CPU ranks. The other kernel parameters come from the tuning cache when it has an
             entry for this GPU, Triton version, group size, hidden size and dtype, else from the
