@@ -57,6 +57,56 @@ def _zero_rows(
             tl.store(ptrs, zeros, mask=rmask[:, None] & (cols[None, :] < hidden))
 
 
+@triton.jit
+def _chunk_slots(
+    c,
+    topk_idx_ptr,
+    num_tokens,
+    topk,
+    num_experts,
+    experts_per_rank,
+    slot_pos_ptr,
+    chunk_expert_base_ptr,
+    CHUNK: tl.constexpr,
+    K_P2: tl.constexpr,
+):
+    """The slots of chunk ``c`` of this rank's tokens: tokens [CHUNK] and their mask, slot
+    offsets [CHUNK, K_P2] into topk_idx, each slot's destination rank (-1 for an unused slot),
+    and the expert-major row it lands on at that rank."""
+    slots = tl.arange(0, K_P2)
+    tokens = c * CHUNK + tl.arange(0, CHUNK)
+    tmask = tokens < num_tokens
+    slot_offs = tokens[:, None] * topk + slots[None, :]
+    ids = tl.load(
+        topk_idx_ptr + slot_offs, mask=tmask[:, None] & (slots[None, :] < topk), other=-1
+    ).to(tl.int32)
+    used = ids >= 0
+    dest = tl.where(used, ids // experts_per_rank, -1)
+    out_row = tl.load(chunk_expert_base_ptr + c * num_experts + ids, mask=used, other=0)
+    out_row += tl.load(slot_pos_ptr + slot_offs, mask=used, other=0)
+    return tokens, tmask, slot_offs, dest, out_row
+
+
+@triton.jit
+def _store_packed(
+    entries_ptr, sel, values, any_sel, MS: tl.constexpr, MS_P2: tl.constexpr, CHUNK: tl.constexpr
+):
+    """Store ``values`` [CHUNK, K_P2] of the selected slots of each token into its MS entries at
+    ``entries_ptr`` [CHUNK] (pointer to entry 0), packed in slot order, and -1 in the entries
+    after them for the tokens with ``any_sel``. Returns each slot's entry."""
+    entries = tl.arange(0, MS_P2)
+    sel_i = sel.to(tl.int32)
+    entry = tl.cumsum(sel_i, axis=1) - sel_i
+    tl.store(entries_ptr[:, None] + entry, values, mask=sel)
+    unused = (entries[None, :] >= tl.sum(sel_i, axis=1)[:, None]) & (entries[None, :] < MS)
+    tl.store(
+        entries_ptr[:, None] + entries[None, :],
+        tl.full([CHUNK, MS_P2], -1, tl.int32),
+        mask=any_sel[:, None] & unused,
+    )
+    return entry
+
+
 @triton.jit(noinline=True)
 def _send_chunk(
     c,
@@ -95,20 +145,13 @@ def _send_chunk(
     of its slots there (every column slice writes these, so the receiver of a slice needs no
     other)."""
     dtype = x_ptr.dtype.element_ty
-    slots = tl.arange(0, K_P2)
     ranks = tl.arange(0, W_P2)
-    entries = tl.arange(0, MS_P2)
-    tokens = c * CHUNK + tl.arange(0, CHUNK)
-    tmask = tokens < num_tokens
-    smask = tmask[:, None] & (slots[None, :] < topk)
-    slot_offs = tokens[:, None] * topk + slots[None, :]
-    ids = tl.load(topk_idx_ptr + slot_offs, mask=smask, other=-1).to(tl.int32)
-    used = ids >= 0
-    dest = ids // experts_per_rank
-    out_row = tl.load(chunk_expert_base_ptr + c * num_experts + ids, mask=used, other=0)
-    out_row += tl.load(slot_pos_ptr + slot_offs, mask=used, other=0)
+    tokens, tmask, slot_offs, dest, out_row = _chunk_slots(
+        c, topk_idx_ptr, num_tokens, topk, num_experts, experts_per_rank, slot_pos_ptr,
+        chunk_expert_base_ptr, CHUNK, K_P2,
+    )  # fmt: skip
     if HAS_WEIGHTS:
-        weight = tl.load(topk_weights_ptr + slot_offs, mask=used, other=0.0)
+        weight = tl.load(topk_weights_ptr + slot_offs, mask=dest >= 0, other=0.0)
     # Row of each (token, other destination) in that destination's staging area, or -1.
     rmask = tmask[:, None] & (ranks[None, :] < world_size) & (ranks[None, :] != rank)
     pos = tl.load(
@@ -119,23 +162,13 @@ def _send_chunk(
     for q in tl.static_range(W_P2):
         if q < world_size:
             row = column(stream_rows, ranks, q)
-            sel = used & (dest == q) & (row >= 0)[:, None]
-            sel_i = sel.to(tl.int32)
-            slot_index = tl.cumsum(sel_i, axis=1) - sel_i
-            unused_entry = (entries[None, :] >= tl.sum(sel_i, axis=1)[:, None]) & (
-                entries[None, :] < MS
-            )
-            meta = row.to(tl.int64)[:, None] * MS
+            sel = (dest == q) & (row >= 0)[:, None]
+            meta = row.to(tl.int64) * MS
             meta_rows = region(peer_bases_ptr, q, meta_rows_off, tl.int32) + meta
-            tl.store(meta_rows + slot_index, out_row, mask=sel)
-            tl.store(
-                meta_rows + entries[None, :],
-                tl.full([CHUNK, MS_P2], -1, tl.int32),
-                mask=(row >= 0)[:, None] & unused_entry,
-            )
+            entry = _store_packed(meta_rows, sel, out_row, row >= 0, MS, MS_P2, CHUNK)
             if HAS_WEIGHTS:
                 meta_weights = region(peer_bases_ptr, q, meta_weights_off, tl.float32)
-                tl.store(meta_weights + meta + slot_index, weight, mask=sel)
+                tl.store((meta_weights + meta)[:, None] + entry, weight, mask=sel)
     # Double-buffered: the next tile's load is in flight while this one is stored.
     x_rows = x_ptr + tokens.to(tl.int64)[:, None] * x_stride
     cols = h_first + tl.arange(0, BLOCK_H)
@@ -252,29 +285,17 @@ def _expand_own_chunk(
     staged_rows as the rows of the token's place in its stream to this rank, which starts at
     row ``own_stream_first``, packed in slot order as a sender packs them."""
     slots = tl.arange(0, K_P2)
-    entries = tl.arange(0, MS_P2)
-    tokens = c * CHUNK + tl.arange(0, CHUNK)
-    tmask = tokens < num_tokens
-    slot_offs = tokens[:, None] * topk + slots[None, :]
-    ids = tl.load(
-        topk_idx_ptr + slot_offs, mask=tmask[:, None] & (slots[None, :] < topk), other=-1
-    ).to(tl.int32)
-    mine = (ids >= 0) & (ids // experts_per_rank == rank)
-    out_row = tl.load(chunk_expert_base_ptr + c * num_experts + ids, mask=mine, other=0)
-    out_row += tl.load(slot_pos_ptr + slot_offs, mask=mine, other=0)
+    tokens, tmask, slot_offs, dest, out_row = _chunk_slots(
+        c, topk_idx_ptr, num_tokens, topk, num_experts, experts_per_rank, slot_pos_ptr,
+        chunk_expert_base_ptr, CHUNK, K_P2,
+    )  # fmt: skip
+    mine = dest == rank
     out_row = tl.where(mine & (out_row < num_out_rows), out_row, -1)  # past max_recv_tokens
     if WRITE_ROWS:
         staged = own_stream_first + tl.load(token_rank_pos_ptr + tokens * W + rank, mask=tmask)
-        mine_i = mine.to(tl.int32)
-        entry = tl.cumsum(mine_i, axis=1) - mine_i
-        meta = staged.to(tl.int64)[:, None] * MS
-        tl.store(staged_rows_ptr + meta + entry, out_row, mask=mine)
-        unused = (entries[None, :] >= tl.sum(mine_i, axis=1)[:, None]) & (entries[None, :] < MS)
-        tl.store(
-            staged_rows_ptr + meta + entries[None, :],
-            tl.full([CHUNK, MS_P2], -1, tl.int32),
-            mask=(tl.max(mine_i, axis=1) > 0)[:, None] & unused,
-        )
+        any_mine = tl.max(mine.to(tl.int32), axis=1) > 0
+        meta = staged_rows_ptr + staged.to(tl.int64) * MS
+        _store_packed(meta, mine, out_row, any_mine, MS, MS_P2, CHUNK)
     if HAS_WEIGHTS:
         weight = tl.load(topk_weights_ptr + slot_offs, mask=mine)
         tl.store(recv_weights_ptr + out_row, weight, mask=out_row >= 0)

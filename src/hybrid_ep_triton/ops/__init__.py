@@ -39,3 +39,10 @@ class Runtime:
     group: dist.ProcessGroup
     check_status: Callable[[], None]
     read_report: Callable[..., int]
+
+
+def programs_beside_senders(rt: Runtime) -> int:
+    """Programs for the local roles of a data-move launch: the SMs the ``num_sms`` senders leave
+    free, so that the launch is one wave on a GPU; at least half the SMs, and at least 2
+    (combine has two local roles)."""
+    return max(rt.local_programs - rt.plan.config.num_programs, rt.local_programs // 2, 2)

@@ -6,7 +6,7 @@ import triton
 
 from .._planner import MAX_PROGRAMS
 from ..kernels.combine import combine_kernel
-from . import Runtime
+from . import Runtime, programs_beside_senders
 from .dispatch import DispatchHandle
 
 # Share of the local programs that reduce expert rows; the rest sum partial rows, which reads
@@ -21,8 +21,7 @@ def reduce_tokens(
     plan, cfg, heap = rt.plan, rt.plan.config, rt.plan.heap
     out = torch.empty(handle.num_tokens, plan.hidden, dtype=y.dtype, device=rt.device)
     has_weights = weights is not None
-    # Senders on their own SMs, reducers and summers on the rest: one wave on a GPU.
-    local = max(rt.local_programs - cfg.num_programs, 2)
+    local = programs_beside_senders(rt)
     reducers = min(max(round(local * _REDUCER_SHARE), 1), local - 1)
     combine_kernel[(cfg.num_programs + local,)](
         y, y.stride(0), weights.contiguous() if has_weights else y, rt.outbox, out,

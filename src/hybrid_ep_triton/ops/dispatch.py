@@ -10,7 +10,7 @@ import triton
 from .._planner import MAX_PROGRAMS, Plan
 from ..kernels.dispatch import dispatch_kernel
 from ..kernels.route import count_chunk_kernel, exchange_layout_kernel
-from . import Runtime
+from . import Runtime, programs_beside_senders
 
 # Experts per tile in the counting kernel: bounds its [CHUNK, K, E_BLOCK] comparison tile.
 _E_BLOCK = 32
@@ -221,8 +221,7 @@ def move_tokens(
     weights_arg = topk_weights.contiguous() if has_weights else recv_weights
     topk_idx, num_tokens, topk = handle.topk_idx, handle.num_tokens, handle.topk
     world, rank, heap = rt.world_size, rt.rank, plan.heap
-    # Senders on their own SMs, expanders on the rest: the launch is one wave on a GPU.
-    expanders = max(rt.local_programs - cfg.num_programs, rt.local_programs // 2)
+    expanders = programs_beside_senders(rt)
     dispatch_kernel[(cfg.num_programs + expanders,)](
         x, x.stride(0), topk_idx, weights_arg, num_tokens, topk, plan.hidden, plan.num_experts,
         plan.experts_per_rank, rank, num_rows, cfg.num_programs, _own_slices(rt, expanders),
