@@ -69,7 +69,7 @@ def main() -> int:
             K_P2=8,
             HAS_WEIGHTS=True,
             WRITE_ROWS=True,
-            COPY_UNROLL=4,
+            COPY_UNROLL=8,
         )
         tokens = dict(
             i64,
@@ -84,7 +84,7 @@ def main() -> int:
         )
         builds = [
             (count_chunk_kernel, dict(i64, topk_idx_ptr="*i64"),
-             dict(CHUNK=32, K_P2=8, W_P2=world, E_BLOCK=32), 4),
+             dict(CHUNK=32, K_P2=8, W_P2=world, E_P2=256, PAIRS=128), 4),
             (exchange_layout_kernel, i64,
              dict(NC_MAX=128, ROW=259, C_BLOCK=64, E_BLOCK=32, W_P2=world, L_P2=256 // world), 4),
             (dispatch_kernel, tokens, dict(common, BLOCK_H=512), 16),

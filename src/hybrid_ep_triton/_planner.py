@@ -7,7 +7,6 @@ every rank), so a call never allocates heap memory and never waits for the host.
 from dataclasses import dataclass
 
 import torch
-import triton
 
 # Most expert slots of one token that may land on one rank. It bounds the per-row metadata that
 # travels with each staged token: min(experts per rank, MAX_TOPK) entries.
@@ -17,6 +16,18 @@ MAX_TOPK = 32
 _ALIGN = 256
 # Most programs (channels) of one launch; the ready flags are sized for it.
 MAX_PROGRAMS = 132
+
+
+def ceil_div(a: int, b: int) -> int:
+    """ceil(a / b) for ints >= 0. Host code uses this and ``next_power_of_2`` instead of
+    triton's: those are constexpr functions that cost about 5 µs per call from Python, and a
+    dispatch needs dozens."""
+    return -(-a // b)
+
+
+def next_power_of_2(n: int) -> int:
+    """The smallest power of two >= n (1 for n <= 1)."""
+    return 1 << max(n - 1, 0).bit_length()
 
 
 @dataclass(frozen=True)
@@ -54,23 +65,29 @@ def default_config(hidden: int, max_tokens: int, num_sms: int | None, on_gpu: bo
         return make_config(num_sms or 2, 4, 32, 2, 1, on_gpu)
     programs = num_sms or 8
     chunk = 16 if max_tokens <= 512 else 32
-    block_h = min(triton.next_power_of_2(hidden), 16384 // chunk)
+    block_h = min(next_power_of_2(hidden), 16384 // chunk)
     # About two work items per program when every rank sends max_tokens, at most one tile
     # column per slice.
-    chunks = max(1, triton.cdiv(max_tokens, chunk))
-    slices = max(1, min(triton.cdiv(2 * programs, chunks), triton.cdiv(hidden, block_h), 8))
+    chunks = max(1, ceil_div(max_tokens, chunk))
+    slices = max(1, min(ceil_div(2 * programs, chunks), ceil_div(hidden, block_h), 8))
     return make_config(programs, chunk, block_h, slices, 16, on_gpu)
 
 
 def make_config(
-    num_programs: int, chunk_tokens: int, block_h: int, h_slices: int, num_warps: int, on_gpu: bool
+    num_programs: int,
+    chunk_tokens: int,
+    block_h: int,
+    h_slices: int,
+    num_warps: int,
+    on_gpu: bool,
+    copy_unroll: int = 8,
 ) -> KernelConfig:
     """A KernelConfig from its free parameters. On GPUs combine tiles are half as wide as
-    dispatch's (fp32 accumulators) with 4 gathers in flight; the interpreter keeps them small."""
+    dispatch's (fp32 accumulators); the interpreter keeps tiles small and 2 gathers in flight."""
     return KernelConfig(
         num_programs=num_programs, chunk_tokens=chunk_tokens, block_h=block_h,
         combine_block_h=max(block_h // 2, 32) if on_gpu else block_h,
-        copy_unroll=4 if on_gpu else 2, h_slices=h_slices, num_warps=num_warps,
+        copy_unroll=copy_unroll if on_gpu else 2, h_slices=h_slices, num_warps=num_warps,
     )  # fmt: skip
 
 
@@ -131,7 +148,7 @@ def make_plan(
     config: KernelConfig,
 ) -> Plan:
     experts_per_rank = num_experts // world_size
-    max_chunks = max(1, triton.cdiv(max_tokens, config.chunk_tokens))
+    max_chunks = max(1, ceil_div(max_tokens, config.chunk_tokens))
     meta_stride = min(experts_per_rank, MAX_TOPK)
     counts_row = num_experts + 3
     rows = world_size * max(max_tokens, 1)
@@ -151,7 +168,7 @@ def make_plan(
     cursor = 0
     for name, size in sizes:
         offsets[name] = cursor
-        cursor += triton.cdiv(size, _ALIGN) * _ALIGN
+        cursor += ceil_div(size, _ALIGN) * _ALIGN
     return Plan(
         world_size=world_size,
         hidden=hidden,

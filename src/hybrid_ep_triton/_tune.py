@@ -1,7 +1,8 @@
 """``hybrid-ep tune``: sweep the kernels' free parameters for one shape and cache the fastest.
 
 Candidates are every combination of tokens per chunk, dispatch tile width (combine uses half),
-warps per program and column slices per chunk, at the given number of programs (the SM budget).
+warps per program, column slices per chunk and expert rows combine gathers at once, at the
+given number of programs (the SM budget).
 Each candidate gets its own Buffer; the score is the time of a cached-handle dispatch (the data
 move) plus a combine, medians of ``iters`` calls after ``warmup``, the slowest rank's. The
 timing is the benchmark's (CUDA events) rather than ``triton.testing.do_bench``: do_bench picks
@@ -36,16 +37,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--block-h", type=_ints, default=[256, 512, 1024], help="dispatch tile width")
     p.add_argument("--warps", type=_ints, default=[8, 16])
     p.add_argument("--slices", type=_ints, default=[1, 2, 4], help="column slices per chunk")
+    p.add_argument("--unroll", type=_ints, default=[4, 8], help="rows combine gathers at once")
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--timeout", type=float, default=3600)
 
 
 def _candidates(args: argparse.Namespace, on_gpu: bool) -> list[KernelConfig]:
-    grid = itertools.product(args.chunks, args.block_h, args.warps, args.slices)
+    grid = itertools.product(args.chunks, args.block_h, args.warps, args.slices, args.unroll)
     return [
-        make_config(args.sms, chunk, block_h, slices, warps, on_gpu)
-        for chunk, block_h, warps, slices in grid
+        make_config(args.sms, chunk, block_h, slices, warps, on_gpu, unroll)
+        for chunk, block_h, warps, slices, unroll in grid
     ]
 
 
@@ -119,12 +121,14 @@ def run(args: argparse.Namespace) -> int:
         _tune_rank, world, opts, device="cuda" if on_gpu else "cpu", timeout_s=args.timeout
     )
     key = per_rank[0][0]
-    totals = [max(d + c for d, c in (r[1][i] for r in per_rank)) for i in range(len(candidates))]
-    best = min(range(len(candidates)), key=totals.__getitem__)
-    dispatch_us = max(r[1][best][0] for r in per_rank)
-    combine_us = max(r[1][best][1] for r in per_rank)
-    for config, total in sorted(zip(candidates, totals, strict=True), key=lambda p: p[1]):
-        print(f"{total:10.1f} µs  {config}")
+    # Per candidate, the slowest rank's: (dispatch + combine, dispatch, combine) µs.
+    scores = [
+        max((d + c, d, c) for d, c in (r[1][i] for r in per_rank)) for i in range(len(candidates))
+    ]
+    best = min(range(len(candidates)), key=scores.__getitem__)
+    _, dispatch_us, combine_us = scores[best]
+    for config, (total, d, c) in sorted(zip(candidates, scores, strict=True), key=lambda p: p[1]):
+        print(f"{total:10.1f} µs (dispatch {d:.1f}, combine {c:.1f})  {config}")
     measured = dict(dispatch_us=dispatch_us, combine_us=combine_us, tokens=args.tokens,
                     experts=args.experts, topk=args.topk)  # fmt: skip
     store(key, candidates[best], measured)

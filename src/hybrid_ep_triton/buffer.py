@@ -11,7 +11,7 @@ from .kernels.combine import STAGE_COMBINE_DATA, STAGE_COMBINE_READY
 from .kernels.dispatch import STAGE_DISPATCH_DATA, STAGE_DISPATCH_READY
 from .kernels.route import STAGE_LAYOUT
 from .ops import Runtime, library
-from .ops.dispatch import DispatchHandle, make_handle
+from .ops.dispatch import DispatchHandle
 
 DEFAULT_TIMEOUT_S = 60.0
 # Unchecked max_recv_tokens dispatches remembered for the next exact-mode call.
@@ -114,7 +114,7 @@ class Buffer:
         self._rt = Runtime(
             plan=plan,
             heap=allocate_heap(group, plan.heap.total_bytes, device),
-            control=torch.zeros(6, dtype=torch.int64, device=device),
+            control=torch.zeros(8, dtype=torch.int64, device=device),
             rank=rank,
             world_size=world,
             device=device,
@@ -203,27 +203,18 @@ class Buffer:
         self._check_event(previous_event)
         if handle is None:
             topk_idx = topk_idx.contiguous()
-            (recv_x, recv_weights, ints, longs), event = self._launch(
-                lambda: library.call(
-                    library.dispatch,
-                    self._id, x, topk_idx, topk_weights, pad_multiple,
-                    -1 if max_recv_tokens is None else max_recv_tokens,
+            (recv_x, recv_weights, handle), event = self._launch(
+                lambda: library.run_dispatch(
+                    rt, self._id, x, topk_idx, topk_weights, pad_multiple, max_recv_tokens
                 ),
                 (x, topk_idx, topk_weights), previous_event, async_finish,
             )  # fmt: skip
-            handle = make_handle(rt.plan, topk_idx, ints, longs, recv_x.shape[0], max_recv_tokens)
             self._track_overflow(handle)
         else:
             (recv_x, recv_weights), event = self._launch(
-                lambda: library.call(
-                    library.dispatch_cached,
-                    self._id, x, topk_weights, handle.topk_idx, handle.ints, handle.longs,
-                    handle.num_recv_rows,
-                ),
+                lambda: library.run_dispatch_cached(rt, self._id, x, topk_weights, handle),
                 (x, topk_weights), previous_event, async_finish,
             )  # fmt: skip
-        if topk_weights is None:
-            recv_weights = None
         outputs = recv_x, recv_weights, handle.tokens_per_expert, handle
         return (*outputs, event) if async_finish else outputs
 
@@ -259,10 +250,7 @@ class Buffer:
             check_tensor("weights", weights, (handle.num_recv_rows,), torch.float32, rt.device)
         self._check_event(previous_event)
         out, event = self._launch(
-            lambda: library.call(
-                library.combine,
-                self._id, y, weights, handle.topk_idx, handle.ints, handle.longs
-            ),
+            lambda: library.run_combine(rt, self._id, y, weights, handle),
             (y, weights), previous_event, async_finish,
         )  # fmt: skip
         return (out, event) if async_finish else out
@@ -296,14 +284,14 @@ class Buffer:
     # -- launching ------------------------------------------------------------------------
 
     def _launch(self, call, inputs, previous_event, async_finish):
-        """Run ``call`` (an operator; returns a tensor or a tuple of tensors) on the calling
+        """Run ``call`` (returns a tensor or a tuple of tensors, None or handles) on the calling
         stream, or on the communication stream with async_finish; returns (outputs, event)."""
         on_gpu = self._rt.device.type == "cuda"
-        caller = torch.cuda.current_stream() if on_gpu else None
         if not (async_finish and on_gpu):
             if previous_event is not None:
-                caller.wait_event(previous_event)
+                torch.cuda.current_stream().wait_event(previous_event)
             return call(), None
+        caller = torch.cuda.current_stream()
         if self._comm_stream is None:
             self._comm_stream = torch.cuda.Stream(self._rt.device)
         comm = self._comm_stream
@@ -318,8 +306,12 @@ class Buffer:
         for t in inputs:
             if t is not None:
                 t.record_stream(comm)
-        for t in outputs if isinstance(outputs, tuple) else (outputs,):
-            t.record_stream(caller)
+        for out in outputs if isinstance(outputs, tuple) else (outputs,):
+            if isinstance(out, DispatchHandle):
+                out.ints.record_stream(caller)
+                out.longs.record_stream(caller)
+            elif out is not None:
+                out.record_stream(caller)
         return outputs, comm.record_event()
 
     def _track_overflow(self, handle: DispatchHandle) -> None:

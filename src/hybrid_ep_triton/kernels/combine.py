@@ -3,19 +3,19 @@
 The mirror of dispatch, one launch in three roles; only the senders are bound to the Buffer's SM
 budget, and the three overlap chunk by chunk:
 
-Reducers, programs [0, R): each staged row's expert-major rows of ``y`` (times ``weights`` when
-given) reduced in fp32 into one partial row, so a token crosses the link once per rank, not once
-per expert. Partial rows for other ranks go to the outbox, a local buffer laid out like the
-staging area, first; those of this rank's own tokens go straight to its own staging area. Each
-work item raises a local flag when done.
+Reducers, programs [0, R), take work items from a queue: each staged row's expert-major rows of
+``y`` (times ``weights`` when given) reduced in fp32 into one partial row, so a token crosses the
+link once per rank, not once per expert. Partial rows for other ranks go to the outbox, a local
+buffer laid out like the staging area, first; those of this rank's own tokens go straight to
+its own staging area. Each work item raises a local flag when done.
 
 Senders, the next P programs (``num_sms``); program p is an independent channel: ready flags as
 in dispatch, then for chunk c = p, p + P, ... of every other rank's stream it waits for the
 reducers, copies the partial rows from the outbox into that rank's staging area and sets the
 chunk's flag there.
 
-Summers, the other programs: per own chunk, once its partial rows from every rank are in, the sum
-per token in fp32.
+Summers, the other programs, take own chunks from a second queue: once a chunk's partial rows
+from every rank are in, the sum per token in fp32.
 
 Programs wait only for programs that come earlier in the launch order or belong to another rank,
 so the launch finishes whichever of its programs run first.
@@ -24,8 +24,8 @@ so the launch finishes whichever of its programs run first.
 import triton
 import triton.language as tl
 
-from .dispatch import column
-from .primitives import finish_launch, handshake, region, signal, wait_at_least
+from .dispatch import column, remote_rounds
+from .primitives import finish_launch, handshake, region, signal, take_work, wait_at_least
 
 STAGE_COMBINE_READY = 4
 STAGE_COMBINE_DATA = 5
@@ -209,20 +209,27 @@ def combine_kernel(
     items_of_src = NC_MAX * H_SLICES
 
     if pid < num_reducers:
-        # The other ranks' streams first (the senders wait for them), then this rank's own.
-        for i in range(0, W):
-            src = (rank + 1 + i) % W
-            table = recv_chunk_start_ptr + src * (NC_MAX + 1)
-            # Clamped: a garbage handle must not turn into an endless loop.
-            src_tokens = tl.minimum(tl.load(recv_src_tokens_ptr + src), T_MAX)
-            for w in range(pid, tl.cdiv(src_tokens, CHUNK) * H_SLICES, num_reducers):
+        # One work queue: the other ranks' streams first (the senders wait for them), item w of
+        # every other source, then item w + 1, as senders send them; then this rank's own.
+        sources = tl.maximum(W - 1, 1)
+        rounds = remote_rounds(recv_src_tokens_ptr, rank, W, T_MAX, CHUNK, H_SLICES)
+        own_tokens = tl.minimum(tl.load(recv_src_tokens_ptr + rank), T_MAX)
+        own_items = tl.cdiv(own_tokens, CHUNK) * H_SLICES
+        item = take_work(control_ptr + 6)
+        while item < rounds * sources + own_items:
+            if item < rounds * sources:
+                w = item // sources
+                src = (rank + 1 + item % sources) % W
+                partial_ptr = outbox_ptr  # laid out like the staging area: same row numbers
+            else:
+                w = item - rounds * sources
+                src = rank
+                partial_ptr = staging
+            src_tokens = tl.minimum(tl.load(recv_src_tokens_ptr + src), T_MAX)  # clamped as above
+            if w < tl.cdiv(src_tokens, CHUNK) * H_SLICES:
+                table = recv_chunk_start_ptr + src * (NC_MAX + 1)
                 c = w // H_SLICES
                 h_first = (w % H_SLICES) * slice_cols
-                # The outbox is laid out like the staging area: same row numbers in both.
-                if src == rank:
-                    partial_ptr = staging
-                else:
-                    partial_ptr = outbox_ptr
                 _reduce_chunk(
                     src * T_MAX + tl.load(table + c), src * T_MAX + tl.load(table + c + 1),
                     h_first, tl.minimum(h_first + slice_cols, hidden), hidden, y_ptr, y_stride,
@@ -230,6 +237,7 @@ def combine_kernel(
                     HAS_WEIGHTS, COPY_UNROLL,
                 )  # fmt: skip
                 signal(reduced_flags + src * items_of_src + w, seq)
+            item = take_work(control_ptr + 6)
     elif pid < num_reducers + num_senders:
         sender = pid - num_reducers
         stage = 4  # STAGE_COMBINE_READY
@@ -256,9 +264,8 @@ def combine_kernel(
                 flags = region(peer_bases_ptr, src, chunk_flags_off, tl.int64)
                 signal(flags + rank * items_of_src + w, seq)
     else:
-        summer = pid - num_reducers - num_senders
-        num_summers = num_programs - num_reducers - num_senders
-        for w in range(summer, tl.cdiv(num_tokens, CHUNK) * H_SLICES, num_summers):
+        w = take_work(control_ptr + 7)
+        while w < tl.cdiv(num_tokens, CHUNK) * H_SLICES:
             wait_at_least(reduced_flags + rank * items_of_src + w, seq, timeout_ns, status_ptr,
                           rank, 5)  # fmt: skip
             for peer in range(0, W):
@@ -274,5 +281,6 @@ def combine_kernel(
                 hidden, W, token_rank_pos_ptr, send_chunk_start_ptr, staging, out_ptr, T_MAX,
                 W_P2, CHUNK, BLOCK_H,
             )  # fmt: skip
+            w = take_work(control_ptr + 7)
 
     finish_launch(control_ptr, seq, num_programs)

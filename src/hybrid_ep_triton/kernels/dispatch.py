@@ -12,16 +12,17 @@ Senders, the first P programs (``num_sms``); program p is an independent channel
 Senders never wait for a program of their own launch.
 
 Expanders, the other programs (about one per SM: the expansion is bound by local memory, not by
-the link): they copy this rank's own tokens straight from ``x`` to their expert-major rows (own
-tokens never go through the staging area), then every other rank's chunks, each as soon as its
-flag is up, from the staging area; then they zero the padding rows and the rows past the valid
-count. Expanders wait only for senders, which come first in the launch order.
+the link), take work items from a queue: this rank's own tokens, copied straight from ``x`` to
+their expert-major rows (own tokens never go through the staging area), then every other rank's
+chunks, each as soon as its flag is up, from the staging area; then they zero the padding rows
+and the rows past the valid count. Expanders wait only for senders, which come first in the
+launch order.
 """
 
 import triton
 import triton.language as tl
 
-from .primitives import finish_launch, handshake, region, signal, wait_at_least
+from .primitives import finish_launch, handshake, region, signal, take_work, wait_at_least
 
 STAGE_DISPATCH_READY = 2
 STAGE_DISPATCH_DATA = 3
@@ -107,6 +108,19 @@ def _store_packed(
     return entry
 
 
+@triton.jit
+def remote_rounds(recv_src_tokens_ptr, rank, W: tl.constexpr, T_MAX, CHUNK, H_SLICES):
+    """Work items of the largest stream from another rank: the rounds of a work queue that
+    takes item w of every other source, then item w + 1."""
+    rounds = 0
+    for src in range(0, W):
+        # Clamped: a garbage handle must not turn into an endless loop.
+        src_tokens = tl.minimum(tl.load(recv_src_tokens_ptr + src), T_MAX)
+        src_items = tl.where(src == rank, 0, tl.cdiv(src_tokens, CHUNK) * H_SLICES)
+        rounds = tl.maximum(rounds, src_items)
+    return rounds
+
+
 @triton.jit(noinline=True)
 def _send_chunk(
     c,
@@ -150,6 +164,11 @@ def _send_chunk(
         c, topk_idx_ptr, num_tokens, topk, num_experts, experts_per_rank, slot_pos_ptr,
         chunk_expert_base_ptr, CHUNK, K_P2,
     )  # fmt: skip
+    # The first tile's load goes first: it is in flight while the metadata is written (the
+    # compiler keeps loads after stores that might alias them).
+    x_rows = x_ptr + tokens.to(tl.int64)[:, None] * x_stride
+    cols = h_first + tl.arange(0, BLOCK_H)
+    tile = tl.load(x_rows + cols[None, :], mask=tmask[:, None] & (cols[None, :] < h_last))
     if HAS_WEIGHTS:
         weight = tl.load(topk_weights_ptr + slot_offs, mask=dest >= 0, other=0.0)
     # Row of each (token, other destination) in that destination's staging area, or -1.
@@ -170,9 +189,6 @@ def _send_chunk(
                 meta_weights = region(peer_bases_ptr, q, meta_weights_off, tl.float32)
                 tl.store((meta_weights + meta)[:, None] + entry, weight, mask=sel)
     # Double-buffered: the next tile's load is in flight while this one is stored.
-    x_rows = x_ptr + tokens.to(tl.int64)[:, None] * x_stride
-    cols = h_first + tl.arange(0, BLOCK_H)
-    tile = tl.load(x_rows + cols[None, :], mask=tmask[:, None] & (cols[None, :] < h_last))
     for h0 in range(h_first, h_last, BLOCK_H):
         cols = h0 + tl.arange(0, BLOCK_H)
         cmask = cols < h_last
@@ -394,44 +410,52 @@ def dispatch_kernel(
     else:
         lid = pid - num_senders
         num_expanders = num_programs - num_senders
-        # Own tokens first (straight from x, nothing to wait for), in finer column slices.
+        # One work queue: own tokens first (straight from x, nothing to wait for, in finer
+        # column slices), then every other rank's items, each as soon as its flag says it has
+        # landed, in the order senders send them: item w of every source, then item w + 1.
         own_cols = tl.cdiv(tl.cdiv(hidden, expand_slices), BLOCK_H) * BLOCK_H
         own_items = tl.where(aborted, 0, tl.cdiv(num_tokens, CHUNK) * expand_slices)
-        for w in range(lid, own_items, num_expanders):
-            c = w // expand_slices
-            h_first = (w % expand_slices) * own_cols
-            _expand_own_chunk(
-                c, h_first, tl.minimum(h_first + own_cols, hidden), x_ptr, x_stride,
-                topk_idx_ptr, topk_weights_ptr, num_tokens, topk, hidden, num_experts,
-                experts_per_rank, rank, num_out_rows, slot_pos_ptr, token_rank_pos_ptr,
-                rank * T_MAX + tl.load(send_chunk_start_ptr + c * W + rank),
-                chunk_expert_base_ptr, staged_rows_ptr, recv_x_ptr, recv_weights_ptr, W, MS,
-                MS_P2, K_P2, CHUNK, BLOCK_H, HAS_WEIGHTS, WRITE_ROWS,
-            )  # fmt: skip
-        # Then every other rank's items, each as soon as its flag says it has landed.
+        sources = tl.maximum(W - 1, 1)
+        rounds = remote_rounds(recv_src_tokens_ptr, rank, W, T_MAX, CHUNK, H_SLICES)
+        rounds = tl.where(aborted, 0, rounds)
         my_flags = region(peer_bases_ptr, rank, chunk_flags_off, tl.int64)
         my_ready = region(peer_bases_ptr, rank, ready_off, tl.int64)
-        for src in range(0, W):
-            # Clamped: a garbage handle must not turn into an endless loop.
-            src_tokens = tl.minimum(tl.load(recv_src_tokens_ptr + src), T_MAX)
-            src_items = tl.where(aborted | (src == rank), 0, tl.cdiv(src_tokens, CHUNK) * H_SLICES)
-            table = recv_chunk_start_ptr + src * (NC_MAX + 1)
-            for w in range(lid, src_items, num_expanders):
-                # First the sender's start, so that a peer that never came times out as such.
-                ready = my_ready + src * P_MAX + w % num_senders
-                wait_at_least(ready, seq, timeout_ns, status_ptr, src, 2)  # DISPATCH_READY
-                flag = my_flags + src * NC_MAX * H_SLICES + w
-                wait_at_least(flag, seq, timeout_ns, status_ptr, src, 3)  # STAGE_DISPATCH_DATA
-                c = w // H_SLICES
-                h_first = (w % H_SLICES) * send_cols
-                _expand_chunk(
-                    src * T_MAX + tl.load(table + c), src * T_MAX + tl.load(table + c + 1),
-                    h_first, tl.minimum(h_first + send_cols, hidden), hidden, num_out_rows,
-                    region(peer_bases_ptr, rank, meta_rows_off, tl.int32),
-                    region(peer_bases_ptr, rank, meta_weights_off, tl.float32),
-                    region(peer_bases_ptr, rank, staging_off, dtype), staged_rows_ptr, recv_x_ptr,
-                    recv_weights_ptr, MS, MS_P2, CHUNK, BLOCK_H, HAS_WEIGHTS, WRITE_ROWS,
+        item = take_work(control_ptr + 6)
+        while item < own_items + rounds * sources:
+            if item < own_items:
+                c = item // expand_slices
+                h_first = (item % expand_slices) * own_cols
+                _expand_own_chunk(
+                    c, h_first, tl.minimum(h_first + own_cols, hidden), x_ptr, x_stride,
+                    topk_idx_ptr, topk_weights_ptr, num_tokens, topk, hidden, num_experts,
+                    experts_per_rank, rank, num_out_rows, slot_pos_ptr, token_rank_pos_ptr,
+                    rank * T_MAX + tl.load(send_chunk_start_ptr + c * W + rank),
+                    chunk_expert_base_ptr, staged_rows_ptr, recv_x_ptr, recv_weights_ptr, W, MS,
+                    MS_P2, K_P2, CHUNK, BLOCK_H, HAS_WEIGHTS, WRITE_ROWS,
                 )  # fmt: skip
+            else:
+                w = (item - own_items) // sources
+                src = (rank + 1 + (item - own_items) % sources) % W
+                src_tokens = tl.minimum(tl.load(recv_src_tokens_ptr + src), T_MAX)
+                if w < tl.cdiv(src_tokens, CHUNK) * H_SLICES:
+                    # First the sender's start, so that a peer that never came times out as such.
+                    ready = my_ready + src * P_MAX + w % num_senders
+                    wait_at_least(ready, seq, timeout_ns, status_ptr, src, 2)  # DISPATCH_READY
+                    flag = my_flags + src * NC_MAX * H_SLICES + w
+                    wait_at_least(flag, seq, timeout_ns, status_ptr, src, 3)  # DISPATCH_DATA
+                    table = recv_chunk_start_ptr + src * (NC_MAX + 1)
+                    c = w // H_SLICES
+                    h_first = (w % H_SLICES) * send_cols
+                    _expand_chunk(
+                        src * T_MAX + tl.load(table + c), src * T_MAX + tl.load(table + c + 1),
+                        h_first, tl.minimum(h_first + send_cols, hidden), hidden, num_out_rows,
+                        region(peer_bases_ptr, rank, meta_rows_off, tl.int32),
+                        region(peer_bases_ptr, rank, meta_weights_off, tl.float32),
+                        region(peer_bases_ptr, rank, staging_off, dtype), staged_rows_ptr,
+                        recv_x_ptr, recv_weights_ptr, MS, MS_P2, CHUNK, BLOCK_H, HAS_WEIGHTS,
+                        WRITE_ROWS,
+                    )  # fmt: skip
+            item = take_work(control_ptr + 6)
 
         # Zero padding rows and the rows past the valid count (max_recv_tokens mode).
         for e in range(lid, tl.where(aborted, 0, experts_per_rank), num_expanders):

@@ -100,8 +100,17 @@ def handshake(
 
 
 @triton.jit
+def take_work(queue_ptr):
+    """The next item of a launch's work queue (an int64 counter that starts at 0): a program
+    takes items until it gets one past the end, so programs that start late or get cheap items
+    take more, and all finish at about the same time."""
+    return tl.atomic_add(queue_ptr, 1, sem="relaxed").to(tl.int32)
+
+
+@triton.jit
 def finish_launch(control_ptr, seq, num_programs):
-    """Publish ``seq`` as the last completed sequence number once every program got here.
+    """Publish ``seq`` as the last completed sequence number once every program got here, and
+    reset the work queues (control words 6 and 7) for the next launch.
 
     A ticket, not a barrier: each program takes one and leaves; the last one stores the new
     sequence number for the next launch on the stream. Nobody waits, so programs need not be
@@ -109,5 +118,7 @@ def finish_launch(control_ptr, seq, num_programs):
     """
     ticket = tl.atomic_add(control_ptr + 1, 1)
     if ticket == num_programs - 1:
+        tl.store(control_ptr + 6, 0)
+        tl.store(control_ptr + 7, 0)
         tl.store(control_ptr + 1, 0)
         tl.store(control_ptr, seq)

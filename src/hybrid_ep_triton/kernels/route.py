@@ -24,6 +24,20 @@ STAGE_LAYOUT = 1  # stage number a timed-out wait records (literal inside the ke
 
 
 @triton.jit
+def _flat_slots(topk_idx_ptr, chunk, first, num_tokens, topk, num_experts, n: tl.constexpr,
+                CHUNK: tl.constexpr, K_P2: tl.constexpr):  # fmt: skip
+    """Slots [first, first + n) of the chunk, flat (slot i is entry i % K_P2 of the chunk's token
+    i // K_P2): token, offset into topk_idx, inside the chunk, expert id (-1 for none or one out
+    of range)."""
+    flat = first + tl.arange(0, n)
+    token = chunk * CHUNK + flat // K_P2
+    in_chunk = (token < num_tokens) & (flat % K_P2 < topk)
+    offs = token * topk + flat % K_P2
+    ids = tl.load(topk_idx_ptr + offs, mask=in_chunk, other=-1)
+    return token, offs, in_chunk, tl.where((ids < 0) | (ids >= num_experts), -1, ids).to(tl.int32)
+
+
+@triton.jit
 def count_chunk_kernel(
     topk_idx_ptr,
     num_tokens,
@@ -39,9 +53,35 @@ def count_chunk_kernel(
     CHUNK: tl.constexpr,
     K_P2: tl.constexpr,
     W_P2: tl.constexpr,
-    E_BLOCK: tl.constexpr,
+    E_P2: tl.constexpr,
+    PAIRS: tl.constexpr,  # slots per side of a tile of slot pairs
 ):
     chunk = tl.program_id(0)
+    # Per slot: its position among the chunk's slots of the same expert, the number of pairs of
+    # slots with that expert whose other slot belongs to an earlier token (tiles of pairs).
+    expert_count = tl.zeros([E_P2], tl.int32)
+    for i0 in range(0, CHUNK * K_P2, PAIRS):
+        token, offs, in_chunk, ids = _flat_slots(
+            topk_idx_ptr, chunk, i0, num_tokens, topk, num_experts, PAIRS, CHUNK, K_P2
+        )
+        pos = tl.zeros([PAIRS], tl.int32)
+        for j0 in range(0, CHUNK * K_P2, PAIRS):
+            other_token, _, _, other_ids = _flat_slots(
+                topk_idx_ptr, chunk, j0, num_tokens, topk, num_experts, PAIRS, CHUNK, K_P2
+            )
+            earlier = (ids[:, None] == other_ids[None, :]) & (other_token[None, :] < token[:, None])
+            pos += tl.sum(earlier.to(tl.int32), axis=1)
+        tl.store(slot_pos_ptr + offs, tl.where(ids >= 0, pos, -1), mask=in_chunk)
+        expert_count += tl.histogram(tl.where(ids >= 0, ids, 0), E_P2, mask=ids >= 0)
+    experts = tl.arange(0, E_P2)
+    tl.store(
+        chunk_expert_count_ptr + chunk * num_experts + experts,
+        expert_count,
+        mask=experts < num_experts,
+    )
+
+    # Per token: validation (ids in range, in the ids' own width: int64 ids must not wrap into
+    # int32; no id twice), and a token goes once to each rank holding any of its experts.
     tokens = chunk * CHUNK + tl.arange(0, CHUNK)
     slots = tl.arange(0, K_P2)
     token_ok = tokens < num_tokens
@@ -49,12 +89,9 @@ def count_chunk_kernel(
     raw_ids = tl.load(
         topk_idx_ptr + tokens[:, None] * topk + slots[None, :], mask=slot_mask, other=-1
     )
-    # Validation: range (in the ids' own width: int64 ids must not wrap into int32), and no id
-    # twice in a row.
     out_of_range = slot_mask & ((raw_ids < -1) | (raw_ids >= num_experts))
-    ids = tl.where(out_of_range, -1, raw_ids).to(tl.int32)
-    used = ids >= 0
-    same = (ids[:, :, None] == ids[:, None, :]) & used[:, :, None]
+    slot_ids = tl.where(out_of_range, -1, raw_ids).to(tl.int32)
+    same = (slot_ids[:, :, None] == slot_ids[:, None, :]) & (slot_ids >= 0)[:, :, None]
     same = same & (slots[None, :, None] != slots[None, None, :])
     bad_row = (
         tl.sum(out_of_range.to(tl.int32), axis=1) + tl.sum(tl.sum(same.to(tl.int32), 2), 1)
@@ -62,35 +99,15 @@ def count_chunk_kernel(
     first_bad = tl.min(tl.where(bad_row, tokens, 2147483647), axis=0)
     if first_bad < 2147483647:
         tl.atomic_min(invalid_row_ptr, first_bad.to(tl.int64))
-    used = used & (ids < num_experts)
-
-    # Per expert: exclusive prefix over the chunk's tokens gives each slot its position.
-    slot_pos = tl.full([CHUNK, K_P2], -1, tl.int32)
-    for e0 in range(0, num_experts, E_BLOCK):
-        experts = e0 + tl.arange(0, E_BLOCK)
-        hit = (ids[:, :, None] == experts[None, None, :]) & used[:, :, None]
-        hits = tl.sum(hit.to(tl.int32), axis=1)  # [CHUNK, E_BLOCK], 0 or 1: ids are distinct
-        before = tl.cumsum(hits, axis=0) - hits
-        pos = tl.sum(tl.where(hit, before[:, None, :], 0), axis=2)
-        slot_pos = tl.where(tl.sum(hit.to(tl.int32), axis=2) > 0, pos, slot_pos)
-        tl.store(
-            chunk_expert_count_ptr + chunk * num_experts + experts,
-            tl.sum(hits, axis=0),
-            mask=experts < num_experts,
-        )
-    tl.store(slot_pos_ptr + tokens[:, None] * topk + slots[None, :], slot_pos, mask=slot_mask)
-
-    # Per destination rank: a token goes once to each rank holding any of its experts.
+    dest = tl.where(slot_ids >= 0, slot_ids // experts_per_rank, -1)
     ranks = tl.arange(0, W_P2)
-    dest = tl.where(used, ids // experts_per_rank, -1)
     to_rank = tl.sum((dest[:, :, None] == ranks[None, None, :]).to(tl.int32), axis=1) > 0
     sent = to_rank.to(tl.int32)
     before = tl.cumsum(sent, axis=0) - sent
-    rank_mask = token_ok[:, None] & (ranks[None, :] < world_size)
     tl.store(
         token_rank_pos_ptr + tokens[:, None] * world_size + ranks[None, :],
         tl.where(to_rank, before, -1),
-        mask=rank_mask,
+        mask=token_ok[:, None] & (ranks[None, :] < world_size),
     )
     tl.store(
         chunk_rank_count_ptr + chunk * world_size + ranks,

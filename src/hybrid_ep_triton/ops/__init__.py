@@ -14,8 +14,9 @@ class Runtime:
     """What every launch needs from its Buffer.
 
     heap: the symmetric heap (``local`` uint8 tensor, ``peer_bases`` int64 [world]).
-    control: int64 [6] on the device: [0] last data-launch sequence number, [1] ticket of the
-        running launch, [2] last layout-exchange sequence number, [3:6] status (code, peer, stage).
+    control: int64 [8] on the device: [0] last data-launch sequence number, [1] ticket of the
+        running launch, [2] last layout-exchange sequence number, [3:6] status (code, peer,
+        stage), [6:8] work queues of the running launch's local roles.
     timeout_ns: bound of every wait on a peer, in nanoseconds.
     local_programs: programs of a launch for the work that stays on this GPU (expansion,
         reduction, sums): about one per SM; the senders' SMs are taken from it.

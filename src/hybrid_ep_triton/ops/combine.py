@@ -2,9 +2,8 @@
 ``num_sms`` sending programs."""
 
 import torch
-import triton
 
-from .._planner import MAX_PROGRAMS
+from .._planner import MAX_PROGRAMS, next_power_of_2
 from ..kernels.combine import combine_kernel
 from . import Runtime, programs_beside_senders
 from .dispatch import DispatchHandle
@@ -30,8 +29,8 @@ def reduce_tokens(
         handle.recv_src_tokens, handle.staged_rows, rt.heap.peer_bases, heap.combine_ready,
         heap.chunk_flags, heap.reduced_flags, heap.staging, rt.control, rt.timeout_ns,
         W=rt.world_size, T_MAX=plan.max_tokens, NC_MAX=plan.max_chunks, H_SLICES=cfg.h_slices,
-        P_MAX=MAX_PROGRAMS, MS=plan.meta_stride, MS_P2=triton.next_power_of_2(plan.meta_stride),
-        W_P2=triton.next_power_of_2(rt.world_size), CHUNK=cfg.chunk_tokens,
+        P_MAX=MAX_PROGRAMS, MS=plan.meta_stride, MS_P2=next_power_of_2(plan.meta_stride),
+        W_P2=next_power_of_2(rt.world_size), CHUNK=cfg.chunk_tokens,
         BLOCK_H=cfg.combine_block_h, COPY_BLOCK_H=cfg.block_h, HAS_WEIGHTS=has_weights,
         COPY_UNROLL=cfg.copy_unroll, num_warps=cfg.num_warps,
     )  # fmt: skip

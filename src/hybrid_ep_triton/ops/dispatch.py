@@ -1,18 +1,20 @@
 """Dispatch launches: the layout (two kernels), then the data move (one kernel whose first
 ``num_sms`` programs send and whose others, about one per SM, expand into expert-major rows)."""
 
+import functools
 import math
 from dataclasses import dataclass
 
 import torch
-import triton
 
-from .._planner import MAX_PROGRAMS, Plan
+from .._planner import MAX_PROGRAMS, Plan, ceil_div, next_power_of_2
 from ..kernels.dispatch import dispatch_kernel
 from ..kernels.route import count_chunk_kernel, exchange_layout_kernel
 from . import Runtime, programs_beside_senders
 
-# Experts per tile in the counting kernel: bounds its [CHUNK, K, E_BLOCK] comparison tile.
+# Slots per side of the counting kernel's [PAIRS, PAIRS] tiles of slot pairs.
+_PAIRS = 128
+# Experts per tile in the exchange kernel.
 _E_BLOCK = 32
 # Chunks per tile in the exchange kernel.
 _C_BLOCK = 64
@@ -59,7 +61,7 @@ class DispatchHandle:
 def _int_parts(plan: Plan, num_tokens: int, topk: int) -> dict[str, tuple[int, ...]]:
     """Shapes of the int32 parts of a handle (and the counting scratch), in ``ints`` order."""
     world, experts = plan.world_size, plan.num_experts
-    num_chunks = triton.cdiv(num_tokens, plan.config.chunk_tokens)
+    num_chunks = ceil_div(num_tokens, plan.config.chunk_tokens)
     return {
         "slot_pos": (num_tokens, topk),
         "token_rank_pos": (num_tokens, world),
@@ -74,23 +76,29 @@ def _int_parts(plan: Plan, num_tokens: int, topk: int) -> dict[str, tuple[int, .
     }
 
 
-def _part_sizes(shapes) -> list[int]:
-    # Each part starts on a 16-byte boundary, as Triton's pointer specialisation expects.
-    return [triton.cdiv(math.prod(shape), 4) * 4 for shape in shapes]
+@functools.lru_cache(maxsize=256)
+def _int_layout(plan: Plan, num_tokens: int, topk: int) -> tuple[int, tuple]:
+    """(int32 elements of ``ints``, its parts as (name, shape, strides, offset)). Each part
+    starts on a 16-byte boundary, as Triton's pointer specialisation expects. Cached: every call
+    needs it, and a dispatch is latency-bound at small batches."""
+    parts, offset = [], 0
+    for name, shape in _int_parts(plan, num_tokens, topk).items():
+        strides = tuple(math.prod(shape[i + 1 :]) for i in range(len(shape)))
+        parts.append((name, shape, strides, offset))
+        offset += ceil_div(math.prod(shape), 4) * 4
+    return offset, tuple(parts)
 
 
 def handle_sizes(plan: Plan, num_tokens: int, topk: int) -> tuple[int, int]:
     """Elements of a handle's ``ints`` (int32) and ``longs`` (int64) tensors."""
-    return sum(_part_sizes(_int_parts(plan, num_tokens, topk).values())), 4 + plan.experts_per_rank
+    return _int_layout(plan, num_tokens, topk)[0], 4 + plan.experts_per_rank
 
 
 def _int_views(plan: Plan, num_tokens: int, topk: int, ints: torch.Tensor) -> dict:
-    shapes = _int_parts(plan, num_tokens, topk)
+    # Offsets into ints' storage: ints is always an allocation of its own (storage offset 0).
     return {
-        name: part[: math.prod(shape)].view(shape)
-        for (name, shape), part in zip(
-            shapes.items(), ints.split(_part_sizes(shapes.values())), strict=True
-        )
+        name: ints.as_strided(shape, strides, offset)
+        for name, shape, strides, offset in _int_layout(plan, num_tokens, topk)[1]
     }
 
 
@@ -151,7 +159,7 @@ def compute_layout(
     plan, dev = rt.plan, rt.device
     num_tokens, topk = topk_idx.shape
     chunk = plan.config.chunk_tokens
-    num_chunks = triton.cdiv(num_tokens, chunk)
+    num_chunks = ceil_div(num_tokens, chunk)
     world, experts, local = rt.world_size, plan.num_experts, plan.experts_per_rank
     # One int32 and one int64 allocation for the whole handle and the counting scratch: a
     # dispatch is latency-bound at small batches, and every allocator call costs host time.
@@ -175,8 +183,9 @@ def compute_layout(
             topk_idx, num_tokens, topk, experts, local, world,
             handle.slot_pos, handle.token_rank_pos, chunk_expert_count, chunk_rank_count,
             info[2:],
-            CHUNK=chunk, K_P2=triton.next_power_of_2(topk),
-            W_P2=triton.next_power_of_2(world), E_BLOCK=_E_BLOCK,
+            CHUNK=chunk, K_P2=next_power_of_2(topk),
+            W_P2=next_power_of_2(world), E_P2=next_power_of_2(experts),
+            PAIRS=min(chunk * next_power_of_2(topk), _PAIRS),
         )  # fmt: skip
     exchange_layout_kernel[(1,)](
         rt.heap.peer_bases, rt.rank, world, num_tokens, num_chunks, experts, local, pad_multiple,
@@ -186,7 +195,7 @@ def compute_layout(
         handle.recv_src_tokens, handle.expert_layout, handle.tokens_per_expert, info, rt.control,
         plan.heap.count_flags, plan.heap.counts, plan.heap.chunk_table, rt.timeout_ns,
         NC_MAX=plan.max_chunks, ROW=plan.counts_row, C_BLOCK=_C_BLOCK, E_BLOCK=_E_BLOCK,
-        W_P2=triton.next_power_of_2(world), L_P2=triton.next_power_of_2(local),
+        W_P2=next_power_of_2(world), L_P2=next_power_of_2(local),
     )  # fmt: skip
     return handle
 
@@ -195,8 +204,8 @@ def _own_slices(rt: Runtime, expanders: int) -> int:
     """Column slices of an own chunk in the expansion: about two work items per expander at
     max_tokens, at most one tile column per slice."""
     plan = rt.plan
-    tiles = triton.cdiv(plan.hidden, plan.config.block_h)
-    return max(1, min(tiles, triton.cdiv(2 * expanders, plan.max_chunks)))
+    tiles = ceil_div(plan.hidden, plan.config.block_h)
+    return max(1, min(tiles, ceil_div(2 * expanders, plan.max_chunks)))
 
 
 def move_tokens(
@@ -231,8 +240,8 @@ def move_tokens(
         heap.chunk_flags, heap.meta_rows, heap.meta_weights, heap.staging, rt.control,
         rt.timeout_ns,
         W=world, T_MAX=plan.max_tokens, NC_MAX=plan.max_chunks, H_SLICES=cfg.h_slices,
-        P_MAX=MAX_PROGRAMS, MS=plan.meta_stride, MS_P2=triton.next_power_of_2(plan.meta_stride),
-        K_P2=triton.next_power_of_2(topk), W_P2=triton.next_power_of_2(world),
+        P_MAX=MAX_PROGRAMS, MS=plan.meta_stride, MS_P2=next_power_of_2(plan.meta_stride),
+        K_P2=next_power_of_2(topk), W_P2=next_power_of_2(world),
         CHUNK=cfg.chunk_tokens, BLOCK_H=cfg.block_h, HAS_WEIGHTS=has_weights,
         WRITE_ROWS=not cached, num_warps=cfg.num_warps,
     )  # fmt: skip

@@ -60,6 +60,26 @@ def _handle(rt: Runtime, topk_idx, ints, longs, num_recv_rows: int) -> DispatchH
 # -- operators ------------------------------------------------------------------------------
 
 
+def _dispatch_with_handle(
+    rt: Runtime,
+    x: Tensor,
+    topk_idx: Tensor,
+    topk_weights: Tensor | None,
+    pad_multiple: int,
+    max_recv_tokens: int | None,
+) -> tuple[Tensor, Tensor | None, DispatchHandle]:
+    """Layout and data move; max_recv_tokens None: exact mode (one device-to-host read).
+    Returns recv_x [N, H], recv_weights [N] float32 (None without topk_weights), the handle."""
+    handle = compute_layout(rt, topk_idx, pad_multiple, max_recv_tokens)
+    if max_recv_tokens is None:
+        handle.num_recv_rows = rt.read_report(handle)
+    recv_x, recv_weights = move_tokens(rt, x, topk_weights, handle, cached=False)
+    rt.check_status()
+    if rt.device.type == "cpu":  # launches are synchronous: report routing errors now
+        rt.read_report(handle)
+    return recv_x, recv_weights, handle
+
+
 def _dispatch(
     runtime_id: int,
     x: Tensor,
@@ -68,21 +88,17 @@ def _dispatch(
     pad_multiple: int,
     max_recv_tokens: int,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """Layout and data move. max_recv_tokens < 0: exact mode (one device-to-host read).
-
-    Returns recv_x [N, H], recv_weights [N] float32 ([0] without topk_weights), and the handle's
-    ints and longs (see DispatchHandle).
-    """
+    """The operator: max_recv_tokens < 0 is exact mode. Returns recv_x [N, H], recv_weights [N]
+    float32 ([0] without topk_weights), and the handle's ints and longs (see DispatchHandle)."""
     rt = _runtime(runtime_id)
-    handle = compute_layout(
-        rt, topk_idx, pad_multiple, max_recv_tokens if max_recv_tokens >= 0 else None
+    recv_x, recv_weights, handle = _dispatch_with_handle(
+        rt,
+        x,
+        topk_idx,
+        topk_weights,
+        pad_multiple,
+        max_recv_tokens if max_recv_tokens >= 0 else None,
     )
-    if max_recv_tokens < 0:
-        handle.num_recv_rows = rt.read_report(handle)
-    recv_x, recv_weights = move_tokens(rt, x, topk_weights, handle, cached=False)
-    rt.check_status()
-    if rt.device.type == "cpu":  # launches are synchronous: report routing errors now
-        rt.read_report(handle)
     return recv_x, _weights_or_empty(recv_weights, rt), handle.ints, handle.longs
 
 
@@ -117,9 +133,14 @@ def _dispatch_cached(
     """Data move along an earlier dispatch's handle: recv_x [N, H], recv_weights [N] or [0]."""
     rt = _runtime(runtime_id)
     handle = _handle(rt, topk_idx, ints, longs, num_recv_rows)
+    recv_x, recv_weights = _move_cached(rt, x, topk_weights, handle)
+    return recv_x, _weights_or_empty(recv_weights, rt)
+
+
+def _move_cached(rt: Runtime, x: Tensor, topk_weights: Tensor | None, handle: DispatchHandle):
     recv_x, recv_weights = move_tokens(rt, x, topk_weights, handle, cached=True)
     rt.check_status()
-    return recv_x, _weights_or_empty(recv_weights, rt)
+    return recv_x, recv_weights
 
 
 dispatch_cached = torch.library.custom_op(
@@ -143,7 +164,11 @@ def _combine(
 ) -> Tensor:
     """out [T, H] in y's dtype: the (weighted) sum of each token's rows of y [N, H]."""
     rt = _runtime(runtime_id)
-    out = reduce_tokens(rt, y, _handle(rt, topk_idx, ints, longs, y.shape[0]), weights)
+    return _combine_with_handle(rt, y, weights, _handle(rt, topk_idx, ints, longs, y.shape[0]))
+
+
+def _combine_with_handle(rt: Runtime, y: Tensor, weights: Tensor | None, handle) -> Tensor:
+    out = reduce_tokens(rt, y, handle, weights)
     rt.check_status()
     return out
 
@@ -175,23 +200,61 @@ def _(runtime_id, grad_recv_weights, topk_idx, ints, longs):
     return grad_recv_weights.new_empty(topk_idx.shape)
 
 
-_IMPLEMENTATIONS = {
-    dispatch: _dispatch,
-    dispatch_cached: _dispatch_cached,
-    combine: _combine,
-    slot_gradients: _slot_gradients_op,
-}
+# -- entry points of Buffer -----------------------------------------------------------------
+# Each runs its operator through torch's dispatcher where torch must see it (while
+# torch.compile traces, or for autograd when an input requires grad), else the implementation
+# directly with the handle object: that skips the dispatcher and rebuilding the handle's views,
+# together about half the host time of a call on a slow CPU.
 
 
-def call(op, *args):
-    """Run operator ``op``: through torch's dispatcher where torch must see it (while
-    torch.compile traces, or for autograd when an input requires grad), else its implementation
-    directly (which skips about 40 µs of dispatcher overhead per call on a slow CPU)."""
-    if torch.compiler.is_compiling() or (
-        torch.is_grad_enabled() and any(isinstance(a, Tensor) and a.requires_grad for a in args)
-    ):
-        return op(*args)
-    return _IMPLEMENTATIONS[op](*args)
+def _through_torch(*tensors) -> bool:
+    return torch.compiler.is_compiling() or (
+        torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+    )
+
+
+def run_dispatch(
+    rt: Runtime,
+    runtime_id: int,
+    x: Tensor,
+    topk_idx: Tensor,
+    topk_weights: Tensor | None,
+    pad_multiple: int,
+    max_recv_tokens: int | None,
+) -> tuple[Tensor, Tensor | None, DispatchHandle]:
+    """Layout and data move: recv_x [N, H], recv_weights [N] float32 (None without
+    topk_weights), the handle. max_recv_tokens None: exact mode. ``runtime_id``: ``rt``'s
+    registry id, the operators' handle on it."""
+    if not _through_torch(x, topk_weights):
+        return _dispatch_with_handle(rt, x, topk_idx, topk_weights, pad_multiple, max_recv_tokens)
+    recv_x, recv_weights, ints, longs = dispatch(
+        runtime_id, x, topk_idx, topk_weights, pad_multiple,
+        -1 if max_recv_tokens is None else max_recv_tokens,
+    )  # fmt: skip
+    handle = make_handle(rt.plan, topk_idx, ints, longs, recv_x.shape[0], max_recv_tokens)
+    return recv_x, (recv_weights if topk_weights is not None else None), handle
+
+
+def run_dispatch_cached(
+    rt: Runtime, runtime_id: int, x: Tensor, topk_weights: Tensor | None, handle: DispatchHandle
+) -> tuple[Tensor, Tensor | None]:
+    """Data move along ``handle``: recv_x [N, H], recv_weights [N] float32 or None."""
+    if not _through_torch(x, topk_weights):
+        return _move_cached(rt, x, topk_weights, handle)
+    recv_x, recv_weights = dispatch_cached(
+        runtime_id, x, topk_weights, handle.topk_idx, handle.ints, handle.longs,
+        handle.num_recv_rows,
+    )  # fmt: skip
+    return recv_x, (recv_weights if topk_weights is not None else None)
+
+
+def run_combine(
+    rt: Runtime, runtime_id: int, y: Tensor, weights: Tensor | None, handle: DispatchHandle
+) -> Tensor:
+    """out [T, H]: the (weighted) sum of each token's rows of y [N, H]."""
+    if not _through_torch(y, weights):
+        return _combine_with_handle(rt, y, weights, handle)
+    return combine(runtime_id, y, weights, handle.topk_idx, handle.ints, handle.longs)
 
 
 def _weights_or_empty(recv_weights: Tensor | None, rt: Runtime) -> Tensor:
