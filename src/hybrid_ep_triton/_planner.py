@@ -16,6 +16,9 @@ MAX_TOPK = 32
 _ALIGN = 256
 # Most programs (channels) of one launch; the ready flags are sized for it.
 MAX_PROGRAMS = 132
+# Most column parts of a work item for the local roles (expansion, reduction, sums): the items
+# that land last (or must be sent first) are worked on by up to that many programs at once.
+LOCAL_PARTS = 4
 
 
 def ceil_div(a: int, b: int) -> int:
@@ -101,7 +104,8 @@ class HeapLayout:
                                          dispatch met by a peer's combine times out instead of
                                          exchanging data)
     chunk_flags   int64 [W, NC_MAX * S]  work item (chunk, slice) from/to rank s has landed
-    reduced_flags int64 [W, NC_MAX * S]  combine: this rank's partial rows of that item are ready
+    reduced_flags int64 [W, NC_MAX * S, LOCAL_PARTS]  combine: this rank's partial rows of that
+                                         item's column part are ready
     counts        int32 [W, E + 3]       per-expert totals of s, then tokens, invalid, pad
     chunk_table   int32 [W, NC_MAX + 1]  offsets of s's chunks in its stream to this rank
     meta_rows     int32 [W, T_MAX, MS]   expert-major rows of each staged token
@@ -157,7 +161,7 @@ def make_plan(
         ("dispatch_ready", world_size * MAX_PROGRAMS * 8),
         ("combine_ready", world_size * MAX_PROGRAMS * 8),
         ("chunk_flags", world_size * max_chunks * config.h_slices * 8),
-        ("reduced_flags", world_size * max_chunks * config.h_slices * 8),
+        ("reduced_flags", world_size * max_chunks * config.h_slices * LOCAL_PARTS * 8),
         ("counts", world_size * counts_row * 4),
         ("chunk_table", world_size * (max_chunks + 1) * 4),
         ("meta_rows", rows * meta_stride * 4),

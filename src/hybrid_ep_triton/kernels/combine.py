@@ -158,6 +158,14 @@ def _copy_rows(
 
 
 @triton.jit
+def _part_columns(w, part, slice_cols, part_cols, hidden, H_SLICES: tl.constexpr):
+    """Columns [first, last) of column part ``part`` of work item ``w`` (empty past its end)."""
+    slice_first = (w % H_SLICES) * slice_cols
+    first = slice_first + part * part_cols
+    return first, tl.minimum(tl.minimum(first + part_cols, slice_first + slice_cols), hidden)
+
+
+@triton.jit
 def combine_kernel(
     y_ptr,  # [N, H], row stride y_stride
     y_stride,
@@ -169,6 +177,7 @@ def combine_kernel(
     rank,
     num_reducers,  # R: programs [0, R) reduce
     num_senders,  # P: programs [R, R + P) send; the others sum
+    local_parts,  # column parts of a work item for reducers and summers (<= LP_MAX)
     token_rank_pos_ptr,  # [T, W] int32
     send_chunk_start_ptr,  # [NC_MAX + 1, W] int32
     recv_chunk_start_ptr,  # [W, NC_MAX + 1] int32
@@ -194,6 +203,7 @@ def combine_kernel(
     COPY_BLOCK_H: tl.constexpr,
     HAS_WEIGHTS: tl.constexpr,
     COPY_UNROLL: tl.constexpr,
+    LP_MAX: tl.constexpr,
 ):
     pid = tl.program_id(0)
     num_programs = tl.num_programs(0)
@@ -207,6 +217,9 @@ def combine_kernel(
     # Work item w of a stream = (chunk c, column slice s) of its source's tokens, as in dispatch.
     slice_cols = tl.cdiv(tl.cdiv(hidden, H_SLICES), BLOCK_H) * BLOCK_H
     items_of_src = NC_MAX * H_SLICES
+    # Reducers and summers split each item into column parts, so that the first items to be
+    # sent and the last to land are each worked on by several programs at once.
+    part_cols = tl.cdiv(tl.cdiv(slice_cols, local_parts), BLOCK_H) * BLOCK_H
 
     if pid < num_reducers:
         # One work queue: the other ranks' streams first (the senders wait for them), item w of
@@ -216,27 +229,27 @@ def combine_kernel(
         own_tokens = tl.minimum(tl.load(recv_src_tokens_ptr + rank), T_MAX)
         own_items = tl.cdiv(own_tokens, CHUNK) * H_SLICES
         item = take_work(control_ptr + 6)
-        while item < rounds * sources + own_items:
-            if item < rounds * sources:
-                w = item // sources
-                src = (rank + 1 + item % sources) % W
+        while item < (rounds * sources + own_items) * local_parts:
+            part = item % local_parts
+            if item // local_parts < rounds * sources:
+                w = item // local_parts // sources
+                src = (rank + 1 + item // local_parts % sources) % W
                 partial_ptr = outbox_ptr  # laid out like the staging area: same row numbers
             else:
-                w = item - rounds * sources
+                w = item // local_parts - rounds * sources
                 src = rank
                 partial_ptr = staging
             src_tokens = tl.minimum(tl.load(recv_src_tokens_ptr + src), T_MAX)  # clamped as above
             if w < tl.cdiv(src_tokens, CHUNK) * H_SLICES:
                 table = recv_chunk_start_ptr + src * (NC_MAX + 1)
                 c = w // H_SLICES
-                h_first = (w % H_SLICES) * slice_cols
+                h_first, h_last = _part_columns(w, part, slice_cols, part_cols, hidden, H_SLICES)
                 _reduce_chunk(
                     src * T_MAX + tl.load(table + c), src * T_MAX + tl.load(table + c + 1),
-                    h_first, tl.minimum(h_first + slice_cols, hidden), hidden, y_ptr, y_stride,
-                    weights_ptr, staged_rows_ptr, partial_ptr, MS, MS_P2, CHUNK, BLOCK_H,
-                    HAS_WEIGHTS, COPY_UNROLL,
+                    h_first, h_last, hidden, y_ptr, y_stride, weights_ptr, staged_rows_ptr,
+                    partial_ptr, MS, MS_P2, CHUNK, BLOCK_H, HAS_WEIGHTS, COPY_UNROLL,
                 )  # fmt: skip
-                signal(reduced_flags + src * items_of_src + w, seq)
+                signal(reduced_flags + (src * items_of_src + w) * LP_MAX + part, seq)
             item = take_work(control_ptr + 6)
     elif pid < num_reducers + num_senders:
         sender = pid - num_reducers
@@ -249,9 +262,10 @@ def combine_kernel(
             src_tokens = tl.minimum(tl.load(recv_src_tokens_ptr + src), T_MAX)
             src_items = tl.where(src == rank, 0, tl.cdiv(src_tokens, CHUNK) * H_SLICES)
             for w in range(sender, src_items, num_senders):
-                # A reducer of this launch: it never waits, so this rank names itself.
-                wait_at_least(reduced_flags + src * items_of_src + w, seq, timeout_ns, status_ptr,
-                              rank, 5)  # fmt: skip
+                # Reducers of this launch: they never wait, so this rank names itself.
+                for part in range(0, local_parts):
+                    reduced = reduced_flags + (src * items_of_src + w) * LP_MAX + part
+                    wait_at_least(reduced, seq, timeout_ns, status_ptr, rank, 5)
                 start = tl.load(table + w // H_SLICES)
                 h_first = (w % H_SLICES) * slice_cols
                 _copy_rows(
@@ -264,10 +278,12 @@ def combine_kernel(
                 flags = region(peer_bases_ptr, src, chunk_flags_off, tl.int64)
                 signal(flags + rank * items_of_src + w, seq)
     else:
-        w = take_work(control_ptr + 7)
-        while w < tl.cdiv(num_tokens, CHUNK) * H_SLICES:
-            wait_at_least(reduced_flags + rank * items_of_src + w, seq, timeout_ns, status_ptr,
-                          rank, 5)  # fmt: skip
+        item = take_work(control_ptr + 7)
+        while item < tl.cdiv(num_tokens, CHUNK) * H_SLICES * local_parts:
+            w = item // local_parts
+            part = item % local_parts
+            reduced = reduced_flags + (rank * items_of_src + w) * LP_MAX + part
+            wait_at_least(reduced, seq, timeout_ns, status_ptr, rank, 5)
             for peer in range(0, W):
                 if peer != rank:
                     # First the sender's start, so that a peer that never came times out as such.
@@ -275,12 +291,11 @@ def combine_kernel(
                     wait_at_least(ready, seq, timeout_ns, status_ptr, peer, 4)  # COMBINE_READY
                     flag = my_flags + peer * items_of_src + w
                     wait_at_least(flag, seq, timeout_ns, status_ptr, peer, 5)  # COMBINE_DATA
-            h_first = (w % H_SLICES) * slice_cols
+            h_first, h_last = _part_columns(w, part, slice_cols, part_cols, hidden, H_SLICES)
             _sum_chunk(
-                w // H_SLICES, h_first, tl.minimum(h_first + slice_cols, hidden), num_tokens,
-                hidden, W, token_rank_pos_ptr, send_chunk_start_ptr, staging, out_ptr, T_MAX,
-                W_P2, CHUNK, BLOCK_H,
+                w // H_SLICES, h_first, h_last, num_tokens, hidden, W, token_rank_pos_ptr,
+                send_chunk_start_ptr, staging, out_ptr, T_MAX, W_P2, CHUNK, BLOCK_H,
             )  # fmt: skip
-            w = take_work(control_ptr + 7)
+            item = take_work(control_ptr + 7)
 
     finish_launch(control_ptr, seq, num_programs)

@@ -211,6 +211,7 @@ def _expand_chunk(
     staged_end,
     h_first,
     h_last,
+    part,
     hidden,
     num_out_rows,
     meta_rows_ptr,
@@ -227,7 +228,8 @@ def _expand_chunk(
     WRITE_ROWS: tl.constexpr,
 ):
     """Copy columns [h_first, h_last) of staged rows [staged_first, staged_end) to their
-    expert-major rows of recv_x (and record those rows in staged_rows if WRITE_ROWS)."""
+    expert-major rows of recv_x; column ``part`` 0 of a staged chunk also records those rows in
+    staged_rows (if WRITE_ROWS) and copies the rows' weights."""
     entries = tl.arange(0, MS_P2)
     staged = staged_first + tl.arange(0, CHUNK)
     jmask = staged < staged_end
@@ -236,11 +238,14 @@ def _expand_chunk(
     rows = tl.load(meta_rows_ptr + meta, mask=emask, other=-1, cache_modifier=".cg")
     num_copies = tl.max(tl.sum((rows >= 0).to(tl.int32), axis=1), axis=0)
     rows = tl.where(rows < num_out_rows, rows, -1)  # past max_recv_tokens: dropped
+    # Entries whose row and weight this part records: all in part 0, none in the others (a
+    # bound, not a scalar flag, so that every mask stays a tensor of the entries' shape).
+    recorded = emask & (entries[None, :] < tl.where(part == 0, MS, 0))
     if WRITE_ROWS:
-        tl.store(staged_rows_ptr + meta, rows, mask=emask)
+        tl.store(staged_rows_ptr + meta, rows, mask=recorded)
     if HAS_WEIGHTS:
-        weights = tl.load(meta_weights_ptr + meta, mask=emask, cache_modifier=".cg")
-        tl.store(recv_weights_ptr + rows, weights, mask=rows >= 0)
+        weights = tl.load(meta_weights_ptr + meta, mask=recorded, cache_modifier=".cg")
+        tl.store(recv_weights_ptr + rows, weights, mask=recorded & (rows >= 0))
     src_rows = staging_ptr + staged.to(tl.int64)[:, None] * hidden
     cols = h_first + tl.arange(0, BLOCK_H)
     tile = tl.load(
@@ -342,6 +347,7 @@ def dispatch_kernel(
     num_out_rows,  # N: rows of recv_x
     num_senders,  # P: the first P programs send, the others expand
     expand_slices,  # column slices of an own chunk in the expansion
+    staged_parts,  # column parts of a staged work item in the expansion
     slot_pos_ptr,  # [T, K] int32
     token_rank_pos_ptr,  # [T, W] int32
     send_chunk_start_ptr,  # [NC_MAX + 1, W] int32
@@ -412,7 +418,9 @@ def dispatch_kernel(
         num_expanders = num_programs - num_senders
         # One work queue: own tokens first (straight from x, nothing to wait for, in finer
         # column slices), then every other rank's items, each as soon as its flag says it has
-        # landed, in the order senders send them: item w of every source, then item w + 1.
+        # landed, in the order senders send them: item w of every source, then item w + 1; each
+        # in `staged_parts` column parts, so that the last items to land are each expanded by
+        # several programs at once.
         own_cols = tl.cdiv(tl.cdiv(hidden, expand_slices), BLOCK_H) * BLOCK_H
         own_items = tl.where(aborted, 0, tl.cdiv(num_tokens, CHUNK) * expand_slices)
         sources = tl.maximum(W - 1, 1)
@@ -420,8 +428,9 @@ def dispatch_kernel(
         rounds = tl.where(aborted, 0, rounds)
         my_flags = region(peer_bases_ptr, rank, chunk_flags_off, tl.int64)
         my_ready = region(peer_bases_ptr, rank, ready_off, tl.int64)
+        part_cols = tl.cdiv(tl.cdiv(send_cols, staged_parts), BLOCK_H) * BLOCK_H
         item = take_work(control_ptr + 6)
-        while item < own_items + rounds * sources:
+        while item < own_items + rounds * sources * staged_parts:
             if item < own_items:
                 c = item // expand_slices
                 h_first = (item % expand_slices) * own_cols
@@ -434,8 +443,9 @@ def dispatch_kernel(
                     MS_P2, K_P2, CHUNK, BLOCK_H, HAS_WEIGHTS, WRITE_ROWS,
                 )  # fmt: skip
             else:
-                w = (item - own_items) // sources
-                src = (rank + 1 + (item - own_items) % sources) % W
+                part = (item - own_items) % staged_parts
+                w = (item - own_items) // staged_parts // sources
+                src = (rank + 1 + (item - own_items) // staged_parts % sources) % W
                 src_tokens = tl.minimum(tl.load(recv_src_tokens_ptr + src), T_MAX)
                 if w < tl.cdiv(src_tokens, CHUNK) * H_SLICES:
                     # First the sender's start, so that a peer that never came times out as such.
@@ -445,10 +455,13 @@ def dispatch_kernel(
                     wait_at_least(flag, seq, timeout_ns, status_ptr, src, 3)  # DISPATCH_DATA
                     table = recv_chunk_start_ptr + src * (NC_MAX + 1)
                     c = w // H_SLICES
-                    h_first = (w % H_SLICES) * send_cols
+                    h_first = (w % H_SLICES) * send_cols + part * part_cols
+                    h_last = tl.minimum(
+                        tl.minimum(h_first + part_cols, (w % H_SLICES + 1) * send_cols), hidden
+                    )
                     _expand_chunk(
                         src * T_MAX + tl.load(table + c), src * T_MAX + tl.load(table + c + 1),
-                        h_first, tl.minimum(h_first + send_cols, hidden), hidden, num_out_rows,
+                        h_first, h_last, part, hidden, num_out_rows,
                         region(peer_bases_ptr, rank, meta_rows_off, tl.int32),
                         region(peer_bases_ptr, rank, meta_weights_off, tl.float32),
                         region(peer_bases_ptr, rank, staging_off, dtype), staged_rows_ptr,

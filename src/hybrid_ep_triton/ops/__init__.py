@@ -6,7 +6,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from .._planner import Plan
+from .._planner import LOCAL_PARTS, Plan, ceil_div
 
 
 @dataclass
@@ -47,3 +47,10 @@ def programs_beside_senders(rt: Runtime) -> int:
     free, so that the launch is one wave on a GPU; at least half the SMs, and at least 2
     (combine has two local roles)."""
     return max(rt.local_programs - rt.plan.config.num_programs, rt.local_programs // 2, 2)
+
+
+def local_parts(plan: Plan, block_h: int) -> int:
+    """Column parts of a work item for the local roles: up to LOCAL_PARTS, at least one tile of
+    ``block_h`` columns each."""
+    tiles = ceil_div(ceil_div(plan.hidden, plan.config.h_slices), block_h)
+    return max(1, min(tiles, LOCAL_PARTS))

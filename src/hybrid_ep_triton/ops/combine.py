@@ -3,9 +3,9 @@
 
 import torch
 
-from .._planner import MAX_PROGRAMS, next_power_of_2
+from .._planner import LOCAL_PARTS, MAX_PROGRAMS, next_power_of_2
 from ..kernels.combine import combine_kernel
-from . import Runtime, programs_beside_senders
+from . import Runtime, local_parts, programs_beside_senders
 from .dispatch import DispatchHandle
 
 # Share of the local programs that reduce expert rows; the rest sum partial rows, which reads
@@ -25,6 +25,7 @@ def reduce_tokens(
     combine_kernel[(cfg.num_programs + local,)](
         y, y.stride(0), weights.contiguous() if has_weights else y, rt.outbox, out,
         handle.num_tokens, plan.hidden, rt.rank, reducers, cfg.num_programs,
+        local_parts(plan, cfg.combine_block_h),
         handle.token_rank_pos, handle.send_chunk_start, handle.recv_chunk_start,
         handle.recv_src_tokens, handle.staged_rows, rt.heap.peer_bases, heap.combine_ready,
         heap.chunk_flags, heap.reduced_flags, heap.staging, rt.control, rt.timeout_ns,
@@ -32,6 +33,6 @@ def reduce_tokens(
         P_MAX=MAX_PROGRAMS, MS=plan.meta_stride, MS_P2=next_power_of_2(plan.meta_stride),
         W_P2=next_power_of_2(rt.world_size), CHUNK=cfg.chunk_tokens,
         BLOCK_H=cfg.combine_block_h, COPY_BLOCK_H=cfg.block_h, HAS_WEIGHTS=has_weights,
-        COPY_UNROLL=cfg.copy_unroll, num_warps=cfg.num_warps,
+        COPY_UNROLL=cfg.copy_unroll, LP_MAX=LOCAL_PARTS, num_warps=cfg.num_warps,
     )  # fmt: skip
     return out

@@ -10,7 +10,7 @@ import torch
 from .._planner import MAX_PROGRAMS, Plan, ceil_div, next_power_of_2
 from ..kernels.dispatch import dispatch_kernel
 from ..kernels.route import count_chunk_kernel, exchange_layout_kernel
-from . import Runtime, programs_beside_senders
+from . import Runtime, local_parts, programs_beside_senders
 
 # Slots per side of the counting kernel's [PAIRS, PAIRS] tiles of slot pairs.
 _PAIRS = 128
@@ -234,6 +234,7 @@ def move_tokens(
     dispatch_kernel[(cfg.num_programs + expanders,)](
         x, x.stride(0), topk_idx, weights_arg, num_tokens, topk, plan.hidden, plan.num_experts,
         plan.experts_per_rank, rank, num_rows, cfg.num_programs, _own_slices(rt, expanders),
+        local_parts(plan, cfg.block_h),
         handle.slot_pos, handle.token_rank_pos, handle.send_chunk_start, handle.chunk_expert_base,
         handle.recv_chunk_start, handle.recv_src_tokens, handle.expert_layout, handle.info,
         handle.staged_rows, recv_x, recv_weights, rt.heap.peer_bases, heap.dispatch_ready,
