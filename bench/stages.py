@@ -97,9 +97,13 @@ def _rank(rank: int, world: int, args) -> list[str]:
         row = " ".join(f"{name} {us:.0f}" for name, us in sorted(times.items()))
         lines.append(f"rank {rank} {args.shape} sms {sms} local {local_programs}: {row}")
         if args.host:
+            max_rows = handle.num_recv_rows * 11 // 10  # as the benchmark's, 10% headroom
             host = _host_profile(
                 {
                     "exact dispatch": partial(buf.dispatch, x, topk_idx, weights),
+                    "max_recv dispatch": partial(
+                        buf.dispatch, x, topk_idx, weights, max_recv_tokens=max_rows
+                    ),
                     "cached dispatch": partial(buf.dispatch, x, handle=handle),
                     "combine": partial(buf.combine, recv_x, handle, weights=recv_w),
                 },
