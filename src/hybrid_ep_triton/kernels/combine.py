@@ -24,7 +24,7 @@ so the launch finishes whichever of its programs run first.
 import triton
 import triton.language as tl
 
-from .dispatch import column, remote_rounds
+from .dispatch import column, part_columns, remote_rounds
 from .primitives import finish_launch, handshake, region, signal, take_work, wait_at_least
 
 STAGE_COMBINE_READY = 4
@@ -158,14 +158,6 @@ def _copy_rows(
 
 
 @triton.jit
-def _part_columns(w, part, slice_cols, part_cols, hidden, H_SLICES: tl.constexpr):
-    """Columns [first, last) of column part ``part`` of work item ``w`` (empty past its end)."""
-    slice_first = (w % H_SLICES) * slice_cols
-    first = slice_first + part * part_cols
-    return first, tl.minimum(tl.minimum(first + part_cols, slice_first + slice_cols), hidden)
-
-
-@triton.jit
 def combine_kernel(
     y_ptr,  # [N, H], row stride y_stride
     y_stride,
@@ -243,7 +235,7 @@ def combine_kernel(
             if w < tl.cdiv(src_tokens, CHUNK) * H_SLICES:
                 table = recv_chunk_start_ptr + src * (NC_MAX + 1)
                 c = w // H_SLICES
-                h_first, h_last = _part_columns(w, part, slice_cols, part_cols, hidden, H_SLICES)
+                h_first, h_last = part_columns(w, part, slice_cols, part_cols, hidden, H_SLICES)
                 _reduce_chunk(
                     src * T_MAX + tl.load(table + c), src * T_MAX + tl.load(table + c + 1),
                     h_first, h_last, hidden, y_ptr, y_stride, weights_ptr, staged_rows_ptr,
@@ -291,7 +283,7 @@ def combine_kernel(
                     wait_at_least(ready, seq, timeout_ns, status_ptr, peer, 4)  # COMBINE_READY
                     flag = my_flags + peer * items_of_src + w
                     wait_at_least(flag, seq, timeout_ns, status_ptr, peer, 5)  # COMBINE_DATA
-            h_first, h_last = _part_columns(w, part, slice_cols, part_cols, hidden, H_SLICES)
+            h_first, h_last = part_columns(w, part, slice_cols, part_cols, hidden, H_SLICES)
             _sum_chunk(
                 w // H_SLICES, h_first, h_last, num_tokens, hidden, W, token_rank_pos_ptr,
                 send_chunk_start_ptr, staging, out_ptr, T_MAX, W_P2, CHUNK, BLOCK_H,

@@ -121,6 +121,14 @@ def remote_rounds(recv_src_tokens_ptr, rank, W: tl.constexpr, T_MAX, CHUNK, H_SL
     return rounds
 
 
+@triton.jit
+def part_columns(w, part, slice_cols, part_cols, hidden, H_SLICES: tl.constexpr):
+    """Columns [first, last) of column part ``part`` of work item ``w`` (empty past its end)."""
+    slice_first = (w % H_SLICES) * slice_cols
+    first = slice_first + part * part_cols
+    return first, tl.minimum(tl.minimum(first + part_cols, slice_first + slice_cols), hidden)
+
+
 @triton.jit(noinline=True)
 def _send_chunk(
     c,
@@ -455,10 +463,7 @@ def dispatch_kernel(
                     wait_at_least(flag, seq, timeout_ns, status_ptr, src, 3)  # DISPATCH_DATA
                     table = recv_chunk_start_ptr + src * (NC_MAX + 1)
                     c = w // H_SLICES
-                    h_first = (w % H_SLICES) * send_cols + part * part_cols
-                    h_last = tl.minimum(
-                        tl.minimum(h_first + part_cols, (w % H_SLICES + 1) * send_cols), hidden
-                    )
+                    h_first, h_last = part_columns(w, part, send_cols, part_cols, hidden, H_SLICES)
                     _expand_chunk(
                         src * T_MAX + tl.load(table + c), src * T_MAX + tl.load(table + c + 1),
                         h_first, h_last, part, hidden, num_out_rows,

@@ -91,13 +91,9 @@ def _dispatch(
     """The operator: max_recv_tokens < 0 is exact mode. Returns recv_x [N, H], recv_weights [N]
     float32 ([0] without topk_weights), and the handle's ints and longs (see DispatchHandle)."""
     rt = _runtime(runtime_id)
+    exact = max_recv_tokens < 0
     recv_x, recv_weights, handle = _dispatch_with_handle(
-        rt,
-        x,
-        topk_idx,
-        topk_weights,
-        pad_multiple,
-        max_recv_tokens if max_recv_tokens >= 0 else None,
+        rt, x, topk_idx, topk_weights, pad_multiple, None if exact else max_recv_tokens
     )
     return recv_x, _weights_or_empty(recv_weights, rt), handle.ints, handle.longs
 
@@ -137,7 +133,9 @@ def _dispatch_cached(
     return recv_x, _weights_or_empty(recv_weights, rt)
 
 
-def _move_cached(rt: Runtime, x: Tensor, topk_weights: Tensor | None, handle: DispatchHandle):
+def _move_cached(
+    rt: Runtime, x: Tensor, topk_weights: Tensor | None, handle: DispatchHandle
+) -> tuple[Tensor, Tensor | None]:
     recv_x, recv_weights = move_tokens(rt, x, topk_weights, handle, cached=True)
     rt.check_status()
     return recv_x, recv_weights
@@ -167,7 +165,9 @@ def _combine(
     return _combine_with_handle(rt, y, weights, _handle(rt, topk_idx, ints, longs, y.shape[0]))
 
 
-def _combine_with_handle(rt: Runtime, y: Tensor, weights: Tensor | None, handle) -> Tensor:
+def _combine_with_handle(
+    rt: Runtime, y: Tensor, weights: Tensor | None, handle: DispatchHandle
+) -> Tensor:
     out = reduce_tokens(rt, y, handle, weights)
     rt.check_status()
     return out
