@@ -416,7 +416,7 @@ def _wait_until_dead(pid: int, limit_s: float = 120.0) -> float:
         try:
             with open(f"/proc/{pid}/stat") as f:
                 state = f.read().rpartition(")")[2].split()[0]
-        except FileNotFoundError:
+        except (FileNotFoundError, ProcessLookupError):  # gone before the open, or the read
             state = "X"
         if state in ("Z", "X"):
             return time.monotonic()
