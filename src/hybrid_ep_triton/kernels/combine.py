@@ -24,7 +24,7 @@ so the launch finishes whichever of its programs run first.
 import triton
 import triton.language as tl
 
-from .dispatch import column, part_columns, remote_rounds
+from .dispatch import column, part_columns, remote_entries, remote_item
 from .primitives import finish_launch, handshake, region, signal, take_work, wait_at_least
 
 STAGE_COMBINE_READY = 4
@@ -216,19 +216,17 @@ def combine_kernel(
     if pid < num_reducers:
         # One work queue: the other ranks' streams first (the senders wait for them), item w of
         # every other source, then item w + 1, as senders send them; then this rank's own.
-        sources = tl.maximum(W - 1, 1)
-        rounds = remote_rounds(recv_src_tokens_ptr, rank, W, T_MAX, CHUNK, H_SLICES)
+        remote = remote_entries(recv_src_tokens_ptr, rank, W, T_MAX, CHUNK, H_SLICES)
         own_tokens = tl.minimum(tl.load(recv_src_tokens_ptr + rank), T_MAX)
         own_items = tl.cdiv(own_tokens, CHUNK) * H_SLICES
         item = take_work(control_ptr + 6)
-        while item < (rounds * sources + own_items) * local_parts:
+        while item < (remote + own_items) * local_parts:
             part = item % local_parts
-            if item // local_parts < rounds * sources:
-                w = item // local_parts // sources
-                src = (rank + 1 + item // local_parts % sources) % W
+            if item // local_parts < remote:
+                w, src = remote_item(item // local_parts, rank, W)
                 partial_ptr = outbox_ptr  # laid out like the staging area: same row numbers
             else:
-                w = item // local_parts - rounds * sources
+                w = item // local_parts - remote
                 src = rank
                 partial_ptr = staging
             src_tokens = tl.minimum(tl.load(recv_src_tokens_ptr + src), T_MAX)  # clamped as above

@@ -109,16 +109,25 @@ def _store_packed(
 
 
 @triton.jit
-def remote_rounds(recv_src_tokens_ptr, rank, W: tl.constexpr, T_MAX, CHUNK, H_SLICES):
-    """Work items of the largest stream from another rank: the rounds of a work queue that
-    takes item w of every other source, then item w + 1."""
+def remote_entries(recv_src_tokens_ptr, rank, W: tl.constexpr, T_MAX, CHUNK, H_SLICES):
+    """Entries of a work queue that takes item w of every other rank, then item w + 1: the work
+    items of the largest stream from another rank, times the other ranks (entries past a
+    smaller stream's end are skipped)."""
     rounds = 0
     for src in range(0, W):
         # Clamped: a garbage handle must not turn into an endless loop.
         src_tokens = tl.minimum(tl.load(recv_src_tokens_ptr + src), T_MAX)
         src_items = tl.where(src == rank, 0, tl.cdiv(src_tokens, CHUNK) * H_SLICES)
         rounds = tl.maximum(rounds, src_items)
-    return rounds
+    return rounds * tl.maximum(W - 1, 1)
+
+
+@triton.jit
+def remote_item(index, rank, W: tl.constexpr):
+    """(w, source) of the ``index``-th remote entry of such a work queue: item w of every other
+    rank, starting at the next one, then item w + 1 (the order senders send them)."""
+    sources = tl.maximum(W - 1, 1)
+    return index // sources, (rank + 1 + index % sources) % W
 
 
 @triton.jit
@@ -431,14 +440,13 @@ def dispatch_kernel(
         # several programs at once.
         own_cols = tl.cdiv(tl.cdiv(hidden, expand_slices), BLOCK_H) * BLOCK_H
         own_items = tl.where(aborted, 0, tl.cdiv(num_tokens, CHUNK) * expand_slices)
-        sources = tl.maximum(W - 1, 1)
-        rounds = remote_rounds(recv_src_tokens_ptr, rank, W, T_MAX, CHUNK, H_SLICES)
-        rounds = tl.where(aborted, 0, rounds)
+        remote = remote_entries(recv_src_tokens_ptr, rank, W, T_MAX, CHUNK, H_SLICES)
+        remote = tl.where(aborted, 0, remote)
         my_flags = region(peer_bases_ptr, rank, chunk_flags_off, tl.int64)
         my_ready = region(peer_bases_ptr, rank, ready_off, tl.int64)
         part_cols = tl.cdiv(tl.cdiv(send_cols, staged_parts), BLOCK_H) * BLOCK_H
         item = take_work(control_ptr + 6)
-        while item < own_items + rounds * sources * staged_parts:
+        while item < own_items + remote * staged_parts:
             if item < own_items:
                 c = item // expand_slices
                 h_first = (item % expand_slices) * own_cols
@@ -452,8 +460,7 @@ def dispatch_kernel(
                 )  # fmt: skip
             else:
                 part = (item - own_items) % staged_parts
-                w = (item - own_items) // staged_parts // sources
-                src = (rank + 1 + (item - own_items) // staged_parts % sources) % W
+                w, src = remote_item((item - own_items) // staged_parts, rank, W)
                 src_tokens = tl.minimum(tl.load(recv_src_tokens_ptr + src), T_MAX)
                 if w < tl.cdiv(src_tokens, CHUNK) * H_SLICES:
                     # First the sender's start, so that a peer that never came times out as such.
