@@ -17,9 +17,10 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
+from hybrid_ep_triton._planner import LOCAL_PARTS, MAX_PROGRAMS, default_config
 from hybrid_ep_triton.kernels.combine import combine_kernel
 from hybrid_ep_triton.kernels.dispatch import dispatch_kernel
-from hybrid_ep_triton.kernels.route import count_chunk_kernel, exchange_layout_kernel
+from hybrid_ep_triton.kernels.route import layout_kernel
 
 _ALIGNED_INTS = {"hidden", "x_stride", "y_stride"}
 _INT64 = {"timeout_ns"}
@@ -52,24 +53,27 @@ def _resource_usage(cubin: bytes) -> str:
 
 
 def main() -> int:
-    i64 = {n: "*i64" for n in ("peer_bases_ptr", "control_ptr", "info_ptr", "invalid_row_ptr")}
+    i64 = {n: "*i64" for n in ("peer_bases_ptr", "control_ptr", "info_ptr")}
     i64["tokens_per_expert_ptr"] = "*i64"
+    # The heuristic's launch shape for S1 (4096 tokens per rank, hidden 7168).
+    cfg = default_config(7168, 4096, None, on_gpu=True)
     for world in (2, 8):
         # Every constexpr of the data-move kernels; each kernel takes the ones it declares.
         common = dict(
             T_MAX=4096,
-            NC_MAX=128,
+            NC_MAX=4096 // cfg.chunk_tokens,
             H_SLICES=2,
-            P_MAX=132,
+            P_MAX=MAX_PROGRAMS,
             MS=32,
             MS_P2=32,
             W_P2=world,
             W=world,
-            CHUNK=32,
+            CHUNK=cfg.chunk_tokens,
             K_P2=8,
             HAS_WEIGHTS=True,
             WRITE_ROWS=True,
-            COPY_UNROLL=8,
+            COPY_UNROLL=cfg.copy_unroll,
+            LP_MAX=LOCAL_PARTS,
         )
         tokens = dict(
             i64,
@@ -83,12 +87,13 @@ def main() -> int:
             i64, y_ptr="*bf16", weights_ptr="*fp32", outbox_ptr="*bf16", out_ptr="*bf16"
         )
         builds = [
-            (count_chunk_kernel, dict(i64, topk_idx_ptr="*i64"),
-             dict(CHUNK=32, K_P2=8, W_P2=world, E_P2=256, PAIRS=128), 4),
-            (exchange_layout_kernel, i64,
-             dict(NC_MAX=128, ROW=259, C_BLOCK=64, E_BLOCK=32, W_P2=world, L_P2=256 // world), 4),
-            (dispatch_kernel, tokens, dict(common, BLOCK_H=512), 16),
-            (combine_kernel, partials, dict(common, BLOCK_H=256, COPY_BLOCK_H=512), 16),
+            (layout_kernel, dict(i64, topk_idx_ptr="*i64"),
+             dict(CHUNK=cfg.chunk_tokens, K_P2=8, W_P2=world, E_P2=256, L_P2=256 // world,
+                  PAIRS=128, NC_MAX=4096 // cfg.chunk_tokens, ROW=259, C_BLOCK=32,
+                  TABLE_BLOCK=256), 4),
+            (dispatch_kernel, tokens, dict(common, BLOCK_H=cfg.block_h), cfg.num_warps),
+            (combine_kernel, partials,
+             dict(common, BLOCK_H=cfg.combine_block_h, COPY_BLOCK_H=cfg.block_h), cfg.num_warps),
         ]  # fmt: skip
         for kernel, pointers, constexprs, num_warps in builds:
             params = inspect.signature(kernel.fn).parameters

@@ -35,10 +35,10 @@ def test_tune_caches_the_best_configuration_and_buffer_uses_it(launch, tmp_path,
     (key, entry), *others = entries.items()
     assert not others and "world 2|hidden 8|torch.bfloat16" in key, entries
     best = entry["config"]
-    assert best["h_slices"] in (1, 2) and best["num_programs"] == 2, best
+    assert best["h_slices"] in (1, 2) and best["num_sms"] == 2, best
     assert entry["measured"]["dispatch_us"] > 0 and entry["measured"]["combine_us"] > 0
 
     for configs in launch(_configs_body, 2):
         assert configs["tuned"] == best
-        assert configs["tuned, 3 SMs"] == dict(best, num_programs=3)
+        assert configs["tuned, 3 SMs"] == dict(best, num_sms=3)
         assert configs["untuned"] == dataclasses.asdict(default_config(6, 4, None, False))

@@ -2,7 +2,7 @@
 
 Candidates are every combination of tokens per chunk, dispatch tile width (combine uses half),
 warps per program, column slices per chunk and expert rows combine gathers at once, at the
-given number of programs (the SM budget).
+given SM budget (``num_sms``: the senders get that many SMs' worth of warps).
 Each candidate gets its own Buffer; the score is the time of a cached-handle dispatch (the data
 move) plus a combine, medians of ``iters`` calls after ``warmup``, the slowest rank's. The
 timing is the benchmark's (CUDA events) rather than ``triton.testing.do_bench``: do_bench picks
@@ -32,7 +32,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--hidden", type=int, default=7168)
     p.add_argument("--experts", type=int, default=256)
     p.add_argument("--topk", type=int, default=8)
-    p.add_argument("--sms", type=int, default=8, help="programs (SM budget), default 8")
+    p.add_argument("--sms", type=int, default=8, help="SM budget of the senders, default 8")
     p.add_argument("--chunks", type=_ints, default=[16, 32], help="tokens per chunk")
     p.add_argument("--block-h", type=_ints, default=[256, 512, 1024], help="dispatch tile width")
     p.add_argument("--warps", type=_ints, default=[8, 16])

@@ -54,7 +54,7 @@ def store(key: str, config: KernelConfig, measured: dict) -> None:
 def select_config(
     key: str, hidden: int, max_tokens: int, num_sms: int | None, on_gpu: bool
 ) -> KernelConfig:
-    """The cached configuration for ``key`` (with ``num_sms`` programs when given), else the
+    """The cached configuration for ``key`` (with a budget of ``num_sms`` when given), else the
     heuristic ``default_config``."""
     if _FORCED:
         return _FORCED[-1]
@@ -62,7 +62,7 @@ def select_config(
     if entry is None:
         return default_config(hidden, max_tokens, num_sms, on_gpu)
     config = KernelConfig(**entry["config"])
-    return dataclasses.replace(config, num_programs=num_sms) if num_sms else config
+    return dataclasses.replace(config, num_sms=num_sms) if num_sms else config
 
 
 @contextlib.contextmanager

@@ -5,7 +5,7 @@ import torch.distributed as dist
 
 from ._checks import check_int, check_tensor, describe
 from ._heap import allocate_heap
-from ._planner import MAX_PROGRAMS, MAX_TOPK, make_plan
+from ._planner import MAX_SMS, MAX_TOPK, make_plan
 from ._tuning import cache_key, select_config
 from .kernels.combine import STAGE_COMBINE_DATA, STAGE_COMBINE_READY
 from .kernels.dispatch import STAGE_DISPATCH_DATA, STAGE_DISPATCH_READY
@@ -45,10 +45,13 @@ class Buffer:
         max_tokens_per_rank: most tokens any rank passes to one dispatch.
         num_experts: E, global experts, divisible by the group size.
         dtype: element type of token rows: torch.bfloat16, torch.float16 or torch.float32.
-        num_sms: programs (channels, about one SM each) that move data between ranks in
-            dispatch and combine; 1..132. The work that stays on the GPU (dispatch's expansion
-            into expert-major rows, combine's reduction of a token's expert rows and its final
-            sum) runs in the same launches on the other SMs, overlapped with the transfer.
+        num_sms: SMs' worth of warps (16 warps each) for the programs (channels) that move
+            data between ranks in dispatch and combine; 1..132. With 8-warp programs (the
+            default) that is 2 * num_sms channels, which the GPU may place on up to twice as many
+            SMs, each beside a program of the local work. The work that stays on the GPU
+            (dispatch's expansion into expert-major rows, combine's reduction of a token's
+            expert rows and its final sum) runs in the same launches on the rest of the GPU,
+            overlapped with the transfer.
             Default: the tuned configuration's (``hybrid-ep tune``), else 8 on GPUs and 2 on
             CPU ranks. The other kernel parameters come from the tuning cache when it has an
             entry for this GPU, Triton version, group size, hidden size and dtype, else from the
@@ -82,7 +85,7 @@ class Buffer:
         if dtype not in SUPPORTED_DTYPES:
             raise ValueError(f"dtype must be one of {SUPPORTED_DTYPES}, got {dtype}")
         if num_sms is not None:
-            check_int("num_sms", num_sms, 1, MAX_PROGRAMS)
+            check_int("num_sms", num_sms, 1, MAX_SMS)
         if not timeout_s > 0:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
         on_gpu = dist.get_backend(group) == "nccl"
@@ -97,7 +100,7 @@ class Buffer:
             max_tokens_per_rank=max_tokens_per_rank,
             num_experts=num_experts,
             dtype=dtype,
-            num_sms=config.num_programs,
+            num_sms=config.num_sms,
             kernel_config=config,  # from each rank's tuning cache: must agree too
         )
         plan = make_plan(world, hidden_size, max_tokens_per_rank, num_experts, dtype, config)
@@ -114,13 +117,14 @@ class Buffer:
         self._rt = Runtime(
             plan=plan,
             heap=allocate_heap(group, plan.heap.total_bytes, device),
-            control=torch.zeros(8, dtype=torch.int64, device=device),
+            control=torch.zeros(10, dtype=torch.int64, device=device),
             rank=rank,
             world_size=world,
             device=device,
             timeout_ns=int(timeout_s * 1e9),
             local_programs=(
                 torch.cuda.get_device_properties(device).multi_processor_count
+                * config.programs_per_sm
                 if on_gpu
                 else _CPU_LOCAL_PROGRAMS
             ),

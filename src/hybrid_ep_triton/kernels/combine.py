@@ -3,19 +3,18 @@
 The mirror of dispatch, one launch in three roles; only the senders are bound to the Buffer's SM
 budget, and the three overlap chunk by chunk:
 
-Reducers, programs [0, R), take work items from a queue: each staged row's expert-major rows of
-``y`` (times ``weights`` when given) reduced in fp32 into one partial row, so a token crosses the
-link once per rank, not once per expert. Partial rows for other ranks go to the outbox, a local
-buffer laid out like the staging area, first; those of this rank's own tokens go straight to
-its own staging area. Each work item raises a local flag when done.
+Reducers, programs [0, R), take the other ranks' work items from a queue: each staged row's
+expert-major rows of ``y`` (times ``weights`` when given) reduced in fp32 into one partial row,
+so a token crosses the link once per rank, not once per expert. Partial rows go to the outbox,
+a local buffer laid out like the staging area; each work item raises a local flag when done.
 
-Senders, the next P programs (``num_sms``); program p is an independent channel: ready flags as
-in dispatch, then for chunk c = p, p + P, ... of every other rank's stream it waits for the
-reducers, copies the partial rows from the outbox into that rank's staging area and sets the
-chunk's flag there.
+Senders, the next P programs; program p is an independent channel: ready flags as in dispatch,
+then for chunk c = p, p + P, ... of every other rank's stream it waits for the reducers, copies
+the partial rows from the outbox into that rank's staging area and sets the chunk's flag there.
 
-Summers, the other programs, take own chunks from a second queue: once a chunk's partial rows
-from every rank are in, the sum per token in fp32.
+Finishers, the other programs, take this rank's own chunks from a second queue: once a chunk's
+partial rows from every other rank are in, each token's sum in fp32 of its own expert rows here
+and those partial rows, written once to ``out``.
 
 Programs wait only for programs that come earlier in the launch order or belong to another rank,
 so the launch finishes whichever of its programs run first.
@@ -29,6 +28,53 @@ from .primitives import finish_launch, handshake, region, signal, take_work, wai
 
 STAGE_COMBINE_READY = 4
 STAGE_COMBINE_DATA = 5
+
+
+@triton.jit
+def _expert_rows(staged, smask, staged_rows_ptr, MS: tl.constexpr, MS_P2: tl.constexpr):
+    """The expert-major rows of y of staged rows ``staged`` [CHUNK] (where ``smask``) as
+    [CHUNK, MS_P2] (-1: none), their entry numbers [MS_P2], and how many entries to loop over."""
+    entries = tl.arange(0, MS_P2)
+    rows = tl.load(
+        staged_rows_ptr + staged.to(tl.int64)[:, None] * MS + entries[None, :],
+        mask=smask[:, None] & (entries[None, :] < MS),
+        other=-1,
+    )
+    # Rows dropped past max_recv_tokens left holes: loop up to the last kept entry.
+    num_copies = tl.max(tl.max(tl.where(rows >= 0, entries[None, :] + 1, 0), axis=1), axis=0)
+    return rows, entries, num_copies
+
+
+@triton.jit
+def _gather_expert_rows(
+    acc,
+    rows,
+    entries,
+    num_copies,
+    cols,
+    cmask,
+    y_ptr,
+    y_stride,
+    weights_ptr,
+    HAS_WEIGHTS: tl.constexpr,
+    COPY_UNROLL: tl.constexpr,
+):
+    """``acc`` [CHUNK, BLOCK_H] fp32 plus, per row, the sum of its expert rows ``rows`` of y in
+    columns ``cols`` (times their weights)."""
+    # COPY_UNROLL independent gathers in flight per step, not one at a time.
+    for i0 in range(0, num_copies, COPY_UNROLL):
+        for u in tl.static_range(COPY_UNROLL):
+            row_i = column(rows, entries, i0 + u)
+            valid = row_i >= 0
+            part = tl.load(
+                y_ptr + row_i.to(tl.int64)[:, None] * y_stride + cols[None, :],
+                mask=valid[:, None] & cmask[None, :],
+                other=0.0,
+            ).to(tl.float32)
+            if HAS_WEIGHTS:
+                part *= tl.load(weights_ptr + row_i, mask=valid, other=0.0)[:, None]
+            acc += part
+    return acc
 
 
 @triton.jit(noinline=True)
@@ -51,58 +97,51 @@ def _reduce_chunk(
     COPY_UNROLL: tl.constexpr,
 ):
     """Reduce columns [h_first, h_last) of the expert-major rows of staged rows
-    [staged_first, staged_end) into one fp32 partial row each, stored as the same rows of
+    [staged_first, staged_end) into one partial row each, stored as the same rows of
     ``partial_ptr``."""
-    entries = tl.arange(0, MS_P2)
     staged = staged_first + tl.arange(0, CHUNK)
     jmask = staged < staged_end
-    rows = tl.load(
-        staged_rows_ptr + staged.to(tl.int64)[:, None] * MS + entries[None, :],
-        mask=jmask[:, None] & (entries[None, :] < MS),
-        other=-1,
-    )
-    # Rows dropped past max_recv_tokens left holes: loop up to the last kept entry.
-    num_copies = tl.max(tl.max(tl.where(rows >= 0, entries[None, :] + 1, 0), axis=1), axis=0)
+    rows, entries, num_copies = _expert_rows(staged, jmask, staged_rows_ptr, MS, MS_P2)
     for h0 in range(h_first, h_last, BLOCK_H):
         cols = h0 + tl.arange(0, BLOCK_H)
         cmask = cols < h_last
-        acc = tl.zeros([CHUNK, BLOCK_H], tl.float32)
-        # COPY_UNROLL independent gathers in flight per step, not one at a time.
-        for i0 in range(0, num_copies, COPY_UNROLL):
-            for u in tl.static_range(COPY_UNROLL):
-                row_i = column(rows, entries, i0 + u)
-                valid = row_i >= 0
-                part = tl.load(
-                    y_ptr + row_i.to(tl.int64)[:, None] * y_stride + cols[None, :],
-                    mask=valid[:, None] & cmask[None, :],
-                    other=0.0,
-                ).to(tl.float32)
-                if HAS_WEIGHTS:
-                    part *= tl.load(weights_ptr + row_i, mask=valid, other=0.0)[:, None]
-                acc += part
+        acc = _gather_expert_rows(
+            tl.zeros([CHUNK, BLOCK_H], tl.float32), rows, entries, num_copies, cols, cmask,
+            y_ptr, y_stride, weights_ptr, HAS_WEIGHTS, COPY_UNROLL,
+        )  # fmt: skip
         ptrs = partial_ptr + staged.to(tl.int64)[:, None] * hidden + cols[None, :]
         tl.store(ptrs, acc.to(partial_ptr.dtype.element_ty), mask=jmask[:, None] & cmask[None, :])
 
 
 @triton.jit(noinline=True)
-def _sum_chunk(
+def _finish_chunk(
     c,
     h_first,
     h_last,
     num_tokens,
     hidden,
+    rank,
     world_size,
     token_rank_pos_ptr,
     send_chunk_start_ptr,
+    staged_rows_ptr,
+    y_ptr,
+    y_stride,
+    weights_ptr,
     partial_ptr,
     out_ptr,
     T_MAX: tl.constexpr,
+    MS: tl.constexpr,
+    MS_P2: tl.constexpr,
     W_P2: tl.constexpr,
     CHUNK: tl.constexpr,
     BLOCK_H: tl.constexpr,
+    HAS_WEIGHTS: tl.constexpr,
+    COPY_UNROLL: tl.constexpr,
 ):
-    """Columns [h_first, h_last) of the out rows of chunk ``c``: the sum, in fp32, of each
-    token's partial rows from its ranks."""
+    """Columns [h_first, h_last) of the out rows of chunk ``c``: per token, the sum in fp32 of
+    its expert rows on this rank (times their weights) and its partial rows from the other
+    ranks (``partial_ptr``: the staging area)."""
     ranks = tl.arange(0, W_P2)
     tokens = c * CHUNK + tl.arange(0, CHUNK)
     tmask = tokens < num_tokens
@@ -111,11 +150,19 @@ def _sum_chunk(
         token_rank_pos_ptr + tokens[:, None] * world_size + ranks[None, :], mask=rmask, other=-1
     )
     starts = tl.load(send_chunk_start_ptr + c * world_size + ranks, mask=ranks < world_size)
-    partial_rows = tl.where(pos >= 0, ranks[None, :] * T_MAX + starts[None, :] + pos, -1)
+    # Row of each (token, rank) in this rank's stream to that rank (own) or in the staging
+    # block of what that rank sent back (others), or -1.
+    stream_rows = tl.where(pos >= 0, ranks[None, :] * T_MAX + starts[None, :] + pos, -1)
+    own = column(stream_rows, ranks, rank)
+    rows, entries, num_copies = _expert_rows(own, own >= 0, staged_rows_ptr, MS, MS_P2)
+    partial_rows = tl.where(ranks[None, :] != rank, stream_rows, -1)
     for h0 in range(h_first, h_last, BLOCK_H):
         cols = h0 + tl.arange(0, BLOCK_H)
         cmask = cols < h_last
-        acc = tl.zeros([CHUNK, BLOCK_H], tl.float32)
+        acc = _gather_expert_rows(
+            tl.zeros([CHUNK, BLOCK_H], tl.float32), rows, entries, num_copies, cols, cmask,
+            y_ptr, y_stride, weights_ptr, HAS_WEIGHTS, COPY_UNROLL,
+        )  # fmt: skip
         for q in tl.static_range(W_P2):
             row = column(partial_rows, ranks, q)
             acc += tl.load(
@@ -168,8 +215,8 @@ def combine_kernel(
     hidden,
     rank,
     num_reducers,  # R: programs [0, R) reduce
-    num_senders,  # P: programs [R, R + P) send; the others sum
-    local_parts,  # column parts of a work item for reducers and summers (<= LP_MAX)
+    num_senders,  # P: programs [R, R + P) send; the others finish this rank's tokens
+    local_parts,  # column parts of a work item for reducers and finishers (<= LP_MAX)
     token_rank_pos_ptr,  # [T, W] int32
     send_chunk_start_ptr,  # [NC_MAX + 1, W] int32
     recv_chunk_start_ptr,  # [W, NC_MAX + 1] int32
@@ -209,35 +256,27 @@ def combine_kernel(
     # Work item w of a stream = (chunk c, column slice s) of its source's tokens, as in dispatch.
     slice_cols = tl.cdiv(tl.cdiv(hidden, H_SLICES), BLOCK_H) * BLOCK_H
     items_of_src = NC_MAX * H_SLICES
-    # Reducers and summers split each item into column parts, so that the first items to be
+    # Reducers and finishers split each item into column parts, so that the first items to be
     # sent and the last to land are each worked on by several programs at once.
     part_cols = tl.cdiv(tl.cdiv(slice_cols, local_parts), BLOCK_H) * BLOCK_H
 
     if pid < num_reducers:
-        # One work queue: the other ranks' streams first (the senders wait for them), item w of
-        # every other source, then item w + 1, as senders send them; then this rank's own.
+        # One work queue: item w of every other source, then item w + 1, as senders send them.
         remote = remote_entries(recv_src_tokens_ptr, rank, W, T_MAX, CHUNK, H_SLICES)
-        own_tokens = tl.minimum(tl.load(recv_src_tokens_ptr + rank), T_MAX)
-        own_items = tl.cdiv(own_tokens, CHUNK) * H_SLICES
         item = take_work(control_ptr + 6)
-        while item < (remote + own_items) * local_parts:
+        while item < remote * local_parts:
             part = item % local_parts
-            if item // local_parts < remote:
-                w, src = remote_item(item // local_parts, rank, W)
-                partial_ptr = outbox_ptr  # laid out like the staging area: same row numbers
-            else:
-                w = item // local_parts - remote
-                src = rank
-                partial_ptr = staging
+            w, src = remote_item(item // local_parts, rank, W)
             src_tokens = tl.minimum(tl.load(recv_src_tokens_ptr + src), T_MAX)  # clamped as above
             if w < tl.cdiv(src_tokens, CHUNK) * H_SLICES:
                 table = recv_chunk_start_ptr + src * (NC_MAX + 1)
                 c = w // H_SLICES
                 h_first, h_last = part_columns(w, part, slice_cols, part_cols, hidden, H_SLICES)
+                # The outbox is laid out like the staging area: same row numbers.
                 _reduce_chunk(
                     src * T_MAX + tl.load(table + c), src * T_MAX + tl.load(table + c + 1),
                     h_first, h_last, hidden, y_ptr, y_stride, weights_ptr, staged_rows_ptr,
-                    partial_ptr, MS, MS_P2, CHUNK, BLOCK_H, HAS_WEIGHTS, COPY_UNROLL,
+                    outbox_ptr, MS, MS_P2, CHUNK, BLOCK_H, HAS_WEIGHTS, COPY_UNROLL,
                 )  # fmt: skip
                 signal(reduced_flags + (src * items_of_src + w) * LP_MAX + part, seq)
             item = take_work(control_ptr + 6)
@@ -272,8 +311,6 @@ def combine_kernel(
         while item < tl.cdiv(num_tokens, CHUNK) * H_SLICES * local_parts:
             w = item // local_parts
             part = item % local_parts
-            reduced = reduced_flags + (rank * items_of_src + w) * LP_MAX + part
-            wait_at_least(reduced, seq, timeout_ns, status_ptr, rank, 5)
             for peer in range(0, W):
                 if peer != rank:
                     # First the sender's start, so that a peer that never came times out as such.
@@ -282,9 +319,10 @@ def combine_kernel(
                     flag = my_flags + peer * items_of_src + w
                     wait_at_least(flag, seq, timeout_ns, status_ptr, peer, 5)  # COMBINE_DATA
             h_first, h_last = part_columns(w, part, slice_cols, part_cols, hidden, H_SLICES)
-            _sum_chunk(
-                w // H_SLICES, h_first, h_last, num_tokens, hidden, W, token_rank_pos_ptr,
-                send_chunk_start_ptr, staging, out_ptr, T_MAX, W_P2, CHUNK, BLOCK_H,
+            _finish_chunk(
+                w // H_SLICES, h_first, h_last, num_tokens, hidden, rank, W, token_rank_pos_ptr,
+                send_chunk_start_ptr, staged_rows_ptr, y_ptr, y_stride, weights_ptr, staging,
+                out_ptr, T_MAX, MS, MS_P2, W_P2, CHUNK, BLOCK_H, HAS_WEIGHTS, COPY_UNROLL,
             )  # fmt: skip
             item = take_work(control_ptr + 7)
 

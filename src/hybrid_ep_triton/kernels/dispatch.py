@@ -83,7 +83,9 @@ def _chunk_slots(
     ).to(tl.int32)
     used = ids >= 0
     dest = tl.where(used, ids // experts_per_rank, -1)
-    out_row = tl.load(chunk_expert_base_ptr + c * num_experts + ids, mask=used, other=0)
+    # Row 0 of chunk_expert_base: the expert's base row; row c + 1: the chunk's offset in it.
+    out_row = tl.load(chunk_expert_base_ptr + ids, mask=used, other=0)
+    out_row += tl.load(chunk_expert_base_ptr + (c + 1) * num_experts + ids, mask=used, other=0)
     out_row += tl.load(slot_pos_ptr + slot_offs, mask=used, other=0)
     return tokens, tmask, slot_offs, dest, out_row
 
@@ -368,7 +370,7 @@ def dispatch_kernel(
     slot_pos_ptr,  # [T, K] int32
     token_rank_pos_ptr,  # [T, W] int32
     send_chunk_start_ptr,  # [NC_MAX + 1, W] int32
-    chunk_expert_base_ptr,  # [NC_MAX, E] int32
+    chunk_expert_base_ptr,  # [NC + 1, E] int32
     recv_chunk_start_ptr,  # [W, NC_MAX + 1] int32
     recv_src_tokens_ptr,  # [W] int32
     expert_layout_ptr,  # [3, L] int32

@@ -1,18 +1,19 @@
-"""Dispatch layout: where every (token, expert) slot lands, computed on the device.
+"""Dispatch layout: where every (token, expert) slot lands, computed on the device in one launch,
+with no host round trip.
 
-Two launches, no host round trip:
+Every program counts one chunk of CHUNK tokens: the slots per expert and the tokens per
+destination rank, and every slot's and every (token, rank) pair's position among the chunk's
+slots of the same expert / tokens of the same rank. It also checks the routing: ids outside
+[-1, E) and duplicate ids in a row.
 
-``count_chunk_kernel`` (one program per chunk of CHUNK tokens) counts, inside its chunk, the
-slots per expert and the tokens per destination rank, and gives every slot and every
-(token, rank) pair its position among the chunk's slots of the same expert / tokens of the same
-rank. It also checks the routing: ids outside [-1, E) and duplicate ids in a row.
-
-``exchange_layout_kernel`` (one program) turns the chunk counts into prefix sums, publishes this
-rank's per-expert totals and per-rank chunk offsets into every peer's heap, waits for every
-peer's, and derives from the full [world, E] count matrix
+The last program to finish counting (a ticket, so no program waits for another and the launch
+needs no co-resident programs) then exchanges the layout with the peers: it turns the chunk
+counts into prefix sums, publishes this rank's per-expert totals and per-rank chunk offsets into
+every peer's heap, waits for every peer's, and derives from the full [world, E] count matrix
 - as a receiver: the padded segment of each local expert in the expert-major output;
-- as a sender: the base row, on the destination, of every (chunk, expert) pair of its tokens.
-A sender's slot then lands on row ``chunk_expert_base[chunk, e] + slot_pos`` of the destination.
+- as a sender: the base row, on the destination, of each expert's slots from this rank.
+A sender's slot of chunk c then lands on row
+``chunk_expert_base[0, e] + chunk_expert_base[c + 1, e] + slot_pos`` of the destination.
 """
 
 import triton
@@ -21,6 +22,9 @@ import triton.language as tl
 from .primitives import region, signal, wait_at_least
 
 STAGE_LAYOUT = 1  # stage number a timed-out wait records (literal inside the kernels)
+# A routing error is recorded in a control word as NO_ERROR_ROW - row (atomic max keeps the
+# first bad row; 0, the word's resting value, means none).
+NO_ERROR_ROW = 2**62
 
 
 @triton.jit
@@ -38,25 +42,28 @@ def _flat_slots(topk_idx_ptr, chunk, first, num_tokens, topk, num_experts, n: tl
 
 
 @triton.jit
-def count_chunk_kernel(
+def _count_chunk(
+    chunk,
     topk_idx_ptr,
     num_tokens,
     topk,
     num_experts,
     experts_per_rank,
     world_size,
-    slot_pos_ptr,  # out [T, K] int32: position among the chunk's slots of the same expert, or -1
-    token_rank_pos_ptr,  # out [T, W] int32: position among the chunk's tokens to that rank, or -1
-    chunk_expert_count_ptr,  # out [NC, E] int32
-    chunk_rank_count_ptr,  # out [NC, W] int32
-    invalid_row_ptr,  # out [1] int64: smallest invalid row (atomic min), untouched when valid
+    slot_pos_ptr,
+    token_rank_pos_ptr,
+    expert_count_ptr,
+    rank_count_ptr,
+    bad_row_ptr,
     CHUNK: tl.constexpr,
     K_P2: tl.constexpr,
     W_P2: tl.constexpr,
     E_P2: tl.constexpr,
-    PAIRS: tl.constexpr,  # slots per side of a tile of slot pairs
+    PAIRS: tl.constexpr,
 ):
-    chunk = tl.program_id(0)
+    """Count chunk ``chunk``: slot_pos and token_rank_pos of its tokens, its slots per expert
+    (``expert_count_ptr`` [E]) and tokens per rank (``rank_count_ptr`` [W]); the first invalid
+    row goes into ``bad_row_ptr`` (see NO_ERROR_ROW)."""
     # Per slot: its position among the chunk's slots of the same expert, the number of pairs of
     # slots with that expert whose other slot belongs to an earlier token (tiles of pairs).
     expert_count = tl.zeros([E_P2], tl.int32)
@@ -74,11 +81,7 @@ def count_chunk_kernel(
         tl.store(slot_pos_ptr + offs, tl.where(ids >= 0, pos, -1), mask=in_chunk)
         expert_count += tl.histogram(tl.where(ids >= 0, ids, 0), E_P2, mask=ids >= 0)
     experts = tl.arange(0, E_P2)
-    tl.store(
-        chunk_expert_count_ptr + chunk * num_experts + experts,
-        expert_count,
-        mask=experts < num_experts,
-    )
+    tl.store(expert_count_ptr + experts, expert_count, mask=experts < num_experts)
 
     # Per token: validation (ids in range, in the ids' own width: int64 ids must not wrap into
     # int32; no id twice), and a token goes once to each rank holding any of its experts.
@@ -98,7 +101,7 @@ def count_chunk_kernel(
     ) > 0
     first_bad = tl.min(tl.where(bad_row, tokens, 2147483647), axis=0)
     if first_bad < 2147483647:
-        tl.atomic_min(invalid_row_ptr, first_bad.to(tl.int64))
+        tl.atomic_max(bad_row_ptr, 4611686018427387904 - first_bad.to(tl.int64))  # NO_ERROR_ROW
     dest = tl.where(slot_ids >= 0, slot_ids // experts_per_rank, -1)
     ranks = tl.arange(0, W_P2)
     to_rank = tl.sum((dest[:, :, None] == ranks[None, None, :]).to(tl.int32), axis=1) > 0
@@ -109,16 +112,11 @@ def count_chunk_kernel(
         tl.where(to_rank, before, -1),
         mask=token_ok[:, None] & (ranks[None, :] < world_size),
     )
-    tl.store(
-        chunk_rank_count_ptr + chunk * world_size + ranks,
-        tl.sum(sent, axis=0),
-        mask=ranks < world_size,
-    )
+    tl.store(rank_count_ptr + ranks, tl.sum(sent, axis=0), mask=ranks < world_size)
 
 
 @triton.jit
-def exchange_layout_kernel(
-    peer_bases_ptr,
+def _exchange(
     rank,
     world_size,
     num_tokens,
@@ -126,82 +124,68 @@ def exchange_layout_kernel(
     num_experts,
     experts_per_rank,
     pad_multiple,
-    max_rows,  # rows of this rank's output: tokens_per_expert is clipped to them
-    chunk_expert_count_ptr,  # in [NC, E] int32
-    chunk_rank_count_ptr,  # in [NC, W] int32
-    invalid_row_ptr,  # in [1] int64
-    chunk_expert_base_ptr,  # out [NC, E] int32: destination row of the chunk's first slot
-    send_chunk_start_ptr,  # out [NC_MAX + 1, W] int32: offset of each chunk in the stream to W
-    recv_chunk_start_ptr,  # out [W, NC_MAX + 1] int32: chunk offsets of each source's stream
-    recv_src_tokens_ptr,  # out [W] int32: tokens of each source
-    expert_layout_ptr,  # out [3, L] int32: segment start, valid rows, padded rows
-    tokens_per_expert_ptr,  # out [L] int64: padded rows per local expert inside the output
-    info_ptr,  # out int64 [4]: rows needed, first invalid source (or -1), -, -
-    control_ptr,  # int64 [6]: [3:6] status
+    max_rows,
+    chunk_expert_base_ptr,
+    send_chunk_start_ptr,
+    recv_chunk_start_ptr,
+    recv_src_tokens_ptr,
+    expert_layout_ptr,
+    tokens_per_expert_ptr,
+    info_ptr,
+    peer_bases_ptr,
+    control_ptr,
     count_flags_off,
     counts_off,
     chunk_table_off,
     timeout_ns,
+    W_P2: tl.constexpr,
+    E_P2: tl.constexpr,
+    L_P2: tl.constexpr,
     NC_MAX: tl.constexpr,
     ROW: tl.constexpr,
     C_BLOCK: tl.constexpr,
-    E_BLOCK: tl.constexpr,
-    W_P2: tl.constexpr,
-    L_P2: tl.constexpr,
+    TABLE_BLOCK: tl.constexpr,
 ):
+    """The layout exchange, run by the launch's last program once every chunk is counted."""
     seq = tl.load(control_ptr + 2) + 1
     status_ptr = control_ptr + 3
+    # Written by the launch's other programs: loads bypass L1.
+    bad = tl.load(control_ptr + 9, volatile=True)
+    tl.store(control_ptr + 9, 0)
+    tl.store(info_ptr + 2, tl.where(bad > 0, 4611686018427387904 - bad, 4611686018427387904))
 
-    # 1. Prefix over chunks, per expert; totals go to every peer's counts table, row `rank`.
-    for e0 in range(0, num_experts, E_BLOCK):
-        experts = e0 + tl.arange(0, E_BLOCK)
-        carry = tl.zeros([E_BLOCK], tl.int32)
-        for c0 in range(0, num_chunks, C_BLOCK):
-            chunks = c0 + tl.arange(0, C_BLOCK)
-            m = (chunks[:, None] < num_chunks) & (experts[None, :] < num_experts)
-            offs = chunks[:, None] * num_experts + experts[None, :]
-            cnt = tl.load(chunk_expert_count_ptr + offs, mask=m, other=0)
-            tl.store(chunk_expert_base_ptr + offs, carry[None, :] + tl.cumsum(cnt, 0) - cnt, mask=m)
-            carry += tl.sum(cnt, axis=0)
-        for peer in range(0, world_size):
-            counts = region(peer_bases_ptr, peer, counts_off, tl.int32)
-            tl.store(counts + rank * ROW + experts, carry, mask=experts < num_experts)
-
-    # 2. Prefix over chunks, per destination rank: chunk offsets inside each stream.
-    ranks = tl.arange(0, W_P2)
-    carry_r = tl.zeros([W_P2], tl.int32)
+    # 1. Per expert, exclusive prefix over chunks of the counts (in place), and the totals.
+    experts = tl.arange(0, E_P2)
+    emask = experts < num_experts
+    totals = tl.zeros([E_P2], tl.int32)
     for c0 in range(0, num_chunks, C_BLOCK):
         chunks = c0 + tl.arange(0, C_BLOCK)
-        m = (chunks[:, None] < num_chunks) & (ranks[None, :] < world_size)
-        cnt = tl.load(
-            chunk_rank_count_ptr + chunks[:, None] * world_size + ranks[None, :], mask=m, other=0
-        )
-        start = carry_r[None, :] + tl.cumsum(cnt, 0) - cnt
-        tl.store(
-            send_chunk_start_ptr + chunks[:, None] * world_size + ranks[None, :], start, mask=m
-        )
-        carry_r += tl.sum(cnt, axis=0)
-    tl.store(
-        send_chunk_start_ptr + num_chunks * world_size + ranks, carry_r, mask=ranks < world_size
-    )
-    tl.debug_barrier()
+        m = (chunks[:, None] < num_chunks) & emask[None, :]
+        ptrs = chunk_expert_base_ptr + (chunks[:, None] + 1) * num_experts + experts[None, :]
+        cnt = tl.load(ptrs, mask=m, other=0, cache_modifier=".cg")
+        tl.store(ptrs, totals[None, :] + tl.cumsum(cnt, 0) - cnt, mask=m)
+        totals += tl.sum(cnt, axis=0)
 
-    invalid = (tl.load(invalid_row_ptr) < num_tokens).to(tl.int32)
+    # 2. To every peer: the totals (its counts row `rank`: per-expert totals, then tokens,
+    # invalid routing, pad_multiple) and the offsets of this rank's chunks in the stream to it
+    # (its chunk table row `rank`, and column `peer` of send_chunk_start).
+    invalid = (bad > 0).to(tl.int32)
     for peer in range(0, world_size):
-        counts = region(peer_bases_ptr, peer, counts_off, tl.int32) + rank * ROW + num_experts
-        # A counts row: per-expert totals, then tokens, invalid routing, pad_multiple.
-        tl.store(counts + 0, num_tokens)
-        tl.store(counts + 1, invalid)
-        tl.store(counts + 2, pad_multiple)
+        counts = region(peer_bases_ptr, peer, counts_off, tl.int32) + rank * ROW
+        tl.store(counts + experts, totals, mask=emask)
+        tl.store(counts + num_experts + 0, num_tokens)
+        tl.store(counts + num_experts + 1, invalid)
+        tl.store(counts + num_experts + 2, pad_multiple)
         table = region(peer_bases_ptr, peer, chunk_table_off, tl.int32) + rank * (NC_MAX + 1)
-        for c0 in range(0, num_chunks + 1, C_BLOCK):
-            chunks = c0 + tl.arange(0, C_BLOCK)
-            m = chunks <= num_chunks
-            tl.store(
-                table + chunks,
-                tl.load(send_chunk_start_ptr + chunks * world_size + peer, mask=m),
-                mask=m,
-            )
+        carry = tl.zeros([], tl.int32)
+        for c0 in range(0, num_chunks + 1, TABLE_BLOCK):
+            chunks = c0 + tl.arange(0, TABLE_BLOCK)
+            ptrs = send_chunk_start_ptr + chunks * world_size + peer
+            cnt = tl.load(ptrs, mask=chunks < num_chunks, other=0, cache_modifier=".cg")
+            start = carry + tl.cumsum(cnt, 0) - cnt
+            tl.store(ptrs, start, mask=chunks <= num_chunks)
+            tl.store(table + chunks, start, mask=chunks <= num_chunks)
+            carry += tl.sum(cnt, axis=0)
     for peer in range(0, world_size):
         flags = region(peer_bases_ptr, peer, count_flags_off, tl.int64)
         signal(flags + rank, seq)
@@ -221,39 +205,107 @@ def exchange_layout_kernel(
     invalid_src = tl.where(tl.load(extra + 1, mask=smask, other=0) != 0, srcs, W_P2)
     first_invalid = tl.min(invalid_src, axis=0)
     tl.store(info_ptr + 1, tl.where(first_invalid < W_P2, first_invalid, -1).to(tl.int64))
-    for src in range(0, world_size):
-        for c0 in range(0, NC_MAX + 1, C_BLOCK):
-            chunks = c0 + tl.arange(0, C_BLOCK)
-            m = chunks <= NC_MAX
-            row = tl.load(table + src * (NC_MAX + 1) + chunks, mask=m)
-            tl.store(recv_chunk_start_ptr + src * (NC_MAX + 1) + chunks, row, mask=m)
+    for c0 in range(0, NC_MAX + 1, TABLE_BLOCK):
+        chunks = c0 + tl.arange(0, TABLE_BLOCK)
+        offs = srcs[:, None] * (NC_MAX + 1) + chunks[None, :]
+        m = smask[:, None] & (chunks[None, :] <= NC_MAX)
+        tl.store(recv_chunk_start_ptr + offs, tl.load(table + offs, mask=m), mask=m)
 
-    # 5. Segments of every destination's local experts; this rank's source offset inside them.
+    # 5. Segments of every destination's local experts, [destination, local expert]; this
+    # rank's offset inside them, as the base row of each expert's slots from this rank.
+    dsts = tl.arange(0, W_P2)
     local = tl.arange(0, L_P2)
+    dl_mask = (dsts[:, None] < world_size) & (local[None, :] < experts_per_rank)
+    cmat = tl.load(
+        counts + srcs[:, None, None] * ROW + (dsts[:, None] * experts_per_rank + local[None, :]),
+        mask=smask[:, None, None] & dl_mask[None, :, :],
+        other=0,
+    )
+    total = tl.sum(cmat, axis=0)
+    dst_pad = tl.load(counts + dsts * ROW + num_experts + 2, mask=dsts < world_size, other=1)
+    padded = (total + dst_pad[:, None] - 1) // dst_pad[:, None] * dst_pad[:, None]
+    seg_start = tl.cumsum(padded, 1) - padded
+    my_offset = tl.sum(tl.where(srcs[:, None, None] < rank, cmat, 0), axis=0)
+    tl.store(
+        chunk_expert_base_ptr + dsts[:, None] * experts_per_rank + local[None, :],
+        seg_start + my_offset,
+        mask=dl_mask,
+    )
+    # This rank's own segments.
+    mine = dsts[:, None] == rank
+    my_start = tl.sum(tl.where(mine, seg_start, 0), axis=0)
+    my_padded = tl.sum(tl.where(mine, padded, 0), axis=0)
     lmask = local < experts_per_rank
-    for dst in range(0, world_size):
-        m = (srcs[:, None] < world_size) & lmask[None, :]
-        cmat = tl.load(
-            counts + srcs[:, None] * ROW + dst * experts_per_rank + local[None, :], mask=m, other=0
-        )
-        total = tl.sum(cmat, axis=0)
-        dst_pad = tl.load(counts + dst * ROW + num_experts + 2)
-        padded = (total + dst_pad - 1) // dst_pad * dst_pad
-        seg_start = tl.cumsum(padded, 0) - padded
-        my_offset = tl.sum(tl.where(srcs[:, None] < rank, cmat, 0), axis=0)
-        base = seg_start + my_offset
-        # Add the base to this rank's chunk prefixes for the experts of `dst`.
-        experts = dst * experts_per_rank + local
-        for c0 in range(0, num_chunks, C_BLOCK):
-            chunks = c0 + tl.arange(0, C_BLOCK)
-            cm = (chunks[:, None] < num_chunks) & lmask[None, :]
-            ptrs = chunk_expert_base_ptr + chunks[:, None] * num_experts + experts[None, :]
-            tl.store(ptrs, tl.load(ptrs, mask=cm) + base[None, :], mask=cm)
-        if dst == rank:
-            tl.store(expert_layout_ptr + local, seg_start, mask=lmask)
-            tl.store(expert_layout_ptr + experts_per_rank + local, total, mask=lmask)
-            tl.store(expert_layout_ptr + 2 * experts_per_rank + local, padded, mask=lmask)
-            present = tl.minimum(seg_start + padded, max_rows) - seg_start
-            tl.store(tokens_per_expert_ptr + local, tl.maximum(present, 0).to(tl.int64), mask=lmask)
-            tl.store(info_ptr, tl.sum(padded, axis=0).to(tl.int64))
+    tl.store(expert_layout_ptr + local, my_start, mask=lmask)
+    tl.store(expert_layout_ptr + experts_per_rank + local, tl.sum(tl.where(mine, total, 0), 0),
+             mask=lmask)  # fmt: skip
+    tl.store(expert_layout_ptr + 2 * experts_per_rank + local, my_padded, mask=lmask)
+    present = tl.minimum(my_start + my_padded, max_rows) - my_start
+    tl.store(tokens_per_expert_ptr + local, tl.maximum(present, 0).to(tl.int64), mask=lmask)
+    tl.store(info_ptr, tl.sum(my_padded, axis=0).to(tl.int64))
     tl.store(control_ptr + 2, seq)
+
+
+@triton.jit
+def layout_kernel(
+    topk_idx_ptr,  # in [T, K] int32 or int64
+    num_tokens,
+    num_chunks,
+    topk,
+    num_experts,
+    experts_per_rank,
+    rank,
+    world_size,
+    pad_multiple,
+    max_rows,  # rows of this rank's output: tokens_per_expert is clipped to them
+    slot_pos_ptr,  # out [T, K] int32: position among the chunk's slots of the same expert, or -1
+    token_rank_pos_ptr,  # out [T, W] int32: position among the chunk's tokens to that rank, or -1
+    chunk_expert_base_ptr,  # out [NC + 1, E] int32: row 0 the destination row of each expert's
+    # first slot from this rank; row c + 1 the offset of chunk c's first slot among them
+    send_chunk_start_ptr,  # out [NC_MAX + 1, W] int32: offset of each chunk in the stream to W
+    recv_chunk_start_ptr,  # out [W, NC_MAX + 1] int32: chunk offsets of each source's stream
+    recv_src_tokens_ptr,  # out [W] int32: tokens of each source
+    expert_layout_ptr,  # out [3, L] int32: segment start, valid rows, padded rows
+    tokens_per_expert_ptr,  # out [L] int64: padded rows per local expert inside the output
+    info_ptr,  # out int64 [4]: rows needed, first invalid source (or -1), first invalid row of
+    # this rank (or NO_ERROR_ROW), -
+    peer_bases_ptr,
+    control_ptr,  # int64 [10]: [2] layout sequence number, [3:6] status, [8] ticket, [9] bad row
+    count_flags_off,
+    counts_off,
+    chunk_table_off,
+    timeout_ns,
+    CHUNK: tl.constexpr,
+    K_P2: tl.constexpr,
+    W_P2: tl.constexpr,
+    E_P2: tl.constexpr,
+    L_P2: tl.constexpr,
+    PAIRS: tl.constexpr,  # slots per side of a tile of slot pairs
+    NC_MAX: tl.constexpr,
+    ROW: tl.constexpr,  # int32 words of a counts row
+    C_BLOCK: tl.constexpr,  # chunks per tile of the per-expert prefix sums
+    TABLE_BLOCK: tl.constexpr,  # chunks per tile of the per-rank prefix sums and chunk tables
+):
+    chunk = tl.program_id(0)
+    bad_row_ptr = control_ptr + 9
+    # Counts land where their prefix sums will be: rows c + 1 of chunk_expert_base, rows c of
+    # send_chunk_start.
+    if chunk < num_chunks:
+        _count_chunk(
+            chunk, topk_idx_ptr, num_tokens, topk, num_experts, experts_per_rank, world_size,
+            slot_pos_ptr, token_rank_pos_ptr, chunk_expert_base_ptr + (chunk + 1) * num_experts,
+            send_chunk_start_ptr + chunk * world_size, bad_row_ptr,
+            CHUNK, K_P2, W_P2, E_P2, PAIRS,
+        )  # fmt: skip
+    tl.debug_barrier()
+    ticket = tl.atomic_add(control_ptr + 8, 1, sem="acq_rel", scope="gpu")
+    if ticket == tl.num_programs(0) - 1:
+        tl.debug_barrier()
+        tl.store(control_ptr + 8, 0)
+        _exchange(
+            rank, world_size, num_tokens, num_chunks, num_experts, experts_per_rank,
+            pad_multiple, max_rows, chunk_expert_base_ptr, send_chunk_start_ptr,
+            recv_chunk_start_ptr, recv_src_tokens_ptr, expert_layout_ptr, tokens_per_expert_ptr,
+            info_ptr, peer_bases_ptr, control_ptr, count_flags_off, counts_off, chunk_table_off,
+            timeout_ns, W_P2, E_P2, L_P2, NC_MAX, ROW, C_BLOCK, TABLE_BLOCK,
+        )  # fmt: skip

@@ -14,12 +14,13 @@ class Runtime:
     """What every launch needs from its Buffer.
 
     heap: the symmetric heap (``local`` uint8 tensor, ``peer_bases`` int64 [world]).
-    control: int64 [8] on the device: [0] last data-launch sequence number, [1] ticket of the
+    control: int64 [10] on the device: [0] last data-launch sequence number, [1] ticket of the
         running launch, [2] last layout-exchange sequence number, [3:6] status (code, peer,
-        stage), [6:8] work queues of the running launch's local roles.
+        stage), [6:8] work queues of the running launch's local roles, [8] ticket of the
+        running layout launch, [9] its first invalid row (kernels/route.py's NO_ERROR_ROW).
     timeout_ns: bound of every wait on a peer, in nanoseconds.
     local_programs: programs of a launch for the work that stays on this GPU (expansion,
-        reduction, sums): about one per SM; the senders' SMs are taken from it.
+        reduction, sums): the config's programs_per_sm per SM; the senders are taken from it.
     outbox: [W * T_MAX, H] of the Buffer's dtype: combine's partial rows for the other ranks,
         laid out like the heap's staging area.
     check_status: called after every launch; raises TimeoutError where launches are synchronous
@@ -43,10 +44,10 @@ class Runtime:
 
 
 def programs_beside_senders(rt: Runtime) -> int:
-    """Programs for the local roles of a data-move launch: the SMs the ``num_sms`` senders leave
-    free, so that the launch is one wave on a GPU; at least half the SMs, and at least 2
+    """Programs for the local roles of a data-move launch: the room the senders leave, so that
+    the launch is one wave on a GPU; at least half of ``local_programs``, and at least 2
     (combine has two local roles)."""
-    return max(rt.local_programs - rt.plan.config.num_programs, rt.local_programs // 2, 2)
+    return max(rt.local_programs - rt.plan.config.senders, rt.local_programs // 2, 2)
 
 
 def local_parts(plan: Plan, block_h: int) -> int:

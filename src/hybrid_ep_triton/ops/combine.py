@@ -1,5 +1,5 @@
-"""Combine launch: one kernel whose reducers and summers (about one SM each) surround the
-``num_sms`` sending programs."""
+"""Combine launch: one kernel whose reducers and finishers (the rest of the GPU) surround the
+sending programs."""
 
 import torch
 
@@ -8,9 +8,11 @@ from ..kernels.combine import combine_kernel
 from . import Runtime, local_parts, programs_beside_senders
 from .dispatch import DispatchHandle
 
-# Share of the local programs that reduce expert rows; the rest sum partial rows, which reads
-# about a quarter of the bytes.
-_REDUCER_SHARE = 0.75
+
+def _reducers(local: int, world: int) -> int:
+    """Local programs that reduce the other ranks' rows: those rows are (W - 1) / W of the
+    expert rows a rank gathers, and the finishers gather the rest and add the partial rows."""
+    return min(max(round(local * (world - 1) / world), 1), local - 1)
 
 
 def reduce_tokens(
@@ -21,10 +23,10 @@ def reduce_tokens(
     out = torch.empty(handle.num_tokens, plan.hidden, dtype=y.dtype, device=rt.device)
     has_weights = weights is not None
     local = programs_beside_senders(rt)
-    reducers = min(max(round(local * _REDUCER_SHARE), 1), local - 1)
-    combine_kernel[(cfg.num_programs + local,)](
+    reducers = _reducers(local, rt.world_size)
+    combine_kernel[(cfg.senders + local,)](
         y, y.stride(0), weights.contiguous() if has_weights else y, rt.outbox, out,
-        handle.num_tokens, plan.hidden, rt.rank, reducers, cfg.num_programs,
+        handle.num_tokens, plan.hidden, rt.rank, reducers, cfg.senders,
         local_parts(plan, cfg.combine_block_h),
         handle.token_rank_pos, handle.send_chunk_start, handle.recv_chunk_start,
         handle.recv_src_tokens, handle.staged_rows, rt.heap.peer_bases, heap.combine_ready,

@@ -1,4 +1,4 @@
-"""Dispatch launches: the layout (two kernels), then the data move (one kernel whose first
+"""Dispatch launches: the layout (one kernel), then the data move (one kernel whose first
 ``num_sms`` programs send and whose others, about one per SM, expand into expert-major rows)."""
 
 import functools
@@ -9,15 +9,14 @@ import torch
 
 from .._planner import MAX_PROGRAMS, Plan, ceil_div, next_power_of_2
 from ..kernels.dispatch import dispatch_kernel
-from ..kernels.route import count_chunk_kernel, exchange_layout_kernel
+from ..kernels.route import layout_kernel
 from . import Runtime, local_parts, programs_beside_senders
 
-# Slots per side of the counting kernel's [PAIRS, PAIRS] tiles of slot pairs.
+# Slots per side of the layout kernel's [PAIRS, PAIRS] tiles of slot pairs.
 _PAIRS = 128
-# Experts per tile in the exchange kernel.
-_E_BLOCK = 32
-# Chunks per tile in the exchange kernel.
-_C_BLOCK = 64
+# Most elements of one tile of the layout exchange's prefix sums: each tile is a round trip to
+# memory, in a single program.
+_EXCHANGE_TILE = 8192
 
 
 @dataclass
@@ -28,7 +27,9 @@ class DispatchHandle:
     the torch.library operators pass a handle as a few tensors (``make_handle`` rebuilds it).
     Sender side (this rank's tokens):
         topk_idx [T, K] int32 or int64, slot_pos [T, K] int32, token_rank_pos [T, W] int32,
-        send_chunk_start [NC_MAX + 1, W] int32, chunk_expert_base [NC_MAX, E] int32.
+        send_chunk_start [NC_MAX + 1, W] int32, chunk_expert_base [NC + 1, E] int32 (row 0:
+        destination row of each expert's first slot from this rank; row c + 1: offset of chunk
+        c's first slot among them).
     Receiver side (rows that came to this rank):
         recv_chunk_start [W, NC_MAX + 1] int32, recv_src_tokens [W] int32,
         expert_layout [3, L] int32 (segment start, valid rows, padded rows),
@@ -59,16 +60,14 @@ class DispatchHandle:
 
 
 def _int_parts(plan: Plan, num_tokens: int, topk: int) -> dict[str, tuple[int, ...]]:
-    """Shapes of the int32 parts of a handle (and the counting scratch), in ``ints`` order."""
+    """Shapes of the int32 parts of a handle, in ``ints`` order."""
     world, experts = plan.world_size, plan.num_experts
     num_chunks = ceil_div(num_tokens, plan.config.chunk_tokens)
     return {
         "slot_pos": (num_tokens, topk),
         "token_rank_pos": (num_tokens, world),
-        "chunk_expert_count": (num_chunks, experts),
-        "chunk_rank_count": (num_chunks, world),
         "send_chunk_start": (plan.max_chunks + 1, world),
-        "chunk_expert_base": (num_chunks, experts),
+        "chunk_expert_base": (num_chunks + 1, experts),
         "recv_chunk_start": (world, plan.max_chunks + 1),
         "recv_src_tokens": (world,),
         "expert_layout": (3, plan.experts_per_rank),
@@ -150,52 +149,43 @@ def _handle_from_parts(
 def compute_layout(
     rt: Runtime, topk_idx: torch.Tensor, pad_multiple: int, max_recv_tokens: int | None
 ) -> DispatchHandle:
-    """Launch the counting and exchange kernels for ``topk_idx`` [T, K] (contiguous);
-    collective.
+    """Launch the layout kernel for ``topk_idx`` [T, K] (contiguous); collective.
 
     With ``max_recv_tokens`` the handle's ``num_recv_rows`` is set to it; without, it is left
     at -1 for the caller to set once it has read the row count.
     """
     plan, dev = rt.plan, rt.device
     num_tokens, topk = topk_idx.shape
-    chunk = plan.config.chunk_tokens
-    num_chunks = ceil_div(num_tokens, chunk)
-    world, experts, local = rt.world_size, plan.num_experts, plan.experts_per_rank
-    # One int32 and one int64 allocation for the whole handle and the counting scratch: a
-    # dispatch is latency-bound at small batches, and every allocator call costs host time.
+    num_chunks = ceil_div(num_tokens, plan.config.chunk_tokens)
+    world, experts = rt.world_size, plan.num_experts
+    # One int32 and one int64 allocation for the whole handle: a dispatch is latency-bound at
+    # small batches, and every allocator call costs host time.
     num_ints, num_longs = handle_sizes(plan, num_tokens, topk)
     ints = torch.empty(num_ints, dtype=torch.int32, device=dev)
-    parts = _int_views(plan, num_tokens, topk, ints)  # the handle's and the counting scratch
     handle = _handle_from_parts(
         plan,
         topk_idx,
-        parts,
+        _int_views(plan, num_tokens, topk, ints),
         ints,
         torch.empty(num_longs, dtype=torch.int64, device=dev),
         -1 if max_recv_tokens is None else max_recv_tokens,
         max_recv_tokens,
     )
-    chunk_expert_count, chunk_rank_count = parts["chunk_expert_count"], parts["chunk_rank_count"]
-    info = handle.info
-    info.fill_(2**62)
-    if num_chunks:
-        count_chunk_kernel[(num_chunks,)](
-            topk_idx, num_tokens, topk, experts, local, world,
-            handle.slot_pos, handle.token_rank_pos, chunk_expert_count, chunk_rank_count,
-            info[2:],
-            CHUNK=chunk, K_P2=next_power_of_2(topk),
-            W_P2=next_power_of_2(world), E_P2=next_power_of_2(experts),
-            PAIRS=min(chunk * next_power_of_2(topk), _PAIRS),
-        )  # fmt: skip
-    exchange_layout_kernel[(1,)](
-        rt.heap.peer_bases, rt.rank, world, num_tokens, num_chunks, experts, local, pad_multiple,
-        2**31 - 1 if max_recv_tokens is None else max_recv_tokens,
-        chunk_expert_count, chunk_rank_count, info[2:], handle.chunk_expert_base,
-        handle.send_chunk_start, handle.recv_chunk_start,
-        handle.recv_src_tokens, handle.expert_layout, handle.tokens_per_expert, info, rt.control,
-        plan.heap.count_flags, plan.heap.counts, plan.heap.chunk_table, rt.timeout_ns,
-        NC_MAX=plan.max_chunks, ROW=plan.counts_row, C_BLOCK=_C_BLOCK, E_BLOCK=_E_BLOCK,
-        W_P2=next_power_of_2(world), L_P2=next_power_of_2(local),
+    e_p2, w_p2 = next_power_of_2(experts), next_power_of_2(world)
+    layout_kernel[(max(num_chunks, 1),)](
+        topk_idx, num_tokens, num_chunks, topk, experts, plan.experts_per_rank, rt.rank, world,
+        pad_multiple, 2**31 - 1 if max_recv_tokens is None else max_recv_tokens,
+        handle.slot_pos, handle.token_rank_pos, handle.chunk_expert_base,
+        handle.send_chunk_start, handle.recv_chunk_start, handle.recv_src_tokens,
+        handle.expert_layout, handle.tokens_per_expert, handle.info, rt.heap.peer_bases,
+        rt.control, plan.heap.count_flags, plan.heap.counts, plan.heap.chunk_table,
+        rt.timeout_ns,
+        CHUNK=plan.config.chunk_tokens, K_P2=next_power_of_2(topk), W_P2=w_p2, E_P2=e_p2,
+        L_P2=next_power_of_2(plan.experts_per_rank),
+        PAIRS=min(plan.config.chunk_tokens * next_power_of_2(topk), _PAIRS),
+        NC_MAX=plan.max_chunks, ROW=plan.counts_row,
+        C_BLOCK=max(1, _EXCHANGE_TILE // e_p2),
+        TABLE_BLOCK=min(next_power_of_2(plan.max_chunks + 1), _EXCHANGE_TILE // w_p2),
     )  # fmt: skip
     return handle
 
@@ -231,9 +221,9 @@ def move_tokens(
     topk_idx, num_tokens, topk = handle.topk_idx, handle.num_tokens, handle.topk
     world, rank, heap = rt.world_size, rt.rank, plan.heap
     expanders = programs_beside_senders(rt)
-    dispatch_kernel[(cfg.num_programs + expanders,)](
+    dispatch_kernel[(cfg.senders + expanders,)](
         x, x.stride(0), topk_idx, weights_arg, num_tokens, topk, plan.hidden, plan.num_experts,
-        plan.experts_per_rank, rank, num_rows, cfg.num_programs, _own_slices(rt, expanders),
+        plan.experts_per_rank, rank, num_rows, cfg.senders, _own_slices(rt, expanders),
         local_parts(plan, cfg.block_h),
         handle.slot_pos, handle.token_rank_pos, handle.send_chunk_start, handle.chunk_expert_base,
         handle.recv_chunk_start, handle.recv_src_tokens, handle.expert_layout, handle.info,
