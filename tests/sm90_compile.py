@@ -17,7 +17,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from hybrid_ep_triton._planner import LOCAL_PARTS, MAX_PROGRAMS, default_config
+from hybrid_ep_triton._planner import LOCAL_PARTS, MAX_PROGRAMS, MAX_REGISTERS, default_config
 from hybrid_ep_triton.kernels.combine import combine_kernel
 from hybrid_ep_triton.kernels.dispatch import dispatch_kernel
 from hybrid_ep_triton.kernels.route import layout_kernel
@@ -74,6 +74,7 @@ def main() -> int:
             WRITE_ROWS=True,
             COPY_UNROLL=cfg.copy_unroll,
             LP_MAX=LOCAL_PARTS,
+            STAGES=cfg.copy_stages,
         )
         tokens = dict(
             i64,
@@ -96,15 +97,21 @@ def main() -> int:
              dict(common, BLOCK_H=cfg.combine_block_h, COPY_BLOCK_H=cfg.block_h), cfg.num_warps),
         ]  # fmt: skip
         for kernel, pointers, constexprs, num_warps in builds:
+            # As launched: the data moves capped at MAX_REGISTERS, the layout kernel uncapped.
+            options = dict(num_warps=num_warps)
+            if kernel is not layout_kernel:
+                options["maxnreg"] = MAX_REGISTERS
             params = inspect.signature(kernel.fn).parameters
             constexprs = {k: v for k, v in constexprs.items() if k in params}
             signature, attrs = _signature(kernel, pointers, constexprs)
             compiled = triton.compile(
                 ASTSource(kernel, signature, constexprs, attrs),
                 target=GPUTarget("cuda", 90, 32),
-                options=dict(num_warps=num_warps),
+                options=options,
             )
-            print(f"EP{world} {kernel.fn.__name__}: {_resource_usage(compiled.asm['cubin'])}")
+            usage = _resource_usage(compiled.asm["cubin"])
+            async_copies = compiled.asm["ptx"].count("cp.async.cg")
+            print(f"EP{world} {kernel.fn.__name__}: {usage} cp.async:{async_copies}")
     return 0
 
 

@@ -42,3 +42,17 @@ def test_tune_caches_the_best_configuration_and_buffer_uses_it(launch, tmp_path,
         assert configs["tuned"] == best
         assert configs["tuned, 3 SMs"] == dict(best, num_sms=3)
         assert configs["untuned"] == dataclasses.asdict(default_config(6, 4, None, False))
+
+
+def test_cache_entry_of_another_version_falls_back_to_the_heuristic(tmp_path, monkeypatch):
+    from hybrid_ep_triton._tuning import select_config
+
+    monkeypatch.setenv("HEP_CACHE_DIR", str(tmp_path))
+    current = dataclasses.asdict(default_config(8, 4, 2, False))
+    renamed = {("num_programs" if k == "num_sms" else k): v for k, v in current.items()}
+    config = dict(current, chunk_tokens=8)
+    for name, entry in (("current", config), ("renamed field", renamed)):
+        (tmp_path / "kernel_configs.json").write_text(json.dumps({"k": {"config": entry}}))
+        got = dataclasses.asdict(select_config("k", 6, 4, None, False))
+        assert got == (config if name == "current" else dataclasses.asdict(
+            default_config(6, 4, None, False))), name  # fmt: skip

@@ -20,6 +20,8 @@ MAX_SMS = 132
 # per thread. A budget of num_sms SMs buys num_sms * WARPS_PER_SM warps of senders, and the
 # local roles get WARPS_PER_SM // num_warps programs per SM.
 WARPS_PER_SM = 16
+# Registers per thread of the data-move kernels, so that WARPS_PER_SM warps fit an SM's 64K.
+MAX_REGISTERS = 65536 // (WARPS_PER_SM * 32)
 # Warps per program that a GPU configuration may have.
 GPU_WARPS = (4, 8, 16)
 # Most sending programs (channels) of one launch; the ready flags are sized for it.
@@ -55,6 +57,8 @@ class KernelConfig:
     block_h: hidden elements per tile of the dispatch kernel; a power of two.
     combine_block_h: the same for combine, whose fp32 accumulators need more registers.
     copy_unroll: expert rows combine gathers at once.
+    copy_stages: tiles whose loads are in flight in the copies that stream rows (senders, and
+        dispatch's own tokens), through shared memory; 1: one tile at a time, in registers.
     h_slices: column slices of a chunk; a work item is one (chunk, slice), so small batches still
         spread over all programs.
     num_warps: warps per program.
@@ -66,6 +70,7 @@ class KernelConfig:
     block_h: int
     combine_block_h: int
     copy_unroll: int
+    copy_stages: int
     h_slices: int
     num_warps: int
 
@@ -80,8 +85,9 @@ def default_config(hidden: int, max_tokens: int, num_sms: int | None, on_gpu: bo
 
     On GPUs: programs of 8 warps, two per SM (on 2xH200 the local roles ran 15% faster than
     with one program of 16 warps per SM, and senders of 8 warps two per SM's budget 13% faster),
-    tiles of 8K elements for dispatch (double-buffered) and 4K fp32 accumulators for combine with
-    8 gathers in flight, which compile without register spills on sm_90; 16-token chunks for
+    tiles of 8K elements for dispatch and 4K fp32 accumulators for combine with 8 gathers in
+    flight, which compile into 128 registers without spills on sm_90 (make_config: the streaming
+    copies keep 4 tiles' loads in flight in shared memory); 16-token chunks for
     small batches (more chunks to spread over the programs), 32 otherwise (fewer flags). Under
     the CPU interpreter: small tiles.
     """
@@ -107,6 +113,7 @@ def make_config(
     num_warps: int,
     on_gpu: bool,
     copy_unroll: int = 8,
+    copy_stages: int = 4,
 ) -> KernelConfig:
     """A KernelConfig from its free parameters. On GPUs combine tiles are half as wide as
     dispatch's (fp32 accumulators); the interpreter keeps tiles small and 2 gathers in flight."""
@@ -116,7 +123,8 @@ def make_config(
         num_sms=num_sms, programs_per_sm=WARPS_PER_SM // num_warps if on_gpu else 1,
         chunk_tokens=chunk_tokens, block_h=block_h,
         combine_block_h=max(block_h // 2, 32) if on_gpu else block_h,
-        copy_unroll=copy_unroll if on_gpu else 2, h_slices=h_slices, num_warps=num_warps,
+        copy_unroll=copy_unroll if on_gpu else 2, copy_stages=copy_stages if on_gpu else 1,
+        h_slices=h_slices, num_warps=num_warps,
     )  # fmt: skip
 
 

@@ -1,7 +1,8 @@
 """``hybrid-ep tune``: sweep the kernels' free parameters for one shape and cache the fastest.
 
 Candidates are every combination of tokens per chunk, dispatch tile width (combine uses half),
-warps per program, column slices per chunk and expert rows combine gathers at once, at the
+warps per program, column slices per chunk, expert rows combine gathers at once and tile
+loads in flight in the streaming copies, at the
 given SM budget (``num_sms``: the senders get that many SMs' worth of warps).
 Each candidate gets its own Buffer; the score is the time of a cached-handle dispatch (the data
 move) plus a combine, medians of ``iters`` calls after ``warmup``, the slowest rank's. The
@@ -38,16 +39,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--warps", type=_ints, default=[8, 16])
     p.add_argument("--slices", type=_ints, default=[1, 2, 4], help="column slices per chunk")
     p.add_argument("--unroll", type=_ints, default=[4, 8], help="rows combine gathers at once")
+    p.add_argument("--stages", type=_ints, default=[4], help="tile loads in flight in copies")
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--timeout", type=float, default=3600)
 
 
 def _candidates(args: argparse.Namespace, on_gpu: bool) -> list[KernelConfig]:
-    grid = itertools.product(args.chunks, args.block_h, args.warps, args.slices, args.unroll)
+    grid = itertools.product(
+        args.chunks, args.block_h, args.warps, args.slices, args.unroll, args.stages
+    )
     return [
-        make_config(args.sms, chunk, block_h, slices, warps, on_gpu, unroll)
-        for chunk, block_h, warps, slices, unroll in grid
+        make_config(args.sms, chunk, block_h, slices, warps, on_gpu, unroll, stages)
+        for chunk, block_h, warps, slices, unroll, stages in grid
     ]
 
 

@@ -59,7 +59,8 @@ def select_config(
     if _FORCED:
         return _FORCED[-1]
     entry = _load().get(key)
-    if entry is None:
+    fields = {f.name for f in dataclasses.fields(KernelConfig)}
+    if entry is None or set(entry["config"]) != fields:  # none, or written by another version
         return default_config(hidden, max_tokens, num_sms, on_gpu)
     config = KernelConfig(**entry["config"])
     return dataclasses.replace(config, num_sms=num_sms) if num_sms else config

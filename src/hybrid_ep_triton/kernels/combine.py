@@ -177,31 +177,28 @@ def _finish_chunk(
 
 @triton.jit(noinline=True)
 def _copy_rows(
-    src_ptr, dst_ptr, num_rows, h_first, h_last, hidden, CHUNK: tl.constexpr, BLOCK_H: tl.constexpr
+    src_ptr,
+    dst_ptr,
+    num_rows,
+    h_first,
+    h_last,
+    hidden,
+    CHUNK: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    STAGES: tl.constexpr,
 ):
     """Copy columns [h_first, h_last) of rows [0, num_rows), num_rows <= CHUNK, from ``src_ptr``
-    to ``dst_ptr`` (both rows of ``hidden`` elements); the next tile's load is in flight while
-    this one is stored. Loads bypass L1: other programs of the launch wrote ``src_ptr``."""
+    to ``dst_ptr`` (both rows of ``hidden`` elements), STAGES tiles' loads in flight (through
+    shared memory) while one is stored. Loads bypass L1: other programs of the launch wrote
+    ``src_ptr``."""
     rows = tl.arange(0, CHUNK)
     rmask = rows < num_rows
     offs = rows.to(tl.int64)[:, None] * hidden
-    cols = h_first + tl.arange(0, BLOCK_H)
-    tile = tl.load(
-        src_ptr + offs + cols[None, :],
-        mask=rmask[:, None] & (cols[None, :] < h_last),
-        cache_modifier=".cg",
-    )
-    for h0 in range(h_first, h_last, BLOCK_H):
+    for h0 in tl.range(h_first, h_last, BLOCK_H, num_stages=STAGES):
         cols = h0 + tl.arange(0, BLOCK_H)
-        next_cols = cols + BLOCK_H
-        next_tile = tl.load(
-            src_ptr + offs + next_cols[None, :],
-            mask=rmask[:, None] & (next_cols[None, :] < h_last),
-            cache_modifier=".cg",
-        )
-        cmask = cols < h_last
-        tl.store(dst_ptr + offs + cols[None, :], tile, mask=rmask[:, None] & cmask[None, :])
-        tile = next_tile
+        mask = rmask[:, None] & (cols[None, :] < h_last)
+        tile = tl.load(src_ptr + offs + cols[None, :], mask=mask, cache_modifier=".cg")
+        tl.store(dst_ptr + offs + cols[None, :], tile, mask=mask)
 
 
 @triton.jit
@@ -243,6 +240,7 @@ def combine_kernel(
     HAS_WEIGHTS: tl.constexpr,
     COPY_UNROLL: tl.constexpr,
     LP_MAX: tl.constexpr,
+    STAGES: tl.constexpr,  # tile loads in flight in the senders' copies
 ):
     pid = tl.program_id(0)
     num_programs = tl.num_programs(0)
@@ -302,7 +300,7 @@ def combine_kernel(
                     region(peer_bases_ptr, src, staging_off, dtype)
                     + (rank * T_MAX + start).to(tl.int64) * hidden,
                     tl.load(table + w // H_SLICES + 1) - start, h_first,
-                    tl.minimum(h_first + slice_cols, hidden), hidden, CHUNK, COPY_BLOCK_H,
+                    tl.minimum(h_first + slice_cols, hidden), hidden, CHUNK, COPY_BLOCK_H, STAGES,
                 )  # fmt: skip
                 flags = region(peer_bases_ptr, src, chunk_flags_off, tl.int64)
                 signal(flags + rank * items_of_src + w, seq)

@@ -172,6 +172,7 @@ def _send_chunk(
     CHUNK: tl.constexpr,
     BLOCK_H: tl.constexpr,
     HAS_WEIGHTS: tl.constexpr,
+    STAGES: tl.constexpr,
 ):
     """Push columns [h_first, h_last) of chunk ``c`` of this rank's tokens to every other rank that
     holds one of their experts: each row once per rank, with the expert-major rows (and weights)
@@ -183,11 +184,7 @@ def _send_chunk(
         c, topk_idx_ptr, num_tokens, topk, num_experts, experts_per_rank, slot_pos_ptr,
         chunk_expert_base_ptr, CHUNK, K_P2,
     )  # fmt: skip
-    # The first tile's load goes first: it is in flight while the metadata is written (the
-    # compiler keeps loads after stores that might alias them).
     x_rows = x_ptr + tokens.to(tl.int64)[:, None] * x_stride
-    cols = h_first + tl.arange(0, BLOCK_H)
-    tile = tl.load(x_rows + cols[None, :], mask=tmask[:, None] & (cols[None, :] < h_last))
     if HAS_WEIGHTS:
         weight = tl.load(topk_weights_ptr + slot_offs, mask=dest >= 0, other=0.0)
     # Row of each (token, other destination) in that destination's staging area, or -1.
@@ -207,21 +204,17 @@ def _send_chunk(
             if HAS_WEIGHTS:
                 meta_weights = region(peer_bases_ptr, q, meta_weights_off, tl.float32)
                 tl.store((meta_weights + meta)[:, None] + entry, weight, mask=sel)
-    # Double-buffered: the next tile's load is in flight while this one is stored.
-    for h0 in range(h_first, h_last, BLOCK_H):
+    # STAGES tiles' loads in flight (through shared memory) while one is stored.
+    for h0 in tl.range(h_first, h_last, BLOCK_H, num_stages=STAGES):
         cols = h0 + tl.arange(0, BLOCK_H)
         cmask = cols < h_last
-        next_cols = cols + BLOCK_H
-        next_tile = tl.load(
-            x_rows + next_cols[None, :], mask=tmask[:, None] & (next_cols[None, :] < h_last)
-        )
+        tile = tl.load(x_rows + cols[None, :], mask=tmask[:, None] & cmask[None, :])
         for q in tl.static_range(W_P2):
             if q < world_size:
                 row = column(stream_rows, ranks, q)
                 staging = region(peer_bases_ptr, q, staging_off, dtype)
                 ptrs = staging + row.to(tl.int64)[:, None] * hidden + cols[None, :]
                 tl.store(ptrs, tile, mask=(row >= 0)[:, None] & cmask[None, :])
-        tile = next_tile
 
 
 @triton.jit(noinline=True)
@@ -319,6 +312,7 @@ def _expand_own_chunk(
     BLOCK_H: tl.constexpr,
     HAS_WEIGHTS: tl.constexpr,
     WRITE_ROWS: tl.constexpr,
+    STAGES: tl.constexpr,
 ):
     """Copy columns [h_first, h_last) of this rank's tokens of chunk ``c`` straight from ``x``
     to the expert-major rows of their local experts, and (if WRITE_ROWS) record those rows in
@@ -341,7 +335,7 @@ def _expand_own_chunk(
         tl.store(recv_weights_ptr + out_row, weight, mask=out_row >= 0)
     x_rows = x_ptr + tokens.to(tl.int64)[:, None] * x_stride
     wanted = tl.max(out_row, axis=1) >= 0
-    for h0 in range(h_first, h_last, BLOCK_H):
+    for h0 in tl.range(h_first, h_last, BLOCK_H, num_stages=STAGES):
         cols = h0 + tl.arange(0, BLOCK_H)
         cmask = cols < h_last
         tile = tl.load(x_rows + cols[None, :], mask=wanted[:, None] & cmask[None, :])
@@ -399,6 +393,7 @@ def dispatch_kernel(
     BLOCK_H: tl.constexpr,
     HAS_WEIGHTS: tl.constexpr,
     WRITE_ROWS: tl.constexpr,  # False for a cached dispatch: its handle has them already
+    STAGES: tl.constexpr,  # tile loads in flight in the copies from x (shared-memory pipeline)
 ):
     pid = tl.program_id(0)
     num_programs = tl.num_programs(0)
@@ -426,7 +421,7 @@ def dispatch_kernel(
                 experts_per_rank, W, rank, slot_pos_ptr, token_rank_pos_ptr,
                 send_chunk_start_ptr, chunk_expert_base_ptr, peer_bases_ptr, meta_rows_off,
                 meta_weights_off, staging_off, T_MAX, MS, MS_P2, K_P2, W_P2, CHUNK, BLOCK_H,
-                HAS_WEIGHTS,
+                HAS_WEIGHTS, STAGES,
             )  # fmt: skip
             for peer in range(0, W):
                 if peer != rank:
@@ -458,7 +453,7 @@ def dispatch_kernel(
                     experts_per_rank, rank, num_out_rows, slot_pos_ptr, token_rank_pos_ptr,
                     rank * T_MAX + tl.load(send_chunk_start_ptr + c * W + rank),
                     chunk_expert_base_ptr, staged_rows_ptr, recv_x_ptr, recv_weights_ptr, W, MS,
-                    MS_P2, K_P2, CHUNK, BLOCK_H, HAS_WEIGHTS, WRITE_ROWS,
+                    MS_P2, K_P2, CHUNK, BLOCK_H, HAS_WEIGHTS, WRITE_ROWS, STAGES,
                 )  # fmt: skip
             else:
                 part = (item - own_items) % staged_parts

@@ -3,7 +3,7 @@ sending programs."""
 
 import torch
 
-from .._planner import LOCAL_PARTS, MAX_PROGRAMS, next_power_of_2
+from .._planner import LOCAL_PARTS, MAX_PROGRAMS, MAX_REGISTERS, next_power_of_2
 from ..kernels.combine import combine_kernel
 from . import Runtime, local_parts, programs_beside_senders
 from .dispatch import DispatchHandle
@@ -35,6 +35,7 @@ def reduce_tokens(
         P_MAX=MAX_PROGRAMS, MS=plan.meta_stride, MS_P2=next_power_of_2(plan.meta_stride),
         W_P2=next_power_of_2(rt.world_size), CHUNK=cfg.chunk_tokens,
         BLOCK_H=cfg.combine_block_h, COPY_BLOCK_H=cfg.block_h, HAS_WEIGHTS=has_weights,
-        COPY_UNROLL=cfg.copy_unroll, LP_MAX=LOCAL_PARTS, num_warps=cfg.num_warps,
+        COPY_UNROLL=cfg.copy_unroll, LP_MAX=LOCAL_PARTS, STAGES=cfg.copy_stages,
+        num_warps=cfg.num_warps, maxnreg=MAX_REGISTERS,
     )  # fmt: skip
     return out

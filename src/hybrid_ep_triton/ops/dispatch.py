@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .._planner import MAX_PROGRAMS, Plan, ceil_div, next_power_of_2
+from .._planner import MAX_PROGRAMS, MAX_REGISTERS, Plan, ceil_div, next_power_of_2
 from ..kernels.dispatch import dispatch_kernel
 from ..kernels.route import layout_kernel
 from . import Runtime, local_parts, programs_beside_senders
@@ -234,6 +234,7 @@ def move_tokens(
         P_MAX=MAX_PROGRAMS, MS=plan.meta_stride, MS_P2=next_power_of_2(plan.meta_stride),
         K_P2=next_power_of_2(topk), W_P2=next_power_of_2(world),
         CHUNK=cfg.chunk_tokens, BLOCK_H=cfg.block_h, HAS_WEIGHTS=has_weights,
-        WRITE_ROWS=not cached, num_warps=cfg.num_warps,
+        WRITE_ROWS=not cached, STAGES=cfg.copy_stages, num_warps=cfg.num_warps,
+        maxnreg=MAX_REGISTERS,
     )  # fmt: skip
     return recv_x, (recv_weights if has_weights else None)
