@@ -288,7 +288,7 @@ def _plot(result: dict, path: str) -> None:
                 ax.axhline(b["algo_GBps"], color="gray" if b["op"] == "dispatch" else "silver",
                            ls="-.", label=f"NCCL reference {b['op']}")  # fmt: skip
         ax.set_title(f"{shape}, EP{result['ranks']}, {result['machine']}")
-        ax.set_xlabel("SMs (programs)")
+        ax.set_xlabel("num_sms (the senders' SM budget)")
         ax.grid(alpha=0.3)
     axes[0].set_ylabel("algo GB/s")
     axes[1].legend(fontsize=7)

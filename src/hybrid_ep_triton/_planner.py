@@ -83,8 +83,8 @@ class KernelConfig:
 def default_config(hidden: int, max_tokens: int, num_sms: int | None, on_gpu: bool) -> KernelConfig:
     """The documented heuristic.
 
-    On GPUs: programs of 8 warps, two per SM (on 2xH200 the local roles ran 15% faster than
-    with one program of 16 warps per SM, and senders of 8 warps two per SM's budget 13% faster),
+    On GPUs: programs of 8 warps, two per SM (on 2xH200, S1, 8 SMs, against one program of 16
+    warps per SM: a cached dispatch 302 instead of 348 µs, a combine 332 instead of 393 µs),
     tiles of 8K elements for dispatch and 4K fp32 accumulators for combine with 8 gathers in
     flight, which compile into 128 registers without spills on sm_90 (make_config: the streaming
     copies keep 4 tiles' loads in flight in shared memory); 16-token chunks for
