@@ -13,4 +13,5 @@ def test_kernels_compile_for_sm90():
         [sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=600
     )
     assert result.returncode == 0, result.stdout + result.stderr
-    assert result.stdout.count("REG:") == 8, result.stdout
+    # Three kernels (layout, dispatch, combine) at EP2 and EP8.
+    assert result.stdout.count("REG:") == 6, result.stdout

@@ -3,7 +3,8 @@
 One launch after the layout, in two roles, so that only the transfer is bound to the Buffer's SM
 budget and the expansion overlaps it:
 
-Senders, the first P programs (``num_sms``); program p is an independent channel:
+Senders, the first P programs (the Buffer's SM budget's worth of warps); program p is an
+independent channel:
 1. it raises its ready flag on every peer (its rank's previous launch has finished with the
    staging area) and waits for program p of every peer to have done the same;
 2. for its token chunks c = p, p + P, ... it pushes each token row once to every *other* rank
@@ -11,8 +12,8 @@ Senders, the first P programs (``num_sms``); program p is an independent channel
    with the destination rows and weights of the token's slots there, then sets the chunk's flag.
 Senders never wait for a program of their own launch.
 
-Expanders, the other programs (about one per SM: the expansion is bound by local memory, not by
-the link), take work items from a queue: this rank's own tokens, copied straight from ``x`` to
+Expanders, the other programs (the rest of the GPU: the expansion is bound by local memory, not
+by the link), take work items from a queue: this rank's own tokens, copied straight from ``x`` to
 their expert-major rows (own tokens never go through the staging area), then every other rank's
 chunks, each as soon as its flag is up, from the staging area; then they zero the padding rows
 and the rows past the valid count. Expanders wait only for senders, which come first in the

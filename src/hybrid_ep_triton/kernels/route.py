@@ -22,9 +22,9 @@ import triton.language as tl
 from .primitives import region, signal, wait_at_least
 
 STAGE_LAYOUT = 1  # stage number a timed-out wait records (literal inside the kernels)
-# A routing error is recorded in a control word as NO_ERROR_ROW - row (atomic max keeps the
-# first bad row; 0, the word's resting value, means none).
-NO_ERROR_ROW = 2**62
+# The first invalid row of a launch is recorded in a control word as 2**62 - row (an atomic max
+# keeps the first; 0, the word's resting value, means none) and reported in info[2] as the row,
+# or 2**62 when none. The kernels write 2**62 as the literal 4611686018427387904.
 
 
 @triton.jit
@@ -63,7 +63,7 @@ def _count_chunk(
 ):
     """Count chunk ``chunk``: slot_pos and token_rank_pos of its tokens, its slots per expert
     (``expert_count_ptr`` [E]) and tokens per rank (``rank_count_ptr`` [W]); the first invalid
-    row goes into ``bad_row_ptr`` (see NO_ERROR_ROW)."""
+    row goes into ``bad_row_ptr`` (as 2**62 - row)."""
     # Per slot: its position among the chunk's slots of the same expert, the number of pairs of
     # slots with that expert whose other slot belongs to an earlier token (tiles of pairs).
     expert_count = tl.zeros([E_P2], tl.int32)
@@ -101,7 +101,7 @@ def _count_chunk(
     ) > 0
     first_bad = tl.min(tl.where(bad_row, tokens, 2147483647), axis=0)
     if first_bad < 2147483647:
-        tl.atomic_max(bad_row_ptr, 4611686018427387904 - first_bad.to(tl.int64))  # NO_ERROR_ROW
+        tl.atomic_max(bad_row_ptr, 4611686018427387904 - first_bad.to(tl.int64))
     dest = tl.where(slot_ids >= 0, slot_ids // experts_per_rank, -1)
     ranks = tl.arange(0, W_P2)
     to_rank = tl.sum((dest[:, :, None] == ranks[None, None, :]).to(tl.int32), axis=1) > 0
@@ -268,7 +268,7 @@ def layout_kernel(
     expert_layout_ptr,  # out [3, L] int32: segment start, valid rows, padded rows
     tokens_per_expert_ptr,  # out [L] int64: padded rows per local expert inside the output
     info_ptr,  # out int64 [4]: rows needed, first invalid source (or -1), first invalid row of
-    # this rank (or NO_ERROR_ROW), -
+    # this rank (or 2**62), -
     peer_bases_ptr,
     control_ptr,  # int64 [10]: [2] layout sequence number, [3:6] status, [8] ticket, [9] bad row
     count_flags_off,

@@ -17,10 +17,10 @@ class Runtime:
     control: int64 [10] on the device: [0] last data-launch sequence number, [1] ticket of the
         running launch, [2] last layout-exchange sequence number, [3:6] status (code, peer,
         stage), [6:8] work queues of the running launch's local roles, [8] ticket of the
-        running layout launch, [9] its first invalid row (kernels/route.py's NO_ERROR_ROW).
+        running layout launch, [9] its first invalid row (encoded as kernels/route.py says).
     timeout_ns: bound of every wait on a peer, in nanoseconds.
     local_programs: programs of a launch for the work that stays on this GPU (expansion,
-        reduction, sums): the config's programs_per_sm per SM; the senders are taken from it.
+        reduction, finish): the config's programs_per_sm per SM; the senders are taken from it.
     outbox: [W * T_MAX, H] of the Buffer's dtype: combine's partial rows for the other ranks,
         laid out like the heap's staging area.
     check_status: called after every launch; raises TimeoutError where launches are synchronous

@@ -1,5 +1,6 @@
 """Dispatch launches: the layout (one kernel), then the data move (one kernel whose first
-``num_sms`` programs send and whose others, about one per SM, expand into expert-major rows)."""
+programs, the senders, push rows to the other ranks and whose others, on the rest of the GPU,
+expand into expert-major rows)."""
 
 import functools
 import math
