@@ -1,9 +1,9 @@
 """``hybrid-ep tune``: sweep the kernels' free parameters for one shape and cache the fastest.
 
 Candidates are every combination of tokens per chunk, dispatch tile width (combine uses half),
-warps per program, column slices per chunk, expert rows combine gathers at once and tile
-loads in flight in the streaming copies, at the
-given SM budget (``num_sms``: the senders get that many SMs' worth of warps).
+warps per program, column slices per chunk, expert rows combine gathers at once and tile loads
+in flight in the streaming copies, at the given SM budget (``num_sms``: the senders get that
+many SMs' worth of warps).
 Each candidate gets its own Buffer; the score is the time of a cached-handle dispatch (the data
 move) plus a combine, medians of ``iters`` calls after ``warmup``, the slowest rank's. The
 timing is the benchmark's (CUDA events) rather than ``triton.testing.do_bench``: do_bench picks
