@@ -24,7 +24,15 @@ import triton
 import triton.language as tl
 
 from .dispatch import column, part_columns, remote_entries, remote_item
-from .primitives import finish_launch, handshake, region, signal, take_work, wait_at_least
+from .primitives import (
+    finish_launch,
+    handshake,
+    region,
+    signal,
+    take_work,
+    wait_at_least,
+    wait_item,
+)
 
 STAGE_COMBINE_READY = 4
 STAGE_COMBINE_DATA = 5
@@ -311,11 +319,10 @@ def combine_kernel(
             part = item % local_parts
             for peer in range(0, W):
                 if peer != rank:
-                    # First the sender's start, so that a peer that never came times out as such.
-                    ready = my_ready + peer * P_MAX + w % num_senders
-                    wait_at_least(ready, seq, timeout_ns, status_ptr, peer, 4)  # COMBINE_READY
-                    flag = my_flags + peer * items_of_src + w
-                    wait_at_least(flag, seq, timeout_ns, status_ptr, peer, 5)  # COMBINE_DATA
+                    wait_item(
+                        my_ready, my_flags, peer, w, num_senders, items_of_src, seq,
+                        timeout_ns, status_ptr, 4, 5, P_MAX,  # COMBINE_READY, COMBINE_DATA
+                    )  # fmt: skip
             h_first, h_last = part_columns(w, part, slice_cols, part_cols, hidden, H_SLICES)
             _finish_chunk(
                 w // H_SLICES, h_first, h_last, num_tokens, hidden, rank, W, token_rank_pos_ptr,

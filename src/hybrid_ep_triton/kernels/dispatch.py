@@ -23,7 +23,7 @@ launch order.
 import triton
 import triton.language as tl
 
-from .primitives import finish_launch, handshake, region, signal, take_work, wait_at_least
+from .primitives import finish_launch, handshake, region, signal, take_work, wait_item
 
 STAGE_DISPATCH_READY = 2
 STAGE_DISPATCH_DATA = 3
@@ -461,11 +461,10 @@ def dispatch_kernel(
                 w, src = remote_item((item - own_items) // staged_parts, rank, W)
                 src_tokens = tl.minimum(tl.load(recv_src_tokens_ptr + src), T_MAX)
                 if w < tl.cdiv(src_tokens, CHUNK) * H_SLICES:
-                    # First the sender's start, so that a peer that never came times out as such.
-                    ready = my_ready + src * P_MAX + w % num_senders
-                    wait_at_least(ready, seq, timeout_ns, status_ptr, src, 2)  # DISPATCH_READY
-                    flag = my_flags + src * NC_MAX * H_SLICES + w
-                    wait_at_least(flag, seq, timeout_ns, status_ptr, src, 3)  # DISPATCH_DATA
+                    wait_item(
+                        my_ready, my_flags, src, w, num_senders, NC_MAX * H_SLICES, seq,
+                        timeout_ns, status_ptr, 2, 3, P_MAX,  # DISPATCH_READY, DISPATCH_DATA
+                    )  # fmt: skip
                     table = recv_chunk_start_ptr + src * (NC_MAX + 1)
                     c = w // H_SLICES
                     h_first, h_last = part_columns(w, part, send_cols, part_cols, hidden, H_SLICES)

@@ -86,6 +86,31 @@ def wait_at_least(flag_ptr, target, timeout_ns, status_ptr, peer, stage):
 
 
 @triton.jit
+def wait_item(
+    my_ready,
+    my_flags,
+    src,
+    w,
+    num_senders,
+    items_of_src,
+    seq,
+    timeout_ns,
+    status_ptr,
+    ready_stage,
+    data_stage,
+    P_MAX,
+):
+    """Wait until work item ``w`` from rank ``src`` has landed here: first for the sender that
+    carries it (program w % num_senders of ``src``) to have started the launch, so that a peer
+    that never came times out at ``ready_stage``, then for the item's flag (``data_stage``).
+    ``my_ready``: this rank's ready flags [W, P_MAX]; ``my_flags``: its item flags
+    [W, items_of_src]."""
+    ready = my_ready + src * P_MAX + w % num_senders
+    wait_at_least(ready, seq, timeout_ns, status_ptr, src, ready_stage)
+    wait_at_least(my_flags + src * items_of_src + w, seq, timeout_ns, status_ptr, src, data_stage)
+
+
+@triton.jit
 def handshake(
     peer_bases_ptr, ready_off, rank, world_size, seq, timeout_ns, status_ptr, stage, P_MAX, channel
 ):
