@@ -139,7 +139,8 @@ class HeapLayout:
                                          exchanging data)
     chunk_flags   int64 [W, NC_MAX * S]  work item (chunk, slice) from/to rank s has landed
     reduced_flags int64 [W, NC_MAX * S, LOCAL_PARTS]  combine: this rank's partial rows of that
-                                         item's column part are ready
+                                         item's column part are ready (block s != own rank), or
+                                         the own sums of that part of own chunk are in out
     counts        int32 [W, E + 3]       per-expert totals of s, then tokens, invalid, pad
     chunk_table   int32 [W, NC_MAX + 1]  offsets of s's chunks in its stream to this rank
     meta_rows     int32 [W, T_MAX, MS]   expert-major rows of each staged token

@@ -12,9 +12,12 @@ Senders, the next P programs; program p is an independent channel: ready flags a
 then for chunk c = p, p + P, ... of every other rank's stream it waits for the reducers, copies
 the partial rows from the outbox into that rank's staging area and sets the chunk's flag there.
 
-Finishers, the other programs, take this rank's own chunks from a second queue: once a chunk's
-partial rows from every other rank are in, each token's sum in fp32 of its own expert rows here
-and those partial rows, written once to ``out``.
+Finishers, the other programs, take this rank's own chunks from a second queue, twice: first
+each token's sum in fp32 of its own expert rows here, rounded into ``out`` as the other ranks
+round their partial rows (this needs nothing from a peer, so it overlaps the reduction and the
+transfer); then, once a chunk's partial rows from every other rank are in, their sum in fp32
+with those own sums, written back to ``out``. Only these light additions are left when the last
+partial rows land.
 
 Programs wait only for programs that come earlier in the launch order or belong to another rank,
 so the launch finishes whichever of its programs run first.
@@ -121,8 +124,34 @@ def _reduce_chunk(
         tl.store(ptrs, acc.to(partial_ptr.dtype.element_ty), mask=jmask[:, None] & cmask[None, :])
 
 
+@triton.jit
+def _stream_rows(
+    c,
+    num_tokens,
+    world_size,
+    token_rank_pos_ptr,
+    send_chunk_start_ptr,
+    T_MAX: tl.constexpr,
+    W_P2: tl.constexpr,
+    CHUNK: tl.constexpr,
+):
+    """Tokens [CHUNK] of chunk ``c`` of this rank, their mask, and the row of each (token,
+    rank) [CHUNK, W_P2] in this rank's stream to that rank (own rank) or in the staging block of
+    what that rank sent back (other ranks), or -1 where the token has no expert there."""
+    ranks = tl.arange(0, W_P2)
+    tokens = c * CHUNK + tl.arange(0, CHUNK)
+    tmask = tokens < num_tokens
+    rmask = tmask[:, None] & (ranks[None, :] < world_size)
+    pos = tl.load(
+        token_rank_pos_ptr + tokens[:, None] * world_size + ranks[None, :], mask=rmask, other=-1
+    )
+    starts = tl.load(send_chunk_start_ptr + c * world_size + ranks, mask=ranks < world_size)
+    stream_rows = tl.where(pos >= 0, ranks[None, :] * T_MAX + starts[None, :] + pos, -1)
+    return tokens, tmask, ranks, stream_rows
+
+
 @triton.jit(noinline=True)
-def _finish_chunk(
+def _sum_own_rows(
     c,
     h_first,
     h_last,
@@ -136,7 +165,6 @@ def _finish_chunk(
     y_ptr,
     y_stride,
     weights_ptr,
-    partial_ptr,
     out_ptr,
     T_MAX: tl.constexpr,
     MS: tl.constexpr,
@@ -148,22 +176,13 @@ def _finish_chunk(
     COPY_UNROLL: tl.constexpr,
 ):
     """Columns [h_first, h_last) of the out rows of chunk ``c``: per token, the sum in fp32 of
-    its expert rows on this rank (times their weights) and its partial rows from the other
-    ranks (``partial_ptr``: the staging area)."""
-    ranks = tl.arange(0, W_P2)
-    tokens = c * CHUNK + tl.arange(0, CHUNK)
-    tmask = tokens < num_tokens
-    rmask = tmask[:, None] & (ranks[None, :] < world_size)
-    pos = tl.load(
-        token_rank_pos_ptr + tokens[:, None] * world_size + ranks[None, :], mask=rmask, other=-1
+    its expert rows on this rank (times their weights), rounded to out's dtype like the partial
+    rows the other ranks send (0 for a token with no expert here)."""
+    tokens, tmask, ranks, stream_rows = _stream_rows(
+        c, num_tokens, world_size, token_rank_pos_ptr, send_chunk_start_ptr, T_MAX, W_P2, CHUNK
     )
-    starts = tl.load(send_chunk_start_ptr + c * world_size + ranks, mask=ranks < world_size)
-    # Row of each (token, rank) in this rank's stream to that rank (own) or in the staging
-    # block of what that rank sent back (others), or -1.
-    stream_rows = tl.where(pos >= 0, ranks[None, :] * T_MAX + starts[None, :] + pos, -1)
     own = column(stream_rows, ranks, rank)
     rows, entries, num_copies = _expert_rows(own, own >= 0, staged_rows_ptr, MS, MS_P2)
-    partial_rows = tl.where(ranks[None, :] != rank, stream_rows, -1)
     for h0 in range(h_first, h_last, BLOCK_H):
         cols = h0 + tl.arange(0, BLOCK_H)
         cmask = cols < h_last
@@ -171,16 +190,51 @@ def _finish_chunk(
             tl.zeros([CHUNK, BLOCK_H], tl.float32), rows, entries, num_copies, cols, cmask,
             y_ptr, y_stride, weights_ptr, HAS_WEIGHTS, COPY_UNROLL,
         )  # fmt: skip
+        ptrs = out_ptr + tokens.to(tl.int64)[:, None] * hidden + cols[None, :]
+        tl.store(ptrs, acc.to(out_ptr.dtype.element_ty), mask=tmask[:, None] & cmask[None, :])
+
+
+@triton.jit(noinline=True)
+def _add_partial_rows(
+    c,
+    h_first,
+    h_last,
+    num_tokens,
+    hidden,
+    rank,
+    world_size,
+    token_rank_pos_ptr,
+    send_chunk_start_ptr,
+    partial_ptr,
+    out_ptr,
+    T_MAX: tl.constexpr,
+    W_P2: tl.constexpr,
+    CHUNK: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+):
+    """Add, in fp32, the partial rows from the other ranks (``partial_ptr``: the staging area)
+    to columns [h_first, h_last) of the out rows of chunk ``c`` that hold the own sums."""
+    tokens, tmask, ranks, stream_rows = _stream_rows(
+        c, num_tokens, world_size, token_rank_pos_ptr, send_chunk_start_ptr, T_MAX, W_P2, CHUNK
+    )
+    partial_rows = tl.where(ranks[None, :] != rank, stream_rows, -1)
+    # Tokens without an expert on another rank are final already.
+    remote = tmask & (tl.max(partial_rows, axis=1) >= 0)
+    out_rows = out_ptr + tokens.to(tl.int64)[:, None] * hidden
+    for h0 in range(h_first, h_last, BLOCK_H):
+        cols = h0 + tl.arange(0, BLOCK_H)
+        mask = remote[:, None] & (cols[None, :] < h_last)
+        # Another program of this launch wrote the own sums: bypass L1.
+        acc = tl.load(out_rows + cols[None, :], mask=mask, cache_modifier=".cg").to(tl.float32)
         for q in tl.static_range(W_P2):
             row = column(partial_rows, ranks, q)
             acc += tl.load(
                 partial_ptr + row.to(tl.int64)[:, None] * hidden + cols[None, :],
-                mask=(row >= 0)[:, None] & cmask[None, :],
+                mask=(row >= 0)[:, None] & mask,
                 other=0.0,
                 cache_modifier=".cg",
             ).to(tl.float32)
-        ptrs = out_ptr + tokens.to(tl.int64)[:, None] * hidden + cols[None, :]
-        tl.store(ptrs, acc.to(out_ptr.dtype.element_ty), mask=tmask[:, None] & cmask[None, :])
+        tl.store(out_rows + cols[None, :], acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit(noinline=True)
@@ -313,22 +367,41 @@ def combine_kernel(
                 flags = region(peer_bases_ptr, src, chunk_flags_off, tl.int64)
                 signal(flags + rank * items_of_src + w, seq)
     else:
+        # Finishers' queue: first every own item's sum of its expert rows here (nothing to wait
+        # for, so this overlaps the reduction and the transfer), then, as each item's partial
+        # rows land, their sum into the same out rows; only those light additions are left
+        # when the last partial rows land.
+        own_items = tl.cdiv(num_tokens, CHUNK) * H_SLICES * local_parts
         item = take_work(control_ptr + 7)
-        while item < tl.cdiv(num_tokens, CHUNK) * H_SLICES * local_parts:
-            w = item // local_parts
+        while item < own_items * tl.minimum(W, 2):
+            w = (item % own_items) // local_parts
             part = item % local_parts
-            for peer in range(0, W):
-                if peer != rank:
-                    wait_item(
-                        my_ready, my_flags, peer, w, num_senders, items_of_src, seq,
-                        timeout_ns, status_ptr, 4, 5, P_MAX,  # COMBINE_READY, COMBINE_DATA
-                    )  # fmt: skip
             h_first, h_last = part_columns(w, part, slice_cols, part_cols, hidden, H_SLICES)
-            _finish_chunk(
-                w // H_SLICES, h_first, h_last, num_tokens, hidden, rank, W, token_rank_pos_ptr,
-                send_chunk_start_ptr, staged_rows_ptr, y_ptr, y_stride, weights_ptr, staging,
-                out_ptr, T_MAX, MS, MS_P2, W_P2, CHUNK, BLOCK_H, HAS_WEIGHTS, COPY_UNROLL,
-            )  # fmt: skip
+            # The own rank's block of reduced_flags, unused by the reducers: this part's own
+            # sum is in out.
+            summed = reduced_flags + (rank * items_of_src + w) * LP_MAX + part
+            if item < own_items:
+                _sum_own_rows(
+                    w // H_SLICES, h_first, h_last, num_tokens, hidden, rank, W,
+                    token_rank_pos_ptr, send_chunk_start_ptr, staged_rows_ptr, y_ptr, y_stride,
+                    weights_ptr, out_ptr, T_MAX, MS, MS_P2, W_P2, CHUNK, BLOCK_H, HAS_WEIGHTS,
+                    COPY_UNROLL,
+                )  # fmt: skip
+                signal(summed, seq)
+            else:
+                # A program that took the item earlier and waits for nothing: this rank.
+                wait_at_least(summed, seq, timeout_ns, status_ptr, rank, 5)
+                for peer in range(0, W):
+                    if peer != rank:
+                        wait_item(
+                            my_ready, my_flags, peer, w, num_senders, items_of_src, seq,
+                            timeout_ns, status_ptr, 4, 5, P_MAX,  # COMBINE_READY, COMBINE_DATA
+                        )  # fmt: skip
+                _add_partial_rows(
+                    w // H_SLICES, h_first, h_last, num_tokens, hidden, rank, W,
+                    token_rank_pos_ptr, send_chunk_start_ptr, staging, out_ptr, T_MAX, W_P2,
+                    CHUNK, BLOCK_H,
+                )  # fmt: skip
             item = take_work(control_ptr + 7)
 
     finish_launch(control_ptr, seq, num_programs)

@@ -11,7 +11,7 @@ from .dispatch import DispatchHandle
 
 def _reducers(local: int, world: int) -> int:
     """Local programs that reduce the other ranks' rows: those rows are (W - 1) / W of the
-    expert rows a rank gathers, and the finishers gather the rest and add the partial rows."""
+    expert rows a rank gathers, and the finishers gather the rest, then add the partial rows."""
     return min(max(round(local * (world - 1) / world), 1), local - 1)
 
 
