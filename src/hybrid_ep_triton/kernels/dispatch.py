@@ -13,17 +13,25 @@ independent channel:
 Senders never wait for a program of their own launch.
 
 Expanders, the other programs (the rest of the GPU: the expansion is bound by local memory, not
-by the link), take work items from a queue: this rank's own tokens, copied straight from ``x`` to
-their expert-major rows (own tokens never go through the staging area), then every other rank's
-chunks, each as soon as its flag is up, from the staging area; then they zero the padding rows
-and the rows past the valid count. Expanders wait only for senders, which come first in the
-launch order.
+by the link), take work items from a queue of two kinds, spread evenly among each other: this
+rank's own tokens, copied straight from ``x`` to their expert-major rows (own tokens never go
+through the staging area), and every other rank's chunks, each as soon as its flag is up, from
+the staging area; then they zero the padding rows and the rows past the valid count. Expanders
+wait only for senders, which come first in the launch order.
 """
 
 import triton
 import triton.language as tl
 
-from .primitives import finish_launch, handshake, region, signal, take_work, wait_item
+from .primitives import (
+    finish_launch,
+    handshake,
+    interleaved,
+    region,
+    signal,
+    take_work,
+    wait_item,
+)
 
 STAGE_DISPATCH_READY = 2
 STAGE_DISPATCH_DATA = 3
@@ -431,11 +439,13 @@ def dispatch_kernel(
     else:
         lid = pid - num_senders
         num_expanders = num_programs - num_senders
-        # One work queue: own tokens first (straight from x, nothing to wait for, in finer
-        # column slices), then every other rank's items, each as soon as its flag says it has
-        # landed, in the order senders send them: item w of every source, then item w + 1; each
-        # in `staged_parts` column parts, so that the last items to land are each expanded by
-        # several programs at once.
+        # One work queue of two kinds of items, spread evenly among each other: own tokens
+        # (straight from x, nothing to wait for, in finer column slices), and every other
+        # rank's items, each as soon as its flag says it has landed, in the order senders send
+        # them (item w of every source, then item w + 1), each in `staged_parts` column parts so
+        # that the last items to land are each expanded by several programs at once. Own items
+        # all first would fill HBM at the start, and the senders' stores landing on the peer
+        # (busy likewise) would slow down by half until they are done.
         own_cols = tl.cdiv(tl.cdiv(hidden, expand_slices), BLOCK_H) * BLOCK_H
         own_items = tl.where(aborted, 0, tl.cdiv(num_tokens, CHUNK) * expand_slices)
         remote = remote_entries(recv_src_tokens_ptr, rank, W, T_MAX, CHUNK, H_SLICES)
@@ -443,11 +453,13 @@ def dispatch_kernel(
         my_flags = region(peer_bases_ptr, rank, chunk_flags_off, tl.int64)
         my_ready = region(peer_bases_ptr, rank, ready_off, tl.int64)
         part_cols = tl.cdiv(tl.cdiv(send_cols, staged_parts), BLOCK_H) * BLOCK_H
+        remote_items = remote * staged_parts
         item = take_work(control_ptr + 6)
-        while item < own_items + remote * staged_parts:
-            if item < own_items:
-                c = item // expand_slices
-                h_first = (item % expand_slices) * own_cols
+        while item < own_items + remote_items:
+            is_own, k = interleaved(item, own_items, remote_items)
+            if is_own:
+                c = k // expand_slices
+                h_first = (k % expand_slices) * own_cols
                 _expand_own_chunk(
                     c, h_first, tl.minimum(h_first + own_cols, hidden), x_ptr, x_stride,
                     topk_idx_ptr, topk_weights_ptr, num_tokens, topk, hidden, num_experts,
@@ -457,8 +469,8 @@ def dispatch_kernel(
                     MS_P2, K_P2, CHUNK, BLOCK_H, HAS_WEIGHTS, WRITE_ROWS, STAGES,
                 )  # fmt: skip
             else:
-                part = (item - own_items) % staged_parts
-                w, src = remote_item((item - own_items) // staged_parts, rank, W)
+                part = k % staged_parts
+                w, src = remote_item(k // staged_parts, rank, W)
                 src_tokens = tl.minimum(tl.load(recv_src_tokens_ptr + src), T_MAX)
                 if w < tl.cdiv(src_tokens, CHUNK) * H_SLICES:
                     wait_item(

@@ -133,6 +133,21 @@ def take_work(queue_ptr):
 
 
 @triton.jit
+def interleaved(item, count_a, count_b):
+    """Entry ``item`` of a work queue that spreads ``count_a`` items of one kind (A) evenly among
+    ``count_b`` items of another (B), each kind in its own order: (is_a, the item's index within
+    its kind), starting with an A item. Work that waits for nothing (A) then does not all come
+    first and take the memory bandwidth that the transfers landing meanwhile need."""
+    total = (count_a + count_b).to(tl.int64)
+    entry = item.to(tl.int64)
+    # A items among the first `entry` entries: ceil(entry * count_a / total).
+    a_before = (entry * count_a + total - 1) // total
+    a_through = ((entry + 1) * count_a + total - 1) // total
+    is_a = a_through > a_before
+    return is_a, tl.where(is_a, a_before, entry - a_before).to(tl.int32)
+
+
+@triton.jit
 def finish_launch(control_ptr, seq, num_programs):
     """Publish ``seq`` as the last completed sequence number once every program got here, and
     reset the work queues (control words 6 and 7) for the next launch.
