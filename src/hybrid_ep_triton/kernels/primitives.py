@@ -138,7 +138,8 @@ def interleaved(item, count_a, count_b):
     ``count_b`` items of another (B), each kind in its own order: (is_a, the item's index within
     its kind), starting with an A item. Work that waits for nothing (A) then does not all come
     first and take the memory bandwidth that the transfers landing meanwhile need."""
-    total = (count_a + count_b).to(tl.int64)
+    # A tensor from the start: the launcher may have made a count of 1 a compile-time constant.
+    total = tl.full([], count_a, tl.int64) + count_b
     entry = item.to(tl.int64)
     # A items among the first `entry` entries: ceil(entry * count_a / total).
     a_before = (entry * count_a + total - 1) // total
