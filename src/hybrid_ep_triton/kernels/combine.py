@@ -88,6 +88,41 @@ def _gather_expert_rows(
     return acc
 
 
+@triton.jit
+def _store_expert_sums(
+    dst_ptr,
+    dst_rows,
+    dmask,
+    src_rows,
+    h_first,
+    h_last,
+    hidden,
+    y_ptr,
+    y_stride,
+    weights_ptr,
+    staged_rows_ptr,
+    MS: tl.constexpr,
+    MS_P2: tl.constexpr,
+    CHUNK: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    HAS_WEIGHTS: tl.constexpr,
+    COPY_UNROLL: tl.constexpr,
+):
+    """Columns [h_first, h_last) of rows ``dst_rows`` [CHUNK] of ``dst_ptr`` (where ``dmask``):
+    the sum in fp32 of the expert-major rows of y (times their weights) of staged rows
+    ``src_rows`` [CHUNK] (-1: none, a zero row), rounded to dst's dtype."""
+    rows, entries, num_copies = _expert_rows(src_rows, src_rows >= 0, staged_rows_ptr, MS, MS_P2)
+    for h0 in range(h_first, h_last, BLOCK_H):
+        cols = h0 + tl.arange(0, BLOCK_H)
+        cmask = cols < h_last
+        acc = _gather_expert_rows(
+            tl.zeros([CHUNK, BLOCK_H], tl.float32), rows, entries, num_copies, cols, cmask,
+            y_ptr, y_stride, weights_ptr, HAS_WEIGHTS, COPY_UNROLL,
+        )  # fmt: skip
+        ptrs = dst_ptr + dst_rows.to(tl.int64)[:, None] * hidden + cols[None, :]
+        tl.store(ptrs, acc.to(dst_ptr.dtype.element_ty), mask=dmask[:, None] & cmask[None, :])
+
+
 @triton.jit(noinline=True)
 def _reduce_chunk(
     staged_first,
@@ -112,16 +147,11 @@ def _reduce_chunk(
     ``partial_ptr``."""
     staged = staged_first + tl.arange(0, CHUNK)
     jmask = staged < staged_end
-    rows, entries, num_copies = _expert_rows(staged, jmask, staged_rows_ptr, MS, MS_P2)
-    for h0 in range(h_first, h_last, BLOCK_H):
-        cols = h0 + tl.arange(0, BLOCK_H)
-        cmask = cols < h_last
-        acc = _gather_expert_rows(
-            tl.zeros([CHUNK, BLOCK_H], tl.float32), rows, entries, num_copies, cols, cmask,
-            y_ptr, y_stride, weights_ptr, HAS_WEIGHTS, COPY_UNROLL,
-        )  # fmt: skip
-        ptrs = partial_ptr + staged.to(tl.int64)[:, None] * hidden + cols[None, :]
-        tl.store(ptrs, acc.to(partial_ptr.dtype.element_ty), mask=jmask[:, None] & cmask[None, :])
+    _store_expert_sums(
+        partial_ptr, staged, jmask, tl.where(jmask, staged, -1), h_first, h_last, hidden, y_ptr,
+        y_stride, weights_ptr, staged_rows_ptr, MS, MS_P2, CHUNK, BLOCK_H, HAS_WEIGHTS,
+        COPY_UNROLL,
+    )  # fmt: skip
 
 
 @triton.jit
@@ -181,17 +211,11 @@ def _sum_own_rows(
     tokens, tmask, ranks, stream_rows = _stream_rows(
         c, num_tokens, world_size, token_rank_pos_ptr, send_chunk_start_ptr, T_MAX, W_P2, CHUNK
     )
-    own = column(stream_rows, ranks, rank)
-    rows, entries, num_copies = _expert_rows(own, own >= 0, staged_rows_ptr, MS, MS_P2)
-    for h0 in range(h_first, h_last, BLOCK_H):
-        cols = h0 + tl.arange(0, BLOCK_H)
-        cmask = cols < h_last
-        acc = _gather_expert_rows(
-            tl.zeros([CHUNK, BLOCK_H], tl.float32), rows, entries, num_copies, cols, cmask,
-            y_ptr, y_stride, weights_ptr, HAS_WEIGHTS, COPY_UNROLL,
-        )  # fmt: skip
-        ptrs = out_ptr + tokens.to(tl.int64)[:, None] * hidden + cols[None, :]
-        tl.store(ptrs, acc.to(out_ptr.dtype.element_ty), mask=tmask[:, None] & cmask[None, :])
+    _store_expert_sums(
+        out_ptr, tokens, tmask, column(stream_rows, ranks, rank), h_first, h_last, hidden, y_ptr,
+        y_stride, weights_ptr, staged_rows_ptr, MS, MS_P2, CHUNK, BLOCK_H, HAS_WEIGHTS,
+        COPY_UNROLL,
+    )  # fmt: skip
 
 
 @triton.jit(noinline=True)
