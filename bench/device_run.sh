@@ -21,7 +21,7 @@ for step in $STEPS; do
                     tests/test_streams.py tests/test_compile.py tests/test_moe.py
                     tests/test_dispatch_combine.py tests/test_heap.py tests/test_validation.py
                     tests/test_autograd.py tests/test_primitives.py) ;;
-        bench) cmd=(python3 bench/run.py --iters 50 --warmup 10 --timeout 200 --out "$OUT") ;;
+        bench) cmd=(python3 bench/run.py --iters 50 --warmup 10 --timeout 400 --out "$OUT") ;;
         soak) cmd=(python3 -m hybrid_ep_triton soak --device cuda --rounds "${SOAK_ROUNDS:-10000}") ;;
         tune) cmd=(python3 -m hybrid_ep_triton tune) ;;
         *) echo "unknown step $step" >&2; exit 2 ;;

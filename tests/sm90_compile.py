@@ -2,7 +2,8 @@
 
 Run as a script (``python tests/sm90_compile.py``) without TRITON_INTERPRET, because the
 interpreter replaces ``triton.jit``. Compiles the launch shapes of EP2 and EP8 and prints one
-line per kernel with ptxas' resource usage (registers, and STACK: bytes spilled); any compile
+line per kernel (dispatch and its layout also with one row per token, expand=False) with
+ptxas' resource usage (registers, and STACK: bytes spilled); any compile
 error fails. Integer arguments that the JIT would specialise as multiples of 16 (pointers,
 hidden sizes, strides) are marked so.
 """
@@ -84,15 +85,17 @@ def main() -> int:
             recv_x_ptr="*bf16",
             recv_weights_ptr="*fp32",
         )
+        layout = dict(CHUNK=cfg.chunk_tokens, K_P2=8, W_P2=world, E_P2=256, L_P2=256 // world,
+                      PAIRS=128, NC_MAX=4096 // cfg.chunk_tokens, ROW=259, C_BLOCK=32,
+                      TABLE_BLOCK=256)  # fmt: skip
         partials = dict(
             i64, y_ptr="*bf16", weights_ptr="*fp32", outbox_ptr="*bf16", out_ptr="*bf16"
         )
         builds = [
-            (layout_kernel, dict(i64, topk_idx_ptr="*i64"),
-             dict(CHUNK=cfg.chunk_tokens, K_P2=8, W_P2=world, E_P2=256, L_P2=256 // world,
-                  PAIRS=128, NC_MAX=4096 // cfg.chunk_tokens, ROW=259, C_BLOCK=32,
-                  TABLE_BLOCK=256), 4),
-            (dispatch_kernel, tokens, dict(common, BLOCK_H=cfg.block_h), cfg.num_warps),
+            *((layout_kernel, dict(i64, topk_idx_ptr="*i64"), dict(layout, TOKEN_ROWS=rows), 4)
+              for rows in (False, True)),
+            *((dispatch_kernel, tokens, dict(common, BLOCK_H=cfg.block_h, TOKEN_ROWS=rows),
+               cfg.num_warps) for rows in (False, True)),
             (combine_kernel, partials,
              dict(common, BLOCK_H=cfg.combine_block_h, COPY_BLOCK_H=cfg.block_h), cfg.num_warps),
         ]  # fmt: skip
@@ -111,7 +114,8 @@ def main() -> int:
             )
             usage = _resource_usage(compiled.asm["cubin"])
             async_copies = compiled.asm["ptx"].count("cp.async.cg")
-            print(f"EP{world} {kernel.fn.__name__}: {usage} cp.async:{async_copies}")
+            rows = " (token rows)" if constexprs.get("TOKEN_ROWS") else ""
+            print(f"EP{world} {kernel.fn.__name__}{rows}: {usage} cp.async:{async_copies}")
     return 0
 
 

@@ -53,7 +53,35 @@ def _reference_grads(xs, router, maps, projections):
     return x.grad, router.grad
 
 
+def _expert_major_out(buf: Buffer, rank: int, x, idx, weights, maps, kw: dict):
+    """The MoE layer's output with expert-major rows: weights applied by combine."""
+    recv_x, recv_w, tokens_per_expert, handle = buf.dispatch(x, idx, weights, **kw)
+    # Each row's local expert; rows past the segments (zero tail) take expert 0.
+    local = torch.repeat_interleave(
+        torch.arange(EXPERTS_PER_RANK), tokens_per_expert, output_size=None
+    )
+    local = torch.cat([local, local.new_zeros(recv_x.shape[0] - local.numel())])
+    y = torch.einsum("nh,nhj->nj", recv_x, maps[rank * EXPERTS_PER_RANK + local])
+    return buf.combine(y, handle, weights=recv_w)
+
+
+def _token_rows_out(buf: Buffer, rank: int, x, idx, weights, maps, kw: dict):
+    """The same with one row per token (expand=False): each row sums its weighted experts."""
+    recv_x, recv_idx, recv_w, _, handle = buf.dispatch(x, idx, weights, **kw)
+    expert_maps = maps[rank * EXPERTS_PER_RANK + recv_idx.long().clamp(min=0)]  # [N, K, H, H]
+    per_slot = torch.einsum("nh,nkhj->nkj", recv_x, expert_maps)
+    y = (torch.where(recv_idx >= 0, recv_w, 0.0)[:, :, None] * per_slot).sum(dim=1)
+    return buf.combine(y, handle)
+
+
 def _grad_body(rank: int, world: int, cases: list[dict]) -> list[str]:
+    failures = []
+    for expand, layer_out in ((True, _expert_major_out), (False, _token_rows_out)):
+        failures += _check_grads(rank, world, cases, expand, layer_out)
+    return failures
+
+
+def _check_grads(rank: int, world: int, cases: list[dict], expand: bool, layer_out) -> list[str]:
     failures = []
     with Buffer(
         None,
@@ -61,22 +89,18 @@ def _grad_body(rank: int, world: int, cases: list[dict]) -> list[str]:
         max_tokens_per_rank=MAX_TOKENS,
         num_experts=world * EXPERTS_PER_RANK,
         dtype=torch.float32,
+        expand=expand,
     ) as buf:
         for case in cases:
-            what = f"rank {rank}, {case}"
+            if not expand and "pad_multiple" in case:
+                continue
+            what = f"rank {rank}, expand={expand}, {case}"
             xs, router_weight, maps, projections = _model(world, case["seed"])
             x = xs[rank].clone().requires_grad_(True)
             router = router_weight.clone().requires_grad_(True)
             idx, weights = _route(x, router)
             kw = {k: v for k, v in case.items() if k != "seed"}
-            recv_x, recv_w, tokens_per_expert, handle = buf.dispatch(x, idx, weights, **kw)
-            # Each row's local expert; rows past the segments (zero tail) take expert 0.
-            local = torch.repeat_interleave(
-                torch.arange(EXPERTS_PER_RANK), tokens_per_expert, output_size=None
-            )
-            local = torch.cat([local, local.new_zeros(recv_x.shape[0] - local.numel())])
-            y = torch.einsum("nh,nhj->nj", recv_x, maps[rank * EXPERTS_PER_RANK + local])
-            out = buf.combine(y, handle, weights=recv_w)
+            out = layer_out(buf, rank, x, idx, weights, maps, kw)
             (out * projections[rank]).sum().backward()
             router_grad = router.grad.clone()
             dist.all_reduce(router_grad)

@@ -1,7 +1,8 @@
 """``Buffer.dispatch`` / ``Buffer.combine`` against the plain-torch ``hybrid_ep_triton.reference``.
 
-Dispatch must match the reference bit for bit (recv_x, recv_weights, tokens_per_expert), also
-for a cached dispatch along an earlier handle. Combine sends partial sums per (token, rank) in
+Dispatch must match the reference bit for bit (recv_x, recv_weights, tokens_per_expert; with
+expand=False recv_x, recv_topk_idx, recv_topk_weights, tokens_per_expert), also for a cached
+dispatch along an earlier handle. Combine sends partial sums per (token, rank) in
 the Buffer's dtype, so it is compared with a tolerance of about two ulps of the dtype, scaled
 by the magnitude of the summed terms (sum over a token's slots of |weight * y|, which bounds the
 partial sums that get rounded).
@@ -74,10 +75,12 @@ class Group:
     num_experts: int
     seed: int
     cases: tuple[Case, ...]
+    expand: bool = True  # the Buffer's: expert-major rows, or one row per token
 
     @property
     def id(self) -> str:
-        return f"W{self.world_size}-H{self.hidden}-{str(self.dtype).removeprefix('torch.')}"
+        rows = "" if self.expand else "-token_rows"
+        return f"W{self.world_size}-H{self.hidden}-{str(self.dtype).removeprefix('torch.')}{rows}"
 
 
 GROUPS = [
@@ -144,6 +147,22 @@ GROUPS = [
         Case("int32_truncated", tokens=(9, 5, 3, 12), idx_dtype=I32, recv="less"),
         Case("hot_rank0_fit_cached", tokens=(6, 0, 8, 3), hot_expert=1, recv="fit",
              cached=True, combine=("none",)),
+    )),
+    # One row per token (expand=False): no padding; K=8 at W=2 exceeds the experts of a rank.
+    Group(2, 7, BF16, 8, seed=9, expand=False, cases=(
+        Case("basic", tokens=(5, 9), combine=("recv", "none")),
+        Case("int32_unused_zero_tail_cached", tokens=(7, 4), topk=3, idx_dtype=I32,
+             unused_prob=0.3, recv="more", cached=True),
+        Case("hot_expert_truncated_cached", tokens=(12, 10), topk=3, hot_expert=5, recv="less",
+             cached=True),
+        Case("k8_unused_strided", tokens=(6, 8), topk=8, unused_prob=0.25, strided=True),
+        Case("empty_rank_no_weights", tokens=(0, 11), with_weights=False, combine=("none",)),
+        Case("max_recv_zero", tokens=(3, 5), recv="zero"),
+    )),
+    Group(4, 13, FP32, 8, seed=10, expand=False, cases=(
+        Case("k3_unused_fit", tokens=(5, 12, 0, 9), topk=3, unused_prob=0.2, recv="fit"),
+        Case("int32_truncated_cached", tokens=(8, 3, 10, 6), idx_dtype=I32, recv="less",
+             cached=True, combine=("none", "recv")),
     )),
     # W=8, E=16: slow on two cores, so only two cases.
     Group(8, 13, BF16, 16, seed=6, cases=(
@@ -216,15 +235,29 @@ def _diff(got: torch.Tensor, want: torch.Tensor) -> str:
     return f"{rows.numel()} rows differ, first {rows[:8].tolist()}"
 
 
-def _check_dispatch(fail, what: str, got, want, num_valid: int) -> None:
+def _outputs(got: tuple, expand: bool) -> dict:
+    """dispatch's tensors by name (Buffer's and the reference's have the same order)."""
+    names = ["recv_x", "recv_weights", "tokens_per_expert"]
+    if not expand:
+        names = ["recv_x", "recv_topk_idx", "recv_weights", "tokens_per_expert"]
+    return dict(zip(names, got, strict=False))
+
+
+def _check_dispatch(fail, what: str, got: dict, want: dict, num_valid: int) -> None:
     """Bit-exact comparison with the reference; rows past ``num_valid`` must be zero."""
-    (rx, rw, tpe), (ex, ew, etpe) = got, want
+    rx, ex = got["recv_x"], want["recv_x"]
     if rx.dtype != ex.dtype or not torch.equal(rx, ex):
         fail(f"{what}: recv_x differs from the reference: {_diff(rx, ex)}")
+    rw, ew = got["recv_weights"], want["recv_weights"]
     if (rw is None) != (ew is None):
         fail(f"{what}: recv_weights is {type(rw).__name__}, reference {type(ew).__name__}")
     elif rw is not None and (rw.dtype != torch.float32 or not torch.equal(rw, ew)):
         fail(f"{what}: recv_weights differs from the reference: {_diff(rw, ew)}")
+    if "recv_topk_idx" in want:
+        ri, ei = got["recv_topk_idx"], want["recv_topk_idx"]
+        if ri.dtype != torch.int32 or not torch.equal(ri, ei):
+            fail(f"{what}: recv_topk_idx differs from the reference: {_diff(ri, ei)}")
+    tpe, etpe = got["tokens_per_expert"], want["tokens_per_expert"]
     if tpe.dtype != torch.int64 or not torch.equal(tpe, etpe):
         fail(f"{what}: tokens_per_expert {tpe.tolist()} ({tpe.dtype}), reference {etpe.tolist()}")
     tail = (rx[num_valid:] != 0).any(dim=1).nonzero().flatten() + num_valid
@@ -272,35 +305,36 @@ def _run_case(buf: Buffer, rank: int, world: int, grp: Group, index: int, case: 
     x = _rows(num_tokens, hidden, dtype, gen, case.strided)
     idx = _routing(case, num_tokens, num_experts, num_experts // world, gen)
     w = torch.rand(num_tokens, case.topk, generator=gen) if case.with_weights else None
-    kw = dict(num_experts=num_experts, pad_multiple=case.pad_multiple)
+    kw = dict(num_experts=num_experts, pad_multiple=case.pad_multiple, expand=grp.expand)
 
     def ref_dispatch(x_, w_, max_recv):
         got = reference.dispatch(
             group, _to(x_, dev), _to(idx, dev), _to(w_, dev), max_recv_tokens=max_recv, **kw
         )
-        return (*(_to(t, "cpu") for t in got[:3]), got[3])
+        return _outputs([_to(t, "cpu") for t in got[:-1]], grp.expand), got[-1]
 
     def buf_dispatch(x_, w_, **more):
         got = buf.dispatch(_to(x_, dev), topk_weights=_to(w_, dev), **more)
-        return (*(_to(t, "cpu") for t in got[:3]), got[3])
+        return _outputs([_to(t, "cpu") for t in got[:-1]], grp.expand), got[-1]
 
     max_recv = None
     if case.recv != "exact":
-        needed = ref_dispatch(x, w, None)[3].num_recv_rows
+        needed = ref_dispatch(x, w, None)[1].num_recv_rows
         max_recv = {"fit": needed, "more": needed + 5, "less": needed // 2, "zero": 0}[case.recv]
         if case.recv == "less":  # some rank must actually drop rows, or the case is vacuous
             dropping = torch.tensor([int(needed > max_recv)], device=dev)
             dist.all_reduce(dropping, op=dist.ReduceOp.MAX)
             if not dropping.item() and rank == 0:
                 fail("no rank drops rows in this truncation case: change its inputs")
-    ex, ew, etpe, eh = ref_dispatch(x, w, max_recv)
+    want, eh = ref_dispatch(x, w, max_recv)
     needed = eh.num_recv_rows  # rows of the exact layout, also when truncated
-    num_valid = min(needed, ex.shape[0])
+    num_rows = want["recv_x"].shape[0]
+    num_valid = min(needed, num_rows)
 
-    rx, rw, tpe, handle = buf_dispatch(
+    got, handle = buf_dispatch(
         x, w, topk_idx=_to(idx, dev), pad_multiple=case.pad_multiple, max_recv_tokens=max_recv
     )
-    _check_dispatch(fail, "dispatch", (rx, rw, tpe), (ex, ew, etpe), num_valid)
+    _check_dispatch(fail, "dispatch", got, want, num_valid)
 
     # check(): OverflowError with the real row count exactly when rows were dropped.
     try:
@@ -314,7 +348,9 @@ def _run_case(buf: Buffer, rank: int, world: int, grp: Group, index: int, case: 
             fail(f"check()'s OverflowError does not name the {needed} rows needed: {e}")
 
     def combines(what, h, rh, recv_w, ref_w):
-        y = _to(_rows(ex.shape[0], hidden, dtype, gen, case.strided), dev)  # [N, H] like recv_x
+        y = _to(_rows(num_rows, hidden, dtype, gen, case.strided), dev)  # [N, H] like recv_x
+        if not grp.expand and recv_w is not None:  # a factor per row: its slots' weights
+            recv_w, ref_w = recv_w.sum(dim=1), ref_w.sum(dim=1)
         for mode in case.combine:
             weights, ref_weights = (recv_w, ref_w) if mode == "recv" else (None, None)
             weights, ref_weights = _to(weights, dev), _to(ref_weights, dev)
@@ -324,15 +360,16 @@ def _run_case(buf: Buffer, rank: int, world: int, grp: Group, index: int, case: 
             magnitude = reference.combine(group, y.float().abs(), rh, weights=abs_w).cpu()
             _check_combine(fail, f"{what} (weights={mode})", out, want, magnitude, idx, dtype)
 
-    combines("combine", handle, eh, rw, ew)
+    combines("combine", handle, eh, got["recv_weights"], want["recv_weights"])
 
     if case.cached:  # new rows and weights along the same handle
         x2 = _rows(num_tokens, hidden, dtype, gen, case.strided)
         w2 = torch.rand(num_tokens, case.topk, generator=gen) if case.with_weights else None
-        ex2, ew2, etpe2, eh2 = ref_dispatch(x2, w2, max_recv)
-        rx2, rw2, tpe2, handle2 = buf_dispatch(x2, w2, handle=handle)
-        _check_dispatch(fail, "cached dispatch", (rx2, rw2, tpe2), (ex2, ew2, etpe2), num_valid)
-        combines("combine after cached dispatch", handle2, eh2, rw2, ew2)
+        want2, eh2 = ref_dispatch(x2, w2, max_recv)
+        got2, handle2 = buf_dispatch(x2, w2, handle=handle)
+        _check_dispatch(fail, "cached dispatch", got2, want2, num_valid)
+        combines("combine after cached dispatch", handle2, eh2, got2["recv_weights"],
+                 want2["recv_weights"])  # fmt: skip
 
 
 def _device() -> torch.device:
@@ -350,6 +387,7 @@ def _rank_body(rank: int, world_size: int, grp: Group) -> list[str]:
         max_tokens_per_rank=MAX_TOKENS,
         num_experts=grp.num_experts,
         dtype=grp.dtype,
+        expand=grp.expand,
     )
     try:
         for index, case in enumerate(grp.cases):

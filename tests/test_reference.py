@@ -129,6 +129,69 @@ def _oracle_layout(case: Case, inputs, dst: int, world: int):
     return rows, per_expert
 
 
+def _oracle_token_rows(case: Case, inputs, dst: int, world: int):
+    """Expected rows of rank ``dst`` with expand=False: (x row, local ids, weights, owner) per
+    received token, in source order, and the (token, expert) pairs per local expert."""
+    rows, per_expert = [], [0] * case.experts_per_rank
+    for src in range(world):
+        x, topk_idx, weights = inputs[src]
+        for t in range(x.shape[0]):
+            slots = [k for k, e in enumerate(topk_idx[t].tolist()) if e // case.experts_per_rank
+                     == dst and e >= 0]  # fmt: skip
+            if not slots:
+                continue
+            local = [int(topk_idx[t, k]) % case.experts_per_rank for k in slots]
+            for e in local:
+                per_expert[e] += 1
+            ws = [float(weights[t, k]) for k in slots] if weights is not None else []
+            rows.append((x[t], local, ws, (src, t)))
+    return rows, per_expert
+
+
+def _check_token_rows(case: Case, inputs, rank: int, world: int, dev, check) -> None:
+    """reference.dispatch and combine with expand=False against the oracle."""
+    x, topk_idx, weights = inputs[rank]
+    recv_x, recv_idx, recv_w, tokens_per_expert, handle = reference.dispatch(
+        dist.group.WORLD, x.to(dev), topk_idx.to(dev),
+        None if weights is None else weights.to(dev),
+        num_experts=world * case.experts_per_rank, max_recv_tokens=case.max_recv_tokens,
+        expand=False,
+    )  # fmt: skip
+    layouts = [_oracle_token_rows(case, inputs, dst, world) for dst in range(world)]
+    rows, per_expert = layouts[rank]
+    limit = len(rows) if case.max_recv_tokens is None else case.max_recv_tokens
+    k = case.topk
+    want_x = torch.zeros(limit, case.hidden, dtype=case.dtype)
+    want_idx = torch.full((limit, k), -1, dtype=torch.int32)
+    want_w = torch.zeros(limit, k)
+    for j, (row, local, ws, _) in enumerate(rows[:limit]):
+        want_x[j] = row
+        want_idx[j, : len(local)] = torch.tensor(local, dtype=torch.int32)
+        want_w[j, : len(ws)] = torch.tensor(ws)
+    check("token rows: recv_x", torch.equal(recv_x.cpu(), want_x), f"\n{recv_x}\n{want_x}")
+    check("token rows: recv_topk_idx", torch.equal(recv_idx.cpu(), want_idx), f"{recv_idx}")
+    if weights is not None:
+        check("token rows: recv_topk_weights", torch.equal(recv_w.cpu(), want_w), f"{recv_w}")
+    else:
+        check("token rows: recv_topk_weights", recv_w is None, "should be None")
+    got = tokens_per_expert.cpu().tolist()
+    check("token rows: tokens_per_expert", got == per_expert, f"{got} expected {per_expert}")
+
+    gen = torch.Generator().manual_seed(1000 * case.seed + 700 + rank)
+    y = torch.randn(recv_x.shape, generator=gen).to(case.dtype)
+    out = reference.combine(dist.group.WORLD, y.to(dev), handle).cpu()
+    all_y = [None] * world
+    dist.all_gather_object(all_y, y)
+    expected_out = torch.zeros(x.shape[0], case.hidden, dtype=torch.float64)
+    for dst in range(world):
+        for j, (*_, (src, t)) in enumerate(layouts[dst][0][: all_y[dst].shape[0]]):
+            if src == rank:
+                expected_out[t] += all_y[dst][j].double()
+    tol = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}[case.dtype]
+    ok = torch.allclose(out.double(), expected_out, rtol=tol, atol=tol)
+    check("token rows: combine", ok, f"\n{out}\nexpected\n{expected_out}")
+
+
 def _fit(case: Case, rows, per_expert):
     """Apply ``max_recv_tokens``: keep a prefix, pad with zero rows, clip per-expert counts."""
     if case.max_recv_tokens is None:
@@ -209,6 +272,8 @@ def _run_case(case: Case, rank: int, world: int, dev: torch.device, failures: li
     ok = out.dtype == case.dtype and out.shape == expected_out.shape
     ok = ok and torch.allclose(out.double(), expected_out, rtol=tol, atol=tol)
     check("combine", ok, f"\n{out}\nexpected\n{expected_out}")
+    if case.pad_multiple == 1:
+        _check_token_rows(case, inputs, rank, world, dev, check)
 
 
 def _rank_body(rank: int, world_size: int, device: str, cases: list[Case]) -> list[str]:

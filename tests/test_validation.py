@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from hybrid_ep_triton import Buffer, reference
+from hybrid_ep_triton.moe import TokenDispatcher
 
 BF16 = torch.bfloat16
 TOL = {torch.bfloat16: 2e-2, torch.float16: 2e-3, torch.float32: 1e-5}
@@ -181,6 +182,7 @@ def _constructor_body(rank: int, world_size: int) -> list[str]:
         ("num_sms 0", dict(num_sms=0), "num_sms"),
         ("num_sms 133", dict(num_sms=133), "num_sms"),
         ("timeout_s 0", dict(timeout_s=0), "timeout_s"),
+        ("expand 1", dict(expand=1), "expand"),
     ]
     for what, change, match in same_bad:
         kw = {**good, **change}
@@ -194,6 +196,7 @@ def _constructor_body(rank: int, world_size: int) -> list[str]:
         ("num_experts", dict(num_experts=4 * (1 + rank))),
         ("dtype", dict(dtype=(BF16, torch.float16)[rank % 2])),
         ("num_sms", dict(num_sms=None if rank == 0 else 3)),
+        ("expand", dict(expand=rank == 0)),
     ]
     for name, change in differing:
         kw = {**good, **change}
@@ -203,6 +206,16 @@ def _constructor_body(rank: int, world_size: int) -> list[str]:
         )  # fmt: skip
     with Buffer(None, **good) as buf:
         failures += _check_round_trip(buf, 10 + rank, 4, 2, "after the refused constructors")
+    with Buffer(None, **good, expand=False) as buf:
+        x, idx, w = _inputs(20 + rank, 4, 8, 4, 2, BF16)
+        _expect_value_error(
+            failures, f"rank {rank}: pad_multiple 2 with expand=False",
+            lambda: buf.dispatch(x, idx, w, pad_multiple=2), "expand=False",
+        )  # fmt: skip
+        _expect_value_error(
+            failures, f"rank {rank}: an MoE dispatcher on a Buffer without expansion",
+            lambda: TokenDispatcher(buf, 2), "expand=True",
+        )  # fmt: skip
     return failures
 
 

@@ -4,7 +4,8 @@ One run measures, on every rank at once:
 - the ceiling: copy-engine peer copies to the next GPU, every GPU sending at the same time;
 - Buffer.dispatch (exact, max_recv_tokens and cached-handle modes) and Buffer.combine for each
   SM count, on S1 (4096 tokens per rank, hidden 7168, top-8 of 256 experts, bf16), S2 (128
-  tokens, same model) and spot checks at hidden 2880 and 4096;
+  tokens, same model) and spot checks at hidden 2880 and 4096; on S1 and S2 both with
+  expert-major rows (the default) and with one row per token (expand=False, DeepEP's output);
 - the baseline: ``hybrid_ep_triton.reference`` over NCCL on the same inputs.
 Each configuration is first checked against the reference (dispatch bit-exact, combine within
 bf16 tolerance). Times are CUDA events around the whole call on the calling stream, the median
@@ -48,11 +49,13 @@ SHAPES = {
 }
 _ROTATE = 4  # input sets cycled through while timing
 _CEILING_BYTES = 256 << 20
-_PLOTTED = (
-    ("dispatch", "exact", "o-"),
-    ("dispatch", "graph", "o--"),
-    ("combine", "exact", "s-"),
-    ("combine", "graph", "s--"),
+_PLOTTED = (  # op, mode, expand, line style
+    ("dispatch", "exact", True, "o-"),
+    ("dispatch", "graph", True, "o--"),
+    ("combine", "exact", True, "s-"),
+    ("combine", "graph", True, "s--"),
+    ("dispatch", "graph", False, "^:"),
+    ("combine", "graph", False, "v:"),
 )
 
 
@@ -130,18 +133,22 @@ def _row_counts(topk_idx: torch.Tensor, world: int, experts: int) -> tuple[int, 
     return total, total - int(recv[dist.get_rank()])
 
 
+def _combine_weights(buf, outputs: tuple):
+    """combine's per-row weights: recv_weights with expert-major rows; with token rows the
+    caller has weighted its rows already (None)."""
+    return outputs[1] if buf.expand else None
+
+
 def _check(buf, reference, shape: Shape, x, topk_idx, weights) -> str | None:
-    recv_x, recv_w, tpe, handle = buf.dispatch(x, topk_idx, weights)
-    ref_x, ref_w, ref_tpe, ref_handle = reference.dispatch(
-        None, x, topk_idx, weights, num_experts=shape.experts
+    *got, handle = buf.dispatch(x, topk_idx, weights)
+    *want, ref_handle = reference.dispatch(
+        None, x, topk_idx, weights, num_experts=shape.experts, expand=buf.expand
     )
-    if not (
-        torch.equal(recv_x, ref_x) and torch.equal(recv_w, ref_w) and torch.equal(tpe, ref_tpe)
-    ):
+    if not all(torch.equal(a, b) for a, b in zip(got, want, strict=True)):
         return f"{shape.name}: dispatch differs from the reference"
-    y = torch.randn_like(recv_x)
-    out = buf.combine(y, handle, weights=recv_w)
-    ref_out = reference.combine(None, y, ref_handle, weights=ref_w)
+    y = torch.randn_like(got[0])
+    out = buf.combine(y, handle, weights=_combine_weights(buf, got))
+    ref_out = reference.combine(None, y, ref_handle, weights=_combine_weights(buf, want))
     err = ((out.float() - ref_out.float()).norm() / ref_out.float().norm().clamp_min(1e-30)).item()
     if not err < 1e-2:
         return f"{shape.name}: combine relative error {err:.2e}"
@@ -152,7 +159,7 @@ def _time_buffer(buf, sets, warmup: int, iters: int) -> dict:
     """{(op, mode): (device µs, host µs)} of one Buffer on the rotated input sets."""
     times = {}
     exact = [buf.dispatch(x, i, w) for x, i, w in sets]
-    max_rows = -(-max(h.num_recv_rows for *_, h in exact) * 11 // 10)  # 10% headroom
+    max_rows = -(-max(out[-1].num_recv_rows for out in exact) * 11 // 10)  # 10% headroom
 
     def dispatch(x, i, w, **kwargs):
         return buf.dispatch(x, i, w, **kwargs)
@@ -162,12 +169,14 @@ def _time_buffer(buf, sets, warmup: int, iters: int) -> dict:
         partial(dispatch, max_recv_tokens=max_rows), sets, warmup, iters
     )
     cached = [(x, None, w) for x, _, w in sets]
-    handles = [h for *_, h in exact]
+    handles = [out[-1] for out in exact]
     times["dispatch", "cached"] = _median_us(
         lambda k: dispatch(*cached[k], handle=handles[k]), [(k,) for k in range(len(sets))],
         warmup, iters,
     )  # fmt: skip
-    combine_args = [(torch.randn_like(rx), h, rw) for rx, rw, _, h in exact]
+    combine_args = [
+        (torch.randn_like(out[0]), out[-1], _combine_weights(buf, out)) for out in exact
+    ]
     times["combine", "exact"] = _median_us(
         lambda y, h, w: buf.combine(y, h, weights=w), combine_args, warmup, iters
     )
@@ -176,9 +185,9 @@ def _time_buffer(buf, sets, warmup: int, iters: int) -> dict:
     # referenced with it (torch.cuda.graph frees unreferenced cached blocks at each capture).
     graphs = []
     for x, i, w in sets:
-        g_disp, (rx, rw, _, h) = _capture(partial(dispatch, x, i, w, max_recv_tokens=max_rows))
+        g_disp, out = _capture(partial(dispatch, x, i, w, max_recv_tokens=max_rows))
         g_disp.replay()  # capturing runs nothing: fill the handle before combine uses it
-        y = torch.randn_like(rx)
+        y, h, rw = torch.randn_like(out[0]), out[-1], _combine_weights(buf, out)
         g_comb, _ = _capture(partial(buf.combine, y, h, weights=rw))
         graphs.append((g_disp, g_comb, (y, h, rw)))
     times["dispatch", "graph"] = _median_us(lambda g, _, __: g.replay(), graphs, warmup, iters)
@@ -200,18 +209,27 @@ def _bench_rank(rank: int, world: int, opts: dict) -> dict:
         row_bytes = shape.hidden * 2
         common = dict(dtype="bf16", shape=shape.name, tokens=shape.tokens, hidden=shape.hidden,
                       topk=shape.topk, experts=shape.experts, ranks=world)  # fmt: skip
-        for sms in opts["sms"] if name in ("S1", "S2") else opts["spot_sms"]:
+        main_shape = name in ("S1", "S2")
+        runs = [
+            (sms, expand)
+            for expand in ((True, False) if main_shape else (True,))
+            for sms in (opts["sms"] if main_shape else opts["spot_sms"])
+        ]
+        for sms, expand in runs:
             buf = hep.Buffer(None, hidden_size=shape.hidden, max_tokens_per_rank=shape.tokens,
-                             num_experts=shape.experts, num_sms=sms, timeout_s=30)  # fmt: skip
+                             num_experts=shape.experts, num_sms=sms, timeout_s=30,
+                             expand=expand)  # fmt: skip
             error = _check(buf, reference, shape, *sets[0])
             if error:
-                result["errors"].append(f"num_sms={sms}: {error}")
+                result["errors"].append(f"num_sms={sms}, expand={expand}: {error}")
             else:
                 for (op, mode), (t, host) in _time_buffer(buf, sets, warmup, iters).items():
                     if rank == 0:
-                        print(f"{name} {op} {mode} sms={sms}: {t:.1f} us", flush=True)
+                        print(f"{name} {op} {mode} sms={sms} expand={expand}: {t:.1f} us",
+                              flush=True)  # fmt: skip
                     result["rows"].append(
-                        dict(common, op=op, mode=mode, num_sms=sms, time_us=t, host_us=host,
+                        dict(common, op=op, mode=mode, expand=expand, num_sms=sms, time_us=t,
+                             host_us=host,
                              algo_GBps=rows_all * row_bytes / t / 1e3,
                              nvlink_GBps=rows_remote * row_bytes / t / 1e3)
                     )  # fmt: skip
@@ -245,12 +263,17 @@ def _write(result: dict, out_dir: str) -> str:
         f"date {result['date']}, commit {result['commit']}, ceiling (copy engine, per "
         f"direction, all GPUs sending) {result['ceiling_GBps']:.0f} GB/s",
         "",
-        "| shape | op | mode | SMs | time µs | host µs | algo GB/s | NVLink GB/s |",
-        "|---|---|---|---:|---:|---:|---:|---:|",
+        "rows: expert = expert-major (expand=True, the default); token = one row per token "
+        "(expand=False, DeepEP's output)",
+        "",
+        "| shape | rows | op | mode | SMs | time µs | host µs | algo GB/s | NVLink GB/s |",
+        "|---|---|---|---|---:|---:|---:|---:|---:|",
     ]
     for r in result["rows"]:
+        rows = "expert" if r["expand"] else "token"
         lines.append(
-            f"| {r['shape']} | {r['op']} | {r['mode']} | {r['num_sms']} | {r['time_us']:.1f} | "
+            f"| {r['shape']} | {rows} | {r['op']} | {r['mode']} | {r['num_sms']} | "
+            f"{r['time_us']:.1f} | "
             f"{r['host_us']:.0f} | "
             f"{r['algo_GBps']:.0f} | {r['nvlink_GBps']:.0f} |"
         )
@@ -274,14 +297,15 @@ def _plot(result: dict, path: str) -> None:
 
     fig, axes = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
     for ax, shape in zip(axes, ("S1", "S2"), strict=True):
-        for op, mode, style in _PLOTTED:
+        for op, mode, expand, style in _PLOTTED:
             pts = sorted(
                 (r["num_sms"], r["algo_GBps"])
                 for r in result["rows"]
-                if r["shape"] == shape and r["op"] == op and r["mode"] == mode
+                if (r["shape"], r["op"], r["mode"], r["expand"]) == (shape, op, mode, expand)
             )
+            label = f"{op} ({mode}{'' if expand else ', token rows'})"
             if pts:
-                ax.plot([p[0] for p in pts], [p[1] for p in pts], style, label=f"{op} ({mode})")
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], style, label=label)
         ax.axhline(result["ceiling_GBps"], color="k", ls=":", label="copy-engine ceiling")
         for b in result["baselines"]:
             if b["shape"] == shape:

@@ -176,6 +176,7 @@ class Plan:
     meta_stride: int  # MS
     counts_row: int  # ROW: int32 words per published counts row
     heap: HeapLayout
+    token_rows: bool  # dispatch's output: a row per (token, rank), not per (token, expert)
 
 
 def make_plan(
@@ -185,6 +186,7 @@ def make_plan(
     num_experts: int,
     dtype: torch.dtype,
     config: KernelConfig,
+    token_rows: bool = False,
 ) -> Plan:
     experts_per_rank = num_experts // world_size
     max_chunks = max(1, ceil_div(max_tokens, config.chunk_tokens))
@@ -220,4 +222,5 @@ def make_plan(
         meta_stride=meta_stride,
         counts_row=counts_row,
         heap=HeapLayout(total_bytes=cursor, **offsets),
+        token_rows=token_rows,
     )

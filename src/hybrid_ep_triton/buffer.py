@@ -57,6 +57,12 @@ class Buffer:
             entry for this GPU, Triton version, group size, hidden size and dtype, else from the
             planner's heuristic.
         timeout_s: seconds any wait on another rank may last before TimeoutError (default 60).
+        expand: True (default): dispatch expands every received token into one row per local
+            expert it selected, grouped by expert, ready for a grouped GEMM. False: one row per
+            received token, as DeepEP's dispatch returns it, with the token's local expert ids
+            and weights beside it; the grouping (permute) is left to the caller. That writes a
+            quarter of the bytes at top-8 of 256 experts over 2 ranks (about 4 experts per
+            token on each rank), and combine then sums one row per (token, rank).
 
     Attributes: the arguments above, and ``device``, where tokens live: the current CUDA device
     at construction with NCCL, the CPU with gloo.
@@ -72,6 +78,7 @@ class Buffer:
         dtype: torch.dtype = torch.bfloat16,
         num_sms: int | None = None,
         timeout_s: float = DEFAULT_TIMEOUT_S,
+        expand: bool = True,
     ):
         group = group if group is not None else dist.group.WORLD
         world, rank = dist.get_world_size(group), dist.get_rank(group)
@@ -88,6 +95,8 @@ class Buffer:
             check_int("num_sms", num_sms, 1, MAX_SMS)
         if not timeout_s > 0:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
+        if not isinstance(expand, bool):
+            raise ValueError(f"expand must be True or False, got {describe(expand)}")
         on_gpu = dist.get_backend(group) == "nccl"
         device = (
             torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
@@ -101,14 +110,19 @@ class Buffer:
             num_experts=num_experts,
             dtype=dtype,
             num_sms=config.num_sms,
+            expand=expand,
             kernel_config=config,  # from each rank's tuning cache: must agree too
         )
-        plan = make_plan(world, hidden_size, max_tokens_per_rank, num_experts, dtype, config)
+        plan = make_plan(
+            world, hidden_size, max_tokens_per_rank, num_experts, dtype, config,
+            token_rows=not expand,
+        )  # fmt: skip
         self.group = group
         self.hidden_size = hidden_size
         self.max_tokens_per_rank = max_tokens_per_rank
         self.num_experts = num_experts
         self.dtype = dtype
+        self.expand = expand
         self.device = device
         self.timeout_s = float(timeout_s)
         self._broken: str | None = None
@@ -152,20 +166,23 @@ class Buffer:
         previous_event: torch.cuda.Event | None = None,
         async_finish: bool = False,
     ):
-        """Send every token to the ranks that hold its experts, grouped by local expert there.
+        """Send every token to the ranks that hold its experts, grouped by local expert there
+        (with ``expand=False``: one row per token there).
 
         Args:
             x: [T, H] tokens of this rank, the Buffer's dtype; 0 <= T <= max_tokens_per_rank.
             topk_idx: [T, K] int32 or int64 global expert ids, -1 for an unused slot, distinct
                 within a row. Not needed with ``handle``.
             topk_weights: [T, K] float32 routing weights, or None.
-            pad_multiple: pad each expert's segment with zero rows (weight 0) to a multiple of it.
+            pad_multiple: pad each expert's segment with zero rows (weight 0) to a multiple of it
+                (1 with ``expand=False``).
             max_recv_tokens: None: the output has exactly the rows needed (one device-to-host
                 read). M: the output has M rows, with no host synchronisation; rows past the
                 valid count are zero; rows that do not fit are dropped, and ``check`` (or the
                 next exact-mode dispatch of this Buffer, once its work is done) raises
                 OverflowError. Size M as world * max_tokens_per_rank * min(K, L) plus
-                L * (pad_multiple - 1) to never drop a row.
+                L * (pad_multiple - 1) (with ``expand=False``: world * max_tokens_per_rank) to
+                never drop a row.
             handle: the handle of an earlier dispatch: send new rows ``x`` along the same routing
                 without recomputing the layout (topk_idx, pad_multiple and max_recv_tokens are
                 taken from it).
@@ -176,7 +193,7 @@ class Buffer:
                 ``README``: calls of one Buffer must stay ordered). On CPU ranks the call is
                 synchronous and the event is None.
 
-        Returns:
+        Returns, with ``expand=True``:
             recv_x: [N, H], rows grouped by local expert 0..L-1, within an expert by source
                 rank, then by source token index.
             recv_weights: [N] float32, the weight of each row's (token, expert) pair (0 on
@@ -184,6 +201,17 @@ class Buffer:
             tokens_per_expert: [L] int64, rows of each local expert, padding included.
             handle: for ``combine`` and cached dispatches.
             event: only with async_finish, see above.
+        With ``expand=False``: recv_x, recv_topk_idx, recv_topk_weights, tokens_per_expert,
+        handle (and event), where
+            recv_x: [N, H], one row per token that has an expert here, by source rank, then by
+                source token index.
+            recv_topk_idx: [N, K] int32, the local expert ids (0..L-1) of the row's token here,
+                in the token's slot order, then -1.
+            recv_topk_weights: [N, K] float32, their weights (0 after them), or None when
+                topk_weights is None.
+            tokens_per_expert: [L] int64, (token, expert) pairs of each local expert (of all
+                tokens sent here, also rows dropped past max_recv_tokens).
+        A cached dispatch returns its handle's recv_topk_idx.
         """
         self._check_usable()
         rt = self._rt
@@ -192,6 +220,11 @@ class Buffer:
         if handle is None:
             topk = self._check_routing(topk_idx, num_tokens)
             check_int("pad_multiple", pad_multiple, 1)
+            if not self.expand and pad_multiple != 1:
+                raise ValueError(
+                    f"pad_multiple must be 1 with expand=False (rows are tokens, not grouped by "
+                    f"expert), got {pad_multiple}"
+                )
             if max_recv_tokens is not None:
                 check_int("max_recv_tokens", max_recv_tokens, 0)
         else:
@@ -219,7 +252,10 @@ class Buffer:
                 lambda: library.run_dispatch_cached(rt, self._id, x, topk_weights, handle),
                 (x, topk_weights), previous_event, async_finish,
             )  # fmt: skip
-        outputs = recv_x, recv_weights, handle.tokens_per_expert, handle
+        if self.expand:
+            outputs = recv_x, recv_weights, handle.tokens_per_expert, handle
+        else:
+            outputs = recv_x, handle.recv_topk_idx, recv_weights, handle.tokens_per_expert, handle
         return (*outputs, event) if async_finish else outputs
 
     def combine(
@@ -234,9 +270,12 @@ class Buffer:
         """Send expert outputs back to their tokens' ranks and sum them per token.
 
         Args:
-            y: [N, H] expert outputs in recv_x's row order, the Buffer's dtype.
+            y: [N, H] expert outputs in recv_x's row order, the Buffer's dtype (with
+                ``expand=False``: one row per received token, e.g. the weighted sum of its
+                local experts' outputs).
             handle: the handle returned by the dispatch that produced recv_x.
-            weights: [N] float32 per-row factors (e.g. recv_weights), or None for 1.
+            weights: [N] float32 per-row factors (e.g. recv_weights with ``expand=True``), or
+                None for 1.
             previous_event, async_finish: as for ``dispatch``.
 
         Returns:
@@ -312,8 +351,9 @@ class Buffer:
                 t.record_stream(comm)
         for out in outputs if isinstance(outputs, tuple) else (outputs,):
             if isinstance(out, DispatchHandle):
-                out.ints.record_stream(caller)
-                out.longs.record_stream(caller)
+                for part in (out.ints, out.longs, out.recv_topk_idx):
+                    if part is not None:
+                        part.record_stream(caller)
             elif out is not None:
                 out.record_stream(caller)
         return outputs, comm.record_event()

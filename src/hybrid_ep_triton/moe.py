@@ -60,6 +60,8 @@ class TokenDispatcher:
     ):
         if not isinstance(buffer, Buffer):
             raise ValueError(f"buffer must be a hybrid_ep_triton.Buffer, got {type(buffer)}")
+        if not buffer.expand:
+            raise ValueError("buffer must expand into expert-major rows (expand=True)")
         check_int("router_topk", router_topk, 1, buffer.num_experts)
         if max_recv_tokens is not None:
             check_int("max_recv_tokens", max_recv_tokens, 0)

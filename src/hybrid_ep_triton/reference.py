@@ -13,6 +13,10 @@ Layout conventions (``W`` ranks, ``num_experts = W * L``; rank ``r`` owns the gl
   inside one expert they are ordered by source rank, then by source token index. Each expert's
   segment may be padded with zero rows to a multiple of ``pad_multiple``, and the whole buffer
   may be fixed to ``max_recv_tokens`` rows (zero tail, or truncation of the exact layout).
+* with ``expand=False`` **dispatch** keeps one row per received token instead (ordered by source
+  rank, then source token index) with the token's local expert ids and weights packed in slot
+  order beside it, as DeepEP's dispatch returns it; combine then treats every row as one
+  (token, expert) pair.
 * **combine** is the reverse path: the expert rank reduces the rows of each received token into
   one float32 partial per (token, source rank), sends the partials back, and the token's rank
   sums them in float32 (in rank order) and casts to ``y``'s dtype.
@@ -83,7 +87,8 @@ def dispatch(
     num_experts: int,
     pad_multiple: int = 1,
     max_recv_tokens: int | None = None,
-) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, ReferenceHandle]:
+    expand: bool = True,
+) -> tuple:
     """Send each token to the ranks owning its experts and expand it per local expert.
 
     Args:
@@ -110,6 +115,14 @@ def dispatch(
           ``recv_x``, padding included. Under truncation these are clipped to the returned
           rows, so they always sum to at most ``N`` and describe ``recv_x`` as returned.
         * ``handle``: :class:`ReferenceHandle` for :func:`combine`.
+
+        With ``expand=False`` (``pad_multiple`` must be 1): ``(recv_x, recv_topk_idx,
+        recv_topk_weights, tokens_per_expert, handle)``: ``recv_x`` ``[N, H]`` one row per
+        received token (zero tail / truncation as above), ``recv_topk_idx`` ``[N, K]`` int32
+        local expert ids of the row's slots on this rank in slot order, then -1,
+        ``recv_topk_weights`` ``[N, K]`` float32 their weights, then 0 (None without
+        ``topk_weights``), and ``tokens_per_expert`` the (token, expert) pairs of each local
+        expert among all received tokens.
     """
     world = dist.get_world_size(group)
     rank = dist.get_rank(group)
@@ -121,9 +134,11 @@ def dispatch(
         raise ValueError(f"topk_weights {topk_weights.shape} != topk_idx {topk_idx.shape}")
     if pad_multiple < 1 or (max_recv_tokens is not None and max_recv_tokens < 0):
         raise ValueError(f"bad pad_multiple={pad_multiple} / max_recv_tokens={max_recv_tokens}")
+    if not expand and pad_multiple != 1:
+        raise ValueError(f"pad_multiple must be 1 with expand=False, got {pad_multiple}")
     num_local = num_experts // world
     device = x.device
-    num_tokens, topk = topk_idx.shape
+    num_tokens = topk_idx.shape[0]
     idx = topk_idx.to(torch.int64)
     # Out-of-range ids would otherwise be dropped silently, which an oracle must not do.
     if idx.numel() and (int(idx.min()) < -1 or int(idx.max()) >= num_experts):
@@ -153,6 +168,30 @@ def dispatch(
     local = recv_idx - rank * num_local
     # -1 slots map below 0, other ranks' experts outside [0, L): one test covers both.
     mine = (local >= 0) & (local < num_local)
+    if expand:
+        outputs, slot_row, num_recv_rows = _expert_rows(
+            recv_tok_x, local, mine, recv_w, num_local, pad_multiple, max_recv_tokens
+        )
+    else:
+        outputs, slot_row, num_recv_rows = _token_rows(
+            recv_tok_x, local, mine, recv_w, num_local, max_recv_tokens
+        )
+    handle = ReferenceHandle(
+        num_tokens=num_tokens,
+        send_token_idx=send_token_idx,
+        send_splits=send_splits,
+        recv_splits=recv_splits,
+        slot_row=slot_row,
+        num_recv_rows=num_recv_rows,
+    )
+    return (*outputs, handle)
+
+
+def _expert_rows(recv_tok_x, local, mine, recv_w, num_local, pad_multiple, max_recv_tokens):
+    """(recv_x, recv_weights, tokens_per_expert), slot_row and the exact row count of the
+    expert-major output, from the received tokens [R, H], their local expert ids [R, K] and
+    which of them are this rank's (``mine``), their weights [R, K] or None."""
+    device = local.device
     pair_tok, pair_slot = mine.nonzero(as_tuple=True)  # ordered by received row
     pair_expert = local[pair_tok, pair_slot]
     # A stable sort by expert keeps the (source rank, source token) order inside each expert.
@@ -173,7 +212,7 @@ def dispatch(
     keep = pair_row < num_rows
     pair_tok, pair_slot, pair_row = pair_tok[keep], pair_slot[keep], pair_row[keep]
 
-    recv_x = x.new_zeros((num_rows, x.shape[1]))
+    recv_x = recv_tok_x.new_zeros((num_rows, recv_tok_x.shape[1]))
     recv_x[pair_row] = recv_tok_x[pair_tok]
     recv_weights = None
     if recv_w is not None:
@@ -181,17 +220,33 @@ def dispatch(
         recv_weights[pair_row] = recv_w[pair_tok, pair_slot]
     tokens_per_expert = padded_end.clamp(max=num_rows) - padded_start.clamp(max=num_rows)
 
-    slot_row = torch.full((recv_idx.shape[0], topk), -1, dtype=torch.int64, device=device)
+    slot_row = torch.full_like(local, -1)
     slot_row[pair_tok, pair_slot] = pair_row
-    handle = ReferenceHandle(
-        num_tokens=num_tokens,
-        send_token_idx=send_token_idx,
-        send_splits=send_splits,
-        recv_splits=recv_splits,
-        slot_row=slot_row,
-        num_recv_rows=num_recv_rows,
-    )
-    return recv_x, recv_weights, tokens_per_expert, handle
+    return (recv_x, recv_weights, tokens_per_expert), slot_row, num_recv_rows
+
+
+def _token_rows(recv_tok_x, local, mine, recv_w, num_local, max_recv_tokens):
+    """The same with one row per received token: (recv_x, recv_topk_idx, recv_topk_weights,
+    tokens_per_expert), slot_row, row count."""
+    num_recv = recv_tok_x.shape[0]
+    num_rows = num_recv if max_recv_tokens is None else max_recv_tokens
+    keep = min(num_rows, num_recv)
+    # Local slots first, each group in slot order (a stable sort).
+    order = torch.sort((~mine).to(torch.int32), dim=1, stable=True).indices
+    packed = mine.gather(1, order)
+    recv_x = recv_tok_x.new_zeros((num_rows, recv_tok_x.shape[1]))
+    recv_x[:keep] = recv_tok_x[:keep]
+    recv_idx = torch.full((num_rows, local.shape[1]), -1, dtype=torch.int32, device=local.device)
+    recv_idx[:keep] = torch.where(packed, local.gather(1, order), -1)[:keep].to(torch.int32)
+    recv_weights = None
+    if recv_w is not None:
+        recv_weights = torch.zeros(recv_idx.shape, dtype=torch.float32, device=local.device)
+        recv_weights[:keep] = torch.where(packed, recv_w.gather(1, order), 0.0)[:keep]
+    tokens_per_expert = torch.bincount(local[mine], minlength=num_local)
+    # For combine: a row is one (token, expert) pair, in slot 0.
+    slot_row = torch.full_like(local, -1)
+    slot_row[:keep, 0] = torch.arange(keep, device=local.device)
+    return (recv_x, recv_idx, recv_weights, tokens_per_expert), slot_row, num_recv
 
 
 def combine(

@@ -44,6 +44,13 @@ def column(tile, index, i):
     return tl.max(tl.where(index[None, :] == i, tile, -1), axis=1)
 
 
+@triton.jit
+def _store_tile(out_ptr, rows, cols, cmask, tile, hidden):
+    """Store ``tile`` [M, BLOCK_H] into columns ``cols`` of output rows ``rows`` [M] (-1: none)."""
+    ptrs = out_ptr + rows.to(tl.int64)[:, None] * hidden + cols[None, :]
+    tl.store(ptrs, tile, mask=(rows >= 0)[:, None] & cmask[None, :])
+
+
 @triton.jit(noinline=True)
 def _zero_rows(
     out_ptr,
@@ -68,6 +75,30 @@ def _zero_rows(
 
 
 @triton.jit
+def _clear_slots(
+    recv_topk_idx_ptr,
+    recv_weights_ptr,
+    first,
+    last,
+    topk,
+    HAS_WEIGHTS: tl.constexpr,
+    WRITE_ROWS: tl.constexpr,
+    CHUNK: tl.constexpr,
+    K_P2: tl.constexpr,
+):
+    """No slots for token rows [first, last) (at most CHUNK): expert id -1 (if WRITE_ROWS),
+    weight 0."""
+    rows = first + tl.arange(0, CHUNK)
+    slots = tl.arange(0, K_P2)
+    offs = rows.to(tl.int64)[:, None] * topk + slots[None, :]
+    mask = (rows < last)[:, None] & (slots[None, :] < topk)
+    if WRITE_ROWS:
+        tl.store(recv_topk_idx_ptr + offs, tl.full([CHUNK, K_P2], -1, tl.int32), mask=mask)
+    if HAS_WEIGHTS:
+        tl.store(recv_weights_ptr + offs, tl.zeros([CHUNK, K_P2], tl.float32), mask=mask)
+
+
+@triton.jit
 def _chunk_slots(
     c,
     topk_idx_ptr,
@@ -79,10 +110,12 @@ def _chunk_slots(
     chunk_expert_base_ptr,
     CHUNK: tl.constexpr,
     K_P2: tl.constexpr,
+    TOKEN_ROWS: tl.constexpr,
 ):
     """The slots of chunk ``c`` of this rank's tokens: tokens [CHUNK] and their mask, slot
     offsets [CHUNK, K_P2] into topk_idx, each slot's destination rank (-1 for an unused slot),
-    and the expert-major row it lands on at that rank."""
+    and what the destination records of the slot: the expert-major row it lands on there, or
+    with TOKEN_ROWS its local expert id there."""
     slots = tl.arange(0, K_P2)
     tokens = c * CHUNK + tl.arange(0, CHUNK)
     tmask = tokens < num_tokens
@@ -92,6 +125,8 @@ def _chunk_slots(
     ).to(tl.int32)
     used = ids >= 0
     dest = tl.where(used, ids // experts_per_rank, -1)
+    if TOKEN_ROWS:
+        return tokens, tmask, slot_offs, dest, ids % experts_per_rank
     # Row 0 of chunk_expert_base: the expert's base row; row c + 1: the chunk's offset in it.
     out_row = tl.load(chunk_expert_base_ptr + ids, mask=used, other=0)
     out_row += tl.load(chunk_expert_base_ptr + (c + 1) * num_experts + ids, mask=used, other=0)
@@ -101,19 +136,20 @@ def _chunk_slots(
 
 @triton.jit
 def _store_packed(
-    entries_ptr, sel, values, any_sel, MS: tl.constexpr, MS_P2: tl.constexpr, CHUNK: tl.constexpr
+    entries_ptr, sel, values, any_sel, num_entries, fill, MS_P2: tl.constexpr, CHUNK: tl.constexpr
 ):
-    """Store ``values`` [CHUNK, K_P2] of the selected slots of each token into its MS entries at
-    ``entries_ptr`` [CHUNK] (pointer to entry 0), packed in slot order, and -1 in the entries
-    after them for the tokens with ``any_sel``. Returns each slot's entry."""
+    """Store ``values`` [CHUNK, K_P2] of the selected slots of each token into its
+    ``num_entries`` (<= MS_P2) entries at ``entries_ptr`` [CHUNK] (pointer to entry 0), packed
+    in slot order, and ``fill`` in the entries after them for the tokens with ``any_sel``.
+    Returns each slot's entry."""
     entries = tl.arange(0, MS_P2)
     sel_i = sel.to(tl.int32)
     entry = tl.cumsum(sel_i, axis=1) - sel_i
     tl.store(entries_ptr[:, None] + entry, values, mask=sel)
-    unused = (entries[None, :] >= tl.sum(sel_i, axis=1)[:, None]) & (entries[None, :] < MS)
+    unused = (entries[None, :] >= tl.sum(sel_i, axis=1)[:, None]) & (entries[None, :] < num_entries)
     tl.store(
         entries_ptr[:, None] + entries[None, :],
-        tl.full([CHUNK, MS_P2], -1, tl.int32),
+        tl.full([CHUNK, MS_P2], fill, values.dtype),
         mask=any_sel[:, None] & unused,
     )
     return entry
@@ -139,6 +175,17 @@ def remote_item(index, rank, W: tl.constexpr):
     rank, starting at the next one, then item w + 1 (the order senders send them)."""
     sources = tl.maximum(W - 1, 1)
     return index // sources, (rank + 1 + index % sources) % W
+
+
+@triton.jit
+def token_rows_first(recv_chunk_start_ptr, recv_src_tokens_ptr, src, T_MAX, NC_MAX, CHUNK):
+    """First row of source ``src``'s tokens in a token-major output: the rows of every source
+    before it (each source's stream, in source order)."""
+    first = 0
+    for s in range(0, src):
+        chunks = tl.cdiv(tl.minimum(tl.load(recv_src_tokens_ptr + s), T_MAX), CHUNK)
+        first += tl.load(recv_chunk_start_ptr + s * (NC_MAX + 1) + chunks)
+    return first
 
 
 @triton.jit
@@ -181,17 +228,18 @@ def _send_chunk(
     CHUNK: tl.constexpr,
     BLOCK_H: tl.constexpr,
     HAS_WEIGHTS: tl.constexpr,
+    TOKEN_ROWS: tl.constexpr,
     STAGES: tl.constexpr,
 ):
     """Push columns [h_first, h_last) of chunk ``c`` of this rank's tokens to every other rank that
-    holds one of their experts: each row once per rank, with the expert-major rows (and weights)
-    of its slots there (every column slice writes these, so the receiver of a slice needs no
-    other)."""
+    holds one of their experts: each row once per rank, with the expert-major rows (or with
+    TOKEN_ROWS the local expert ids) and weights of its slots there (every column slice writes
+    these, so the receiver of a slice needs no other)."""
     dtype = x_ptr.dtype.element_ty
     ranks = tl.arange(0, W_P2)
-    tokens, tmask, slot_offs, dest, out_row = _chunk_slots(
+    tokens, tmask, slot_offs, dest, recorded = _chunk_slots(
         c, topk_idx_ptr, num_tokens, topk, num_experts, experts_per_rank, slot_pos_ptr,
-        chunk_expert_base_ptr, CHUNK, K_P2,
+        chunk_expert_base_ptr, CHUNK, K_P2, TOKEN_ROWS,
     )  # fmt: skip
     x_rows = x_ptr + tokens.to(tl.int64)[:, None] * x_stride
     if HAS_WEIGHTS:
@@ -209,7 +257,7 @@ def _send_chunk(
             sel = (dest == q) & (row >= 0)[:, None]
             meta = row.to(tl.int64) * MS
             meta_rows = region(peer_bases_ptr, q, meta_rows_off, tl.int32) + meta
-            entry = _store_packed(meta_rows, sel, out_row, row >= 0, MS, MS_P2, CHUNK)
+            entry = _store_packed(meta_rows, sel, recorded, row >= 0, MS, -1, MS_P2, CHUNK)
             if HAS_WEIGHTS:
                 meta_weights = region(peer_bases_ptr, q, meta_weights_off, tl.float32)
                 tl.store((meta_weights + meta)[:, None] + entry, weight, mask=sel)
@@ -234,39 +282,68 @@ def _expand_chunk(
     h_last,
     part,
     hidden,
+    topk,
     num_out_rows,
+    token_row_offset,
     meta_rows_ptr,
     meta_weights_ptr,
     staging_ptr,
     staged_rows_ptr,
     recv_x_ptr,
     recv_weights_ptr,
+    recv_topk_idx_ptr,
     MS: tl.constexpr,
     MS_P2: tl.constexpr,
+    K_P2: tl.constexpr,
     CHUNK: tl.constexpr,
     BLOCK_H: tl.constexpr,
     HAS_WEIGHTS: tl.constexpr,
     WRITE_ROWS: tl.constexpr,
+    TOKEN_ROWS: tl.constexpr,
 ):
-    """Copy columns [h_first, h_last) of staged rows [staged_first, staged_end) to their
-    expert-major rows of recv_x; column ``part`` 0 of a staged chunk also records those rows in
-    staged_rows (if WRITE_ROWS) and copies the rows' weights."""
+    """Copy columns [h_first, h_last) of staged rows [staged_first, staged_end) to their rows of
+    recv_x: the expert-major rows in their metadata, or with TOKEN_ROWS the one row
+    ``staged + token_row_offset``. Column ``part`` 0 of a staged chunk also records those rows
+    in staged_rows (if WRITE_ROWS) and copies the rows' weights (and with TOKEN_ROWS their
+    local expert ids into recv_topk_idx)."""
     entries = tl.arange(0, MS_P2)
     staged = staged_first + tl.arange(0, CHUNK)
     jmask = staged < staged_end
     emask = jmask[:, None] & (entries[None, :] < MS)
     meta = staged.to(tl.int64)[:, None] * MS + entries[None, :]
-    rows = tl.load(meta_rows_ptr + meta, mask=emask, other=-1, cache_modifier=".cg")
-    num_copies = tl.max(tl.sum((rows >= 0).to(tl.int32), axis=1), axis=0)
-    rows = tl.where(rows < num_out_rows, rows, -1)  # past max_recv_tokens: dropped
     # Entries whose row and weight this part records: all in part 0, none in the others (a
     # bound, not a scalar flag, so that every mask stays a tensor of the entries' shape).
     recorded = emask & (entries[None, :] < tl.where(part == 0, MS, 0))
+    if TOKEN_ROWS:
+        token_row = staged + token_row_offset
+        token_row = tl.where(jmask & (token_row < num_out_rows), token_row, -1)
+        rows = tl.where(entries[None, :] == 0, token_row[:, None], -1)
+        num_copies = 1
+        # Slot i of a row: the i-th entry of its metadata (packed; -1 past them).
+        slots = tl.arange(0, K_P2)
+        slot_meta = staged.to(tl.int64)[:, None] * MS + slots[None, :]
+        smask = (token_row >= 0)[:, None] & (slots[None, :] < tl.where(part == 0, topk, 0))
+        mmask = smask & (slots[None, :] < MS)
+        out_slots = token_row.to(tl.int64)[:, None] * topk + slots[None, :]
+        local_ids = tl.load(meta_rows_ptr + slot_meta, mask=mmask, other=-1, cache_modifier=".cg")
+        if WRITE_ROWS:
+            tl.store(recv_topk_idx_ptr + out_slots, local_ids, mask=smask)
+        if HAS_WEIGHTS:
+            weights = tl.load(
+                meta_weights_ptr + slot_meta, mask=mmask & (local_ids >= 0), other=0.0,
+                cache_modifier=".cg",
+            )  # fmt: skip
+            tl.store(recv_weights_ptr + out_slots, weights, mask=smask)
+    else:
+        rows = tl.load(meta_rows_ptr + meta, mask=emask, other=-1, cache_modifier=".cg")
+        # Entries are packed: the copies of the token with the most of them, drops included.
+        num_copies = tl.max(tl.sum((rows >= 0).to(tl.int32), axis=1), axis=0)
+        rows = tl.where(rows < num_out_rows, rows, -1)  # past max_recv_tokens: dropped
+        if HAS_WEIGHTS:
+            weights = tl.load(meta_weights_ptr + meta, mask=recorded, cache_modifier=".cg")
+            tl.store(recv_weights_ptr + rows, weights, mask=recorded & (rows >= 0))
     if WRITE_ROWS:
         tl.store(staged_rows_ptr + meta, rows, mask=recorded)
-    if HAS_WEIGHTS:
-        weights = tl.load(meta_weights_ptr + meta, mask=recorded, cache_modifier=".cg")
-        tl.store(recv_weights_ptr + rows, weights, mask=recorded & (rows >= 0))
     src_rows = staging_ptr + staged.to(tl.int64)[:, None] * hidden
     cols = h_first + tl.arange(0, BLOCK_H)
     tile = tl.load(
@@ -284,9 +361,7 @@ def _expand_chunk(
             cache_modifier=".cg",
         )
         for i in range(0, num_copies):
-            row_i = column(rows, entries, i)
-            ptrs = recv_x_ptr + row_i.to(tl.int64)[:, None] * hidden + cols[None, :]
-            tl.store(ptrs, tile, mask=(row_i >= 0)[:, None] & cmask[None, :])
+            _store_tile(recv_x_ptr, column(rows, entries, i), cols, cmask, tile, hidden)
         tile = next_tile
 
 
@@ -309,10 +384,12 @@ def _expand_own_chunk(
     slot_pos_ptr,
     token_rank_pos_ptr,
     own_stream_first,
+    own_token_rows_first,
     chunk_expert_base_ptr,
     staged_rows_ptr,
     recv_x_ptr,
     recv_weights_ptr,
+    recv_topk_idx_ptr,
     W: tl.constexpr,
     MS: tl.constexpr,
     MS_P2: tl.constexpr,
@@ -321,37 +398,60 @@ def _expand_own_chunk(
     BLOCK_H: tl.constexpr,
     HAS_WEIGHTS: tl.constexpr,
     WRITE_ROWS: tl.constexpr,
+    TOKEN_ROWS: tl.constexpr,
     STAGES: tl.constexpr,
 ):
     """Copy columns [h_first, h_last) of this rank's tokens of chunk ``c`` straight from ``x``
-    to the expert-major rows of their local experts, and (if WRITE_ROWS) record those rows in
-    staged_rows as the rows of the token's place in its stream to this rank, which starts at
-    row ``own_stream_first``, packed in slot order as a sender packs them."""
+    to the expert-major rows of their local experts (with TOKEN_ROWS: to one row per token,
+    from row ``own_token_rows_first`` on, with its slots' local expert ids in recv_topk_idx and
+    weights packed in slot order), and (if WRITE_ROWS) record those rows in staged_rows as the
+    rows of the token's place in its stream to this rank, which starts at row
+    ``own_stream_first``, packed in slot order as a sender packs them."""
     slots = tl.arange(0, K_P2)
-    tokens, tmask, slot_offs, dest, out_row = _chunk_slots(
+    tokens, tmask, slot_offs, dest, recorded = _chunk_slots(
         c, topk_idx_ptr, num_tokens, topk, num_experts, experts_per_rank, slot_pos_ptr,
-        chunk_expert_base_ptr, CHUNK, K_P2,
+        chunk_expert_base_ptr, CHUNK, K_P2, TOKEN_ROWS,
     )  # fmt: skip
     mine = dest == rank
-    out_row = tl.where(mine & (out_row < num_out_rows), out_row, -1)  # past max_recv_tokens
-    if WRITE_ROWS:
-        staged = own_stream_first + tl.load(token_rank_pos_ptr + tokens * W + rank, mask=tmask)
-        any_mine = tl.max(mine.to(tl.int32), axis=1) > 0
-        meta = staged_rows_ptr + staged.to(tl.int64) * MS
-        _store_packed(meta, mine, out_row, any_mine, MS, MS_P2, CHUNK)
+    any_mine = tl.max(mine.to(tl.int32), axis=1) > 0
+    stream_pos = tl.load(token_rank_pos_ptr + tokens * W + rank, mask=tmask)
     if HAS_WEIGHTS:
         weight = tl.load(topk_weights_ptr + slot_offs, mask=mine)
-        tl.store(recv_weights_ptr + out_row, weight, mask=out_row >= 0)
+    if TOKEN_ROWS:
+        token_row = own_token_rows_first + stream_pos
+        token_row = tl.where(any_mine & (token_row < num_out_rows), token_row, -1)
+        out_row = tl.where(slots[None, :] == 0, token_row[:, None], -1)
+        packed = (slots[None, :] == 0) & any_mine[:, None]  # one staged_rows entry per token
+        kept = mine & (token_row >= 0)[:, None]
+        out_slots = token_row.to(tl.int64) * topk
+        if WRITE_ROWS:
+            _store_packed(
+                recv_topk_idx_ptr + out_slots, kept, recorded, token_row >= 0, topk, -1, K_P2,
+                CHUNK,
+            )  # fmt: skip
+        if HAS_WEIGHTS:
+            _store_packed(
+                recv_weights_ptr + out_slots, kept, weight, token_row >= 0, topk, 0.0, K_P2, CHUNK
+            )
+    else:
+        out_row = tl.where(mine & (recorded < num_out_rows), recorded, -1)  # past max_recv_tokens
+        packed = mine
+        if HAS_WEIGHTS:
+            tl.store(recv_weights_ptr + out_row, weight, mask=out_row >= 0)
+    if WRITE_ROWS:
+        meta = staged_rows_ptr + (own_stream_first + stream_pos).to(tl.int64) * MS
+        _store_packed(meta, packed, out_row, any_mine, MS, -1, MS_P2, CHUNK)
     x_rows = x_ptr + tokens.to(tl.int64)[:, None] * x_stride
     wanted = tl.max(out_row, axis=1) >= 0
     for h0 in tl.range(h_first, h_last, BLOCK_H, num_stages=STAGES):
         cols = h0 + tl.arange(0, BLOCK_H)
         cmask = cols < h_last
         tile = tl.load(x_rows + cols[None, :], mask=wanted[:, None] & cmask[None, :])
-        for k in tl.static_range(K_P2):
-            row_k = column(out_row, slots, k)
-            ptrs = recv_x_ptr + row_k.to(tl.int64)[:, None] * hidden + cols[None, :]
-            tl.store(ptrs, tile, mask=(row_k >= 0)[:, None] & cmask[None, :])
+        if TOKEN_ROWS:  # one row per token, in entry 0
+            _store_tile(recv_x_ptr, column(out_row, slots, 0), cols, cmask, tile, hidden)
+        else:
+            for k in tl.static_range(K_P2):
+                _store_tile(recv_x_ptr, column(out_row, slots, k), cols, cmask, tile, hidden)
 
 
 @triton.jit
@@ -380,7 +480,8 @@ def dispatch_kernel(
     info_ptr,  # [4] int64
     staged_rows_ptr,  # out [W, T_MAX, MS] int32: expert-major rows of each staged row, or -1
     recv_x_ptr,  # out [N, H]
-    recv_weights_ptr,  # out [N] float32 (unused unless HAS_WEIGHTS)
+    recv_weights_ptr,  # out [N] float32, with TOKEN_ROWS [N, K] (unused unless HAS_WEIGHTS)
+    recv_topk_idx_ptr,  # out [N, K] int32 with TOKEN_ROWS and WRITE_ROWS, else unused
     peer_bases_ptr,
     ready_off,
     chunk_flags_off,
@@ -402,10 +503,12 @@ def dispatch_kernel(
     BLOCK_H: tl.constexpr,
     HAS_WEIGHTS: tl.constexpr,
     WRITE_ROWS: tl.constexpr,  # False for a cached dispatch: its handle has them already
+    TOKEN_ROWS: tl.constexpr,  # one output row per (token, this rank), not per (token, expert)
     STAGES: tl.constexpr,  # tile loads in flight in the copies from x (shared-memory pipeline)
 ):
     pid = tl.program_id(0)
     num_programs = tl.num_programs(0)
+    ROW_WEIGHTS: tl.constexpr = False if TOKEN_ROWS else HAS_WEIGHTS  # recv_weights is [N]
     seq = tl.load(control_ptr) + 1
     status_ptr = control_ptr + 3
     dtype = recv_x_ptr.dtype.element_ty
@@ -430,7 +533,7 @@ def dispatch_kernel(
                 experts_per_rank, W, rank, slot_pos_ptr, token_rank_pos_ptr,
                 send_chunk_start_ptr, chunk_expert_base_ptr, peer_bases_ptr, meta_rows_off,
                 meta_weights_off, staging_off, T_MAX, MS, MS_P2, K_P2, W_P2, CHUNK, BLOCK_H,
-                HAS_WEIGHTS, STAGES,
+                HAS_WEIGHTS, TOKEN_ROWS, STAGES,
             )  # fmt: skip
             for peer in range(0, W):
                 if peer != rank:
@@ -454,6 +557,11 @@ def dispatch_kernel(
         my_ready = region(peer_bases_ptr, rank, ready_off, tl.int64)
         part_cols = tl.cdiv(tl.cdiv(send_cols, staged_parts), BLOCK_H) * BLOCK_H
         remote_items = remote * staged_parts
+        own_token_rows_first = 0
+        if TOKEN_ROWS:
+            own_token_rows_first = token_rows_first(
+                recv_chunk_start_ptr, recv_src_tokens_ptr, rank, T_MAX, NC_MAX, CHUNK
+            )
         item = take_work(control_ptr + 6)
         while item < own_items + remote_items:
             is_own, k = interleaved(item, own_items, remote_items)
@@ -465,8 +573,10 @@ def dispatch_kernel(
                     topk_idx_ptr, topk_weights_ptr, num_tokens, topk, hidden, num_experts,
                     experts_per_rank, rank, num_out_rows, slot_pos_ptr, token_rank_pos_ptr,
                     rank * T_MAX + tl.load(send_chunk_start_ptr + c * W + rank),
-                    chunk_expert_base_ptr, staged_rows_ptr, recv_x_ptr, recv_weights_ptr, W, MS,
-                    MS_P2, K_P2, CHUNK, BLOCK_H, HAS_WEIGHTS, WRITE_ROWS, STAGES,
+                    own_token_rows_first + tl.load(send_chunk_start_ptr + c * W + rank),
+                    chunk_expert_base_ptr, staged_rows_ptr, recv_x_ptr, recv_weights_ptr,
+                    recv_topk_idx_ptr, W, MS, MS_P2, K_P2, CHUNK, BLOCK_H, HAS_WEIGHTS,
+                    WRITE_ROWS, TOKEN_ROWS, STAGES,
                 )  # fmt: skip
             else:
                 part = k % staged_parts
@@ -480,14 +590,22 @@ def dispatch_kernel(
                     table = recv_chunk_start_ptr + src * (NC_MAX + 1)
                     c = w // H_SLICES
                     h_first, h_last = part_columns(w, part, send_cols, part_cols, hidden, H_SLICES)
+                    token_row_offset = 0
+                    if TOKEN_ROWS:
+                        token_row_offset = (
+                            token_rows_first(
+                                recv_chunk_start_ptr, recv_src_tokens_ptr, src, T_MAX, NC_MAX,
+                                CHUNK,
+                            ) - src * T_MAX
+                        )  # fmt: skip
                     _expand_chunk(
                         src * T_MAX + tl.load(table + c), src * T_MAX + tl.load(table + c + 1),
-                        h_first, h_last, part, hidden, num_out_rows,
+                        h_first, h_last, part, hidden, topk, num_out_rows, token_row_offset,
                         region(peer_bases_ptr, rank, meta_rows_off, tl.int32),
                         region(peer_bases_ptr, rank, meta_weights_off, tl.float32),
                         region(peer_bases_ptr, rank, staging_off, dtype), staged_rows_ptr,
-                        recv_x_ptr, recv_weights_ptr, MS, MS_P2, CHUNK, BLOCK_H, HAS_WEIGHTS,
-                        WRITE_ROWS,
+                        recv_x_ptr, recv_weights_ptr, recv_topk_idx_ptr, MS, MS_P2, K_P2, CHUNK,
+                        BLOCK_H, HAS_WEIGHTS, WRITE_ROWS, TOKEN_ROWS,
                     )  # fmt: skip
             item = take_work(control_ptr + 6)
 
@@ -499,14 +617,19 @@ def dispatch_kernel(
                 seg + tl.load(expert_layout_ptr + 2 * experts_per_rank + e), num_out_rows
             )
             _zero_rows(
-                recv_x_ptr, recv_weights_ptr, first, last, hidden, HAS_WEIGHTS, CHUNK, BLOCK_H
+                recv_x_ptr, recv_weights_ptr, first, last, hidden, ROW_WEIGHTS, CHUNK, BLOCK_H
             )
         valid_rows = tl.where(aborted, 0, tl.minimum(tl.load(info_ptr), num_out_rows)).to(tl.int32)
         for b in range(lid, tl.cdiv(num_out_rows - valid_rows, CHUNK), num_expanders):
             first = valid_rows + b * CHUNK
             last = tl.minimum(first + CHUNK, num_out_rows)
             _zero_rows(
-                recv_x_ptr, recv_weights_ptr, first, last, hidden, HAS_WEIGHTS, CHUNK, BLOCK_H
+                recv_x_ptr, recv_weights_ptr, first, last, hidden, ROW_WEIGHTS, CHUNK, BLOCK_H
             )
+            if TOKEN_ROWS:
+                _clear_slots(
+                    recv_topk_idx_ptr, recv_weights_ptr, first, last, topk, HAS_WEIGHTS,
+                    WRITE_ROWS, CHUNK, K_P2,
+                )  # fmt: skip
 
     finish_launch(control_ptr, seq, num_programs)

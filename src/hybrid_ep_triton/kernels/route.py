@@ -145,6 +145,8 @@ def _exchange(
     ROW: tl.constexpr,
     C_BLOCK: tl.constexpr,
     TABLE_BLOCK: tl.constexpr,
+    CHUNK: tl.constexpr,
+    TOKEN_ROWS: tl.constexpr,
 ):
     """The layout exchange, run by the launch's last program once every chunk is counted."""
     seq = tl.load(control_ptr + 2) + 1
@@ -240,9 +242,17 @@ def _exchange(
     tl.store(expert_layout_ptr + experts_per_rank + local, tl.sum(tl.where(mine, total, 0), 0),
              mask=lmask)  # fmt: skip
     tl.store(expert_layout_ptr + 2 * experts_per_rank + local, my_padded, mask=lmask)
-    present = tl.minimum(my_start + my_padded, max_rows) - my_start
-    tl.store(tokens_per_expert_ptr + local, tl.maximum(present, 0).to(tl.int64), mask=lmask)
-    tl.store(info_ptr, tl.sum(my_padded, axis=0).to(tl.int64))
+    if TOKEN_ROWS:
+        # One row per received token: every source's stream to this rank.
+        src_tokens = tl.load(extra + 0, mask=smask, other=0)
+        streamed = tl.load(table + srcs * (NC_MAX + 1) + tl.cdiv(src_tokens, CHUNK), mask=smask,
+                           other=0)  # fmt: skip
+        tl.store(tokens_per_expert_ptr + local, my_padded.to(tl.int64), mask=lmask)
+        tl.store(info_ptr, tl.sum(streamed, axis=0).to(tl.int64))
+    else:
+        present = tl.minimum(my_start + my_padded, max_rows) - my_start
+        tl.store(tokens_per_expert_ptr + local, tl.maximum(present, 0).to(tl.int64), mask=lmask)
+        tl.store(info_ptr, tl.sum(my_padded, axis=0).to(tl.int64))
     tl.store(control_ptr + 2, seq)
 
 
@@ -266,7 +276,8 @@ def layout_kernel(
     recv_chunk_start_ptr,  # out [W, NC_MAX + 1] int32: chunk offsets of each source's stream
     recv_src_tokens_ptr,  # out [W] int32: tokens of each source
     expert_layout_ptr,  # out [3, L] int32: segment start, valid rows, padded rows
-    tokens_per_expert_ptr,  # out [L] int64: padded rows per local expert inside the output
+    tokens_per_expert_ptr,  # out [L] int64: padded rows per local expert inside the output;
+    # with TOKEN_ROWS the (token, expert) pairs per local expert, of all received tokens
     info_ptr,  # out int64 [4]: rows needed, first invalid source (or -1), first invalid row of
     # this rank (or 2**62), -
     peer_bases_ptr,
@@ -285,6 +296,7 @@ def layout_kernel(
     ROW: tl.constexpr,  # int32 words of a counts row
     C_BLOCK: tl.constexpr,  # chunks per tile of the per-expert prefix sums
     TABLE_BLOCK: tl.constexpr,  # chunks per tile of the per-rank prefix sums and chunk tables
+    TOKEN_ROWS: tl.constexpr,  # the output has a row per received token, not per (token, expert)
 ):
     chunk = tl.program_id(0)
     bad_row_ptr = control_ptr + 9
@@ -307,5 +319,5 @@ def layout_kernel(
             pad_multiple, max_rows, chunk_expert_base_ptr, send_chunk_start_ptr,
             recv_chunk_start_ptr, recv_src_tokens_ptr, expert_layout_ptr, tokens_per_expert_ptr,
             info_ptr, peer_bases_ptr, control_ptr, count_flags_off, counts_off, chunk_table_off,
-            timeout_ns, W_P2, E_P2, L_P2, NC_MAX, ROW, C_BLOCK, TABLE_BLOCK,
+            timeout_ns, W_P2, E_P2, L_P2, NC_MAX, ROW, C_BLOCK, TABLE_BLOCK, CHUNK, TOKEN_ROWS,
         )  # fmt: skip

@@ -34,7 +34,8 @@ class DispatchHandle:
     Receiver side (rows that came to this rank):
         recv_chunk_start [W, NC_MAX + 1] int32, recv_src_tokens [W] int32,
         expert_layout [3, L] int32 (segment start, valid rows, padded rows),
-        tokens_per_expert [L] int64, staged_rows [W, T_MAX, MS] int32 (filled by the data move).
+        tokens_per_expert [L] int64, staged_rows [W, T_MAX, MS] int32 (filled by the data move),
+        recv_topk_idx [N, K] int32 with token rows (filled by the data move; None otherwise).
     info: int64 [4] on the device: [0] rows the expert-major layout needs (padding included, even
         past max_recv_tokens), [1] first rank whose topk_idx was invalid or -1, [2] first invalid
         row of this rank's topk_idx (or a large value).
@@ -58,6 +59,7 @@ class DispatchHandle:
     tokens_per_expert: torch.Tensor
     staged_rows: torch.Tensor
     info: torch.Tensor
+    recv_topk_idx: torch.Tensor | None = None
 
 
 def _int_parts(plan: Plan, num_tokens: int, topk: int) -> dict[str, tuple[int, ...]]:
@@ -187,6 +189,7 @@ def compute_layout(
         NC_MAX=plan.max_chunks, ROW=plan.counts_row,
         C_BLOCK=max(1, _EXCHANGE_TILE // e_p2),
         TABLE_BLOCK=min(next_power_of_2(plan.max_chunks + 1), _EXCHANGE_TILE // w_p2),
+        TOKEN_ROWS=plan.token_rows,
     )  # fmt: skip
     return handle
 
@@ -207,19 +210,26 @@ def move_tokens(
     cached: bool,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Launch the data move for ``x`` [T, H] along ``handle``; collective. ``cached``: the
-    handle's staged_rows were filled by an earlier move and stay as they are.
+    handle's staged_rows (and recv_topk_idx) were filled by an earlier move and stay as they
+    are; otherwise a token-row plan's move sets handle.recv_topk_idx.
 
-    Returns recv_x [N, H] (x's dtype) and recv_weights [N] float32 (None without topk_weights).
+    Returns recv_x [N, H] (x's dtype) and recv_weights (None without topk_weights): [N] float32,
+    with token rows [N, K].
     """
     plan, cfg = rt.plan, rt.plan.config
+    topk_idx, num_tokens, topk = handle.topk_idx, handle.num_tokens, handle.topk
     num_rows = handle.num_recv_rows
     recv_x = torch.empty(num_rows, plan.hidden, dtype=x.dtype, device=rt.device)
     has_weights = topk_weights is not None
+    weights_shape = (num_rows, topk) if plan.token_rows else (num_rows,)
     recv_weights = torch.empty(
-        num_rows if has_weights else 0, dtype=torch.float32, device=rt.device
+        weights_shape if has_weights else 0, dtype=torch.float32, device=rt.device
     )
+    recv_topk_idx = recv_weights  # unused unless a token-row move writes it
+    if plan.token_rows and not cached:
+        recv_topk_idx = torch.empty(num_rows, topk, dtype=torch.int32, device=rt.device)
+        handle.recv_topk_idx = recv_topk_idx
     weights_arg = topk_weights.contiguous() if has_weights else recv_weights
-    topk_idx, num_tokens, topk = handle.topk_idx, handle.num_tokens, handle.topk
     world, rank, heap = rt.world_size, rt.rank, plan.heap
     expanders = programs_beside_senders(rt)
     dispatch_kernel[(cfg.senders + expanders,)](
@@ -228,14 +238,16 @@ def move_tokens(
         local_parts(plan, cfg.block_h),
         handle.slot_pos, handle.token_rank_pos, handle.send_chunk_start, handle.chunk_expert_base,
         handle.recv_chunk_start, handle.recv_src_tokens, handle.expert_layout, handle.info,
-        handle.staged_rows, recv_x, recv_weights, rt.heap.peer_bases, heap.dispatch_ready,
+        handle.staged_rows, recv_x, recv_weights, recv_topk_idx, rt.heap.peer_bases,
+        heap.dispatch_ready,
         heap.chunk_flags, heap.meta_rows, heap.meta_weights, heap.staging, rt.control,
         rt.timeout_ns,
         W=world, T_MAX=plan.max_tokens, NC_MAX=plan.max_chunks, H_SLICES=cfg.h_slices,
         P_MAX=MAX_PROGRAMS, MS=plan.meta_stride, MS_P2=next_power_of_2(plan.meta_stride),
         K_P2=next_power_of_2(topk), W_P2=next_power_of_2(world),
         CHUNK=cfg.chunk_tokens, BLOCK_H=cfg.block_h, HAS_WEIGHTS=has_weights,
-        WRITE_ROWS=not cached, STAGES=cfg.copy_stages, num_warps=cfg.num_warps,
+        WRITE_ROWS=not cached, TOKEN_ROWS=plan.token_rows, STAGES=cfg.copy_stages,
+        num_warps=cfg.num_warps,
         maxnreg=MAX_REGISTERS,
     )  # fmt: skip
     return recv_x, (recv_weights if has_weights else None)

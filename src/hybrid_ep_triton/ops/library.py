@@ -8,7 +8,8 @@ row count is a data-dependent size.
 Autograd: each data move's backward is the other one along the same handle.
 - dispatch (x, topk_weights) -> (recv_x, recv_weights): grad x is the combine of grad recv_x
   (each token sums the gradients of its rows); grad topk_weights[t, k] is grad recv_weights at
-  the row that slot (t, k) landed on, sent back to the token's rank.
+  the row (with token rows: the row and entry) that slot (t, k) landed on, sent back to the
+  token's rank.
 - combine (y, weights) -> out: grad y is the cached dispatch of grad out times weights; grad
   weights[row] is <y[row], grad out[token of row]> in fp32.
 Backward passes reuse the forward's handle (no new layout), work in max_recv_tokens mode, and
@@ -87,15 +88,19 @@ def _dispatch(
     topk_weights: Tensor | None,
     pad_multiple: int,
     max_recv_tokens: int,
-) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """The operator: max_recv_tokens < 0 is exact mode. Returns recv_x [N, H], recv_weights [N]
-    float32 ([0] without topk_weights), and the handle's ints and longs (see DispatchHandle)."""
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """The operator: max_recv_tokens < 0 is exact mode. Returns recv_x [N, H], recv_weights
+    float32 ([N], with token rows [N, K]; [0] without topk_weights), recv_topk_idx ([N, K] int32
+    with token rows, else [0]), and the handle's ints and longs (see DispatchHandle)."""
     rt = _runtime(runtime_id)
     exact = max_recv_tokens < 0
     recv_x, recv_weights, handle = _dispatch_with_handle(
         rt, x, topk_idx, topk_weights, pad_multiple, None if exact else max_recv_tokens
     )
-    return recv_x, _weights_or_empty(recv_weights, rt), handle.ints, handle.longs
+    recv_topk_idx = handle.recv_topk_idx
+    if recv_topk_idx is None:
+        recv_topk_idx = torch.empty(0, dtype=torch.int32, device=rt.device)
+    return recv_x, _weights_or_empty(recv_weights, rt), recv_topk_idx, handle.ints, handle.longs
 
 
 dispatch = torch.library.custom_op("hybrid_ep::dispatch", _dispatch, mutates_args=())
@@ -109,12 +114,19 @@ def _(runtime_id, x, topk_idx, topk_weights, pad_multiple, max_recv_tokens):
     else:
         rows = torch.library.get_ctx().new_dynamic_size()
     num_ints, num_longs = handle_sizes(rt.plan, *topk_idx.shape)
+    slots = _slots_shape(rt, rows, topk_idx.shape[1])
     return (
         x.new_empty(rows, x.shape[1]),
-        x.new_empty(rows if topk_weights is not None else 0, dtype=torch.float32),
+        x.new_empty(slots if topk_weights is not None else 0, dtype=torch.float32),
+        x.new_empty(slots if rt.plan.token_rows else 0, dtype=torch.int32),
         x.new_empty(num_ints, dtype=torch.int32),
         x.new_empty(num_longs, dtype=torch.int64),
     )
+
+
+def _slots_shape(rt: Runtime, rows, topk: int) -> tuple:
+    """Shape of recv_weights: a weight per row, or with token rows per (row, entry)."""
+    return (rows, topk) if rt.plan.token_rows else (rows,)
 
 
 def _dispatch_cached(
@@ -148,8 +160,9 @@ dispatch_cached = torch.library.custom_op(
 
 @dispatch_cached.register_fake
 def _(runtime_id, x, topk_weights, topk_idx, ints, longs, num_recv_rows):
-    rows_weighted = num_recv_rows if topk_weights is not None else 0
-    return x.new_empty(num_recv_rows, x.shape[1]), x.new_empty(rows_weighted, dtype=torch.float32)
+    slots = _slots_shape(_runtime(runtime_id), num_recv_rows, topk_idx.shape[1])
+    weights = x.new_empty(slots if topk_weights is not None else 0, dtype=torch.float32)
+    return x.new_empty(num_recv_rows, x.shape[1]), weights
 
 
 def _combine(
@@ -184,7 +197,8 @@ def _(runtime_id, y, weights, topk_idx, ints, longs):
 def _slot_gradients_op(
     runtime_id: int, grad_recv_weights: Tensor, topk_idx: Tensor, ints: Tensor, longs: Tensor
 ) -> Tensor:
-    """grad topk_weights [T, K] float32 from grad recv_weights [N] float32."""
+    """grad topk_weights [T, K] float32 from grad recv_weights float32 ([N], with token rows
+    [N, K])."""
     rt = _runtime(runtime_id)
     handle = _handle(rt, topk_idx, ints, longs, grad_recv_weights.shape[0])
     return _slot_gradients(rt, handle, grad_recv_weights)
@@ -227,11 +241,13 @@ def run_dispatch(
     registry id, the operators' handle on it."""
     if not _through_torch(x, topk_weights):
         return _dispatch_with_handle(rt, x, topk_idx, topk_weights, pad_multiple, max_recv_tokens)
-    recv_x, recv_weights, ints, longs = dispatch(
+    recv_x, recv_weights, recv_topk_idx, ints, longs = dispatch(
         runtime_id, x, topk_idx, topk_weights, pad_multiple,
         -1 if max_recv_tokens is None else max_recv_tokens,
     )  # fmt: skip
     handle = make_handle(rt.plan, topk_idx, ints, longs, recv_x.shape[0], max_recv_tokens)
+    if rt.plan.token_rows:
+        handle.recv_topk_idx = recv_topk_idx
     return recv_x, (recv_weights if topk_weights is not None else None), handle
 
 
@@ -285,7 +301,8 @@ def _dispatch_backward(ctx, grad_recv_x, grad_recv_weights, x_index: int, weight
         grads[x_index] = combine(ctx.runtime_id, grad_rows, None, topk_idx, ints, longs)
     if ctx.needs_input_grad[weights_index]:
         if grad_recv_weights is None:
-            grad_recv_weights = topk_idx.new_zeros(ctx.num_recv_rows, dtype=torch.float32)
+            shape = _slots_shape(_runtime(ctx.runtime_id), ctx.num_recv_rows, topk_idx.shape[1])
+            grad_recv_weights = topk_idx.new_zeros(shape, dtype=torch.float32)
         grads[weights_index] = slot_gradients(
             ctx.runtime_id, grad_recv_weights.float().contiguous(), topk_idx, ints, longs
         )
@@ -294,12 +311,12 @@ def _dispatch_backward(ctx, grad_recv_x, grad_recv_weights, x_index: int, weight
 
 def _dispatch_setup(ctx, inputs, output):
     runtime_id, x, topk_idx = inputs[:3]
-    _, _, ints, longs = output
+    _, _, _, ints, longs = output
     _save_handle(ctx, runtime_id, x, output[0].shape[0], topk_idx, ints, longs)
     ctx.num_inputs = len(inputs)
 
 
-def _dispatch_grads(ctx, grad_recv_x, grad_recv_weights, _grad_ints, _grad_longs):
+def _dispatch_grads(ctx, grad_recv_x, grad_recv_weights, _grad_idx, _grad_ints, _grad_longs):
     return _dispatch_backward(ctx, grad_recv_x, grad_recv_weights, x_index=1, weights_index=3)
 
 
@@ -338,20 +355,28 @@ dispatch_cached.register_autograd(_dispatch_cached_grads, setup_context=_dispatc
 combine.register_autograd(_combine_grads, setup_context=_combine_setup)
 
 
-def _slot_gradients(rt: Runtime, handle: DispatchHandle, grad_rows: Tensor) -> Tensor:
-    """grad topk_weights [T, K] float32 from grad recv_weights [N]: each receiver looks up the rows
-    of its staged tokens' entries, sends them back with one all_to_all, and each source picks the
-    entry of every slot."""
+def _slot_gradients(rt: Runtime, handle: DispatchHandle, grad_weights: Tensor) -> Tensor:
+    """grad topk_weights [T, K] float32 from grad recv_weights ([N], with token rows [N, K]):
+    each receiver looks up the weights of its staged tokens' entries, sends them back with one
+    all_to_all, and each source picks the entry of every slot."""
     plan, dev = rt.plan, rt.device
-    # Receiver: entry (s, j, i) holds the row of the i-th local slot of s's j-th staged token.
+    # Receiver: entry (s, j, i) is the i-th local slot of s's j-th staged token, whose weight is
+    # grad_weights' element: the row in staged_rows' entry i, or with token rows entry i of the
+    # row in its entry 0.
     src_tokens = handle.recv_src_tokens.long().clamp(max=plan.max_tokens)
     last_chunk = (src_tokens + plan.config.chunk_tokens - 1) // plan.config.chunk_tokens
     streamed = handle.recv_chunk_start.long().gather(1, last_chunk[:, None])  # [W, 1]
     staged = torch.arange(plan.max_tokens, device=dev)[None, :] < streamed  # [W, T_MAX]
     rows = handle.staged_rows.long()
+    if plan.token_rows:
+        entries = torch.arange(plan.meta_stride, device=dev)
+        token_row = rows[:, :, :1]
+        in_row = (token_row >= 0) & (entries < handle.topk)
+        rows = torch.where(in_row, token_row * handle.topk + entries, -1)
     rows = torch.where(staged[:, :, None] & (rows >= 0), rows, -1)
-    # Row -1 (no row) reads the zero appended at the end, also when N == 0.
-    back = torch.cat([grad_rows, grad_rows.new_zeros(1)])[rows]
+    # Element -1 (none) reads the zero appended at the end, also when N == 0.
+    flat = grad_weights.flatten()
+    back = torch.cat([flat, flat.new_zeros(1)])[rows]
     returned = torch.empty_like(back)
     dist.all_to_all_single(returned, back, group=rt.group)  # block d: what rank d looked up
     # Source: slot (t, k) went to rank d as staged token j, entry i = its rank among t's slots
