@@ -83,19 +83,25 @@ class KernelConfig:
 def default_config(hidden: int, max_tokens: int, num_sms: int | None, on_gpu: bool) -> KernelConfig:
     """The documented heuristic.
 
-    On GPUs: programs of 8 warps, two per SM (on 2xH200, S1, 8 SMs, against one program of 16
-    warps per SM: a cached dispatch 302 instead of 348 µs, a combine 332 instead of 393 µs),
-    tiles of 8K elements for dispatch and 4K fp32 accumulators for combine with 8 gathers in
-    flight, which compile into 128 registers without spills on sm_90 (make_config: the streaming
-    copies keep 4 tiles' loads in flight in shared memory); 16-token chunks for
-    small batches (more chunks to spread over the programs), 32 otherwise (fewer flags). Under
-    the CPU interpreter: small tiles.
+    On GPUs, up to 8 SMs: programs of 4 warps, four per SM, with 16-token chunks (on 2xH200,
+    S1, 8 SMs, against 8-warp programs with 32-token chunks: a dispatch graph 268 instead of
+    298 µs and a combine 287 instead of 318 µs with expert-major rows; 223 instead of 236 and
+    220 instead of 242 µs with token rows; at 4 SMs with token rows 280 instead of 355 µs).
+    Above 8 SMs: programs of 8 warps, two per SM (at 16 SMs a dispatch graph 254 instead of
+    287 µs with expert-major rows; against 16-warp programs at 8 SMs, a cached dispatch 302
+    instead of 348 µs), with 16-token chunks for small batches (more chunks to spread over the
+    programs) and 32 otherwise (fewer flags). Tiles of 8K elements for dispatch and 4K fp32
+    accumulators for combine with 8 gathers in flight (make_config: the streaming copies keep 4
+    tiles' loads in flight in shared memory), capped at 128 registers: without spills with 8
+    warps on sm_90; 4-warp programs spill (S1: 320 bytes of stack in dispatch, 480 in combine)
+    and are still the faster ones up to 8 SMs (with 4K-element tiles, which spill less: 224
+    and 278 instead of 223 and 267 µs). Under the CPU interpreter: small tiles.
     """
     if not on_gpu:
         return make_config(num_sms or 2, 4, 32, 2, 1, on_gpu)
     num_sms = num_sms or 8
-    warps = 8
-    chunk = 16 if max_tokens <= 512 else 32
+    warps = 4 if num_sms <= 8 else 8
+    chunk = 16 if max_tokens <= 512 or warps == 4 else 32
     block_h = min(next_power_of_2(hidden), 8192 // chunk)
     # About two work items per sender when every rank sends max_tokens, at most one tile
     # column per slice.

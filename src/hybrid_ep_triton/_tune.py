@@ -36,7 +36,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sms", type=int, default=8, help="SM budget of the senders, default 8")
     p.add_argument("--chunks", type=_ints, default=[16, 32], help="tokens per chunk")
     p.add_argument("--block-h", type=_ints, default=[256, 512, 1024], help="dispatch tile width")
-    p.add_argument("--warps", type=_ints, default=[8, 16])
+    p.add_argument("--warps", type=_ints, default=[4, 8, 16])
     p.add_argument("--slices", type=_ints, default=[1, 2, 4], help="column slices per chunk")
     p.add_argument("--unroll", type=_ints, default=[4, 8], help="rows combine gathers at once")
     p.add_argument("--stages", type=_ints, default=[4], help="tile loads in flight in copies")

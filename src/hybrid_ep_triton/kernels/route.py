@@ -60,10 +60,12 @@ def _count_chunk(
     W_P2: tl.constexpr,
     E_P2: tl.constexpr,
     PAIRS: tl.constexpr,
+    TOKEN_ROWS: tl.constexpr,
 ):
-    """Count chunk ``chunk``: slot_pos and token_rank_pos of its tokens, its slots per expert
-    (``expert_count_ptr`` [E]) and tokens per rank (``rank_count_ptr`` [W]); the first invalid
-    row goes into ``bad_row_ptr`` (as 2**62 - row)."""
+    """Count chunk ``chunk``: slot_pos (unless TOKEN_ROWS: token rows need none) and
+    token_rank_pos of its tokens, its slots per expert (``expert_count_ptr`` [E]) and tokens per
+    rank (``rank_count_ptr`` [W]); the first invalid row goes into ``bad_row_ptr`` (as
+    2**62 - row)."""
     # Per slot: its position among the chunk's slots of the same expert, the number of pairs of
     # slots with that expert whose other slot belongs to an earlier token (tiles of pairs).
     expert_count = tl.zeros([E_P2], tl.int32)
@@ -71,14 +73,17 @@ def _count_chunk(
         token, offs, in_chunk, ids = _flat_slots(
             topk_idx_ptr, chunk, i0, num_tokens, topk, num_experts, PAIRS, CHUNK, K_P2
         )
-        pos = tl.zeros([PAIRS], tl.int32)
-        for j0 in range(0, CHUNK * K_P2, PAIRS):
-            other_token, _, _, other_ids = _flat_slots(
-                topk_idx_ptr, chunk, j0, num_tokens, topk, num_experts, PAIRS, CHUNK, K_P2
-            )
-            earlier = (ids[:, None] == other_ids[None, :]) & (other_token[None, :] < token[:, None])
-            pos += tl.sum(earlier.to(tl.int32), axis=1)
-        tl.store(slot_pos_ptr + offs, tl.where(ids >= 0, pos, -1), mask=in_chunk)
+        if not TOKEN_ROWS:
+            pos = tl.zeros([PAIRS], tl.int32)
+            for j0 in range(0, CHUNK * K_P2, PAIRS):
+                other_token, _, _, other_ids = _flat_slots(
+                    topk_idx_ptr, chunk, j0, num_tokens, topk, num_experts, PAIRS, CHUNK, K_P2
+                )
+                earlier = (ids[:, None] == other_ids[None, :]) & (
+                    other_token[None, :] < token[:, None]
+                )
+                pos += tl.sum(earlier.to(tl.int32), axis=1)
+            tl.store(slot_pos_ptr + offs, tl.where(ids >= 0, pos, -1), mask=in_chunk)
         expert_count += tl.histogram(tl.where(ids >= 0, ids, 0), E_P2, mask=ids >= 0)
     experts = tl.arange(0, E_P2)
     tl.store(expert_count_ptr + experts, expert_count, mask=experts < num_experts)
@@ -307,7 +312,7 @@ def layout_kernel(
             chunk, topk_idx_ptr, num_tokens, topk, num_experts, experts_per_rank, world_size,
             slot_pos_ptr, token_rank_pos_ptr, chunk_expert_base_ptr + (chunk + 1) * num_experts,
             send_chunk_start_ptr + chunk * world_size, bad_row_ptr,
-            CHUNK, K_P2, W_P2, E_P2, PAIRS,
+            CHUNK, K_P2, W_P2, E_P2, PAIRS, TOKEN_ROWS,
         )  # fmt: skip
     tl.debug_barrier()
     ticket = tl.atomic_add(control_ptr + 8, 1, sem="acq_rel", scope="gpu")
