@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One call on a lent GPU machine: install the carried nvshmem4py wheel, then run the steps named
 # in $STEPS (default: tests) with every log written to $OUT (the folder that comes back).
-#   tests  the GPU test suite (HEP_TEST_DEVICE=cuda: tests with more ranks than GPUs skip)
+#   tests  the GPU test suite, first half (HEP_TEST_DEVICE=cuda: tests with more ranks than
+#          GPUs skip); tests2 the second half (the whole suite takes longer than one call)
 #   bench  bench/run.py (JSON, Markdown, PNG into $OUT)
 #   soak   hybrid-ep soak on every local GPU ($SOAK_ROUNDS rounds, default 10000)
 #   tune   hybrid-ep tune for the S1 shape
@@ -19,8 +20,10 @@ for step in $STEPS; do
     case $step in
         tests) cmd=(env HEP_TEST_DEVICE=cuda HEP_TEST_TIMEOUT=120 python3 -m pytest -q -rs
                     tests/test_streams.py tests/test_compile.py tests/test_moe.py
-                    tests/test_dispatch_combine.py tests/test_heap.py tests/test_validation.py
-                    tests/test_autograd.py tests/test_primitives.py) ;;
+                    tests/test_dispatch_combine.py) ;;
+        tests2) cmd=(env HEP_TEST_DEVICE=cuda HEP_TEST_TIMEOUT=120 python3 -m pytest -q -rs
+                     tests/test_heap.py tests/test_validation.py tests/test_autograd.py
+                     tests/test_primitives.py) ;;
         bench) cmd=(python3 bench/run.py --iters 50 --warmup 10 --timeout 400 --out "$OUT") ;;
         soak) cmd=(python3 -m hybrid_ep_triton soak --device cuda --rounds "${SOAK_ROUNDS:-10000}") ;;
         tune) cmd=(python3 -m hybrid_ep_triton tune) ;;
