@@ -1,8 +1,8 @@
 """Fuzzing: hypothesis draws whole scenarios — world size, hidden size, experts, and a sequence of
 calls with random token counts, routings (-1 slots, hot experts, empty ranks), pad multiples,
-max_recv_tokens values and weights — and every call on CPU ranks is checked against the
-reference. One scenario is one launch of ranks (a launch costs seconds), its calls share one
-Buffer.
+max_recv_tokens values and weights, expert-major rows or token rows (expand) — and every call
+on CPU ranks is checked against the reference. One scenario is one launch of ranks (a launch
+costs seconds), its calls share one Buffer.
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ scenarios = st.fixed_dictionaries(
         "world": st.integers(2, 4),
         "hidden": st.sampled_from([3, 10, 33]),
         "experts_per_rank": st.integers(1, 3),
+        "expand": st.booleans(),
         "calls": st.lists(calls, min_size=3, max_size=5),
     }
 )
@@ -56,26 +57,42 @@ def _inputs(call: dict, rank: int, experts: int, hidden: int):
     return x, idx, weights
 
 
+def _row_weights(outputs: list, expand: bool):
+    """combine's per-row weights: recv_weights, or with token rows each row's slot weights
+    summed (None without weights)."""
+    weights = outputs[1] if expand else outputs[2]
+    return weights if expand or weights is None else weights.sum(dim=1)
+
+
 def _scenario_body(rank: int, world: int, scenario: dict) -> list[str]:
     experts = world * scenario["experts_per_rank"]
+    expand = scenario["expand"]
+    names = ["recv_x", "recv_weights", "tokens_per_expert"]
+    if not expand:
+        names = ["recv_x", "recv_topk_idx", "recv_topk_weights", "tokens_per_expert"]
     failures = []
     with Buffer(
-        None, hidden_size=scenario["hidden"], max_tokens_per_rank=MAX_TOKENS, num_experts=experts
-    ) as buf:
+        None, hidden_size=scenario["hidden"], max_tokens_per_rank=MAX_TOKENS,
+        num_experts=experts, expand=expand,
+    ) as buf:  # fmt: skip
         for n, call in enumerate(scenario["calls"]):
-            what = f"rank {rank}, call {n} {call}"
+            what = f"rank {rank}, expand={expand}, call {n} {call}"
             x, idx, w = _inputs(call, rank, experts, scenario["hidden"])
-            kw = dict(pad_multiple=call["pad_multiple"], max_recv_tokens=call["max_recv_tokens"])
-            got = buf.dispatch(x, idx, w, **kw)
-            want = reference.dispatch(None, x, idx, w, num_experts=experts, **kw)
-            names = ("recv_x", "recv_weights", "tokens_per_expert")
-            for name, a, b in zip(names, got[:3], want[:3], strict=True):
+            kw = dict(
+                pad_multiple=call["pad_multiple"] if expand else 1,
+                max_recv_tokens=call["max_recv_tokens"],
+            )
+            *got, handle = buf.dispatch(x, idx, w, **kw)
+            *want, ref_handle = reference.dispatch(
+                None, x, idx, w, num_experts=experts, expand=expand, **kw
+            )
+            for name, a, b in zip(names, got, want, strict=True):
                 if (a is None) != (b is None) or a is not None and not torch.equal(a, b):
                     failures.append(f"{what}: {name} differs from the reference")
             limit = call["max_recv_tokens"]
-            overflow = limit is not None and want[3].num_recv_rows > limit
+            overflow = limit is not None and ref_handle.num_recv_rows > limit
             try:
-                buf.check(got[3])
+                buf.check(handle)
                 if overflow:
                     failures.append(f"{what}: no OverflowError")
             except OverflowError:
@@ -83,8 +100,8 @@ def _scenario_body(rank: int, world: int, scenario: dict) -> list[str]:
                     failures.append(f"{what}: unexpected OverflowError")
             y = torch.randn(got[0].shape, generator=torch.Generator().manual_seed(n))
             y = y.to(torch.bfloat16)
-            out = buf.combine(y, got[3], weights=got[1])
-            ref = reference.combine(None, y, want[3], weights=want[1])
+            out = buf.combine(y, handle, weights=_row_weights(got, expand))
+            ref = reference.combine(None, y, ref_handle, weights=_row_weights(want, expand))
             scale = 1 + ref.float().abs()
             if not ((out.float() - ref.float()).abs() <= TOL * scale).all():
                 failures.append(f"{what}: combine differs from the reference")

@@ -452,7 +452,7 @@ class Buffer:
     def _read_report(self, handle: DispatchHandle) -> int:
         """One device-to-host read of what the device recorded for ``handle``'s dispatch:
         raises TimeoutError (a wait timed out) or ValueError (invalid routing on some rank);
-        returns the rows the expert-major layout needs."""
+        returns the rows the output needs (expert-major or token rows)."""
         needed, src, row, code, peer, stage = torch.cat(
             [handle.info[:3], self._rt.control[3:6]]
         ).tolist()

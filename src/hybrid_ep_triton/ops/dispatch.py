@@ -36,9 +36,10 @@ class DispatchHandle:
         expert_layout [3, L] int32 (segment start, valid rows, padded rows),
         tokens_per_expert [L] int64, staged_rows [W, T_MAX, MS] int32 (filled by the data move),
         recv_topk_idx [N, K] int32 with token rows (filled by the data move; None otherwise).
-    info: int64 [4] on the device: [0] rows the expert-major layout needs (padding included, even
-        past max_recv_tokens), [1] first rank whose topk_idx was invalid or -1, [2] first invalid
-        row of this rank's topk_idx (or a large value).
+    info: int64 [4] on the device: [0] rows the output needs (expert-major: padding included;
+        token rows: the tokens received; even past max_recv_tokens), [1] first rank whose
+        topk_idx was invalid or -1, [2] first invalid row of this rank's topk_idx (or a large
+        value).
     num_recv_rows: N, the rows of recv_x.
     """
 
