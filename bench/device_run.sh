@@ -5,6 +5,7 @@
 #          GPUs skip); tests2 the second half (the whole suite takes longer than one call)
 #   bench  bench/run.py (JSON, Markdown, PNG into $OUT)
 #   soak   hybrid-ep soak on every local GPU ($SOAK_ROUNDS rounds, default 10000)
+#   soak-token  the same with token rows (Buffer(expand=False))
 #   tune   hybrid-ep tune for the S1 shape
 # Usage there: OUT=... STEPS="tests bench" HEP_COMMIT=<hash> bash bench/device_run.sh
 set -uo pipefail
@@ -26,6 +27,8 @@ for step in $STEPS; do
                      tests/test_primitives.py) ;;
         bench) cmd=(python3 bench/run.py --iters 50 --warmup 10 --timeout 400 --out "$OUT") ;;
         soak) cmd=(python3 -m hybrid_ep_triton soak --device cuda --rounds "${SOAK_ROUNDS:-10000}") ;;
+        soak-token) cmd=(python3 -m hybrid_ep_triton soak --device cuda --token-rows
+                         --rounds "${SOAK_ROUNDS:-10000}") ;;
         tune) cmd=(python3 -m hybrid_ep_triton tune) ;;
         *) echo "unknown step $step" >&2; exit 2 ;;
     esac

@@ -6,6 +6,8 @@ CPU ranks, with a seed whose draws cover every feature the soak varies on both r
 
 from __future__ import annotations
 
+import dataclasses
+
 from hybrid_ep_triton._soak import MEMORY_BOUND, SoakConfig, _summary, format_summary, soak_rank
 
 ROUNDS = 20
@@ -28,6 +30,15 @@ def test_short_soak_on_two_ranks(launch):
         assert s["memory_first"] > 0 and s["ms_first"] > 0, line
         assert set(s["coverage"]) == FEATURES, s["coverage"]
         assert sum(s["coverage"][m] for m in ("exact", "cached", "max_recv")) == ROUNDS
+
+
+def test_short_soak_with_token_rows(launch):
+    """Rounds on a Buffer with one row per token (expand=False): no pad multiples."""
+    config = dataclasses.replace(CONFIG, rounds=8, expand=False)
+    for s in launch(soak_rank, 2, config):
+        assert s["ok"], format_summary(s) + "\n" + "\n".join(s["messages"])
+        assert {"exact", "cached", "max_recv"} <= set(s["coverage"]), s["coverage"]
+        assert "pad_multiple > 1" not in s["coverage"], s["coverage"]
 
 
 def test_summary_fails_on_memory_growth():

@@ -3,7 +3,8 @@
 Every rank builds one Buffer and runs ``rounds`` rounds on it. Each round draws new inputs: a
 token count per rank in 0..tokens (0 and the maximum now and then), a routing with -1 slots and
 sometimes one hot expert that every token picks, random rows, weights or none, a pad multiple
-and an index dtype. The dispatch mode cycles through exact, cached (new rows along the previous
+and an index dtype (the pad multiple stays 1 with token rows, ``expand=False``). The dispatch
+mode cycles through exact, cached (new rows along the previous
 round's handle), max_recv_tokens (sized never to drop a row) and cached again; combine runs
 with recv_weights or without weights. Every round is checked against
 ``hybrid_ep_triton.reference``: dispatch bit for bit, combine within the tolerance of
@@ -52,7 +53,11 @@ WEIGHTS_PROB = 0.8  # chance that a round passes topk_weights
 # KiB a round under the interpreter (malloc; the Python heap stays flat).
 MEMORY_BOUND = {"cuda": 8 << 20, "cpu": 16 << 20}
 MAX_MESSAGES = 10  # failure messages kept per rank
-NAMES = ("recv_x", "recv_weights", "tokens_per_expert")  # dispatch's outputs checked
+# dispatch's outputs checked, by Buffer(expand=...)
+NAMES = {
+    True: ("recv_x", "recv_weights", "tokens_per_expert"),
+    False: ("recv_x", "recv_topk_idx", "recv_topk_weights", "tokens_per_expert"),
+}
 
 
 @dataclass(frozen=True)
@@ -66,6 +71,7 @@ class SoakConfig:
     seed: int = 0
     timeout_s: float = 60.0  # the Buffer's timeout_s
     progress_every: int = 0  # rank 0 prints a line every this many rounds; 0: never
+    expand: bool = True  # the Buffer's: expert-major rows, or one row per token
 
 
 @dataclass
@@ -91,6 +97,7 @@ def soak_rank(rank: int, world_size: int, cfg: SoakConfig) -> dict:
         num_experts=cfg.experts,
         dtype=DTYPES[cfg.dtype],
         timeout_s=cfg.timeout_s,
+        expand=cfg.expand,
     )
     messages: list[str] = []
     failed_rounds = 0
@@ -162,37 +169,45 @@ def _round(buf: Buffer, dev, cfg: SoakConfig, world: int, r: int, prev, seen: Co
     _sync(dev)
     start = time.perf_counter()
     if mode == "cached":
-        got = buf.dispatch(x, topk_weights=w, handle=layout.handle)
+        *got, handle = buf.dispatch(x, topk_weights=w, handle=layout.handle)
     else:
-        got = buf.dispatch(
+        *got, handle = buf.dispatch(
             x, idx, w, pad_multiple=layout.pad_multiple, max_recv_tokens=layout.max_recv_tokens
         )
-        layout.handle = got[3]
-    buf.check(got[3])  # sized never to overflow: raises nothing
+        layout.handle = handle
+    buf.check(handle)  # sized never to overflow: raises nothing
     seconds = time.perf_counter() - start
     y = torch.randn(got[0].shape, generator=gen, device=dev, dtype=buf.dtype)
     _sync(dev)
     start = time.perf_counter()
-    out = buf.combine(y, got[3], weights=got[1] if weighted_combine else None)
+    out = buf.combine(y, handle, weights=_row_weights(got, cfg.expand, weighted_combine))
     _sync(dev)
     seconds += time.perf_counter() - start
 
     # The reference, and the checks.
-    want = reference.dispatch(
+    *want, ref_handle = reference.dispatch(
         None, x, idx, w, num_experts=cfg.experts, pad_multiple=layout.pad_multiple,
-        max_recv_tokens=layout.max_recv_tokens,
+        max_recv_tokens=layout.max_recv_tokens, expand=cfg.expand,
     )  # fmt: skip
     what = f"{mode} dispatch of {layout.num_tokens} tokens"
     problems = [
         f"{what}: {name} differs from the reference"
-        for name, a, b in zip(NAMES, got[:3], want[:3], strict=True)
+        for name, a, b in zip(NAMES[cfg.expand], got, want, strict=True)
         if not _same(a, b)
     ]
-    ref_w = want[1] if weighted_combine else None
-    problem = _combine_problem(out, y, want[3], ref_w)
+    ref_w = _row_weights(want, cfg.expand, weighted_combine)
+    problem = _combine_problem(out, y, ref_handle, ref_w)
     if problem:
         problems.append(f"combine after the {what} (weights: {weighted_combine}): {problem}")
     return layout, seconds, problems
+
+
+def _row_weights(outputs: list, expand: bool, weighted: bool):
+    """combine's per-row weights when ``weighted``: recv_weights, or with token rows each row's
+    slot weights summed."""
+    if not weighted:
+        return None
+    return outputs[1] if expand else outputs[2].sum(dim=1)
 
 
 def _combine_problem(out: torch.Tensor, y: torch.Tensor, ref_handle, ref_weights) -> str | None:
@@ -212,7 +227,7 @@ def _combine_problem(out: torch.Tensor, y: torch.Tensor, ref_handle, ref_weights
 
 def _new_layout(cfg: SoakConfig, world: int, mode: str, shared, mine, gen, dev) -> _Layout:
     """Token count and routing of a round that computes a new layout."""
-    pad = shared.choice(PAD_MULTIPLES)
+    pad = shared.choice(PAD_MULTIPLES) if cfg.expand else 1
     unused = shared.choice(UNUSED_SLOT_PROBS)
     hot = shared.randrange(cfg.experts) if shared.random() < HOT_EXPERT_PROB else None
     idx_dtype = shared.choice((torch.int32, torch.int64))
@@ -232,7 +247,9 @@ def _new_layout(cfg: SoakConfig, world: int, mode: str, shared, mine, gen, dev) 
     idx[torch.rand(idx.shape, generator=gen, device=dev) < unused] = -1
     local = cfg.experts // world
     # Buffer.dispatch's bound for never dropping a row.
-    max_recv = world * cfg.tokens * min(cfg.topk, local) + local * (pad - 1)
+    max_recv = world * cfg.tokens
+    if cfg.expand:
+        max_recv = world * cfg.tokens * min(cfg.topk, local) + local * (pad - 1)
     max_recv = max_recv if mode == "max_recv" else None
     return _Layout(num_tokens, idx.to(idx_dtype), pad, max_recv, hot)
 

@@ -157,6 +157,11 @@ def _soak_arguments(p: argparse.ArgumentParser) -> None:
         type=int,
         help="rank 0 prints a line every this many rounds (default: rounds / 20; 0: never)",
     )
+    p.add_argument(
+        "--token-rows",
+        action="store_true",
+        help="a Buffer with one row per token (expand=False) instead of expert-major rows",
+    )
 
 
 def run_soak(args: argparse.Namespace) -> int:
@@ -173,10 +178,12 @@ def run_soak(args: argparse.Namespace) -> int:
         )
     every = args.progress_every if args.progress_every is not None else max(1, rounds // 20)
     cfg = SoakConfig(rounds=rounds, **sizes, dtype=args.dtype, seed=args.seed,
-                     timeout_s=args.op_timeout, progress_every=max(every, 0))  # fmt: skip
+                     timeout_s=args.op_timeout, progress_every=max(every, 0),
+                     expand=not args.token_rows)  # fmt: skip
     details = (
         f"{rounds} rounds of 0..{cfg.tokens} tokens per rank, hidden {cfg.hidden}, "
         f"{cfg.experts} experts, top-{cfg.topk}, {cfg.dtype}"
+        f"{', token rows' if args.token_rows else ''}"
     )
     summaries, seconds = _on_ranks("soak", details, soak_rank, cfg, device, ranks, args.timeout)
     for s in summaries:
