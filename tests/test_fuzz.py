@@ -13,6 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from hybrid_ep_triton import Buffer, reference
+from hybrid_ep_triton._soak import _row_weights
 
 MAX_TOKENS = 6
 TOL = 2e-2  # bf16; combine sends bf16 partial sums per (token, rank)
@@ -57,13 +58,6 @@ def _inputs(call: dict, rank: int, experts: int, hidden: int):
     return x, idx, weights
 
 
-def _row_weights(outputs: list, expand: bool):
-    """combine's per-row weights: recv_weights, or with token rows each row's slot weights
-    summed (None without weights)."""
-    weights = outputs[1] if expand else outputs[2]
-    return weights if expand or weights is None else weights.sum(dim=1)
-
-
 def _scenario_body(rank: int, world: int, scenario: dict) -> list[str]:
     experts = world * scenario["experts_per_rank"]
     expand = scenario["expand"]
@@ -100,8 +94,10 @@ def _scenario_body(rank: int, world: int, scenario: dict) -> list[str]:
                     failures.append(f"{what}: unexpected OverflowError")
             y = torch.randn(got[0].shape, generator=torch.Generator().manual_seed(n))
             y = y.to(torch.bfloat16)
-            out = buf.combine(y, handle, weights=_row_weights(got, expand))
-            ref = reference.combine(None, y, ref_handle, weights=_row_weights(want, expand))
+            weighted = w is not None
+            out = buf.combine(y, handle, weights=_row_weights(got, expand, weighted))
+            ref_weights = _row_weights(want, expand, weighted)
+            ref = reference.combine(None, y, ref_handle, weights=ref_weights)
             scale = 1 + ref.float().abs()
             if not ((out.float() - ref.float()).abs() <= TOL * scale).all():
                 failures.append(f"{what}: combine differs from the reference")
