@@ -419,7 +419,7 @@ class Buffer:
         return topk
 
     def _check_handle(self, handle) -> None:
-        if not isinstance(handle, DispatchHandle) or handle.staged_rows.device != self._rt.device:
+        if not isinstance(handle, DispatchHandle) or handle.ints.device != self._rt.device:
             raise ValueError(
                 f"handle must be a DispatchHandle of this Buffer, got {describe(handle)}"
             )

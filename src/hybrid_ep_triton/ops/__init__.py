@@ -1,12 +1,13 @@
 """Torch-facing operations: they launch the kernels for a Buffer's runtime state."""
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 
 from .._planner import LOCAL_PARTS, Plan, ceil_div
+from .launch import KernelLauncher
 
 
 @dataclass
@@ -27,6 +28,8 @@ class Runtime:
         (CPU ranks), as soon as a wait timed out.
     read_report: reads what the device recorded for a handle's layout (one device-to-host
         read), raises TimeoutError or ValueError (invalid routing), returns the rows needed.
+    launchers: the Buffer's KernelLauncher of each kernel, by the function that makes it
+        (see ``launcher``).
     """
 
     plan: Plan
@@ -41,6 +44,14 @@ class Runtime:
     group: dist.ProcessGroup
     check_status: Callable[[], None]
     read_report: Callable[..., int]
+    launchers: dict = field(default_factory=dict)
+
+    def launcher(self, make: Callable[["Runtime"], KernelLauncher]) -> KernelLauncher:
+        """The launcher ``make(self)`` returns, made on first use."""
+        found = self.launchers.get(make)
+        if found is None:
+            found = self.launchers[make] = make(self)
+        return found
 
 
 def programs_beside_senders(rt: Runtime) -> int:

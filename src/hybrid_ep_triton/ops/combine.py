@@ -7,6 +7,7 @@ from .._planner import LOCAL_PARTS, MAX_PROGRAMS, MAX_REGISTERS, next_power_of_2
 from ..kernels.combine import combine_kernel
 from . import Runtime, local_parts, programs_beside_senders
 from .dispatch import DispatchHandle
+from .launch import KernelLauncher
 
 
 def _reducers(local: int, world: int) -> int:
@@ -15,27 +16,44 @@ def _reducers(local: int, world: int) -> int:
     return min(max(round(local * (world - 1) / world), 1), local - 1)
 
 
+def _combine_launcher(rt: Runtime) -> KernelLauncher:
+    """combine_kernel with the arguments that stay the same for a Buffer."""
+    plan, cfg, heap = rt.plan, rt.plan.config, rt.plan.heap
+    return KernelLauncher(
+        combine_kernel,
+        outbox_ptr=rt.outbox, hidden=plan.hidden, rank=rt.rank,
+        num_reducers=_reducers(programs_beside_senders(rt), rt.world_size),
+        num_senders=cfg.senders, local_parts=local_parts(plan, cfg.combine_block_h),
+        peer_bases_ptr=rt.heap.peer_bases, ready_off=heap.combine_ready,
+        chunk_flags_off=heap.chunk_flags, reduced_flags_off=heap.reduced_flags,
+        staging_off=heap.staging, control_ptr=rt.control, timeout_ns=rt.timeout_ns,
+        W=rt.world_size, T_MAX=plan.max_tokens, NC_MAX=plan.max_chunks, H_SLICES=cfg.h_slices,
+        P_MAX=MAX_PROGRAMS, MS=plan.meta_stride, MS_P2=next_power_of_2(plan.meta_stride),
+        W_P2=next_power_of_2(rt.world_size), CHUNK=cfg.chunk_tokens,
+        BLOCK_H=cfg.combine_block_h, COPY_BLOCK_H=cfg.block_h, COPY_UNROLL=cfg.copy_unroll,
+        LP_MAX=LOCAL_PARTS, STAGES=cfg.copy_stages, num_warps=cfg.num_warps,
+        maxnreg=MAX_REGISTERS,
+    )  # fmt: skip
+
+
 def reduce_tokens(
     rt: Runtime, y: torch.Tensor, handle: DispatchHandle, weights: torch.Tensor | None
 ) -> torch.Tensor:
     """Sum ``y`` [N, H] (times ``weights`` [N] float32) back into out [T, H]; collective."""
-    plan, cfg, heap = rt.plan, rt.plan.config, rt.plan.heap
-    out = torch.empty(handle.num_tokens, plan.hidden, dtype=y.dtype, device=rt.device)
+    out = torch.empty(handle.num_tokens, rt.plan.hidden, dtype=y.dtype, device=rt.device)
     has_weights = weights is not None
-    local = programs_beside_senders(rt)
-    reducers = _reducers(local, rt.world_size)
-    combine_kernel[(cfg.senders + local,)](
-        y, y.stride(0), weights.contiguous() if has_weights else y, rt.outbox, out,
-        handle.num_tokens, plan.hidden, rt.rank, reducers, cfg.senders,
-        local_parts(plan, cfg.combine_block_h),
-        handle.token_rank_pos, handle.send_chunk_start, handle.recv_chunk_start,
-        handle.recv_src_tokens, handle.staged_rows, rt.heap.peer_bases, heap.combine_ready,
-        heap.chunk_flags, heap.reduced_flags, heap.staging, rt.control, rt.timeout_ns,
-        W=rt.world_size, T_MAX=plan.max_tokens, NC_MAX=plan.max_chunks, H_SLICES=cfg.h_slices,
-        P_MAX=MAX_PROGRAMS, MS=plan.meta_stride, MS_P2=next_power_of_2(plan.meta_stride),
-        W_P2=next_power_of_2(rt.world_size), CHUNK=cfg.chunk_tokens,
-        BLOCK_H=cfg.combine_block_h, COPY_BLOCK_H=cfg.block_h, HAS_WEIGHTS=has_weights,
-        COPY_UNROLL=cfg.copy_unroll, LP_MAX=LOCAL_PARTS, STAGES=cfg.copy_stages,
-        num_warps=cfg.num_warps, maxnreg=MAX_REGISTERS,
+    rt.launcher(_combine_launcher)(
+        (rt.plan.config.senders + programs_beside_senders(rt),),
+        specialized=dict(
+            y_ptr=y, y_stride=y.stride(0), weights_ptr=weights.contiguous() if has_weights else y,
+            num_tokens=handle.num_tokens, HAS_WEIGHTS=has_weights,
+        ),
+        aligned=dict(
+            out_ptr=out,
+            **handle.args(
+                "token_rank_pos", "send_chunk_start", "recv_chunk_start", "recv_src_tokens",
+                "staged_rows",
+            ),
+        ),
     )  # fmt: skip
     return out

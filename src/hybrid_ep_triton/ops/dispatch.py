@@ -12,12 +12,28 @@ from .._planner import MAX_PROGRAMS, MAX_REGISTERS, Plan, ceil_div, next_power_o
 from ..kernels.dispatch import dispatch_kernel
 from ..kernels.route import layout_kernel
 from . import Runtime, local_parts, programs_beside_senders
+from .launch import KernelLauncher, TensorView
 
 # Slots per side of the layout kernel's [PAIRS, PAIRS] tiles of slot pairs.
 _PAIRS = 128
 # Most elements of one tile of the layout exchange's prefix sums: each tile is a round trip to
 # memory, in a single program.
 _EXCHANGE_TILE = 8192
+
+
+class _Part:
+    """An int32 part of a handle: a view of its ``ints``, made on first access (launches take
+    the parts by address, ``DispatchHandle.args``, and most never need the view)."""
+
+    def __set_name__(self, owner, name: str) -> None:
+        self.name = name
+
+    def __get__(self, handle, owner=None):
+        if handle is None:
+            return self
+        view = handle._views[self.name].tensor()
+        handle.__dict__[self.name] = view  # found there from now on
+        return view
 
 
 @dataclass
@@ -41,6 +57,7 @@ class DispatchHandle:
         topk_idx was invalid or -1, [2] first invalid row of this rank's topk_idx (or a large
         value).
     num_recv_rows: N, the rows of recv_x.
+    parts: (shape, strides, offset) of each int32 part in ``ints``, by name.
     """
 
     num_tokens: int
@@ -50,17 +67,28 @@ class DispatchHandle:
     topk_idx: torch.Tensor
     ints: torch.Tensor
     longs: torch.Tensor
-    slot_pos: torch.Tensor
-    token_rank_pos: torch.Tensor
-    send_chunk_start: torch.Tensor
-    chunk_expert_base: torch.Tensor
-    recv_chunk_start: torch.Tensor
-    recv_src_tokens: torch.Tensor
-    expert_layout: torch.Tensor
-    tokens_per_expert: torch.Tensor
-    staged_rows: torch.Tensor
     info: torch.Tensor
+    tokens_per_expert: torch.Tensor
+    parts: dict
     recv_topk_idx: torch.Tensor | None = None
+
+    slot_pos = _Part()
+    token_rank_pos = _Part()
+    send_chunk_start = _Part()
+    chunk_expert_base = _Part()
+    recv_chunk_start = _Part()
+    recv_src_tokens = _Part()
+    expert_layout = _Part()
+    staged_rows = _Part()
+
+    @functools.cached_property
+    def _views(self) -> dict[str, TensorView]:
+        return {name: TensorView(self.ints, *layout) for name, layout in self.parts.items()}
+
+    def args(self, *names: str) -> dict[str, TensorView]:
+        """The int32 parts ``names`` as kernel arguments, by parameter name (``<part>_ptr``)."""
+        views = self._views
+        return {f"{name}_ptr": views[name] for name in names}
 
 
 def _int_parts(plan: Plan, num_tokens: int, topk: int) -> dict[str, tuple[int, ...]]:
@@ -80,29 +108,21 @@ def _int_parts(plan: Plan, num_tokens: int, topk: int) -> dict[str, tuple[int, .
 
 
 @functools.lru_cache(maxsize=256)
-def _int_layout(plan: Plan, num_tokens: int, topk: int) -> tuple[int, tuple]:
-    """(int32 elements of ``ints``, its parts as (name, shape, strides, offset)). Each part
-    starts on a 16-byte boundary, as Triton's pointer specialisation expects. Cached: every call
-    needs it, and a dispatch is latency-bound at small batches."""
-    parts, offset = [], 0
+def _int_layout(plan: Plan, num_tokens: int, topk: int) -> tuple[int, dict]:
+    """(int32 elements of ``ints``, {part: (shape, strides, offset)}). Each part starts on a
+    16-byte boundary, as Triton's pointer specialisation expects. Cached: every call needs it,
+    and a dispatch is latency-bound at small batches."""
+    parts, offset = {}, 0
     for name, shape in _int_parts(plan, num_tokens, topk).items():
         strides = tuple(math.prod(shape[i + 1 :]) for i in range(len(shape)))
-        parts.append((name, shape, strides, offset))
+        parts[name] = (shape, strides, offset)
         offset += ceil_div(math.prod(shape), 4) * 4
-    return offset, tuple(parts)
+    return offset, parts
 
 
 def handle_sizes(plan: Plan, num_tokens: int, topk: int) -> tuple[int, int]:
     """Elements of a handle's ``ints`` (int32) and ``longs`` (int64) tensors."""
     return _int_layout(plan, num_tokens, topk)[0], 4 + plan.experts_per_rank
-
-
-def _int_views(plan: Plan, num_tokens: int, topk: int, ints: torch.Tensor) -> dict:
-    # Offsets into ints' storage: ints is always an allocation of its own (storage offset 0).
-    return {
-        name: ints.as_strided(shape, strides, offset)
-        for name, shape, strides, offset in _int_layout(plan, num_tokens, topk)[1]
-    }
 
 
 def make_handle(
@@ -113,22 +133,9 @@ def make_handle(
     num_recv_rows: int,
     max_recv_tokens: int | None,
 ) -> DispatchHandle:
-    """The handle whose parts are views of ``ints`` and ``longs`` (see handle_sizes)."""
-    parts = _int_views(plan, *topk_idx.shape, ints)
-    return _handle_from_parts(plan, topk_idx, parts, ints, longs, num_recv_rows, max_recv_tokens)
-
-
-def _handle_from_parts(
-    plan: Plan,
-    topk_idx: torch.Tensor,
-    parts: dict,
-    ints: torch.Tensor,
-    longs: torch.Tensor,
-    num_recv_rows: int,
-    max_recv_tokens: int | None,
-) -> DispatchHandle:
+    """The handle whose parts are views of ``ints`` and ``longs`` (see handle_sizes; ints is an
+    allocation of its own, storage offset 0)."""
     num_tokens, topk = topk_idx.shape
-    info, tokens_per_expert = longs.split([4, plan.experts_per_rank])
     return DispatchHandle(
         num_tokens=num_tokens,
         topk=topk,
@@ -137,16 +144,9 @@ def _handle_from_parts(
         topk_idx=topk_idx,
         ints=ints,
         longs=longs,
-        slot_pos=parts["slot_pos"],
-        token_rank_pos=parts["token_rank_pos"],
-        send_chunk_start=parts["send_chunk_start"],
-        chunk_expert_base=parts["chunk_expert_base"],
-        recv_chunk_start=parts["recv_chunk_start"],
-        recv_src_tokens=parts["recv_src_tokens"],
-        expert_layout=parts["expert_layout"],
-        tokens_per_expert=tokens_per_expert,
-        staged_rows=parts["staged_rows"],
-        info=info,
+        info=longs[:4],
+        tokens_per_expert=longs[4:],
+        parts=_int_layout(plan, num_tokens, topk)[1],
     )
 
 
@@ -161,38 +161,53 @@ def compute_layout(
     plan, dev = rt.plan, rt.device
     num_tokens, topk = topk_idx.shape
     num_chunks = ceil_div(num_tokens, plan.config.chunk_tokens)
-    world, experts = rt.world_size, plan.num_experts
     # One int32 and one int64 allocation for the whole handle: a dispatch is latency-bound at
     # small batches, and every allocator call costs host time.
     num_ints, num_longs = handle_sizes(plan, num_tokens, topk)
-    ints = torch.empty(num_ints, dtype=torch.int32, device=dev)
-    handle = _handle_from_parts(
+    handle = make_handle(
         plan,
         topk_idx,
-        _int_views(plan, num_tokens, topk, ints),
-        ints,
+        torch.empty(num_ints, dtype=torch.int32, device=dev),
         torch.empty(num_longs, dtype=torch.int64, device=dev),
         -1 if max_recv_tokens is None else max_recv_tokens,
         max_recv_tokens,
     )
-    e_p2, w_p2 = next_power_of_2(experts), next_power_of_2(world)
-    layout_kernel[(max(num_chunks, 1),)](
-        topk_idx, num_tokens, num_chunks, topk, experts, plan.experts_per_rank, rt.rank, world,
-        pad_multiple, 2**31 - 1 if max_recv_tokens is None else max_recv_tokens,
-        handle.slot_pos, handle.token_rank_pos, handle.chunk_expert_base,
-        handle.send_chunk_start, handle.recv_chunk_start, handle.recv_src_tokens,
-        handle.expert_layout, handle.tokens_per_expert, handle.info, rt.heap.peer_bases,
-        rt.control, plan.heap.count_flags, plan.heap.counts, plan.heap.chunk_table,
-        rt.timeout_ns,
-        CHUNK=plan.config.chunk_tokens, K_P2=next_power_of_2(topk), W_P2=w_p2, E_P2=e_p2,
-        L_P2=next_power_of_2(plan.experts_per_rank),
-        PAIRS=min(plan.config.chunk_tokens * next_power_of_2(topk), _PAIRS),
-        NC_MAX=plan.max_chunks, ROW=plan.counts_row,
-        C_BLOCK=max(1, _EXCHANGE_TILE // e_p2),
+    rt.launcher(_layout_launcher)(
+        (max(num_chunks, 1),),
+        specialized=dict(
+            topk_idx_ptr=topk_idx, num_tokens=num_tokens, num_chunks=num_chunks, topk=topk,
+            pad_multiple=pad_multiple,
+            max_rows=2**31 - 1 if max_recv_tokens is None else max_recv_tokens,
+            K_P2=next_power_of_2(topk),
+            PAIRS=min(plan.config.chunk_tokens * next_power_of_2(topk), _PAIRS),
+        ),
+        aligned=dict(
+            tokens_per_expert_ptr=handle.tokens_per_expert, info_ptr=handle.info,
+            **handle.args(
+                "slot_pos", "token_rank_pos", "chunk_expert_base", "send_chunk_start",
+                "recv_chunk_start", "recv_src_tokens", "expert_layout",
+            ),
+        ),
+    )  # fmt: skip
+    return handle
+
+
+def _layout_launcher(rt: Runtime) -> KernelLauncher:
+    """layout_kernel with the arguments that stay the same for a Buffer."""
+    plan, heap = rt.plan, rt.plan.heap
+    e_p2, w_p2 = next_power_of_2(plan.num_experts), next_power_of_2(rt.world_size)
+    return KernelLauncher(
+        layout_kernel,
+        num_experts=plan.num_experts, experts_per_rank=plan.experts_per_rank, rank=rt.rank,
+        world_size=rt.world_size, peer_bases_ptr=rt.heap.peer_bases, control_ptr=rt.control,
+        count_flags_off=heap.count_flags, counts_off=heap.counts,
+        chunk_table_off=heap.chunk_table, timeout_ns=rt.timeout_ns,
+        CHUNK=plan.config.chunk_tokens, W_P2=w_p2, E_P2=e_p2,
+        L_P2=next_power_of_2(plan.experts_per_rank), NC_MAX=plan.max_chunks,
+        ROW=plan.counts_row, C_BLOCK=max(1, _EXCHANGE_TILE // e_p2),
         TABLE_BLOCK=min(next_power_of_2(plan.max_chunks + 1), _EXCHANGE_TILE // w_p2),
         TOKEN_ROWS=plan.token_rows,
     )  # fmt: skip
-    return handle
 
 
 def _own_slices(rt: Runtime, expanders: int) -> int:
@@ -201,6 +216,26 @@ def _own_slices(rt: Runtime, expanders: int) -> int:
     plan = rt.plan
     tiles = ceil_div(plan.hidden, plan.config.block_h)
     return max(1, min(tiles, ceil_div(2 * expanders, plan.max_chunks)))
+
+
+def _move_launcher(rt: Runtime) -> KernelLauncher:
+    """dispatch_kernel with the arguments that stay the same for a Buffer."""
+    plan, cfg, heap = rt.plan, rt.plan.config, rt.plan.heap
+    return KernelLauncher(
+        dispatch_kernel,
+        hidden=plan.hidden, num_experts=plan.num_experts,
+        experts_per_rank=plan.experts_per_rank, rank=rt.rank, num_senders=cfg.senders,
+        expand_slices=_own_slices(rt, programs_beside_senders(rt)),
+        staged_parts=local_parts(plan, cfg.block_h), peer_bases_ptr=rt.heap.peer_bases,
+        ready_off=heap.dispatch_ready, chunk_flags_off=heap.chunk_flags,
+        meta_rows_off=heap.meta_rows, meta_weights_off=heap.meta_weights,
+        staging_off=heap.staging, control_ptr=rt.control, timeout_ns=rt.timeout_ns,
+        W=rt.world_size, T_MAX=plan.max_tokens, NC_MAX=plan.max_chunks, H_SLICES=cfg.h_slices,
+        P_MAX=MAX_PROGRAMS, MS=plan.meta_stride, MS_P2=next_power_of_2(plan.meta_stride),
+        W_P2=next_power_of_2(rt.world_size), CHUNK=cfg.chunk_tokens, BLOCK_H=cfg.block_h,
+        TOKEN_ROWS=plan.token_rows, STAGES=cfg.copy_stages, num_warps=cfg.num_warps,
+        maxnreg=MAX_REGISTERS,
+    )  # fmt: skip
 
 
 def move_tokens(
@@ -230,25 +265,21 @@ def move_tokens(
     if plan.token_rows and not cached:
         recv_topk_idx = torch.empty(num_rows, topk, dtype=torch.int32, device=rt.device)
         handle.recv_topk_idx = recv_topk_idx
-    weights_arg = topk_weights.contiguous() if has_weights else recv_weights
-    world, rank, heap = rt.world_size, rt.rank, plan.heap
-    expanders = programs_beside_senders(rt)
-    dispatch_kernel[(cfg.senders + expanders,)](
-        x, x.stride(0), topk_idx, weights_arg, num_tokens, topk, plan.hidden, plan.num_experts,
-        plan.experts_per_rank, rank, num_rows, cfg.senders, _own_slices(rt, expanders),
-        local_parts(plan, cfg.block_h),
-        handle.slot_pos, handle.token_rank_pos, handle.send_chunk_start, handle.chunk_expert_base,
-        handle.recv_chunk_start, handle.recv_src_tokens, handle.expert_layout, handle.info,
-        handle.staged_rows, recv_x, recv_weights, recv_topk_idx, rt.heap.peer_bases,
-        heap.dispatch_ready,
-        heap.chunk_flags, heap.meta_rows, heap.meta_weights, heap.staging, rt.control,
-        rt.timeout_ns,
-        W=world, T_MAX=plan.max_tokens, NC_MAX=plan.max_chunks, H_SLICES=cfg.h_slices,
-        P_MAX=MAX_PROGRAMS, MS=plan.meta_stride, MS_P2=next_power_of_2(plan.meta_stride),
-        K_P2=next_power_of_2(topk), W_P2=next_power_of_2(world),
-        CHUNK=cfg.chunk_tokens, BLOCK_H=cfg.block_h, HAS_WEIGHTS=has_weights,
-        WRITE_ROWS=not cached, TOKEN_ROWS=plan.token_rows, STAGES=cfg.copy_stages,
-        num_warps=cfg.num_warps,
-        maxnreg=MAX_REGISTERS,
+    rt.launcher(_move_launcher)(
+        (cfg.senders + programs_beside_senders(rt),),
+        specialized=dict(
+            x_ptr=x, x_stride=x.stride(0), topk_idx_ptr=topk_idx,
+            topk_weights_ptr=topk_weights.contiguous() if has_weights else recv_weights,
+            num_tokens=num_tokens, topk=topk, num_out_rows=num_rows,
+            K_P2=next_power_of_2(topk), HAS_WEIGHTS=has_weights, WRITE_ROWS=not cached,
+        ),
+        aligned=dict(
+            info_ptr=handle.info, recv_x_ptr=recv_x, recv_weights_ptr=recv_weights,
+            recv_topk_idx_ptr=recv_topk_idx,
+            **handle.args(
+                "slot_pos", "token_rank_pos", "send_chunk_start", "chunk_expert_base",
+                "recv_chunk_start", "recv_src_tokens", "expert_layout", "staged_rows",
+            ),
+        ),
     )  # fmt: skip
     return recv_x, (recv_weights if has_weights else None)

@@ -1,0 +1,115 @@
+"""Kernel launches that cost little host time.
+
+``kernel[grid](...)`` derives the kernel's specialisation from every argument on every call
+(Triton's binder, cache key, launch metadata), then its launcher reads each tensor's address
+and checks it with the driver. For our kernels' 30-50 arguments that was 50-60 µs of host time
+per launch on an H200 machine's host, against 13 µs for the compiled kernel's launcher alone
+(bench/results/2026-11-30-2xH200-experiments.log, run L0): more than a small dispatch takes on
+the GPU.
+
+A KernelLauncher binds the arguments that stay the same for a Buffer once. Each call passes the
+others in two groups: ``specialized``, whose Triton specialisation may differ between calls
+(tensors the caller passed in, integers, constexprs), and ``aligned``, tensors or TensorViews
+this library allocated (16-byte aligned, with the same dtype every call, so the same
+specialisation). The first call of each specialisation goes through Triton, which compiles or
+loads the kernel; later ones call its compiled launcher (``CompiledKernel[grid]``) with
+addresses as integers.
+Under the interpreter (TRITON_INTERPRET=1) every call goes through Triton.
+"""
+
+import torch
+import triton
+from triton.compiler import CompiledKernel
+from triton.runtime import JITFunction
+
+_INT32 = range(-(2**31), 2**31)
+
+
+class TensorView:
+    """A strided view of ``base`` (shape, strides, offset in elements) that a launch passes by
+    its address, made into a tensor only where Triton needs one (the first launch of a
+    specialisation, the interpreter): a view costs microseconds of host time."""
+
+    __slots__ = ("base", "shape", "strides", "offset", "address")
+
+    def __init__(self, base: torch.Tensor, shape: tuple, strides: tuple, offset: int):
+        self.base, self.shape, self.strides, self.offset = base, shape, strides, offset
+        self.address = base.data_ptr() + offset * base.element_size()
+
+    def tensor(self) -> torch.Tensor:
+        return self.base.as_strided(self.shape, self.strides, self.offset)
+
+
+def _specialization(value) -> object:
+    """What Triton specialises a kernel on, for one argument that is not a constexpr: a
+    tensor's dtype and whether its address is a multiple of 16; an integer's being 1, a
+    multiple of 16, in int32 range or beyond int64's; any other value itself."""
+    if isinstance(value, torch.Tensor):
+        return value.dtype, value.data_ptr() % 16 == 0
+    if type(value) is int:
+        return value == 1, value % 16 == 0, value in _INT32, value < 2**63
+    return value
+
+
+class KernelLauncher:
+    """Launches of one ``@triton.jit`` kernel for one Buffer.
+
+    Args:
+        kernel: the JITFunction.
+        constants: the kernel's arguments that stay the same for the Buffer, by parameter name,
+            and its launch options (num_warps, maxnreg, ...).
+    """
+
+    def __init__(self, kernel, **constants):
+        self._kernel = kernel
+        names = kernel.arg_names
+        self._index = {name: i for i, name in enumerate(names)}
+        self._options = {k: v for k, v in constants.items() if k not in self._index}
+        self._args = [constants.get(name) for name in names]
+        self._bound = {name for name in names if name in constants}
+        # The compiled launcher takes integers for pointers (and skips checking them).
+        self._addresses = [v.data_ptr() if isinstance(v, torch.Tensor) else v for v in self._args]
+        self._runners: dict[tuple, object] = {}
+        # Under the interpreter kernels are InterpretedFunctions, launched through Triton only.
+        self._compiled = isinstance(kernel, JITFunction)
+        # A constexpr is in the key by its value.
+        self._constexprs = (
+            {p.name for p in kernel.params if p.is_constexpr} if self._compiled else ()
+        )
+
+    def __call__(self, grid: tuple[int, ...], specialized: dict, aligned: dict) -> None:
+        """Launch on the current device's current stream. ``specialized`` and ``aligned`` (its
+        values tensors or TensorViews) hold the arguments not bound at construction, by name,
+        the same names in every call."""
+        if not self._compiled:
+            self._through_triton(grid, specialized, aligned)
+            return
+        driver = triton.runtime.driver.active
+        device = driver.get_current_device()
+        constexprs = self._constexprs
+        key = (device, grid, *[
+            value if name in constexprs else _specialization(value)
+            for name, value in specialized.items()
+        ])  # fmt: skip
+        runner = self._runners.get(key)
+        if runner is None:
+            self._runners[key] = self._through_triton(grid, specialized, aligned)
+            return
+        args, index, tensor = list(self._addresses), self._index, torch.Tensor
+        for name, value in specialized.items():
+            args[index[name]] = value.data_ptr() if isinstance(value, tensor) else value
+        for name, value in aligned.items():
+            args[index[name]] = value.data_ptr() if isinstance(value, tensor) else value.address
+        runner(*args, stream=driver.get_current_stream(device))
+
+    def _through_triton(self, grid, specialized: dict, aligned: dict):
+        """Launch through Triton; returns the compiled kernel's launcher for ``grid``."""
+        given = {**specialized, **aligned}
+        missing = [n for n in self._index if n not in given and n not in self._bound]
+        if missing:
+            raise TypeError(f"{self._kernel.__name__}: no value for {missing}")
+        args = list(self._args)
+        for name, value in given.items():
+            args[self._index[name]] = value.tensor() if isinstance(value, TensorView) else value
+        compiled = self._kernel[grid](*args, **self._options)
+        return compiled[(*grid, 1, 1)[:3]] if isinstance(compiled, CompiledKernel) else None

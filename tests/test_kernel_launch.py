@@ -1,0 +1,140 @@
+"""KernelLauncher (ops/launch.py): launches through the compiled kernel's launcher once Triton
+has specialised a kernel, through Triton again whenever the specialisation may differ."""
+
+import pytest
+import torch
+import triton
+import triton.language as tl
+from triton.runtime import JITFunction
+
+from hybrid_ep_triton.ops import launch
+from hybrid_ep_triton.ops.launch import KernelLauncher, TensorView
+
+BLOCK = 64
+
+
+@triton.jit
+def _scale_kernel(x_ptr, out_ptr, n, scale, offset_ptr, BLOCK: tl.constexpr):
+    cols = tl.arange(0, BLOCK)
+    mask = cols < n
+    x = tl.load(x_ptr + cols, mask=mask)
+    tl.store(out_ptr + cols, x * scale + tl.load(offset_ptr), mask=mask)
+
+
+def test_launches_match_triton_across_specialisations(device):
+    """On GPUs the later launches of each specialisation skip Triton: n = 1 then 5 (Triton
+    specialises on 1), aligned then misaligned input, a view's address, another constexpr value
+    (BLOCK 32 covers 32 of n = 40 columns); under the interpreter every launch goes through
+    Triton."""
+    offset = torch.tensor([0.5], device=device)
+    launcher = KernelLauncher(_scale_kernel, scale=3.0, offset_ptr=offset)
+    data = torch.randn(4 * BLOCK, device=device)
+    base = torch.zeros(4 * BLOCK, device=device)
+    calls = [(1, 0, 0, BLOCK), (5, 0, 8, BLOCK), (5, 0, 16, BLOCK), (1, 0, 24, BLOCK),
+             (7, 1, 32, BLOCK), (7, 0, 40, BLOCK), (40, 0, 48, BLOCK), (40, 0, 56, 32),
+             (40, 0, 64, 32)]  # fmt: skip
+    for n, start, view_start, block in calls:
+        x = data[start : start + BLOCK]  # start 1: 4-byte aligned only
+        out = TensorView(base, (BLOCK,), (1,), view_start)
+        base.zero_()
+        launcher((1,), specialized=dict(x_ptr=x, n=n, BLOCK=block), aligned=dict(out_ptr=out))
+        expected = torch.zeros_like(base)
+        written = min(n, block)
+        expected[view_start : view_start + written] = x[:written] * 3.0 + 0.5
+        torch.testing.assert_close(
+            base, expected, msg=f"n={n}, x at {start}, out at {view_start}, BLOCK={block}"
+        )
+
+
+class _FakeCompiled:
+    """A compiled kernel that records the launches of its launcher."""
+
+    def __init__(self):
+        self.launches = []
+
+    def __getitem__(self, grid):
+        return lambda *args, stream: self.launches.append((grid, args, stream))
+
+
+class _FakeDriver:
+    def get_current_device(self):
+        return 3
+
+    def get_current_stream(self, device):
+        return 1000 + device
+
+
+@pytest.fixture
+def fake_triton(monkeypatch):
+    """A JITFunction whose Triton launches are recorded (returning a fake compiled kernel), on
+    a fake driver: the launcher's bookkeeping without a GPU."""
+    kernel = JITFunction(_scale_kernel.fn)
+    compiled, through_triton = _FakeCompiled(), []
+
+    def run(*args, grid, warmup, **kwargs):
+        through_triton.append((grid, args, kwargs))
+        return compiled
+
+    monkeypatch.setattr(kernel, "run", run)
+    monkeypatch.setattr(launch, "CompiledKernel", _FakeCompiled)
+    # set_active's counterpart, reset_active, would start the real driver: restore instead.
+    monkeypatch.setattr(triton.runtime.driver, "_active", _FakeDriver())
+    return kernel, compiled, through_triton
+
+
+def test_first_launch_of_a_specialisation_goes_through_triton(fake_triton):
+    kernel, compiled, through_triton = fake_triton
+    offset = torch.zeros(1)
+    launcher = KernelLauncher(kernel, scale=2.0, offset_ptr=offset, BLOCK=BLOCK, num_warps=4)
+    data, base = torch.zeros(256), torch.zeros(256)
+
+    def call(x, n, view_start=0):
+        out = TensorView(base, (BLOCK,), (1,), view_start)
+        launcher((2,), specialized=dict(x_ptr=x, n=n), aligned=dict(out_ptr=out))
+
+    call(data[:64], 7)
+    assert len(through_triton) == 1 and not compiled.launches
+    grid, args, options = through_triton[0]
+    assert grid == (2,) and options == {"num_warps": 4}
+    assert args[0] is not None and args[0].data_ptr() == data.data_ptr()
+    assert isinstance(args[1], torch.Tensor) and args[1].data_ptr() == base.data_ptr()  # a view
+    assert args[2:] == (7, 2.0, offset, BLOCK)
+
+    # The same specialisation (another 16-byte aligned input, another view, n again neither 1
+    # nor a multiple of 16): the compiled launcher, pointers as addresses.
+    call(data[4:68], 9, view_start=8)
+    assert len(through_triton) == 1
+    ((grid, args, stream),) = compiled.launches
+    assert grid == (2, 1, 1) and stream == 1003
+    assert args == (data.data_ptr() + 16, base.data_ptr() + 32, 9, 2.0, offset.data_ptr(), BLOCK)
+
+    # Specialisations Triton may tell apart go through Triton again: n == 1, n % 16 == 0, an
+    # input address that is not a multiple of 16, another dtype, n beyond int32.
+    for x, n in [(data[:64], 1), (data[:64], 32), (data[1:65], 9), (data.double()[:64], 9),
+                 (data[:64], 2**31)]:  # fmt: skip
+        call(x, n)
+    assert len(through_triton) == 6 and len(compiled.launches) == 1
+
+
+def test_constexprs_are_keyed_by_value(fake_triton):
+    """A constexpr passed per call selects its compiled kernel by value (BLOCK 64 and 32 are
+    both integers Triton would not tell apart as arguments)."""
+    kernel, compiled, through_triton = fake_triton
+    launcher = KernelLauncher(kernel, scale=2.0, offset_ptr=torch.zeros(1))
+    x, out = torch.zeros(64), torch.zeros(64)
+    for block in (64, 32, 64, 32):
+        launcher((1,), specialized=dict(x_ptr=x, n=7, BLOCK=block), aligned=dict(out_ptr=out))
+    assert [args[-1] for _, args, _ in through_triton] == [64, 32]
+    assert [args[-1] for _, args, _ in compiled.launches] == [64, 32]
+
+
+def test_missing_argument_is_an_error_before_launching(fake_triton):
+    kernel, compiled, through_triton = fake_triton
+    launcher = KernelLauncher(kernel, scale=2.0, BLOCK=BLOCK)
+    with pytest.raises(TypeError, match="offset_ptr"):
+        launcher(
+            (1,),
+            specialized=dict(x_ptr=torch.zeros(64), n=3),
+            aligned=dict(out_ptr=torch.zeros(64)),
+        )
+    assert not through_triton and not compiled.launches
