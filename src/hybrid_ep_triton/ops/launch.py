@@ -9,12 +9,12 @@ the GPU.
 
 A KernelLauncher binds the arguments that stay the same for a Buffer once. Each call passes the
 others in two groups: ``specialized``, whose Triton specialisation may differ between calls
-(tensors the caller passed in, integers, constexprs), and ``aligned``, tensors or TensorViews
-this library allocated (16-byte aligned, with the same dtype every call, so the same
-specialisation). The first call of each specialisation goes through Triton, which compiles or
-loads the kernel; later ones call its compiled launcher (``CompiledKernel[grid]``) with
-addresses as integers.
-Under the interpreter (TRITON_INTERPRET=1) every call goes through Triton.
+(tensors the caller passed in, integers, and constexprs, which are keyed by value), and
+``aligned``, tensors or TensorViews this library allocated (16-byte aligned, with the same dtype
+every call, so the same specialisation). The first call of each specialisation goes through
+Triton, which compiles or loads the kernel; later ones call its compiled launcher
+(``CompiledKernel[grid]``) with addresses as integers. Under the interpreter
+(TRITON_INTERPRET=1) every call goes through Triton.
 """
 
 import torch
@@ -37,7 +37,8 @@ class TensorView:
         self.address = base.data_ptr() + offset * base.element_size()
 
     def tensor(self) -> torch.Tensor:
-        return self.base.as_strided(self.shape, self.strides, self.offset)
+        offset = self.base.storage_offset() + self.offset  # as_strided's is the storage's
+        return self.base.as_strided(self.shape, self.strides, offset)
 
 
 def _specialization(value) -> object:
