@@ -133,8 +133,7 @@ def make_handle(
     num_recv_rows: int,
     max_recv_tokens: int | None,
 ) -> DispatchHandle:
-    """The handle whose parts are views of ``ints`` and ``longs`` (see handle_sizes; ints is an
-    allocation of its own, storage offset 0)."""
+    """The handle whose parts are views of ``ints`` and ``longs`` (see handle_sizes)."""
     num_tokens, topk = topk_idx.shape
     return DispatchHandle(
         num_tokens=num_tokens,
