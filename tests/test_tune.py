@@ -1,4 +1,5 @@
-"""hybrid-ep tune writes the per-machine cache; a Buffer takes its configuration from it."""
+"""hybrid-ep tune writes the per-machine cache; a Buffer takes its configuration from it, the
+entry for its own hidden size, dtype and output layout."""
 
 from __future__ import annotations
 
@@ -7,19 +8,28 @@ import json
 import subprocess
 import sys
 
+import torch
+
 from hybrid_ep_triton import Buffer
 from hybrid_ep_triton._planner import default_config
 
 TUNE = ["--device", "cpu", "--ranks", "2", "--tokens", "4", "--hidden", "8", "--experts", "4",
-        "--topk", "2", "--sms", "2", "--chunks", "4", "--block-h", "32", "--warps", "1",
-        "--slices", "1,2", "--warmup", "1", "--iters", "2"]  # fmt: skip
+        "--topk", "2", "--sms", "2", "--chunks", "2", "--block-h", "32", "--warps", "1",
+        "--slices", "1,2", "--warmup", "1", "--iters", "2", "--dtype", "float16",
+        "--rows", "token"]  # fmt: skip
+TUNED = dict(hidden=8, dtype=torch.float16, expand=False, num_sms=None)
+UNTUNED = {
+    "hidden": dict(TUNED, hidden=6),
+    "dtype": dict(TUNED, dtype=torch.bfloat16),
+    "layout": dict(TUNED, expand=True),
+}
 
 
 def _configs_body(rank: int, world_size: int) -> dict:
     configs = {}
-    for name, hidden, num_sms in (("tuned", 8, None), ("tuned, 3 SMs", 8, 3), ("untuned", 6, None)):
-        with Buffer(None, hidden_size=hidden, max_tokens_per_rank=4, num_experts=4,
-                    num_sms=num_sms) as buf:  # fmt: skip
+    for name, b in (("tuned", TUNED), ("tuned, 3 SMs", dict(TUNED, num_sms=3)), *UNTUNED.items()):
+        with Buffer(None, hidden_size=b["hidden"], max_tokens_per_rank=4, num_experts=4,
+                    dtype=b["dtype"], expand=b["expand"], num_sms=b["num_sms"]) as buf:  # fmt: skip
             configs[name] = dataclasses.asdict(buf._rt.plan.config)
     return configs
 
@@ -33,15 +43,19 @@ def test_tune_caches_the_best_configuration_and_buffer_uses_it(launch, tmp_path,
     assert result.returncode == 0, result.stdout + result.stderr
     entries = json.loads((tmp_path / "kernel_configs.json").read_text())
     (key, entry), *others = entries.items()
-    assert not others and "world 2|hidden 8|torch.bfloat16" in key, entries
+    assert not others and key.endswith("|world 2|hidden 8|torch.float16|token rows"), entries
     best = entry["config"]
     assert best["h_slices"] in (1, 2) and best["num_sms"] == 2, best
+    # The heuristic's chunks are 4 tokens: a Buffer that used it cannot pass for a tuned one.
+    assert best["chunk_tokens"] == 2 != default_config(8, 4, None, False).chunk_tokens, best
     assert entry["measured"]["dispatch_us"] > 0 and entry["measured"]["combine_us"] > 0
 
     for configs in launch(_configs_body, 2):
         assert configs["tuned"] == best
         assert configs["tuned, 3 SMs"] == dict(best, num_sms=3)
-        assert configs["untuned"] == dataclasses.asdict(default_config(6, 4, None, False))
+        for name, b in UNTUNED.items():
+            heuristic = dataclasses.asdict(default_config(b["hidden"], 4, None, False))
+            assert configs[name] == heuristic, name
 
 
 def test_cache_entry_of_another_version_falls_back_to_the_heuristic(tmp_path, monkeypatch):

@@ -3,7 +3,8 @@
 Candidates are every combination of tokens per chunk, dispatch tile width (combine uses half),
 warps per program, column slices per chunk, expert rows combine gathers at once and tile loads
 in flight in the streaming copies, at the given SM budget (``num_sms``: the senders get that
-many SMs' worth of warps).
+many SMs' worth of warps), for one dtype and output layout (``--rows``: expert-major rows, the
+default, or token rows, ``Buffer(expand=False)``), each cached under its own key.
 Each candidate gets its own Buffer; the score is the time of a cached-handle dispatch (the data
 move) plus a combine, medians of ``iters`` calls after ``warmup``, the slowest rank's. The
 timing is the benchmark's (CUDA events) rather than ``triton.testing.do_bench``: do_bench picks
@@ -20,6 +21,9 @@ from ._bench import _median_us
 from ._launcher import run_ranks
 from ._planner import KernelConfig, make_config
 from ._tuning import cache_key, cache_path, forced, store
+from .buffer import SUPPORTED_DTYPES
+
+_DTYPES = {str(dtype).removeprefix("torch."): dtype for dtype in SUPPORTED_DTYPES}
 
 
 def _ints(text: str) -> list[int]:
@@ -33,6 +37,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--hidden", type=int, default=7168)
     p.add_argument("--experts", type=int, default=256)
     p.add_argument("--topk", type=int, default=8)
+    p.add_argument("--dtype", choices=_DTYPES, default="bfloat16")
+    p.add_argument(
+        "--rows",
+        choices=("expert", "token"),
+        default="expert",
+        help="output layout: expert-major rows (default) or token rows (expand=False)",
+    )
     p.add_argument("--sms", type=int, default=8, help="SM budget of the senders, default 8")
     p.add_argument("--chunks", type=_ints, default=[16, 32], help="tokens per chunk")
     p.add_argument("--block-h", type=_ints, default=[256, 512, 1024], help="dispatch tile width")
@@ -60,8 +71,9 @@ def _tune_rank(rank: int, world: int, opts: dict) -> tuple[str, list[tuple[float
 
     device = torch.device("cuda", torch.cuda.current_device()) if opts["on_gpu"] else None
     device = device or torch.device("cpu")
+    dtype, expand = _DTYPES[opts["dtype"]], opts["rows"] == "expert"
     g = torch.Generator().manual_seed(rank)
-    x = torch.randn(opts["tokens"], opts["hidden"], generator=g).to(torch.bfloat16).to(device)
+    x = torch.randn(opts["tokens"], opts["hidden"], generator=g).to(dtype).to(device)
     scores = torch.rand(opts["tokens"], opts["experts"], generator=g)
     idx = scores.topk(opts["topk"], dim=1).indices.to(device)
     weights = torch.rand(idx.shape, generator=g).to(device)
@@ -70,17 +82,21 @@ def _tune_rank(rank: int, world: int, opts: dict) -> tuple[str, list[tuple[float
     for config in opts["candidates"]:
         with forced(config):
             buf = Buffer(None, hidden_size=opts["hidden"], max_tokens_per_rank=opts["tokens"],
-                         num_experts=opts["experts"])  # fmt: skip
+                         num_experts=opts["experts"], dtype=dtype, expand=expand)  # fmt: skip
         times.append(_score(buf, x, idx, weights, opts["warmup"], opts["iters"]))
         buf.destroy()
         if progress:
             progress()
-    return cache_key(device, world, opts["hidden"], torch.bfloat16), times
+    return cache_key(device, world, opts["hidden"], dtype, expand), times
 
 
 def _score(buf, x, idx, weights, warmup: int, iters: int) -> tuple[float, float]:
     """(cached-handle dispatch µs, combine µs) of one Buffer."""
-    recv_x, recv_w, _, handle = buf.dispatch(x, idx, weights)
+    outputs = buf.dispatch(x, idx, weights)
+    recv_x, handle = outputs[0], outputs[-1]
+    # Expert-major rows are summed with their routing weights; with token rows, y is already
+    # the weighted sum of a token's local experts.
+    recv_w = outputs[1] if buf.expand else None
     y = torch.randn_like(recv_x)
     t_dispatch, _ = _median_us(
         lambda: buf.dispatch(x, None, weights, handle=handle), [()], warmup, iters
@@ -119,7 +135,8 @@ def run(args: argparse.Namespace) -> int:
     world = args.ranks or (gpus if on_gpu else 2)
     candidates = _candidates(args, on_gpu)
     opts = dict(on_gpu=on_gpu, candidates=candidates)
-    opts.update({k: getattr(args, k) for k in ("tokens", "hidden", "experts", "topk")})
+    shape = ("tokens", "hidden", "experts", "topk", "dtype", "rows")
+    opts.update({k: getattr(args, k) for k in shape})
     opts.update(warmup=args.warmup, iters=args.iters)
     per_rank = run_ranks(
         _tune_rank, world, opts, device="cuda" if on_gpu else "cpu", timeout_s=args.timeout

@@ -3,7 +3,8 @@ the planner's heuristic as the fallback. Tuning never runs implicitly: a Buffer 
 
 The cache is one JSON file, ``$HEP_CACHE_DIR`` or ``$XDG_CACHE_HOME/hybrid_ep_triton`` (default
 ``~/.cache/hybrid_ep_triton``) ``/kernel_configs.json``, keyed by GPU name, Triton version,
-world size, hidden size and dtype.
+world size, hidden size, dtype and output layout (expert-major rows or token rows: their kernels
+move different bytes, so their best configurations differ).
 """
 
 import contextlib
@@ -28,9 +29,13 @@ def cache_path() -> Path:
     return Path(root) / "kernel_configs.json"
 
 
-def cache_key(device: torch.device, world_size: int, hidden: int, dtype: torch.dtype) -> str:
+def cache_key(
+    device: torch.device, world_size: int, hidden: int, dtype: torch.dtype, expand: bool
+) -> str:
+    """The cache key of a Buffer's configuration (``expand``: the Buffer's output layout)."""
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu-interpreter"
-    return f"{name}|triton {triton.__version__}|world {world_size}|hidden {hidden}|{dtype}"
+    rows = "expert rows" if expand else "token rows"
+    return f"{name}|triton {triton.__version__}|world {world_size}|hidden {hidden}|{dtype}|{rows}"
 
 
 def _load() -> dict:

@@ -54,8 +54,8 @@ class Buffer:
             overlapped with the transfer.
             Default: the tuned configuration's (``hybrid-ep tune``), else 8 on GPUs and 2 on
             CPU ranks. The other kernel parameters come from the tuning cache when it has an
-            entry for this GPU, Triton version, group size, hidden size and dtype, else from the
-            planner's heuristic.
+            entry for this GPU, Triton version, group size, hidden size, dtype and ``expand``,
+            else from the planner's heuristic.
         timeout_s: seconds any wait on another rank may last before TimeoutError (default 60).
         expand: True (default): dispatch expands every received token into one row per local
             expert it selected, grouped by expert, ready for a grouped GEMM. False: one row per
@@ -101,7 +101,7 @@ class Buffer:
         device = (
             torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
         )
-        key = cache_key(device, world, hidden_size, dtype)
+        key = cache_key(device, world, hidden_size, dtype, expand)
         config = select_config(key, hidden_size, max_tokens_per_rank, num_sms, on_gpu)
         _check_same_on_all_ranks(
             group,
