@@ -21,7 +21,7 @@ from ._bench import _median_us
 from ._launcher import run_ranks
 from ._planner import KernelConfig, make_config
 from ._tuning import cache_key, cache_path, forced, store
-from .buffer import SUPPORTED_DTYPES
+from .buffer import SUPPORTED_DTYPES, Buffer
 
 _DTYPES = {str(dtype).removeprefix("torch."): dtype for dtype in SUPPORTED_DTYPES}
 
@@ -67,8 +67,6 @@ def _candidates(args: argparse.Namespace, on_gpu: bool) -> list[KernelConfig]:
 
 
 def _tune_rank(rank: int, world: int, opts: dict) -> tuple[str, list[tuple[float, float]]]:
-    from . import Buffer
-
     device = torch.device("cuda", torch.cuda.current_device()) if opts["on_gpu"] else None
     device = device or torch.device("cpu")
     dtype, expand = _DTYPES[opts["dtype"]], opts["rows"] == "expert"
