@@ -133,8 +133,8 @@ def run(args: argparse.Namespace) -> int:
     world = args.ranks or (gpus if on_gpu else 2)
     candidates = _candidates(args, on_gpu)
     opts = dict(on_gpu=on_gpu, candidates=candidates)
-    shape = ("tokens", "hidden", "experts", "topk", "dtype", "rows")
-    opts.update({k: getattr(args, k) for k in shape})
+    problem = ("tokens", "hidden", "experts", "topk", "dtype", "rows")
+    opts.update({k: getattr(args, k) for k in problem})
     opts.update(warmup=args.warmup, iters=args.iters)
     per_rank = run_ranks(
         _tune_rank, world, opts, device="cuda" if on_gpu else "cpu", timeout_s=args.timeout
