@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Smoke test of the NVSHMEM symmetric heap (``hybrid_ep_triton._nvshmem``) on one node.
+"""Smoke test of the NVSHMEM symmetric heap (``hybrid_ep_triton.runtime.nvshmem``) on one node.
 
     python bench/nvshmem_smoke.py [--world 2] [--mib 64] [--timeout 300]
 
@@ -47,7 +47,9 @@ import torch.multiprocessing as mp  # noqa: E402
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
-MODULE_PATH = Path(__file__).resolve().parents[1] / "src" / "hybrid_ep_triton" / "_nvshmem.py"
+MODULE_PATH = (
+    Path(__file__).resolve().parents[1] / "src" / "hybrid_ep_triton" / "runtime" / "nvshmem.py"
+)
 # Element i written by rank r is (i & PATTERN_MASK) + (r + 1) * TAG_UNIT: never 0 (the
 # zero fill), distinct per writer, exact in float32 (< 2**24) for up to 15 ranks.
 PATTERN_MASK = 0xFFFFF

@@ -24,8 +24,8 @@ import torch.distributed as dist
 from torch.profiler import ProfilerActivity, profile
 
 import hybrid_ep_triton as hep
-from hybrid_ep_triton._bench import SHAPES, _inputs
-from hybrid_ep_triton._launcher import run_ranks
+from hybrid_ep_triton.tools.bench import SHAPES, _inputs
+from hybrid_ep_triton.tools.launcher import run_ranks
 
 
 def _kernel_times(prof) -> dict[str, float]:

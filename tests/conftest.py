@@ -46,7 +46,7 @@ def device() -> str:
 def launch(device):
     """``launch(fn, world_size, *args, timeout_s=None, **kwargs)``: run_ranks on the chosen
     device (kwargs: run_ranks's other options, e.g. failure_grace_s)."""
-    from hybrid_ep_triton._launcher import run_ranks
+    from hybrid_ep_triton.tools.launcher import run_ranks
 
     def _launch(fn, world_size: int, *args, timeout_s: float | None = None, **kwargs) -> list:
         if device == "cuda":

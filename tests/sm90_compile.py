@@ -18,10 +18,15 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from hybrid_ep_triton._planner import LOCAL_PARTS, MAX_PROGRAMS, MAX_REGISTERS, default_config
 from hybrid_ep_triton.kernels.combine import combine_kernel
 from hybrid_ep_triton.kernels.dispatch import dispatch_kernel
 from hybrid_ep_triton.kernels.route import layout_kernel
+from hybrid_ep_triton.runtime.planner import (
+    LOCAL_PARTS,
+    MAX_PROGRAMS,
+    MAX_REGISTERS,
+    default_config,
+)
 
 _ALIGNED_INTS = {"hidden", "x_stride", "y_stride"}
 _INT64 = {"timeout_ns"}

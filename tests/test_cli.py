@@ -1,4 +1,4 @@
-"""Tests of the command line (hybrid_ep_triton.cli): ``hybrid-ep demo`` end to end, and how
+"""Tests of the command line (hybrid_ep_triton.tools.cli): ``hybrid-ep demo`` end to end, and how
 ``hybrid-ep soak`` parses its options and reports (its rank body is tested in test_soak)."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from hybrid_ep_triton import _launcher
-from hybrid_ep_triton.cli import build_parser, main, run_soak
+from hybrid_ep_triton.tools import launcher
+from hybrid_ep_triton.tools.cli import build_parser, main, run_soak
 
 SRC = str(Path(__file__).resolve().parents[1] / "src")
 # Small enough for two interpreted CPU ranks to finish well within a minute.
@@ -94,7 +94,7 @@ def _fake_soak_ranks(failures: int):
     """A run_ranks stand-in returning one soak summary per rank (rank 1 with ``failures``)."""
 
     def run_ranks(fn, world_size, cfg, **kwargs):
-        from hybrid_ep_triton._soak import _summary
+        from hybrid_ep_triton.tools.soak import _summary
 
         per_rank = []
         for rank in range(world_size):
@@ -110,7 +110,7 @@ def _fake_soak_ranks(failures: int):
 
 @pytest.mark.parametrize("failures", [0, 1])
 def test_soak_reports_every_rank(monkeypatch, capsys, failures):
-    monkeypatch.setattr(_launcher, "run_ranks", _fake_soak_ranks(failures))
+    monkeypatch.setattr(launcher, "run_ranks", _fake_soak_ranks(failures))
     code = main(["soak", "--device", "cpu", "--ranks", "2", "--rounds", "5"])
     out = capsys.readouterr().out
     assert code == (1 if failures else 0), out

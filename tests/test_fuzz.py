@@ -13,7 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from hybrid_ep_triton import Buffer, reference
-from hybrid_ep_triton._soak import _row_weights
+from hybrid_ep_triton.tools.soak import _row_weights
 
 MAX_TOKENS = 6
 TOL = 2e-2  # bf16; combine sends bf16 partial sums per (token, rank)

@@ -1,4 +1,4 @@
-"""The symmetric heap (``_heap``) and the communication primitives (``kernels.primitives``).
+"""The symmetric heap (``runtime.heap``) and the communication primitives (``kernels.primitives``).
 
 A small Triton kernel, written here, uses ``region`` / ``signal`` / ``wait_at_least`` the way the
 library's kernels do: every rank writes a rank-, peer-, round- and position-dependent byte
@@ -27,9 +27,6 @@ import triton
 import triton.language as tl
 
 from hybrid_ep_triton import Buffer
-from hybrid_ep_triton._heap import allocate_heap
-from hybrid_ep_triton._launcher import RankFailure, RanksTimedOut
-from hybrid_ep_triton._planner import MAX_PROGRAMS
 from hybrid_ep_triton.kernels.primitives import (
     STATUS_OK,
     STATUS_TIMED_OUT,
@@ -37,6 +34,9 @@ from hybrid_ep_triton.kernels.primitives import (
     signal,
     wait_at_least,
 )
+from hybrid_ep_triton.runtime.heap import allocate_heap
+from hybrid_ep_triton.runtime.planner import MAX_PROGRAMS
+from hybrid_ep_triton.tools.launcher import RankFailure, RanksTimedOut
 
 SHM_PREFIX = "/dev/shm/hybrid_ep_triton-"
 FLAGS_OFF = 0  # int64 [W] flags: flag s = last round in which rank s finished writing here

@@ -1,4 +1,4 @@
-"""Tests of the multi-rank launcher (hybrid_ep_triton._launcher)."""
+"""Tests of the multi-rank launcher (hybrid_ep_triton.tools.launcher)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from hybrid_ep_triton._launcher import RankFailure, RanksTimedOut, run_ranks
+from hybrid_ep_triton.tools.launcher import RankFailure, RanksTimedOut, run_ranks
 
 # Rank bodies must be module-level functions: they are pickled by reference into spawned ranks.
 

@@ -1,4 +1,4 @@
-"""The soak (``hybrid_ep_triton._soak``, ``hybrid-ep soak``): the short version for CI.
+"""The soak (``hybrid_ep_triton.tools.soak``, ``hybrid-ep soak``): the short version for CI.
 
 The full soak is 10,000 rounds on GPUs (see ``hybrid-ep soak --help``); here 20 rounds on two
 CPU ranks, with a seed whose draws cover every feature the soak varies on both ranks.
@@ -8,7 +8,13 @@ from __future__ import annotations
 
 import dataclasses
 
-from hybrid_ep_triton._soak import MEMORY_BOUND, SoakConfig, _summary, format_summary, soak_rank
+from hybrid_ep_triton.tools.soak import (
+    MEMORY_BOUND,
+    SoakConfig,
+    _summary,
+    format_summary,
+    soak_rank,
+)
 
 ROUNDS = 20
 # Seed 1 draws, in 20 rounds on each of 2 ranks, every feature counted in "coverage".

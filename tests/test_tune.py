@@ -11,7 +11,7 @@ import sys
 import torch
 
 from hybrid_ep_triton import Buffer
-from hybrid_ep_triton._planner import default_config
+from hybrid_ep_triton.runtime.planner import default_config
 
 TUNE = ["--device", "cpu", "--ranks", "2", "--tokens", "4", "--hidden", "8", "--experts", "4",
         "--topk", "2", "--sms", "2", "--chunks", "2", "--block-h", "32", "--warps", "1",
@@ -59,7 +59,7 @@ def test_tune_caches_the_best_configuration_and_buffer_uses_it(launch, tmp_path,
 
 
 def test_cache_entry_of_another_version_falls_back_to_the_heuristic(tmp_path, monkeypatch):
-    from hybrid_ep_triton._tuning import select_config
+    from hybrid_ep_triton.runtime.tuning import select_config
 
     monkeypatch.setenv("HEP_CACHE_DIR", str(tmp_path))
     current = dataclasses.asdict(default_config(8, 4, 2, False))

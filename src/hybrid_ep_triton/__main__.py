@@ -1,5 +1,5 @@
 """``python -m hybrid_ep_triton``: the ``hybrid-ep`` command line."""
 
-from .cli import main
+from .tools.cli import main
 
 raise SystemExit(main())

@@ -3,15 +3,15 @@
 import torch
 import torch.distributed as dist
 
-from ._checks import check_int, check_tensor, describe
-from ._heap import allocate_heap
-from ._planner import MAX_SMS, MAX_TOPK, make_plan
-from ._tuning import cache_key, select_config
 from .kernels.combine import STAGE_COMBINE_DATA, STAGE_COMBINE_READY
 from .kernels.dispatch import STAGE_DISPATCH_DATA, STAGE_DISPATCH_READY
 from .kernels.route import STAGE_LAYOUT
 from .ops import Runtime, library
 from .ops.dispatch import DispatchHandle
+from .runtime.checks import check_int, check_tensor, describe
+from .runtime.heap import allocate_heap
+from .runtime.planner import MAX_SMS, MAX_TOPK, make_plan
+from .runtime.tuning import cache_key, select_config
 
 DEFAULT_TIMEOUT_S = 60.0
 # Unchecked max_recv_tokens dispatches remembered for the next exact-mode call.

@@ -16,8 +16,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from ._checks import check_int, check_tensor, describe
 from .buffer import Buffer
+from .runtime.checks import check_int, check_tensor, describe
 
 __all__ = ["MoELayer", "TokenDispatcher"]
 

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from .._planner import LOCAL_PARTS, Plan, ceil_div
+from ..runtime.planner import LOCAL_PARTS, Plan, ceil_div
 from .launch import KernelLauncher
 
 

@@ -3,8 +3,8 @@ sending programs."""
 
 import torch
 
-from .._planner import LOCAL_PARTS, MAX_PROGRAMS, MAX_REGISTERS, next_power_of_2
 from ..kernels.combine import combine_kernel
+from ..runtime.planner import LOCAL_PARTS, MAX_PROGRAMS, MAX_REGISTERS, next_power_of_2
 from . import Runtime, local_parts, programs_beside_senders
 from .dispatch import DispatchHandle
 from .launch import KernelLauncher

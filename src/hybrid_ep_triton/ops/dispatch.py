@@ -8,9 +8,9 @@ from dataclasses import dataclass
 
 import torch
 
-from .._planner import MAX_PROGRAMS, MAX_REGISTERS, Plan, ceil_div, next_power_of_2
 from ..kernels.dispatch import dispatch_kernel
 from ..kernels.route import layout_kernel
+from ..runtime.planner import MAX_PROGRAMS, MAX_REGISTERS, Plan, ceil_div, next_power_of_2
 from . import Runtime, local_parts, programs_beside_senders
 from .launch import KernelLauncher, TensorView
 

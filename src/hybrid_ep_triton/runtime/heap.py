@@ -1,8 +1,8 @@
 """The symmetric heap: one buffer of the same size and layout on every rank of a group, and the
 table of every rank's base address that the kernels turn into peer pointers.
 
-- CUDA tensors (NCCL group): NVSHMEM through nvshmem4py (``_nvshmem``); peers are reached over
-  NVLink through NVSHMEM's peer mappings. The inter-node RDMA path uses the same heap.
+- CUDA tensors (NCCL group): NVSHMEM through nvshmem4py (``runtime.nvshmem``); peers are reached
+  over NVLink through NVSHMEM's peer mappings, and across nodes through NVSHMEM puts.
 - CPU tensors (gloo group, TRITON_INTERPRET=1): POSIX shared memory. Each rank creates one
   segment in /dev/shm, the names go round the group, every rank maps every segment, and once all
   have mapped them each owner unlinks its own: the mappings live on, and nothing is left behind
@@ -71,7 +71,7 @@ def allocate_heap(group: dist.ProcessGroup, nbytes: int, device: torch.device):
     device) and ``close()``.
     """
     if device.type == "cuda":
-        from ._nvshmem import NvshmemAllocation
+        from .nvshmem import NvshmemAllocation
 
         return NvshmemAllocation(group, nbytes, device)
     return SharedMemoryHeap(group, nbytes)

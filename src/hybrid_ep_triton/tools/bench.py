@@ -29,7 +29,7 @@ from functools import partial
 import torch
 import torch.distributed as dist
 
-from ._launcher import run_ranks
+from .launcher import run_ranks
 
 
 @dataclass(frozen=True)

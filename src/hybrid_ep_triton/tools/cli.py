@@ -14,7 +14,7 @@ from typing import NamedTuple
 
 import torch
 
-from . import __version__
+from .. import __version__
 
 
 class Command(NamedTuple):
@@ -95,7 +95,7 @@ def _rank_plan(args: argparse.Namespace, sizes: dict, cpu_ranks: int) -> tuple[s
 def _on_ranks(command: str, details: str, fn, cfg, device, ranks, timeout) -> tuple[list, float]:
     """Print what runs where, run ``fn(rank, ranks, cfg)`` on the ranks; returns (per-rank
     results, seconds). CommandError if a rank fails."""
-    from ._launcher import RankFailure, run_ranks
+    from .launcher import RankFailure, run_ranks
 
     kind = "GPU ranks (NCCL)" if device == "cuda" else "CPU ranks (gloo, Triton interpreter)"
     print(f"hybrid-ep {command}: {ranks} {kind}; {details}", flush=True)
@@ -113,7 +113,7 @@ def _demo_arguments(p: argparse.ArgumentParser) -> None:
 
 def run_demo(args: argparse.Namespace) -> int:
     """One MoE layer on every rank, checked against the reference; exit code 1 on mismatch."""
-    from ._demo import DemoConfig, demo_rank
+    from .demo import DemoConfig, demo_rank
 
     device, ranks, sizes = _rank_plan(args, DEMO_SIZES, CPU_RANKS)
     cfg = DemoConfig(**sizes, seed=args.seed)
@@ -136,7 +136,7 @@ SOAK_CPU_RANKS = 2
 
 
 def _soak_arguments(p: argparse.ArgumentParser) -> None:
-    from ._soak import DTYPES
+    from .soak import DTYPES
 
     _rank_arguments(
         p, SOAK_SIZES, SOAK_CPU_RANKS, 3600.0, "most tokens per rank (each round draws 0..this)"
@@ -168,7 +168,7 @@ def run_soak(args: argparse.Namespace) -> int:
     """Many dispatch/combine rounds on one Buffer with changing token counts, routing and modes,
     every round checked against the reference; memory growth after a warm-up fails, time drift
     is reported. One summary line per rank; exit code 1 on any failure."""
-    from ._soak import SoakConfig, format_summary, soak_rank
+    from .soak import SoakConfig, format_summary, soak_rank
 
     device, ranks, sizes = _rank_plan(args, SOAK_SIZES, SOAK_CPU_RANKS)
     rounds = args.rounds if args.rounds is not None else SOAK_ROUNDS[device]
@@ -198,27 +198,27 @@ def run_soak(args: argparse.Namespace) -> int:
 
 
 def _bench_arguments(p: argparse.ArgumentParser) -> None:
-    from ._bench import add_arguments
+    from .bench import add_arguments
 
     add_arguments(p)
 
 
 def run_bench(args: argparse.Namespace) -> int:
     """Benchmark dispatch and combine on the local GPUs against the ceiling and NCCL."""
-    from ._bench import run
+    from .bench import run
 
     return run(args)
 
 
 def _tune_arguments(p: argparse.ArgumentParser) -> None:
-    from ._tune import add_arguments
+    from .tune import add_arguments
 
     add_arguments(p)
 
 
 def run_tune(args: argparse.Namespace) -> int:
     """Sweep the kernels' parameters for one shape and cache the fastest for this machine."""
-    from ._tune import run
+    from .tune import run
 
     return run(args)
 

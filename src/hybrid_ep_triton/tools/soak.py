@@ -33,9 +33,9 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from . import reference
-from ._demo import _gen, _human_bytes
-from .buffer import Buffer
+from .. import reference
+from ..buffer import Buffer
+from .demo import _gen, _human_bytes
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 # |combine - reference| <= TOL * (1 + sum over the token's slots of |weight * y|): combine sends

@@ -17,11 +17,11 @@ import itertools
 
 import torch
 
-from ._bench import _median_us
-from ._launcher import run_ranks
-from ._planner import KernelConfig, make_config
-from ._tuning import cache_key, cache_path, forced, store
-from .buffer import SUPPORTED_DTYPES, Buffer
+from ..buffer import SUPPORTED_DTYPES, Buffer
+from ..runtime.planner import KernelConfig, make_config
+from ..runtime.tuning import cache_key, cache_path, forced, store
+from .bench import _median_us
+from .launcher import run_ranks
 
 _DTYPES = {str(dtype).removeprefix("torch."): dtype for dtype in SUPPORTED_DTYPES}
 

@@ -8,7 +8,7 @@ precision. Rank 0 gathers every rank's numbers and prints a table.
 
 ``demo_rank(rank, world_size, config)`` only needs an initialised default process group (NCCL
 with one GPU per rank, or gloo on CPU under ``TRITON_INTERPRET=1``), so it also runs under
-``torchrun``; the CLI starts it through ``hybrid_ep_triton._launcher.run_ranks``.
+``torchrun``; the CLI starts it through ``hybrid_ep_triton.tools.launcher.run_ranks``.
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from . import reference
-from .buffer import Buffer
+from .. import reference
+from ..buffer import Buffer
 
 FFN_HIDDEN = 256  # inner width of each expert's MLP
 DTYPE = torch.bfloat16

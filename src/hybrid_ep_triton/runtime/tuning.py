@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 import triton
 
-from ._planner import KernelConfig, default_config
+from .planner import KernelConfig, default_config
 
 _FORCED: list[KernelConfig] = []  # set by ``forced`` while a tuner measures a candidate
 

@@ -1,0 +1,3 @@
+"""Where memory and plans come from: the symmetric heap (NVSHMEM on GPUs, POSIX shared memory on
+CPU ranks), node topology, the planner of channels, chunks and heap regions, the tuning cache,
+and the argument checks."""
