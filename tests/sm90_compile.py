@@ -1,10 +1,11 @@
 """Compile every kernel for sm_90 with Triton's own ptxas, on a machine without a GPU.
 
 Run as a script (``python tests/sm90_compile.py``) without TRITON_INTERPRET, because the
-interpreter replaces ``triton.jit``. Compiles the launch shapes of EP2 and EP8 and prints one
-line per kernel (dispatch and its layout also with one row per token, expand=False) with
-ptxas' resource usage (registers, and STACK: bytes spilled); any compile
-error fails. Integer arguments that the JIT would specialise as multiples of 16 (pointers,
+interpreter replaces ``triton.jit``. Compiles the launch shapes of EP2 and EP8 within one node
+and of EP16 as 2 nodes of 8, whose kernels link NVSHMEM's sm_90 device bitcode as pip installs
+it, and prints one line per kernel (dispatch and its layout also with one row per token,
+expand=False) with ptxas' resource usage (registers, and STACK: bytes spilled); any compile or
+link error fails. Integer arguments that the JIT would specialise as multiples of 16 (pointers,
 hidden sizes, strides) are marked so.
 """
 
@@ -14,6 +15,7 @@ import subprocess
 import sys
 import tempfile
 
+import torch
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
@@ -26,10 +28,11 @@ from hybrid_ep_triton.runtime.planner import (
     MAX_PROGRAMS,
     MAX_REGISTERS,
     default_config,
+    make_plan,
 )
 
 _ALIGNED_INTS = {"hidden", "x_stride", "y_stride"}
-_INT64 = {"timeout_ns"}
+_INT64 = {"timeout_ns", "heap_bytes"}
 
 
 def _signature(kernel, pointers: dict, constexprs: dict) -> tuple[dict, dict]:
@@ -58,20 +61,34 @@ def _resource_usage(cubin: bytes) -> str:
     return " ".join(line.strip() for line in out.stdout.splitlines() if "REG:" in line)
 
 
+def _nvshmem_bitcode() -> str:
+    """NVSHMEM's sm_90 device bitcode as pip installs it (no GPU here to pick it by)."""
+    import nvshmem.core as nvshmem
+
+    return nvshmem.find_device_bitcode_library(arch="90")
+
+
 def main() -> int:
-    i64 = {n: "*i64" for n in ("peer_bases_ptr", "control_ptr", "info_ptr")}
+    i64 = {n: "*i64" for n in ("peer_bases_ptr", "control_ptr", "info_ptr", "net_bases_ptr")}
     i64["tokens_per_expert_ptr"] = "*i64"
     # The heuristic's launch shape for S1 (4096 tokens per rank, hidden 7168).
     cfg = default_config(7168, 4096, None, on_gpu=True)
-    for world in (2, 8):
+    # EP2 and EP8 within one node; EP16 as 2 nodes of 8, whose kernels call NVSHMEM.
+    for world, per_node in ((2, 2), (8, 8), (16, 8)):
+        plan = make_plan(world, 7168, 4096, 256, torch.bfloat16, cfg, ranks_per_node=per_node)
+        nodes = world // per_node
+        topology = dict(R=per_node, R_P2=per_node, NODES=nodes, N_P2=max(nodes, 1))
+        slot = dict(META_INTS=plan.net_slot.meta_ints, META_FLOATS=plan.net_slot.meta_floats,
+                    NET_COLS=plan.net_slot.cols, DATA_OFF=plan.net_slot.data_offset,
+                    SLOT_BYTES=plan.net_slot.bytes)  # fmt: skip
         # Every constexpr of the data-move kernels; each kernel takes the ones it declares.
         common = dict(
             T_MAX=4096,
-            NC_MAX=4096 // cfg.chunk_tokens,
-            H_SLICES=2,
+            NC_MAX=plan.max_chunks,
+            H_SLICES=cfg.h_slices,
             P_MAX=MAX_PROGRAMS,
-            MS=32,
-            MS_P2=32,
+            MS=plan.meta_stride,
+            MS_P2=plan.meta_stride,
             W_P2=world,
             W=world,
             CHUNK=cfg.chunk_tokens,
@@ -81,6 +98,8 @@ def main() -> int:
             COPY_UNROLL=cfg.copy_unroll,
             LP_MAX=LOCAL_PARTS,
             STAGES=cfg.copy_stages,
+            **topology,
+            **slot,
         )
         tokens = dict(
             i64,
@@ -91,8 +110,8 @@ def main() -> int:
             recv_weights_ptr="*fp32",
         )
         layout = dict(CHUNK=cfg.chunk_tokens, K_P2=8, W_P2=world, E_P2=256, L_P2=256 // world,
-                      PAIRS=128, NC_MAX=4096 // cfg.chunk_tokens, ROW=259, C_BLOCK=32,
-                      TABLE_BLOCK=256)  # fmt: skip
+                      PAIRS=128, NC_MAX=plan.max_chunks, ROW=plan.counts_row,
+                      LR=plan.layout_row, C_BLOCK=32, TABLE_BLOCK=256, **topology)  # fmt: skip
         partials = dict(
             i64, y_ptr="*bf16", weights_ptr="*fp32", outbox_ptr="*bf16", out_ptr="*bf16"
         )
@@ -105,10 +124,13 @@ def main() -> int:
              dict(common, BLOCK_H=cfg.combine_block_h, COPY_BLOCK_H=cfg.block_h), cfg.num_warps),
         ]  # fmt: skip
         for kernel, pointers, constexprs, num_warps in builds:
-            # As launched: the data moves capped at MAX_REGISTERS, the layout kernel uncapped.
+            # As launched: the data moves capped at MAX_REGISTERS, the layout kernel uncapped;
+            # across nodes with NVSHMEM's device library linked.
             options = dict(num_warps=num_warps)
             if kernel is not layout_kernel:
                 options["maxnreg"] = MAX_REGISTERS
+            if nodes > 1:
+                options["extern_libs"] = {"libnvshmem_device": _nvshmem_bitcode()}
             params = inspect.signature(kernel.fn).parameters
             constexprs = {k: v for k, v in constexprs.items() if k in params}
             signature, attrs = _signature(kernel, pointers, constexprs)
@@ -120,7 +142,8 @@ def main() -> int:
             usage = _resource_usage(compiled.asm["cubin"])
             async_copies = compiled.asm["ptx"].count("cp.async.cg")
             rows = " (token rows)" if constexprs.get("TOKEN_ROWS") else ""
-            print(f"EP{world} {kernel.fn.__name__}{rows}: {usage} cp.async:{async_copies}")
+            topo = f"EP{world}" if nodes == 1 else f"EP{world} ({nodes}x{per_node}, NVSHMEM)"
+            print(f"{topo} {kernel.fn.__name__}{rows}: {usage} cp.async:{async_copies}")
     return 0
 
 

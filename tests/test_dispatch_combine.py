@@ -7,6 +7,11 @@ the Buffer's dtype, so it is compared with a tolerance of about two ulps of the 
 by the magnitude of the summed terms (sum over a token's slots of |weight * y|, which bounds the
 partial sums that get rounded).
 
+Groups with ``ranks_per_node`` simulate nodes: ranks of another node are reached only through
+the network puts of the kernels' primitives (on CPU ranks a copy into the peer's shared memory
+that must come from the sender's own heap), and every dispatch must put exactly one row per
+distinct (token, other node) pair over the network, counted by the kernels themselves.
+
 Spawning a process group costs seconds and the Triton interpreter is slow, so every test spawns
 its ranks once, builds ONE Buffer (hidden size, dtype and expert count are fixed per Buffer) and
 runs a list of cases on it in sequence. That sequence is itself the repeated-call test: T,
@@ -76,11 +81,16 @@ class Group:
     seed: int
     cases: tuple[Case, ...]
     expand: bool = True  # the Buffer's: expert-major rows, or one row per token
+    ranks_per_node: int | None = None  # the Buffer's: simulated nodes of that many ranks
 
     @property
     def id(self) -> str:
         rows = "" if self.expand else "-token_rows"
-        return f"W{self.world_size}-H{self.hidden}-{str(self.dtype).removeprefix('torch.')}{rows}"
+        nodes = ""
+        if self.ranks_per_node is not None:
+            nodes = f"-{self.world_size // self.ranks_per_node}x{self.ranks_per_node}"
+        dtype = str(self.dtype).removeprefix("torch.")
+        return f"W{self.world_size}{nodes}-H{self.hidden}-{dtype}{rows}"
 
 
 GROUPS = [
@@ -170,6 +180,34 @@ GROUPS = [
              unused_prob=0.2, pad_multiple=3),
         Case("int32_truncated_cached", tokens=(4, 2, 0, 5, 3, 6, 1, 2), idx_dtype=I32,
              recv="less", cached=True, combine=("none",)),
+    )),
+]  # fmt: skip
+# Across nodes (simulated: ranks of other nodes are reached only by network puts).
+# Every case also counts the rows that crossed the network (see _run_case).
+NODE_GROUPS = [
+    Group(2, 7, BF16, 8, seed=11, ranks_per_node=1, cases=(
+        Case("basic_cached", tokens=(5, 9), cached=True, combine=("recv", "none")),
+        Case("empty_rank_pad3_truncated", tokens=(0, 11), unused_prob=0.3, pad_multiple=3,
+             recv="less"),
+        Case("node_receives_nothing_fit", tokens=(12, 7), topk=3, hot_expert=1, recv="fit"),
+    )),
+    Group(4, 13, FP16, 16, seed=12, ranks_per_node=2, cases=(
+        Case("uneven_unused_pad3_cached", tokens=(6, 0, 11, 3), topk=4, unused_prob=0.3,
+             pad_multiple=3, cached=True),
+        Case("hot_expert_zero_tail", tokens=(9, 4, 0, 12), topk=3, hot_expert=13, recv="more",
+             combine=("none", "recv")),
+    )),
+    Group(4, 13, BF16, 16, seed=13, ranks_per_node=2, expand=False, cases=(
+        Case("unused_truncated_cached", tokens=(5, 12, 7, 0), topk=4, unused_prob=0.2,
+             recv="less", cached=True),
+    )),
+    Group(8, 9, BF16, 16, seed=14, ranks_per_node=4, cases=(
+        Case("k3_unused_empty_ranks_cached", tokens=(3, 0, 5, 2, 6, 1, 4, 2), topk=3,
+             unused_prob=0.2, cached=True),
+    )),
+    Group(8, 9, FP32, 16, seed=15, ranks_per_node=2, cases=(
+        Case("k4_pad3_truncated", tokens=(4, 2, 0, 5, 3, 6, 1, 2), topk=4, pad_multiple=3,
+             recv="less"),
     )),
 ]  # fmt: skip
 # One rank, on GPUs only (on CPU ranks the groups above cover the same code): every row stays
@@ -331,10 +369,16 @@ def _run_case(buf: Buffer, rank: int, world: int, grp: Group, index: int, case: 
     num_rows = want["recv_x"].shape[0]
     num_valid = min(needed, num_rows)
 
+    sent_before = buf.network_rows
     got, handle = buf_dispatch(
         x, w, topk_idx=_to(idx, dev), pad_multiple=case.pad_multiple, max_recv_tokens=max_recv
     )
     _check_dispatch(fail, "dispatch", got, want, num_valid)
+    # Each token crosses the network once per other node that holds one of its experts.
+    pairs = _token_node_pairs(idx, num_experts // world, buf.ranks_per_node, rank)
+    if buf.network_rows - sent_before != pairs:
+        fail(f"{buf.network_rows - sent_before} rows crossed the network, not the {pairs} "
+             "distinct (token, other node) pairs")  # fmt: skip
 
     # check(): OverflowError with the real row count exactly when rows were dropped.
     try:
@@ -366,10 +410,21 @@ def _run_case(buf: Buffer, rank: int, world: int, grp: Group, index: int, case: 
         x2 = _rows(num_tokens, hidden, dtype, gen, case.strided)
         w2 = torch.rand(num_tokens, case.topk, generator=gen) if case.with_weights else None
         want2, eh2 = ref_dispatch(x2, w2, max_recv)
+        sent_before = buf.network_rows
         got2, handle2 = buf_dispatch(x2, w2, handle=handle)
         _check_dispatch(fail, "cached dispatch", got2, want2, num_valid)
+        if buf.network_rows - sent_before != pairs:
+            fail(f"cached dispatch: {buf.network_rows - sent_before} rows crossed the network, "
+                 f"not {pairs}")  # fmt: skip
         combines("combine after cached dispatch", handle2, eh2, got2["recv_weights"],
                  want2["recv_weights"])  # fmt: skip
+
+
+def _token_node_pairs(idx: torch.Tensor, local: int, ranks_per_node: int, rank: int) -> int:
+    """Distinct (token, node other than this rank's) pairs of ``idx``'s valid slots."""
+    nodes = torch.where(idx >= 0, idx // local // ranks_per_node, -1)
+    others = (nodes >= 0) & (nodes != rank // ranks_per_node)
+    return sum(len(set(row[keep].tolist())) for row, keep in zip(nodes, others, strict=True))
 
 
 def _device() -> torch.device:
@@ -388,6 +443,7 @@ def _rank_body(rank: int, world_size: int, grp: Group) -> list[str]:
         num_experts=grp.num_experts,
         dtype=grp.dtype,
         expand=grp.expand,
+        ranks_per_node=grp.ranks_per_node,
     )
     try:
         for index, case in enumerate(grp.cases):
@@ -410,7 +466,7 @@ def _rank_body(rank: int, world_size: int, grp: Group) -> list[str]:
 
 @pytest.mark.parametrize(
     "grp",
-    [*GROUPS, *(pytest.param(g, marks=pytest.mark.gpu) for g in ONE_RANK_GROUPS)],
+    [*GROUPS, *NODE_GROUPS, *(pytest.param(g, marks=pytest.mark.gpu) for g in ONE_RANK_GROUPS)],
     ids=lambda g: g.id,
 )
 def test_dispatch_combine_match_reference(launch, grp):

@@ -1,10 +1,12 @@
 """``Buffer``: the library's one public class, expert-parallel dispatch and combine."""
 
+import socket
+
 import torch
 import torch.distributed as dist
 
-from .kernels.combine import STAGE_COMBINE_DATA, STAGE_COMBINE_READY
-from .kernels.dispatch import STAGE_DISPATCH_DATA, STAGE_DISPATCH_READY
+from .kernels.combine import STAGE_COMBINE_DATA, STAGE_COMBINE_NET, STAGE_COMBINE_READY
+from .kernels.dispatch import STAGE_DISPATCH_DATA, STAGE_DISPATCH_NET, STAGE_DISPATCH_READY
 from .kernels.route import STAGE_LAYOUT
 from .ops import Runtime, library
 from .ops.dispatch import DispatchHandle
@@ -26,6 +28,8 @@ _STAGES = {
     STAGE_DISPATCH_DATA: "dispatch token chunks",
     STAGE_COMBINE_READY: "the start of combine (peer not ready)",
     STAGE_COMBINE_DATA: "combine partial sums",
+    STAGE_DISPATCH_NET: "dispatch token chunks over the network",
+    STAGE_COMBINE_NET: "combine partial sums over the network",
 }
 
 
@@ -35,8 +39,16 @@ class Buffer:
     Rank r of the group owns global experts [r*L, (r+1)*L) with L = num_experts / group size.
     The constructor is collective: it checks that every rank passed the same parameters and
     allocates the worst-case buffers: a symmetric staging area of max_tokens_per_rank rows from
-    every rank, and a local outbox of the same size for combine's partial rows. Dispatch and
+    every rank, and a local outbox of the same size for combine's partial rows (across nodes
+    also a network inbox and outbox of max_tokens_per_rank rows per node). Dispatch and
     combine are collective too, called in the same order on every rank.
+
+    Across nodes (the group spans several nodes of ranks_per_node ranks each) a token crosses
+    the network at most once per destination node, to the rank with its own local index there,
+    which forwards it over NVLink to the ranks of its node that hold its experts; combine sums
+    a token's rows inside each node, and the node's partial sum crosses the network once.
+    Network transfers are NVSHMEM puts issued by the kernels. Outputs, orderings and errors are
+    the same as within one node.
 
     Args:
         group: torch.distributed group of the expert-parallel ranks: NCCL with CUDA tensors, or
@@ -57,6 +69,9 @@ class Buffer:
             entry for this GPU, Triton version, group size, hidden size, dtype and ``expand``,
             else from the planner's heuristic.
         timeout_s: seconds any wait on another rank may last before TimeoutError (default 60).
+        ranks_per_node: R, consecutive ranks that reach each other over NVLink (a node); it must
+            divide the group size. None (default): the ranks that share a host (they must be
+            consecutive). A group of one node (R == group size) moves everything over NVLink.
         expand: True (default): dispatch expands every received token into one row per local
             expert it selected, grouped by expert, ready for a grouped GEMM. False: one row per
             received token, as DeepEP's dispatch returns it, with the token's local expert ids
@@ -79,9 +94,16 @@ class Buffer:
         num_sms: int | None = None,
         timeout_s: float = DEFAULT_TIMEOUT_S,
         expand: bool = True,
+        ranks_per_node: int | None = None,
     ):
         group = group if group is not None else dist.group.WORLD
         world, rank = dist.get_world_size(group), dist.get_rank(group)
+        if ranks_per_node is not None:
+            check_int("ranks_per_node", ranks_per_node, 1, world)
+            if world % ranks_per_node:
+                raise ValueError(
+                    f"ranks_per_node must divide the group size {world}, got {ranks_per_node}"
+                )
         check_int("hidden_size", hidden_size, 1)
         check_int("max_tokens_per_rank", max_tokens_per_rank, 0)
         check_int("num_experts", num_experts, 1)
@@ -97,6 +119,8 @@ class Buffer:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
         if not isinstance(expand, bool):
             raise ValueError(f"expand must be True or False, got {describe(expand)}")
+        if ranks_per_node is None:
+            ranks_per_node = _ranks_per_host(group)
         on_gpu = dist.get_backend(group) == "nccl"
         device = (
             torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
@@ -111,11 +135,12 @@ class Buffer:
             dtype=dtype,
             num_sms=config.num_sms,
             expand=expand,
+            ranks_per_node=ranks_per_node,
             kernel_config=config,  # from each rank's tuning cache: must agree too
         )
         plan = make_plan(
             world, hidden_size, max_tokens_per_rank, num_experts, dtype, config,
-            token_rows=not expand,
+            token_rows=not expand, ranks_per_node=ranks_per_node,
         )  # fmt: skip
         self.group = group
         self.hidden_size = hidden_size
@@ -123,15 +148,19 @@ class Buffer:
         self.num_experts = num_experts
         self.dtype = dtype
         self.expand = expand
+        self.ranks_per_node = ranks_per_node
         self.device = device
         self.timeout_s = float(timeout_s)
         self._broken: str | None = None
         # max_recv_tokens dispatches whose overflow nobody has checked yet: (info, M).
         self._unchecked: list[tuple[torch.Tensor, int]] = []
+        across_gpus = on_gpu and plan.nodes > 1
+        if across_gpus:
+            from .runtime.nvshmem import device_library, init_module
         self._rt = Runtime(
             plan=plan,
-            heap=allocate_heap(group, plan.heap.total_bytes, device),
-            control=torch.zeros(10, dtype=torch.int64, device=device),
+            heap=allocate_heap(group, plan.heap.total_bytes, device, ranks_per_node),
+            control=torch.zeros(11, dtype=torch.int64, device=device),
             rank=rank,
             world_size=world,
             device=device,
@@ -148,6 +177,9 @@ class Buffer:
             group=group,
             check_status=self._raise_if_timed_out,
             read_report=self._read_report,
+            # Kernels that call NVSHMEM link its device library and initialise their modules.
+            compile_options={"extern_libs": device_library()} if across_gpus else {},
+            on_compile=init_module if across_gpus else None,
         )
         self._id = library.register(self._rt)
         self._comm_stream: torch.cuda.Stream | None = None
@@ -311,6 +343,13 @@ class Buffer:
         if handle.max_recv_tokens is not None:
             self._raise_on_overflow([(handle.info, handle.max_recv_tokens)])
 
+    @property
+    def network_rows(self) -> int:
+        """Token rows this rank has put over the network in its dispatches so far (one per
+        (token, other node that holds one of its experts) and dispatch; 0 within one node).
+        Synchronises."""
+        return int(self._rt.control[10])
+
     def destroy(self) -> None:
         """Free the symmetric buffers (collective; idempotent)."""
         if getattr(self, "_rt", None) is not None:
@@ -464,6 +503,23 @@ class Buffer:
                 detail = f"rank {src} passed an invalid topk_idx"
             raise ValueError(f"topk_idx: {detail}; nothing was dispatched")
         return needed
+
+
+def _ranks_per_host(group: dist.ProcessGroup) -> int:
+    """Ranks per node when nodes are hosts: how many ranks share the first rank's host, after
+    checking that every host holds that many consecutive ranks (collective)."""
+    hosts = [None] * dist.get_world_size(group)
+    dist.all_gather_object(hosts, socket.gethostname(), group=group)
+    per_host = hosts.count(hosts[0])
+    blocks = [hosts[i : i + per_host] for i in range(0, len(hosts), per_host)]
+    if any(len(set(b)) != 1 or len(b) != per_host for b in blocks) or len(
+        {b[0] for b in blocks}
+    ) != len(blocks):
+        raise ValueError(
+            f"the ranks of each host must be consecutive and as many on every host (hosts in "
+            f"rank order: {hosts}); pass ranks_per_node to say what a node is"
+        )
+    return per_host
 
 
 def _check_same_on_all_ranks(group: dist.ProcessGroup, **params) -> None:

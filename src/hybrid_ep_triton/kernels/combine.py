@@ -30,6 +30,8 @@ from .dispatch import column, part_columns, remote_entries, remote_item
 from .primitives import (
     finish_launch,
     handshake,
+    net_put_signal,
+    node_first_rank,
     region,
     signal,
     take_work,
@@ -39,6 +41,7 @@ from .primitives import (
 
 STAGE_COMBINE_READY = 4
 STAGE_COMBINE_DATA = 5
+STAGE_COMBINE_NET = 7
 
 
 @triton.jit
@@ -231,19 +234,38 @@ def _add_partial_rows(
     send_chunk_start_ptr,
     partial_ptr,
     out_ptr,
+    token_node_pos_ptr,
+    node_slots_ptr,
+    slice_first,
     T_MAX: tl.constexpr,
     W_P2: tl.constexpr,
     CHUNK: tl.constexpr,
     BLOCK_H: tl.constexpr,
+    R: tl.constexpr,
+    NODES: tl.constexpr,
+    N_P2: tl.constexpr,
+    NET_COLS: tl.constexpr,
+    NODE_STRIDE: tl.constexpr,
 ):
-    """Add, in fp32, the partial rows from the other ranks (``partial_ptr``: the staging area)
-    to columns [h_first, h_last) of the out rows of chunk ``c`` that hold the own sums."""
+    """Add, in fp32, the partial rows from the other ranks of this node (``partial_ptr``: the
+    staging area) and, across nodes, the partial sums of every other node (``node_slots_ptr``:
+    this item's NetSlot data from node 0, NODE_STRIDE elements apart, whose columns start at
+    ``slice_first``) to columns [h_first, h_last) of the out rows of chunk ``c`` that hold the own
+    sums."""
     tokens, tmask, ranks, stream_rows = _stream_rows(
         c, num_tokens, world_size, token_rank_pos_ptr, send_chunk_start_ptr, T_MAX, W_P2, CHUNK
     )
     partial_rows = tl.where(ranks[None, :] != rank, stream_rows, -1)
+    if NODES > 1:  # ranks of other nodes sent theirs through their node
+        near = ranks[None, :] // R == rank // R
+        partial_rows = tl.where(near, partial_rows, -1)
+        nodes = tl.arange(0, N_P2)
+        node_rows = tl.load(token_node_pos_ptr + tokens[:, None] * NODES + nodes[None, :],
+                            mask=tmask[:, None] & (nodes[None, :] < NODES), other=-1)  # fmt: skip
     # Tokens without an expert on another rank are final already.
     remote = tmask & (tl.max(partial_rows, axis=1) >= 0)
+    if NODES > 1:
+        remote = remote | (tmask & (tl.max(node_rows, axis=1) >= 0))
     out_rows = out_ptr + tokens.to(tl.int64)[:, None] * hidden
     for h0 in range(h_first, h_last, BLOCK_H):
         cols = h0 + tl.arange(0, BLOCK_H)
@@ -258,7 +280,61 @@ def _add_partial_rows(
                 other=0.0,
                 cache_modifier=".cg",
             ).to(tl.float32)
+        if NODES > 1:
+            for node in tl.static_range(NODES):
+                row = column(node_rows, nodes, node)
+                acc += tl.load(
+                    node_slots_ptr + node * NODE_STRIDE + row[:, None] * NET_COLS
+                    + (cols - slice_first)[None, :],
+                    mask=(row >= 0)[:, None] & mask,
+                    other=0.0,
+                    cache_modifier=".cg",
+                ).to(tl.float32)  # fmt: skip
         tl.store(out_rows + cols[None, :], acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit(noinline=True)
+def _sum_node_partials(
+    data_ptr,
+    num_rows,
+    h_first,
+    h_last,
+    hidden,
+    staging_ptr,
+    first_block,
+    fwd_rows_ptr,
+    T_MAX: tl.constexpr,
+    R: tl.constexpr,
+    R_P2: tl.constexpr,
+    CHUNK: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    NET_COLS: tl.constexpr,
+):
+    """The partial sums of this node for ``num_rows`` rows of a network slot: per row, the sum
+    in fp32 of node rank r's partial row (staging block ``first_block + r``, at the row
+    ``fwd_rows_ptr`` [num_rows, R] recorded when dispatch forwarded it), rounded to the
+    staging dtype, into columns [h_first, h_last) of the slot's data at ``data_ptr``."""
+    rows = tl.arange(0, CHUNK)
+    valid = rows < num_rows
+    locals_ = tl.arange(0, R_P2)
+    stream_rows = tl.load(fwd_rows_ptr + rows[:, None] * R + locals_[None, :],
+                          mask=valid[:, None] & (locals_[None, :] < R), other=-1)  # fmt: skip
+    for h0 in range(h_first, h_last, BLOCK_H):
+        cols = h0 + tl.arange(0, BLOCK_H)
+        cmask = cols < h_last
+        acc = tl.zeros([CHUNK, BLOCK_H], tl.float32)
+        for r in tl.static_range(R_P2):
+            if r < R:
+                row = column(stream_rows, locals_, r)
+                staged = (first_block + r) * T_MAX + row.to(tl.int64)
+                acc += tl.load(
+                    staging_ptr + staged[:, None] * hidden + cols[None, :],
+                    mask=(row >= 0)[:, None] & cmask[None, :],
+                    other=0.0,
+                    cache_modifier=".cg",
+                ).to(tl.float32)
+        ptrs = data_ptr + rows[:, None] * NET_COLS + (cols - h_first)[None, :]
+        tl.store(ptrs, acc.to(data_ptr.dtype.element_ty), mask=valid[:, None] & cmask[None, :])
 
 
 @triton.jit(noinline=True)
@@ -297,8 +373,9 @@ def combine_kernel(
     num_tokens,
     hidden,
     rank,
-    num_reducers,  # R: programs [0, R) reduce
-    num_senders,  # P: programs [R, R + P) send; the others finish this rank's tokens
+    num_reducers,  # programs [0, num_reducers) reduce
+    num_senders,  # P: the next P programs send (across nodes the P after them send over the
+    # network); the others finish this rank's tokens
     local_parts,  # column parts of a work item for reducers and finishers (<= LP_MAX)
     token_rank_pos_ptr,  # [T, W] int32
     send_chunk_start_ptr,  # [NC_MAX + 1, W] int32
@@ -312,6 +389,14 @@ def combine_kernel(
     staging_off,
     control_ptr,
     timeout_ns,
+    token_node_pos_ptr,  # [T, N] int32
+    recv_net_chunk_start_ptr,  # [N, NC_MAX + 1] int32
+    fwd_rows_ptr,  # [N, T_MAX, R] int32
+    net_bases_ptr,
+    net_flags_off,
+    net_inbox_off,
+    net_outbox_off,
+    heap_bytes,
     W: tl.constexpr,
     T_MAX: tl.constexpr,
     NC_MAX: tl.constexpr,
@@ -327,6 +412,13 @@ def combine_kernel(
     COPY_UNROLL: tl.constexpr,
     LP_MAX: tl.constexpr,
     STAGES: tl.constexpr,  # tile loads in flight in the senders' copies
+    R: tl.constexpr,  # ranks per node
+    R_P2: tl.constexpr,
+    NODES: tl.constexpr,
+    N_P2: tl.constexpr,
+    NET_COLS: tl.constexpr,  # the NetSlot's shape (see the planner)
+    DATA_OFF: tl.constexpr,
+    SLOT_BYTES: tl.constexpr,
 ):
     pid = tl.program_id(0)
     num_programs = tl.num_programs(0)
@@ -343,6 +435,16 @@ def combine_kernel(
     # Reducers and finishers split each item into column parts, so that the first items to be
     # sent and the last to land are each worked on by several programs at once.
     part_cols = tl.cdiv(tl.cdiv(slice_cols, local_parts), BLOCK_H) * BLOCK_H
+    node_first = node_first_rank(rank, R, NODES)
+    net_flags = region(peer_bases_ptr, rank, net_flags_off, tl.int64)
+    # Across nodes the P programs after the senders sum this node's partial rows of the tokens of
+    # the ranks of this rank's local index on other nodes and put them there.
+    is_net_sender = False
+    if NODES > 1:
+        first_net_sender = num_reducers + num_senders
+        is_net_sender = (pid >= first_net_sender) & (pid < first_net_sender + num_senders)
+    SLOT_ELEMS: tl.constexpr = SLOT_BYTES * 8 // dtype.primitive_bitwidth
+    DATA_ELEM: tl.constexpr = DATA_OFF * 8 // dtype.primitive_bitwidth
 
     if pid < num_reducers:
         # One work queue: item w of every other source, then item w + 1, as senders send them.
@@ -368,9 +470,17 @@ def combine_kernel(
         sender = pid - num_reducers
         stage = 4  # STAGE_COMBINE_READY
         handshake(
-            peer_bases_ptr, ready_off, rank, W, seq, timeout_ns, status_ptr, stage, P_MAX, sender
-        )
+            peer_bases_ptr, net_bases_ptr, ready_off, rank, seq, timeout_ns, status_ptr, stage,
+            P_MAX, sender, R, NODES,
+        )  # fmt: skip
         for src in range(0, W):
+            # The partial rows go to src; across nodes, those of a source on another node go to
+            # the rank of src's local index on this node, which sums the node's and puts them.
+            dst = src
+            block = rank
+            if NODES > 1:
+                dst = node_first + src % R
+                block = src // R * R + rank % R
             table = recv_chunk_start_ptr + src * (NC_MAX + 1)
             src_tokens = tl.minimum(tl.load(recv_src_tokens_ptr + src), T_MAX)
             src_items = tl.where(src == rank, 0, tl.cdiv(src_tokens, CHUNK) * H_SLICES)
@@ -383,13 +493,51 @@ def combine_kernel(
                 h_first = (w % H_SLICES) * slice_cols
                 _copy_rows(
                     outbox_ptr + (src * T_MAX + start).to(tl.int64) * hidden,
-                    region(peer_bases_ptr, src, staging_off, dtype)
-                    + (rank * T_MAX + start).to(tl.int64) * hidden,
+                    region(peer_bases_ptr, dst, staging_off, dtype)
+                    + (block * T_MAX + start).to(tl.int64) * hidden,
                     tl.load(table + w // H_SLICES + 1) - start, h_first,
                     tl.minimum(h_first + slice_cols, hidden), hidden, CHUNK, COPY_BLOCK_H, STAGES,
                 )  # fmt: skip
-                flags = region(peer_bases_ptr, src, chunk_flags_off, tl.int64)
-                signal(flags + rank * items_of_src + w, seq)
+                flags = region(peer_bases_ptr, dst, chunk_flags_off, tl.int64)
+                signal(flags + block * items_of_src + w, seq)
+    elif is_net_sender:
+        sender = pid - num_reducers - num_senders
+        my_node = rank // R
+        for node in range(0, NODES):
+            if node != my_node:
+                src = node * R + rank % R
+                src_tokens = tl.minimum(tl.load(recv_src_tokens_ptr + src), T_MAX)
+                table = recv_net_chunk_start_ptr + node * (NC_MAX + 1)
+                for w in range(sender, tl.cdiv(src_tokens, CHUNK) * H_SLICES, num_senders):
+                    # Every rank of this node sent its partial rows of the item here.
+                    for peer in range(node_first, node_first + R):
+                        block = node * R + peer - node_first
+                        wait_item(
+                            my_ready, peer, w % num_senders,
+                            my_flags + block * items_of_src + w, seq, timeout_ns, status_ptr, 4,
+                            5, P_MAX,  # COMBINE_READY, COMBINE_DATA
+                        )  # fmt: skip
+                    c = w // H_SLICES
+                    first = tl.load(table + c)
+                    num_rows = tl.load(table + c + 1) - first
+                    h_first = (w % H_SLICES) * slice_cols
+                    slot_off = net_outbox_off + (node * items_of_src + w) * SLOT_BYTES
+                    slot = region(peer_bases_ptr, rank, slot_off, dtype)
+                    h_last = tl.minimum(h_first + slice_cols, hidden)
+                    _sum_node_partials(
+                        slot + DATA_ELEM, num_rows, h_first, h_last, hidden, staging, node * R,
+                        fwd_rows_ptr + (node * T_MAX + first) * R,
+                        T_MAX, R, R_P2, CHUNK, BLOCK_H, NET_COLS,
+                    )  # fmt: skip
+                    # src started this launch: its inbox is free.
+                    wait_at_least(my_ready + src * P_MAX + sender, seq, timeout_ns, status_ptr,
+                                  src, 4)  # fmt: skip
+                    there = my_node * items_of_src + w
+                    net_put_signal(
+                        net_bases_ptr, rank, src, net_inbox_off + there * SLOT_BYTES + DATA_OFF,
+                        slot + DATA_ELEM, num_rows * (NET_COLS * dtype.primitive_bitwidth // 8),
+                        net_flags_off + there * 8, seq, heap_bytes,
+                    )  # fmt: skip
     else:
         # Finishers' queue: first every own item's sum of its expert rows here (nothing to wait
         # for, so this overlaps the reduction and the transfer), then, as each item's partial
@@ -415,16 +563,26 @@ def combine_kernel(
             else:
                 # A program that took the item earlier and waits for nothing: this rank.
                 wait_at_least(summed, seq, timeout_ns, status_ptr, rank, 5)
-                for peer in range(0, W):
+                for peer in range(node_first, node_first + R):
                     if peer != rank:
                         wait_item(
-                            my_ready, my_flags, peer, w, num_senders, items_of_src, seq,
-                            timeout_ns, status_ptr, 4, 5, P_MAX,  # COMBINE_READY, COMBINE_DATA
+                            my_ready, peer, w % num_senders, my_flags + peer * items_of_src + w,
+                            seq, timeout_ns, status_ptr, 4, 5, P_MAX,  # COMBINE_READY, _DATA
                         )  # fmt: skip
+                if NODES > 1:
+                    for node in range(0, NODES):
+                        if node * R != node_first:
+                            wait_item(
+                                my_ready, node * R + rank % R, w % num_senders,
+                                net_flags + node * items_of_src + w, seq, timeout_ns, status_ptr,
+                                4, 7, P_MAX,  # COMBINE_READY, COMBINE_NET
+                            )  # fmt: skip
                 _add_partial_rows(
                     w // H_SLICES, h_first, h_last, num_tokens, hidden, rank, W,
-                    token_rank_pos_ptr, send_chunk_start_ptr, staging, out_ptr, T_MAX, W_P2,
-                    CHUNK, BLOCK_H,
+                    token_rank_pos_ptr, send_chunk_start_ptr, staging, out_ptr, token_node_pos_ptr,
+                    region(peer_bases_ptr, rank, net_inbox_off + w * SLOT_BYTES, dtype) + DATA_ELEM,
+                    (w % H_SLICES) * slice_cols, T_MAX, W_P2, CHUNK, BLOCK_H, R, NODES, N_P2,
+                    NET_COLS, items_of_src * SLOT_ELEMS,
                 )  # fmt: skip
             item = take_work(control_ptr + 7)
 

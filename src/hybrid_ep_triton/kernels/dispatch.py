@@ -27,14 +27,18 @@ from .primitives import (
     finish_launch,
     handshake,
     interleaved,
+    net_put_signal,
+    node_first_rank,
     region,
     signal,
     take_work,
+    wait_at_least,
     wait_item,
 )
 
 STAGE_DISPATCH_READY = 2
 STAGE_DISPATCH_DATA = 3
+STAGE_DISPATCH_NET = 6
 
 
 @triton.jit
@@ -220,23 +224,26 @@ def _send_chunk(
     meta_rows_off,
     meta_weights_off,
     staging_off,
+    node_first,
     T_MAX: tl.constexpr,
     MS: tl.constexpr,
     MS_P2: tl.constexpr,
     K_P2: tl.constexpr,
-    W_P2: tl.constexpr,
+    R: tl.constexpr,
+    R_P2: tl.constexpr,
     CHUNK: tl.constexpr,
     BLOCK_H: tl.constexpr,
     HAS_WEIGHTS: tl.constexpr,
     TOKEN_ROWS: tl.constexpr,
     STAGES: tl.constexpr,
 ):
-    """Push columns [h_first, h_last) of chunk ``c`` of this rank's tokens to every other rank that
-    holds one of their experts: each row once per rank, with the expert-major rows (or with
-    TOKEN_ROWS the local expert ids) and weights of its slots there (every column slice writes
-    these, so the receiver of a slice needs no other)."""
+    """Push columns [h_first, h_last) of chunk ``c`` of this rank's tokens to every other rank of
+    this node (the R ranks from ``node_first``) that holds one of their experts: each row once per
+    rank, with the expert-major rows (or with TOKEN_ROWS the local expert ids) and weights of its
+    slots there (every column slice writes these, so the receiver of a slice needs no other)."""
     dtype = x_ptr.dtype.element_ty
-    ranks = tl.arange(0, W_P2)
+    locals_ = tl.arange(0, R_P2)
+    ranks = node_first + locals_
     tokens, tmask, slot_offs, dest, recorded = _chunk_slots(
         c, topk_idx_ptr, num_tokens, topk, num_experts, experts_per_rank, slot_pos_ptr,
         chunk_expert_base_ptr, CHUNK, K_P2, TOKEN_ROWS,
@@ -245,15 +252,16 @@ def _send_chunk(
     if HAS_WEIGHTS:
         weight = tl.load(topk_weights_ptr + slot_offs, mask=dest >= 0, other=0.0)
     # Row of each (token, other destination) in that destination's staging area, or -1.
-    rmask = tmask[:, None] & (ranks[None, :] < world_size) & (ranks[None, :] != rank)
+    rmask = tmask[:, None] & (locals_[None, :] < R) & (ranks[None, :] != rank)
     pos = tl.load(
         token_rank_pos_ptr + tokens[:, None] * world_size + ranks[None, :], mask=rmask, other=-1
     )
-    starts = tl.load(send_chunk_start_ptr + c * world_size + ranks, mask=ranks < world_size)
+    starts = tl.load(send_chunk_start_ptr + c * world_size + ranks, mask=locals_ < R)
     stream_rows = tl.where(pos >= 0, rank * T_MAX + starts[None, :] + pos, -1)
-    for q in tl.static_range(W_P2):
-        if q < world_size:
-            row = column(stream_rows, ranks, q)
+    for r in tl.static_range(R_P2):
+        if r < R:
+            q = node_first + r
+            row = column(stream_rows, locals_, r)
             sel = (dest == q) & (row >= 0)[:, None]
             meta = row.to(tl.int64) * MS
             meta_rows = region(peer_bases_ptr, q, meta_rows_off, tl.int32) + meta
@@ -266,11 +274,174 @@ def _send_chunk(
         cols = h0 + tl.arange(0, BLOCK_H)
         cmask = cols < h_last
         tile = tl.load(x_rows + cols[None, :], mask=tmask[:, None] & cmask[None, :])
-        for q in tl.static_range(W_P2):
-            if q < world_size:
-                row = column(stream_rows, ranks, q)
-                staging = region(peer_bases_ptr, q, staging_off, dtype)
+        for r in tl.static_range(R_P2):
+            if r < R:
+                row = column(stream_rows, locals_, r)
+                staging = region(peer_bases_ptr, node_first + r, staging_off, dtype)
                 ptrs = staging + row.to(tl.int64)[:, None] * hidden + cols[None, :]
+                tl.store(ptrs, tile, mask=(row >= 0)[:, None] & cmask[None, :])
+
+
+@triton.jit(noinline=True)
+def _pack_node_slot(
+    c,
+    node,
+    h_first,
+    h_last,
+    num_rows,
+    slot_ptr,
+    x_ptr,
+    x_stride,
+    topk_idx_ptr,
+    topk_weights_ptr,
+    num_tokens,
+    topk,
+    num_experts,
+    experts_per_rank,
+    world_size,
+    slot_pos_ptr,
+    token_rank_pos_ptr,
+    token_node_pos_ptr,
+    send_chunk_start_ptr,
+    chunk_expert_base_ptr,
+    MS: tl.constexpr,
+    MS_P2: tl.constexpr,
+    K_P2: tl.constexpr,
+    R: tl.constexpr,
+    R_P2: tl.constexpr,
+    NODES: tl.constexpr,
+    CHUNK: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    HAS_WEIGHTS: tl.constexpr,
+    TOKEN_ROWS: tl.constexpr,
+    STAGES: tl.constexpr,
+    META_INTS: tl.constexpr,
+    META_FLOATS: tl.constexpr,
+    NET_COLS: tl.constexpr,
+    DATA_OFF: tl.constexpr,
+):
+    """Write columns [h_first, h_last) of the tokens of chunk ``c`` that go to node ``node`` into
+    the network slot at ``slot_ptr`` (a NetSlot, see the planner): row i is the chunk's i-th
+    token to that node (``num_rows`` of them), with, per rank r of that node, the token's row in
+    this rank's stream to r and what a direct send would record there. Rows past num_rows get
+    no destination, so that what an earlier call left there is never forwarded."""
+    dtype = x_ptr.dtype.element_ty
+    locals_ = tl.arange(0, R_P2)
+    ranks = node * R + locals_
+    tokens, tmask, slot_offs, dest, recorded = _chunk_slots(
+        c, topk_idx_ptr, num_tokens, topk, num_experts, experts_per_rank, slot_pos_ptr,
+        chunk_expert_base_ptr, CHUNK, K_P2, TOKEN_ROWS,
+    )  # fmt: skip
+    row = tl.load(token_node_pos_ptr + tokens * NODES + node, mask=tmask, other=-1)
+    sent = row >= 0
+    meta = slot_ptr.to(tl.pointer_type(tl.int32))
+    weights = (slot_ptr + CHUNK * META_INTS * 4).to(tl.pointer_type(tl.float32))
+    if HAS_WEIGHTS:
+        weight = tl.load(topk_weights_ptr + slot_offs, mask=dest >= 0, other=0.0)
+    rmask = sent[:, None] & (locals_[None, :] < R)
+    pos = tl.load(
+        token_rank_pos_ptr + tokens[:, None] * world_size + ranks[None, :], mask=rmask, other=-1
+    )
+    starts = tl.load(send_chunk_start_ptr + c * world_size + ranks, mask=locals_ < R)
+    stream_rows = tl.where(pos >= 0, starts[None, :] + pos, -1)
+    for r in tl.static_range(R_P2):
+        if r < R:
+            row_meta = meta + row * META_INTS + r * (1 + MS)
+            tl.store(row_meta, column(stream_rows, locals_, r), mask=sent)
+            sel = (dest == node * R + r) & sent[:, None]
+            entry = _store_packed(row_meta + 1, sel, recorded, sent, MS, -1, MS_P2, CHUNK)
+            if HAS_WEIGHTS:
+                row_weights = weights + row * META_FLOATS + r * MS
+                tl.store(row_weights[:, None] + entry, weight, mask=sel)
+    unused = tl.arange(0, CHUNK) >= num_rows
+    tl.store(
+        meta + tl.arange(0, CHUNK)[:, None] * META_INTS + locals_[None, :] * (1 + MS),
+        tl.full([CHUNK, R_P2], -1, tl.int32),
+        mask=unused[:, None] & (locals_[None, :] < R),
+    )
+    data = (slot_ptr + DATA_OFF).to(tl.pointer_type(dtype))
+    x_rows = x_ptr + tokens.to(tl.int64)[:, None] * x_stride
+    for h0 in tl.range(h_first, h_last, BLOCK_H, num_stages=STAGES):
+        cols = h0 + tl.arange(0, BLOCK_H)
+        mask = sent[:, None] & (cols < h_last)[None, :]
+        tile = tl.load(x_rows + cols[None, :], mask=mask)
+        tl.store(data + row[:, None] * NET_COLS + (cols - h_first)[None, :], tile, mask=mask)
+
+
+@triton.jit(noinline=True)
+def _forward_slot(
+    slot_ptr,
+    num_rows,
+    src,
+    h_first,
+    h_last,
+    hidden,
+    node_first,
+    peer_bases_ptr,
+    meta_rows_off,
+    meta_weights_off,
+    staging_off,
+    fwd_rows_ptr,
+    record,
+    T_MAX: tl.constexpr,
+    MS: tl.constexpr,
+    MS_P2: tl.constexpr,
+    R: tl.constexpr,
+    R_P2: tl.constexpr,
+    CHUNK: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    HAS_WEIGHTS: tl.constexpr,
+    WRITE_ROWS: tl.constexpr,
+    META_INTS: tl.constexpr,
+    META_FLOATS: tl.constexpr,
+    NET_COLS: tl.constexpr,
+    DATA_OFF: tl.constexpr,
+    dtype: tl.constexpr,
+):
+    """Forward a network slot that rank ``src`` (of another node) put here: each of its
+    ``num_rows`` rows to every rank of this node that needs it, into that rank's staging area
+    (block ``src``, at the row of src's stream to it) with its metadata, as a direct send from
+    src would have left it. With ``record`` (and WRITE_ROWS) the rows at each node rank go to
+    ``fwd_rows_ptr`` [num_rows, R], which combine reads."""
+    slot_rows = tl.arange(0, CHUNK)
+    valid = slot_rows < num_rows
+    locals_ = tl.arange(0, R_P2)
+    entries = tl.arange(0, MS_P2)
+    meta = slot_ptr.to(tl.pointer_type(tl.int32))
+    weights = (slot_ptr + CHUNK * META_INTS * 4).to(tl.pointer_type(tl.float32))
+    lmask = valid[:, None] & (locals_[None, :] < R)
+    stream_rows = tl.load(
+        meta + slot_rows[:, None] * META_INTS + locals_[None, :] * (1 + MS), mask=lmask, other=-1
+    )
+    if WRITE_ROWS:
+        tl.store(fwd_rows_ptr + slot_rows[:, None] * R + locals_[None, :], stream_rows,
+                 mask=lmask & record)  # fmt: skip
+    for r in tl.static_range(R_P2):
+        if r < R:
+            q = node_first + r
+            row = column(stream_rows, locals_, r)
+            staged = src * T_MAX + row.to(tl.int64)
+            emask = (row >= 0)[:, None] & (entries[None, :] < MS)
+            values = tl.load(meta + slot_rows[:, None] * META_INTS + r * (1 + MS) + 1
+                             + entries[None, :], mask=emask)  # fmt: skip
+            meta_rows = region(peer_bases_ptr, q, meta_rows_off, tl.int32)
+            tl.store(meta_rows + staged[:, None] * MS + entries[None, :], values, mask=emask)
+            if HAS_WEIGHTS:
+                values = tl.load(weights + slot_rows[:, None] * META_FLOATS + r * MS
+                                 + entries[None, :], mask=emask)  # fmt: skip
+                meta_weights = region(peer_bases_ptr, q, meta_weights_off, tl.float32)
+                tl.store(meta_weights + staged[:, None] * MS + entries[None, :], values, mask=emask)
+    data = (slot_ptr + DATA_OFF).to(tl.pointer_type(dtype))
+    for h0 in range(h_first, h_last, BLOCK_H):
+        cols = h0 + tl.arange(0, BLOCK_H)
+        cmask = cols < h_last
+        tile = tl.load(data + slot_rows[:, None] * NET_COLS + (cols - h_first)[None, :],
+                       mask=valid[:, None] & cmask[None, :])  # fmt: skip
+        for r in tl.static_range(R_P2):
+            if r < R:
+                row = column(stream_rows, locals_, r)
+                staging = region(peer_bases_ptr, node_first + r, staging_off, dtype)
+                ptrs = staging + (src * T_MAX + row.to(tl.int64))[:, None] * hidden + cols[None, :]
                 tl.store(ptrs, tile, mask=(row >= 0)[:, None] & cmask[None, :])
 
 
@@ -490,6 +661,15 @@ def dispatch_kernel(
     staging_off,
     control_ptr,
     timeout_ns,
+    token_node_pos_ptr,  # [T, N] int32
+    send_chunk_node_start_ptr,  # [NC_MAX + 1, N] int32
+    recv_net_chunk_start_ptr,  # [N, NC_MAX + 1] int32
+    fwd_rows_ptr,  # out [N, T_MAX, R] int32: rows of each forwarded row at every node rank
+    net_bases_ptr,
+    net_flags_off,
+    net_inbox_off,
+    net_outbox_off,
+    heap_bytes,
     W: tl.constexpr,
     T_MAX: tl.constexpr,
     NC_MAX: tl.constexpr,
@@ -505,6 +685,14 @@ def dispatch_kernel(
     WRITE_ROWS: tl.constexpr,  # False for a cached dispatch: its handle has them already
     TOKEN_ROWS: tl.constexpr,  # one output row per (token, this rank), not per (token, expert)
     STAGES: tl.constexpr,  # tile loads in flight in the copies from x (shared-memory pipeline)
+    R: tl.constexpr,  # ranks per node
+    R_P2: tl.constexpr,
+    NODES: tl.constexpr,  # 1: every transfer over NVLink; else senders and forwarders
+    META_INTS: tl.constexpr,  # the NetSlot's shape (see the planner)
+    META_FLOATS: tl.constexpr,
+    NET_COLS: tl.constexpr,
+    DATA_OFF: tl.constexpr,
+    SLOT_BYTES: tl.constexpr,
 ):
     pid = tl.program_id(0)
     num_programs = tl.num_programs(0)
@@ -517,31 +705,106 @@ def dispatch_kernel(
     # Work item w of a source = (chunk c, column slice s) of its tokens: sender program p takes
     # w = p, p + P, ... and raises the item's flag on the destination.
     send_cols = tl.cdiv(tl.cdiv(hidden, H_SLICES), BLOCK_H) * BLOCK_H
+    ITEMS: tl.constexpr = NC_MAX * H_SLICES
+    node_first = node_first_rank(rank, R, NODES)
+    my_ready = region(peer_bases_ptr, rank, ready_off, tl.int64)
+    # Across nodes the programs after the senders forward what the ranks of this rank's local
+    # index on other nodes put here.
+    num_forwarders = 0
+    is_forwarder = False
+    if NODES > 1:
+        num_forwarders = num_senders
+        is_forwarder = (pid >= num_senders) & (pid < 2 * num_senders)
 
     if pid < num_senders:
         stage = 2  # STAGE_DISPATCH_READY
         handshake(
-            peer_bases_ptr, ready_off, rank, W, seq, timeout_ns, status_ptr, stage, P_MAX, pid
-        )
+            peer_bases_ptr, net_bases_ptr, ready_off, rank, seq, timeout_ns, status_ptr, stage,
+            P_MAX, pid, R, NODES,
+        )  # fmt: skip
         items = tl.where(aborted, 0, tl.cdiv(num_tokens, CHUNK) * H_SLICES)
         for w in range(pid, items, num_senders):
             c = w // H_SLICES
             h_first = (w % H_SLICES) * send_cols
+            h_last = tl.minimum(h_first + send_cols, hidden)
+            if NODES > 1:
+                # Each token once to every other node that holds one of its experts, to the rank
+                # of this rank's local index there, first: the network is the slower path.
+                my_node = rank // R
+                for node in range(0, NODES):
+                    if node != my_node:
+                        first = tl.load(send_chunk_node_start_ptr + c * NODES + node)
+                        num_rows = (
+                            tl.load(send_chunk_node_start_ptr + (c + 1) * NODES + node) - first
+                        )
+                        slot_off = net_outbox_off + (node * ITEMS + w) * SLOT_BYTES
+                        slot = region(peer_bases_ptr, rank, slot_off, tl.uint8)
+                        _pack_node_slot(
+                            c, node, h_first, h_last, num_rows, slot, x_ptr, x_stride,
+                            topk_idx_ptr, topk_weights_ptr, num_tokens, topk, num_experts,
+                            experts_per_rank, W, slot_pos_ptr, token_rank_pos_ptr,
+                            token_node_pos_ptr, send_chunk_start_ptr, chunk_expert_base_ptr, MS,
+                            MS_P2, K_P2, R, R_P2, NODES, CHUNK, BLOCK_H, HAS_WEIGHTS, TOKEN_ROWS,
+                            STAGES, META_INTS, META_FLOATS, NET_COLS, DATA_OFF,
+                        )  # fmt: skip
+                        there = my_node * ITEMS + w
+                        net_put_signal(
+                            net_bases_ptr, rank, node * R + rank % R,
+                            net_inbox_off + there * SLOT_BYTES, slot,
+                            DATA_OFF + num_rows * (NET_COLS * dtype.primitive_bitwidth // 8),
+                            net_flags_off + there * 8, seq, heap_bytes,
+                        )  # fmt: skip
+                        if w % H_SLICES == 0:  # rows that crossed the network, for the stats
+                            tl.atomic_add(control_ptr + 10, num_rows.to(tl.int64))
             _send_chunk(
-                c, h_first, tl.minimum(h_first + send_cols, hidden), x_ptr, x_stride,
-                topk_idx_ptr, topk_weights_ptr, num_tokens, topk, hidden, num_experts,
-                experts_per_rank, W, rank, slot_pos_ptr, token_rank_pos_ptr,
-                send_chunk_start_ptr, chunk_expert_base_ptr, peer_bases_ptr, meta_rows_off,
-                meta_weights_off, staging_off, T_MAX, MS, MS_P2, K_P2, W_P2, CHUNK, BLOCK_H,
-                HAS_WEIGHTS, TOKEN_ROWS, STAGES,
+                c, h_first, h_last, x_ptr, x_stride, topk_idx_ptr, topk_weights_ptr, num_tokens,
+                topk, hidden, num_experts, experts_per_rank, W, rank, slot_pos_ptr,
+                token_rank_pos_ptr, send_chunk_start_ptr, chunk_expert_base_ptr, peer_bases_ptr,
+                meta_rows_off, meta_weights_off, staging_off, node_first, T_MAX, MS, MS_P2, K_P2,
+                R, R_P2, CHUNK, BLOCK_H, HAS_WEIGHTS, TOKEN_ROWS, STAGES,
             )  # fmt: skip
-            for peer in range(0, W):
+            for peer in range(node_first, node_first + R):
                 if peer != rank:
                     flags = region(peer_bases_ptr, peer, chunk_flags_off, tl.int64)
-                    signal(flags + rank * NC_MAX * H_SLICES + w, seq)
+                    signal(flags + rank * ITEMS + w, seq)
+    elif is_forwarder:
+        fwd = pid - num_senders
+        # This node's ranks started this launch (their earlier launches are done with their
+        # staging areas): their sender `fwd` said so.
+        for peer in range(node_first, node_first + R):
+            wait_at_least(my_ready + peer * P_MAX + fwd, seq, timeout_ns, status_ptr, peer, 2)
+        my_node = rank // R
+        net_flags = region(peer_bases_ptr, rank, net_flags_off, tl.int64)
+        for node in range(0, NODES):
+            if node != my_node:
+                src = node * R + rank % R
+                src_tokens = tl.minimum(tl.load(recv_src_tokens_ptr + src), T_MAX)
+                items = tl.where(aborted, 0, tl.cdiv(src_tokens, CHUNK) * H_SLICES)
+                table = recv_net_chunk_start_ptr + node * (NC_MAX + 1)
+                for w in range(fwd, items, num_senders):
+                    wait_item(
+                        my_ready, src, w % num_senders, net_flags + node * ITEMS + w, seq,
+                        timeout_ns, status_ptr, 2, 6, P_MAX,  # DISPATCH_READY, DISPATCH_NET
+                    )  # fmt: skip
+                    c = w // H_SLICES
+                    first = tl.load(table + c)
+                    h_first = (w % H_SLICES) * send_cols
+                    _forward_slot(
+                        region(peer_bases_ptr, rank, net_inbox_off + (node * ITEMS + w)
+                               * SLOT_BYTES, tl.uint8),
+                        tl.load(table + c + 1) - first, src, h_first,
+                        tl.minimum(h_first + send_cols, hidden), hidden, node_first,
+                        peer_bases_ptr, meta_rows_off, meta_weights_off, staging_off,
+                        fwd_rows_ptr + (node * T_MAX + first).to(tl.int64) * R,
+                        w % H_SLICES == 0, T_MAX, MS, MS_P2, R, R_P2, CHUNK, BLOCK_H, HAS_WEIGHTS,
+                        WRITE_ROWS, META_INTS, META_FLOATS, NET_COLS, DATA_OFF, dtype,
+                    )  # fmt: skip
+                    for peer in range(node_first, node_first + R):
+                        flags = region(peer_bases_ptr, peer, chunk_flags_off, tl.int64)
+                        signal(flags + src * ITEMS + w, seq)
     else:
-        lid = pid - num_senders
-        num_expanders = num_programs - num_senders
+        lid = pid - num_senders - num_forwarders
+        num_expanders = num_programs - num_senders - num_forwarders
         # One work queue of two kinds of items, spread evenly among each other: own tokens
         # (straight from x, nothing to wait for, in finer column slices), and every other
         # rank's items, each as soon as its flag says it has landed, in the order senders send
@@ -554,7 +817,6 @@ def dispatch_kernel(
         remote = remote_entries(recv_src_tokens_ptr, rank, W, T_MAX, CHUNK, H_SLICES)
         remote = tl.where(aborted, 0, remote)
         my_flags = region(peer_bases_ptr, rank, chunk_flags_off, tl.int64)
-        my_ready = region(peer_bases_ptr, rank, ready_off, tl.int64)
         part_cols = tl.cdiv(tl.cdiv(send_cols, staged_parts), BLOCK_H) * BLOCK_H
         remote_items = remote * staged_parts
         own_token_rows_first = 0
@@ -583,8 +845,12 @@ def dispatch_kernel(
                 w, src = remote_item(k // staged_parts, rank, W)
                 src_tokens = tl.minimum(tl.load(recv_src_tokens_ptr + src), T_MAX)
                 if w < tl.cdiv(src_tokens, CHUNK) * H_SLICES:
+                    # From another node: its rank of src's local index here forwarded it.
+                    carrier = src
+                    if NODES > 1:
+                        carrier = tl.where(src // R == rank // R, src, node_first + src % R)
                     wait_item(
-                        my_ready, my_flags, src, w, num_senders, NC_MAX * H_SLICES, seq,
+                        my_ready, carrier, w % num_senders, my_flags + src * ITEMS + w, seq,
                         timeout_ns, status_ptr, 2, 3, P_MAX,  # DISPATCH_READY, DISPATCH_DATA
                     )  # fmt: skip
                     table = recv_chunk_start_ptr + src * (NC_MAX + 1)

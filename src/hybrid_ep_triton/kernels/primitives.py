@@ -10,6 +10,16 @@ at system scope; the consumer's ``wait_at_least`` spins with acquire semantics u
 reaches the value it expects. Flags only grow (they carry a sequence number), so a flag left over
 from an earlier call never satisfies a later wait, and nothing ever resets them.
 
+Across nodes, peers of another node have no peer pointer (their ``peer_bases`` entry is 0):
+``net_put_signal`` moves a contiguous block from this rank's heap into theirs and then sets a
+flag there, and ``net_signal`` sets a flag alone. On GPUs these are NVSHMEM device calls
+(``nvshmemx_putmem_signal_block``, ``nvshmemx_signal_op``: NVSHMEM's device bitcode is linked
+into the kernels that use them, see ``runtime.nvshmem.device_library``); under the interpreter
+(CPU ranks) a copy into the peer's shared memory followed by the release of its flag, and the
+source must lie in the sender's own heap, as a NIC reads only registered memory.
+``net_bases_ptr`` [world]: on GPUs every entry is this rank's heap base (NVSHMEM takes the
+symmetric address of an object as mapped locally); on CPU ranks each rank's mapped segment.
+
 Every wait is bounded: after ``timeout_ns`` it records (TIMED_OUT, peer, stage) in the caller's
 local status words and returns; every later wait of any program sees the status and returns at
 once, so a missing peer turns into an error the host raises, never a hang.
@@ -20,6 +30,7 @@ import time
 
 import triton
 import triton.language as tl
+from triton.language import core
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
@@ -42,6 +53,85 @@ else:
         return tl.inline_asm_elementwise(
             "mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64, is_pure=False, pack=1
         )
+
+
+# NVSHMEM's sig_op for "set the flag to the value" (NVSHMEM_SIGNAL_SET).
+_SIGNAL_SET: tl.constexpr = tl.constexpr(0)
+
+if INTERPRETED:
+
+    class NetworkSourceError(RuntimeError):
+        """A network put whose source does not lie in the sender's own symmetric heap."""
+
+    @triton.jit
+    def net_put_signal(net_bases_ptr, rank, pe, dst_off, src, nbytes, flag_off, value, heap_bytes):
+        """Put ``nbytes`` bytes from ``src`` (in this rank's heap) to byte ``dst_off`` of
+        ``pe``'s heap, then set the int64 flag at ``flag_off`` there to ``value`` (release)."""
+        own = tl.load(net_bases_ptr + rank)
+        first = src.to(tl.int64)
+        if (first < own) | (first + nbytes > own + heap_bytes):
+            raise NetworkSourceError(
+                f"rank {int(rank)}: a network put to rank {int(pe)} reads {int(nbytes)} bytes at "
+                f"{int(first):#x}, outside this rank's heap [{int(own):#x}, "
+                f"{int(own + heap_bytes):#x}): a NIC reads only registered memory"
+            )
+        peer = tl.load(net_bases_ptr + pe)
+        src_bytes = first.to(tl.pointer_type(tl.uint8))
+        dst_bytes = (peer + dst_off).to(tl.pointer_type(tl.uint8))
+        for b0 in range(0, nbytes, 4096):
+            offs = b0 + tl.arange(0, 4096)
+            mask = offs < nbytes
+            tl.store(dst_bytes + offs, tl.load(src_bytes + offs, mask=mask), mask=mask)
+        signal((peer + flag_off).to(tl.pointer_type(tl.int64)), value)
+
+    @triton.jit
+    def net_signal(net_bases_ptr, pe, flag_off, value):
+        """Set the int64 flag at ``flag_off`` of ``pe``'s heap to ``value`` (release)."""
+        signal((tl.load(net_bases_ptr + pe) + flag_off).to(tl.pointer_type(tl.int64)), value)
+
+else:
+
+    @core.extern
+    def _putmem_signal_block(dst, src, nbytes, flag, value, sig_op, pe, _semantic=None):
+        return core.extern_elementwise(
+            "", "", [dst, src, nbytes, flag, value, sig_op, pe],
+            {(core.int64, core.int64, core.int64, core.int64, core.int64, core.int32,
+              core.int32): ("nvshmemx_putmem_signal_block", core.int32)},
+            is_pure=False, _semantic=_semantic,
+        )  # fmt: skip
+
+    @core.extern
+    def _signal_op(flag, value, sig_op, pe, _semantic=None):
+        return core.extern_elementwise(
+            "", "", [flag, value, sig_op, pe],
+            {(core.int64, core.int64, core.int32, core.int32): ("nvshmemx_signal_op", core.int32)},
+            is_pure=False, _semantic=_semantic,
+        )  # fmt: skip
+
+    @triton.jit
+    def net_put_signal(net_bases_ptr, rank, pe, dst_off, src, nbytes, flag_off, value, heap_bytes):
+        """Put ``nbytes`` bytes from ``src`` (in this rank's heap) to byte ``dst_off`` of
+        ``pe``'s heap, then set the int64 flag at ``flag_off`` there to ``value``; every thread
+        of the program calls it (a block-scoped NVSHMEM call). Returns once ``src`` may be
+        reused; the flag is set after the data has landed."""
+        base = tl.load(net_bases_ptr + pe)
+        tl.debug_barrier()  # the whole block's stores to src come first
+        # Sizes and values may be compile-time constants: make every argument a typed scalar.
+        _putmem_signal_block(
+            base + dst_off, src.to(tl.int64), tl.zeros([], tl.int64) + nbytes, base + flag_off,
+            tl.zeros([], tl.int64) + value, tl.full([], _SIGNAL_SET, tl.int32),
+            (tl.zeros([], tl.int32) + pe).to(tl.int32),
+        )  # fmt: skip
+
+    @triton.jit
+    def net_signal(net_bases_ptr, pe, flag_off, value):
+        """Set the int64 flag at ``flag_off`` of ``pe``'s heap to ``value``, after this
+        program's earlier network puts to ``pe``."""
+        tl.debug_barrier()
+        _signal_op(
+            tl.load(net_bases_ptr + pe) + flag_off, tl.zeros([], tl.int64) + value,
+            tl.full([], _SIGNAL_SET, tl.int32), (tl.zeros([], tl.int32) + pe).to(tl.int32),
+        )  # fmt: skip
 
 
 @triton.jit
@@ -87,41 +177,54 @@ def wait_at_least(flag_ptr, target, timeout_ns, status_ptr, peer, stage):
 
 @triton.jit
 def wait_item(
-    my_ready,
-    my_flags,
-    src,
-    w,
-    num_senders,
-    items_of_src,
-    seq,
-    timeout_ns,
-    status_ptr,
-    ready_stage,
-    data_stage,
+    my_ready, carrier, channel, flag_ptr, seq, timeout_ns, status_ptr, ready_stage, data_stage,
     P_MAX,
-):
-    """Wait until work item ``w`` from rank ``src`` has landed here: first for the sender that
-    carries it (program w % num_senders of ``src``) to have started the launch, so that a peer
-    that never came times out at ``ready_stage``, then for the item's flag (``data_stage``).
-    ``my_ready``: this rank's ready flags [W, P_MAX]; ``my_flags``: its item flags
-    [W, items_of_src]."""
-    ready = my_ready + src * P_MAX + w % num_senders
-    wait_at_least(ready, seq, timeout_ns, status_ptr, src, ready_stage)
-    wait_at_least(my_flags + src * items_of_src + w, seq, timeout_ns, status_ptr, src, data_stage)
+):  # fmt: skip
+    """Wait until a work item has landed here: first for program ``channel`` of rank
+    ``carrier``, which delivers it, to have started the launch, so that a peer that never came
+    times out at ``ready_stage``, then for the item's flag at ``flag_ptr`` (``data_stage``).
+    ``my_ready``: this rank's ready flags [W, P_MAX]."""
+    wait_at_least(my_ready + carrier * P_MAX + channel, seq, timeout_ns, status_ptr, carrier,
+                  ready_stage)  # fmt: skip
+    wait_at_least(flag_ptr, seq, timeout_ns, status_ptr, carrier, data_stage)
+
+
+@triton.jit
+def node_first_rank(rank, R: tl.constexpr, NODES: tl.constexpr):
+    """The first rank of ``rank``'s node (nodes are R consecutive ranks)."""
+    first = 0
+    if NODES > 1:
+        first = rank // R * R
+    return first
 
 
 @triton.jit
 def handshake(
-    peer_bases_ptr, ready_off, rank, world_size, seq, timeout_ns, status_ptr, stage, P_MAX, channel
-):
-    """Tell every peer that this rank's ``channel`` started launch ``seq`` (so this rank's earlier
-    launches, which read its staging area, are over), then wait until ``channel`` of every peer
-    has said the same. ready flags: int64 [world, P_MAX] in every heap."""
-    for peer in range(0, world_size):
-        signal(region(peer_bases_ptr, peer, ready_off, tl.int64) + rank * P_MAX + channel, seq)
+    peer_bases_ptr, net_bases_ptr, ready_off, rank, seq, timeout_ns, status_ptr, stage, P_MAX,
+    channel, R: tl.constexpr, NODES: tl.constexpr,
+):  # fmt: skip
+    """Tell every peer this rank writes to or is written by that this rank's ``channel``
+    started launch ``seq`` (so this rank's earlier launches, which read its staging areas, are
+    over), then wait until ``channel`` of each has said the same. Those peers: every rank of
+    this node (over NVLink) and, across nodes, the rank with this rank's local index on every
+    other node (over the network). ready flags: int64 [world, P_MAX] in every heap."""
+    node_first = node_first_rank(rank, R, NODES)
+    flag_off = ready_off + (rank * P_MAX + channel) * 8
+    for peer in range(node_first, node_first + R):
+        signal(region(peer_bases_ptr, peer, flag_off, tl.int64), seq)
+    if NODES > 1:
+        for node in range(0, NODES):
+            if node * R != node_first:
+                net_signal(net_bases_ptr, node * R + rank % R, flag_off, seq)
     my_ready = region(peer_bases_ptr, rank, ready_off, tl.int64)
-    for peer in range(0, world_size):
+    for peer in range(node_first, node_first + R):
         wait_at_least(my_ready + peer * P_MAX + channel, seq, timeout_ns, status_ptr, peer, stage)
+    if NODES > 1:
+        for node in range(0, NODES):
+            if node * R != node_first:
+                peer = node * R + rank % R
+                wait_at_least(my_ready + peer * P_MAX + channel, seq, timeout_ns, status_ptr,
+                              peer, stage)  # fmt: skip
 
 
 @triton.jit

@@ -9,7 +9,9 @@ slots of the same expert / tokens of the same rank. It also checks the routing: 
 The last program to finish counting (a ticket, so no program waits for another and the launch
 needs no co-resident programs) then exchanges the layout with the peers: it turns the chunk
 counts into prefix sums, publishes this rank's per-expert totals and per-rank chunk offsets into
-every peer's heap, waits for every peer's, and derives from the full [world, E] count matrix
+every peer's heap (across nodes by a network put to the ranks of other nodes, with the chunk
+offsets of this rank's stream to their node), waits for every peer's, and derives from the full
+[world, E] count matrix
 - as a receiver: the padded segment of each local expert in the expert-major output;
 - as a sender: the base row, on the destination, of each expert's slots from this rank.
 A sender's slot of chunk c then lands on row
@@ -19,7 +21,7 @@ A sender's slot of chunk c then lands on row
 import triton
 import triton.language as tl
 
-from .primitives import region, signal, wait_at_least
+from .primitives import net_put_signal, node_first_rank, region, signal, wait_at_least
 
 STAGE_LAYOUT = 1  # stage number a timed-out wait records (literal inside the kernels)
 # The first invalid row of a launch is recorded in a control word as 2**62 - row (an atomic max
@@ -55,17 +57,25 @@ def _count_chunk(
     expert_count_ptr,
     rank_count_ptr,
     bad_row_ptr,
+    rank,
+    token_node_pos_ptr,
+    node_count_ptr,
     CHUNK: tl.constexpr,
     K_P2: tl.constexpr,
     W_P2: tl.constexpr,
     E_P2: tl.constexpr,
     PAIRS: tl.constexpr,
     TOKEN_ROWS: tl.constexpr,
+    R: tl.constexpr,
+    NODES: tl.constexpr,
+    N_P2: tl.constexpr,
 ):
     """Count chunk ``chunk``: slot_pos (unless TOKEN_ROWS: token rows need none) and
     token_rank_pos of its tokens, its slots per expert (``expert_count_ptr`` [E]) and tokens per
     rank (``rank_count_ptr`` [W]); the first invalid row goes into ``bad_row_ptr`` (as
-    2**62 - row)."""
+    2**62 - row). Across nodes also token_node_pos (the token's position among the chunk's
+    tokens to each other node, or -1) and the tokens per node (``node_count_ptr`` [N]; 0 for
+    this rank's own node, whose tokens go over NVLink)."""
     # Per slot: its position among the chunk's slots of the same expert, the number of pairs of
     # slots with that expert whose other slot belongs to an earlier token (tiles of pairs).
     expert_count = tl.zeros([E_P2], tl.int32)
@@ -118,6 +128,20 @@ def _count_chunk(
         mask=token_ok[:, None] & (ranks[None, :] < world_size),
     )
     tl.store(rank_count_ptr + ranks, tl.sum(sent, axis=0), mask=ranks < world_size)
+    if NODES > 1:
+        nodes = tl.arange(0, N_P2)
+        own_node = rank // R
+        # Unused slots (dest -1) select no node: integer division truncates towards zero.
+        in_node = (dest[:, :, None] >= 0) & (dest[:, :, None] // R == nodes[None, None, :])
+        to_node = (tl.sum(in_node.to(tl.int32), axis=1) > 0) & (nodes[None, :] != own_node)
+        node_sent = to_node.to(tl.int32)
+        node_before = tl.cumsum(node_sent, axis=0) - node_sent
+        tl.store(
+            token_node_pos_ptr + tokens[:, None] * NODES + nodes[None, :],
+            tl.where(to_node, node_before, -1),
+            mask=token_ok[:, None] & (nodes[None, :] < NODES),
+        )
+        tl.store(node_count_ptr + nodes, tl.sum(node_sent, axis=0), mask=nodes < NODES)
 
 
 @triton.jit
@@ -140,18 +164,26 @@ def _exchange(
     peer_bases_ptr,
     control_ptr,
     count_flags_off,
-    counts_off,
-    chunk_table_off,
+    layout_in_off,
     timeout_ns,
+    send_chunk_node_start_ptr,
+    recv_net_chunk_start_ptr,
+    net_bases_ptr,
+    layout_out_off,
+    heap_bytes,
     W_P2: tl.constexpr,
     E_P2: tl.constexpr,
     L_P2: tl.constexpr,
     NC_MAX: tl.constexpr,
     ROW: tl.constexpr,
+    LR: tl.constexpr,
     C_BLOCK: tl.constexpr,
     TABLE_BLOCK: tl.constexpr,
     CHUNK: tl.constexpr,
     TOKEN_ROWS: tl.constexpr,
+    R: tl.constexpr,
+    NODES: tl.constexpr,
+    N_P2: tl.constexpr,
 ):
     """The layout exchange, run by the launch's last program once every chunk is counted."""
     seq = tl.load(control_ptr + 2) + 1
@@ -173,17 +205,33 @@ def _exchange(
         tl.store(ptrs, totals[None, :] + tl.cumsum(cnt, 0) - cnt, mask=m)
         totals += tl.sum(cnt, axis=0)
 
-    # 2. To every peer: the totals (its counts row `rank`: per-expert totals, then tokens,
-    # invalid routing, pad_multiple) and the offsets of this rank's chunks in the stream to it
-    # (its chunk table row `rank`, and column `peer` of send_chunk_start).
+    # 2. To every peer, its layout row `rank` (at the parity of seq): the totals (per-expert
+    # totals, then tokens, invalid routing, pad_multiple), the offsets of this rank's chunks in
+    # the stream to it (and column `peer` of send_chunk_start, in place) and, across nodes, in
+    # the stream to its node. Peers of this node get the row by peer stores; the others by a
+    # network put from this rank's layout_out.
     invalid = (bad > 0).to(tl.int32)
+    node_first = node_first_rank(rank, R, NODES)
+    if NODES > 1:
+        for node in range(0, NODES):
+            carry = tl.zeros([], tl.int32)
+            for c0 in range(0, num_chunks + 1, TABLE_BLOCK):
+                chunks = c0 + tl.arange(0, TABLE_BLOCK)
+                ptrs = send_chunk_node_start_ptr + chunks * NODES + node
+                cnt = tl.load(ptrs, mask=chunks < num_chunks, other=0, cache_modifier=".cg")
+                tl.store(ptrs, carry + tl.cumsum(cnt, 0) - cnt, mask=chunks <= num_chunks)
+                carry += tl.sum(cnt, axis=0)
+    row_off = layout_in_off + ((seq % 2) * world_size + rank) * (LR * 4)
     for peer in range(0, world_size):
-        counts = region(peer_bases_ptr, peer, counts_off, tl.int32) + rank * ROW
-        tl.store(counts + experts, totals, mask=emask)
-        tl.store(counts + num_experts + 0, num_tokens)
-        tl.store(counts + num_experts + 1, invalid)
-        tl.store(counts + num_experts + 2, pad_multiple)
-        table = region(peer_bases_ptr, peer, chunk_table_off, tl.int32) + rank * (NC_MAX + 1)
+        near = (peer >= node_first) & (peer < node_first + R)
+        row = region(peer_bases_ptr, peer, row_off, tl.int32)
+        if NODES > 1:
+            if not near:
+                row = region(peer_bases_ptr, rank, layout_out_off + peer * (LR * 4), tl.int32)
+        tl.store(row + experts, totals, mask=emask)
+        tl.store(row + num_experts + 0, num_tokens)
+        tl.store(row + num_experts + 1, invalid)
+        tl.store(row + num_experts + 2, pad_multiple)
         carry = tl.zeros([], tl.int32)
         for c0 in range(0, num_chunks + 1, TABLE_BLOCK):
             chunks = c0 + tl.arange(0, TABLE_BLOCK)
@@ -191,32 +239,51 @@ def _exchange(
             cnt = tl.load(ptrs, mask=chunks < num_chunks, other=0, cache_modifier=".cg")
             start = carry + tl.cumsum(cnt, 0) - cnt
             tl.store(ptrs, start, mask=chunks <= num_chunks)
-            tl.store(table + chunks, start, mask=chunks <= num_chunks)
+            tl.store(row + ROW + chunks, start, mask=chunks <= num_chunks)
+            if NODES > 1:
+                node_starts = tl.load(send_chunk_node_start_ptr + chunks * NODES + peer // R,
+                                      mask=chunks <= num_chunks, cache_modifier=".cg")  # fmt: skip
+                tl.store(row + ROW + NC_MAX + 1 + chunks, node_starts, mask=chunks <= num_chunks)
             carry += tl.sum(cnt, axis=0)
-    for peer in range(0, world_size):
-        flags = region(peer_bases_ptr, peer, count_flags_off, tl.int64)
-        signal(flags + rank, seq)
+        flag_off = count_flags_off + rank * 8
+        if NODES > 1:
+            if near:
+                signal(region(peer_bases_ptr, peer, flag_off, tl.int64), seq)
+            else:
+                net_put_signal(
+                    net_bases_ptr, rank, peer, row_off, row, LR * 4, flag_off, seq, heap_bytes
+                )
+        else:
+            signal(region(peer_bases_ptr, peer, flag_off, tl.int64), seq)
 
-    # 3. Wait for every peer's counts.
+    # 3. Wait for every peer's row.
     my_flags = region(peer_bases_ptr, rank, count_flags_off, tl.int64)
     for peer in range(0, world_size):
         wait_at_least(my_flags + peer, seq, timeout_ns, status_ptr, peer, 1)  # STAGE_LAYOUT
-    counts = region(peer_bases_ptr, rank, counts_off, tl.int32)
-    table = region(peer_bases_ptr, rank, chunk_table_off, tl.int32)
+    counts = region(peer_bases_ptr, rank, row_off - rank * (LR * 4), tl.int32)
+    table = counts + ROW
 
     # 4. Received streams: chunk offsets and token counts of every source; abort on bad routing.
     srcs = tl.arange(0, W_P2)
     smask = srcs < world_size
-    extra = counts + srcs * ROW + num_experts
+    extra = counts + srcs * LR + num_experts
     tl.store(recv_src_tokens_ptr + srcs, tl.load(extra + 0, mask=smask), mask=smask)
     invalid_src = tl.where(tl.load(extra + 1, mask=smask, other=0) != 0, srcs, W_P2)
     first_invalid = tl.min(invalid_src, axis=0)
     tl.store(info_ptr + 1, tl.where(first_invalid < W_P2, first_invalid, -1).to(tl.int64))
     for c0 in range(0, NC_MAX + 1, TABLE_BLOCK):
         chunks = c0 + tl.arange(0, TABLE_BLOCK)
-        offs = srcs[:, None] * (NC_MAX + 1) + chunks[None, :]
         m = smask[:, None] & (chunks[None, :] <= NC_MAX)
-        tl.store(recv_chunk_start_ptr + offs, tl.load(table + offs, mask=m), mask=m)
+        tl.store(recv_chunk_start_ptr + srcs[:, None] * (NC_MAX + 1) + chunks[None, :],
+                 tl.load(table + srcs[:, None] * LR + chunks[None, :], mask=m), mask=m)  # fmt: skip
+        if NODES > 1:
+            # From each node's rank of this rank's local index: its stream to this node.
+            nodes = tl.arange(0, N_P2)
+            nm = (nodes[:, None] < NODES) & (chunks[None, :] <= NC_MAX)
+            rail = nodes[:, None] * R + rank % R
+            tl.store(recv_net_chunk_start_ptr + nodes[:, None] * (NC_MAX + 1) + chunks[None, :],
+                     tl.load(table + rail * LR + NC_MAX + 1 + chunks[None, :], mask=nm),
+                     mask=nm)  # fmt: skip
 
     # 5. Segments of every destination's local experts, [destination, local expert]; this
     # rank's offset inside them, as the base row of each expert's slots from this rank.
@@ -224,12 +291,12 @@ def _exchange(
     local = tl.arange(0, L_P2)
     dl_mask = (dsts[:, None] < world_size) & (local[None, :] < experts_per_rank)
     cmat = tl.load(
-        counts + srcs[:, None, None] * ROW + (dsts[:, None] * experts_per_rank + local[None, :]),
+        counts + srcs[:, None, None] * LR + (dsts[:, None] * experts_per_rank + local[None, :]),
         mask=smask[:, None, None] & dl_mask[None, :, :],
         other=0,
     )
     total = tl.sum(cmat, axis=0)
-    dst_pad = tl.load(counts + dsts * ROW + num_experts + 2, mask=dsts < world_size, other=1)
+    dst_pad = tl.load(counts + dsts * LR + num_experts + 2, mask=dsts < world_size, other=1)
     padded = (total + dst_pad[:, None] - 1) // dst_pad[:, None] * dst_pad[:, None]
     seg_start = tl.cumsum(padded, 1) - padded
     my_offset = tl.sum(tl.where(srcs[:, None, None] < rank, cmat, 0), axis=0)
@@ -250,8 +317,7 @@ def _exchange(
     if TOKEN_ROWS:
         # One row per received token: every source's stream to this rank.
         src_tokens = tl.load(extra + 0, mask=smask, other=0)
-        streamed = tl.load(table + srcs * (NC_MAX + 1) + tl.cdiv(src_tokens, CHUNK), mask=smask,
-                           other=0)  # fmt: skip
+        streamed = tl.load(table + srcs * LR + tl.cdiv(src_tokens, CHUNK), mask=smask, other=0)
         tl.store(tokens_per_expert_ptr + local, my_padded.to(tl.int64), mask=lmask)
         tl.store(info_ptr, tl.sum(streamed, axis=0).to(tl.int64))
     else:
@@ -286,11 +352,18 @@ def layout_kernel(
     info_ptr,  # out int64 [4]: rows needed, first invalid source (or -1), first invalid row of
     # this rank (or 2**62), -
     peer_bases_ptr,
-    control_ptr,  # int64 [10]: [2] layout sequence number, [3:6] status, [8] ticket, [9] bad row
+    control_ptr,  # int64 [11]: [2] layout sequence number, [3:6] status, [8] ticket, [9] bad row
     count_flags_off,
-    counts_off,
-    chunk_table_off,
+    layout_in_off,
     timeout_ns,
+    token_node_pos_ptr,  # out [T, N] int32: position among the chunk's tokens to that node, or -1
+    send_chunk_node_start_ptr,  # out [NC_MAX + 1, N] int32: offset of each chunk in the stream to
+    # node N (its rank of this rank's local index forwards it)
+    recv_net_chunk_start_ptr,  # out [N, NC_MAX + 1] int32: chunk offsets of the stream to this
+    # node from each node's rank of this rank's local index
+    net_bases_ptr,  # int64 [W]: addresses for network puts (see primitives)
+    layout_out_off,
+    heap_bytes,
     CHUNK: tl.constexpr,
     K_P2: tl.constexpr,
     W_P2: tl.constexpr,
@@ -302,6 +375,10 @@ def layout_kernel(
     C_BLOCK: tl.constexpr,  # chunks per tile of the per-expert prefix sums
     TABLE_BLOCK: tl.constexpr,  # chunks per tile of the per-rank prefix sums and chunk tables
     TOKEN_ROWS: tl.constexpr,  # the output has a row per received token, not per (token, expert)
+    LR: tl.constexpr,  # int32 words of a layout row: counts row, then two chunk tables
+    R: tl.constexpr,  # ranks per node
+    NODES: tl.constexpr,
+    N_P2: tl.constexpr,
 ):
     chunk = tl.program_id(0)
     bad_row_ptr = control_ptr + 9
@@ -311,8 +388,9 @@ def layout_kernel(
         _count_chunk(
             chunk, topk_idx_ptr, num_tokens, topk, num_experts, experts_per_rank, world_size,
             slot_pos_ptr, token_rank_pos_ptr, chunk_expert_base_ptr + (chunk + 1) * num_experts,
-            send_chunk_start_ptr + chunk * world_size, bad_row_ptr,
-            CHUNK, K_P2, W_P2, E_P2, PAIRS, TOKEN_ROWS,
+            send_chunk_start_ptr + chunk * world_size, bad_row_ptr, rank, token_node_pos_ptr,
+            send_chunk_node_start_ptr + chunk * NODES, CHUNK, K_P2, W_P2, E_P2, PAIRS, TOKEN_ROWS,
+            R, NODES, N_P2,
         )  # fmt: skip
     tl.debug_barrier()
     ticket = tl.atomic_add(control_ptr + 8, 1, sem="acq_rel", scope="gpu")
@@ -323,6 +401,8 @@ def layout_kernel(
             rank, world_size, num_tokens, num_chunks, num_experts, experts_per_rank,
             pad_multiple, max_rows, chunk_expert_base_ptr, send_chunk_start_ptr,
             recv_chunk_start_ptr, recv_src_tokens_ptr, expert_layout_ptr, tokens_per_expert_ptr,
-            info_ptr, peer_bases_ptr, control_ptr, count_flags_off, counts_off, chunk_table_off,
-            timeout_ns, W_P2, E_P2, L_P2, NC_MAX, ROW, C_BLOCK, TABLE_BLOCK, CHUNK, TOKEN_ROWS,
+            info_ptr, peer_bases_ptr, control_ptr, count_flags_off, layout_in_off, timeout_ns,
+            send_chunk_node_start_ptr, recv_net_chunk_start_ptr, net_bases_ptr, layout_out_off,
+            heap_bytes, W_P2, E_P2, L_P2, NC_MAX, ROW, LR, C_BLOCK, TABLE_BLOCK, CHUNK,
+            TOKEN_ROWS, R, NODES, N_P2,
         )  # fmt: skip

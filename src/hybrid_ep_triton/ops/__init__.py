@@ -14,11 +14,13 @@ from .launch import KernelLauncher
 class Runtime:
     """What every launch needs from its Buffer.
 
-    heap: the symmetric heap (``local`` uint8 tensor, ``peer_bases`` int64 [world]).
-    control: int64 [10] on the device: [0] last data-launch sequence number, [1] ticket of the
+    heap: the symmetric heap (``local`` uint8 tensor, ``peer_bases`` int64 [world]: 0 for the
+        ranks of other nodes, ``net_bases`` int64 [world]: addresses for network puts).
+    control: int64 [11] on the device: [0] last data-launch sequence number, [1] ticket of the
         running launch, [2] last layout-exchange sequence number, [3:6] status (code, peer,
         stage), [6:8] work queues of the running launch's local roles, [8] ticket of the
-        running layout launch, [9] its first invalid row (encoded as kernels/route.py says).
+        running layout launch, [9] its first invalid row (encoded as kernels/route.py says),
+        [10] token rows this rank has put over the network in dispatches so far.
     timeout_ns: bound of every wait on a peer, in nanoseconds.
     local_programs: programs of a launch for the work that stays on this GPU (expansion,
         reduction, finish): the config's programs_per_sm per SM; the senders are taken from it.
@@ -28,6 +30,10 @@ class Runtime:
         (CPU ranks), as soon as a wait timed out.
     read_report: reads what the device recorded for a handle's layout (one device-to-host
         read), raises TimeoutError or ValueError (invalid routing), returns the rows needed.
+    compile_options: options of every launch beside the kernel's own (across nodes on GPUs:
+        NVSHMEM's device library, ``extern_libs``).
+    on_compile: called with each newly compiled kernel before its first launch (across nodes on
+        GPUs: NVSHMEM's module initialisation), or None.
     launchers: the Buffer's KernelLauncher of each kernel, by the function that makes it
         (see ``launcher``).
     """
@@ -44,6 +50,8 @@ class Runtime:
     group: dist.ProcessGroup
     check_status: Callable[[], None]
     read_report: Callable[..., int]
+    compile_options: dict = field(default_factory=dict)
+    on_compile: Callable | None = None
     launchers: dict = field(default_factory=dict)
 
     def launcher(self, make: Callable[["Runtime"], KernelLauncher]) -> KernelLauncher:
@@ -54,11 +62,17 @@ class Runtime:
         return found
 
 
+def channel_programs(plan: Plan) -> int:
+    """Programs of a data-move launch that talk to other ranks: the senders and, across nodes,
+    as many again for the network side (dispatch's forwarders, combine's network senders)."""
+    return plan.config.senders * (2 if plan.nodes > 1 else 1)
+
+
 def programs_beside_senders(rt: Runtime) -> int:
-    """Programs for the local roles of a data-move launch: the room the senders leave, so that
+    """Programs for the local roles of a data-move launch: the room the channels leave, so that
     the launch is one wave on a GPU; at least half of ``local_programs``, and at least 2
     (combine has two local roles)."""
-    return max(rt.local_programs - rt.plan.config.senders, rt.local_programs // 2, 2)
+    return max(rt.local_programs - channel_programs(rt.plan), rt.local_programs // 2, 2)
 
 
 def local_parts(plan: Plan, block_h: int) -> int:

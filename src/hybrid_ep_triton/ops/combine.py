@@ -5,8 +5,8 @@ import torch
 
 from ..kernels.combine import combine_kernel
 from ..runtime.planner import LOCAL_PARTS, MAX_PROGRAMS, MAX_REGISTERS, next_power_of_2
-from . import Runtime, local_parts, programs_beside_senders
-from .dispatch import DispatchHandle
+from . import Runtime, channel_programs, local_parts, programs_beside_senders
+from .dispatch import DispatchHandle, net_slot_constants, topology_constants
 from .launch import KernelLauncher
 
 
@@ -20,7 +20,7 @@ def _combine_launcher(rt: Runtime) -> KernelLauncher:
     """combine_kernel with the arguments that stay the same for a Buffer."""
     plan, cfg, heap = rt.plan, rt.plan.config, rt.plan.heap
     return KernelLauncher(
-        combine_kernel,
+        combine_kernel, on_compile=rt.on_compile,
         outbox_ptr=rt.outbox, hidden=plan.hidden, rank=rt.rank,
         num_reducers=_reducers(programs_beside_senders(rt), rt.world_size),
         num_senders=cfg.senders, local_parts=local_parts(plan, cfg.combine_block_h),
@@ -32,7 +32,10 @@ def _combine_launcher(rt: Runtime) -> KernelLauncher:
         W_P2=next_power_of_2(rt.world_size), CHUNK=cfg.chunk_tokens,
         BLOCK_H=cfg.combine_block_h, COPY_BLOCK_H=cfg.block_h, COPY_UNROLL=cfg.copy_unroll,
         LP_MAX=LOCAL_PARTS, STAGES=cfg.copy_stages, num_warps=cfg.num_warps,
-        maxnreg=MAX_REGISTERS,
+        maxnreg=MAX_REGISTERS, net_bases_ptr=rt.heap.net_bases, net_flags_off=heap.net_flags,
+        net_inbox_off=heap.net_inbox, net_outbox_off=heap.net_outbox,
+        heap_bytes=heap.total_bytes, **topology_constants(plan), **net_slot_constants(plan),
+        **rt.compile_options,
     )  # fmt: skip
 
 
@@ -43,7 +46,7 @@ def reduce_tokens(
     out = torch.empty(handle.num_tokens, rt.plan.hidden, dtype=y.dtype, device=rt.device)
     has_weights = weights is not None
     rt.launcher(_combine_launcher)(
-        (rt.plan.config.senders + programs_beside_senders(rt),),
+        (channel_programs(rt.plan) + programs_beside_senders(rt),),
         specialized=dict(
             y_ptr=y, y_stride=y.stride(0), weights_ptr=weights.contiguous() if has_weights else y,
             num_tokens=handle.num_tokens, HAS_WEIGHTS=has_weights,
@@ -52,7 +55,7 @@ def reduce_tokens(
             out_ptr=out,
             **handle.args(
                 "token_rank_pos", "send_chunk_start", "recv_chunk_start", "recv_src_tokens",
-                "staged_rows",
+                "staged_rows", "token_node_pos", "recv_net_chunk_start", "fwd_rows",
             ),
         ),
     )  # fmt: skip

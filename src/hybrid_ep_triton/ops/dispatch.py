@@ -11,7 +11,7 @@ import torch
 from ..kernels.dispatch import dispatch_kernel
 from ..kernels.route import layout_kernel
 from ..runtime.planner import MAX_PROGRAMS, MAX_REGISTERS, Plan, ceil_div, next_power_of_2
-from . import Runtime, local_parts, programs_beside_senders
+from . import Runtime, channel_programs, local_parts, programs_beside_senders
 from .launch import KernelLauncher, TensorView
 
 # Slots per side of the layout kernel's [PAIRS, PAIRS] tiles of slot pairs.
@@ -52,6 +52,11 @@ class DispatchHandle:
         expert_layout [3, L] int32 (segment start, valid rows, padded rows),
         tokens_per_expert [L] int64, staged_rows [W, T_MAX, MS] int32 (filled by the data move),
         recv_topk_idx [N, K] int32 with token rows (filled by the data move; None otherwise).
+    Across nodes (empty within one node): token_node_pos [T, N] int32 and
+        send_chunk_node_start [NC_MAX + 1, N] int32 (this rank's streams to the other nodes),
+        recv_net_chunk_start [N, NC_MAX + 1] int32 (the streams to this node that this rank
+        forwards), fwd_rows [N, T_MAX, R] int32 (each forwarded row's row at every node rank,
+        filled by the data move).
     info: int64 [4] on the device: [0] rows the output needs (expert-major: padding included;
         token rows: the tokens received; even past max_recv_tokens), [1] first rank whose
         topk_idx was invalid or -1, [2] first invalid row of this rank's topk_idx (or a large
@@ -80,6 +85,10 @@ class DispatchHandle:
     recv_src_tokens = _Part()
     expert_layout = _Part()
     staged_rows = _Part()
+    token_node_pos = _Part()
+    send_chunk_node_start = _Part()
+    recv_net_chunk_start = _Part()
+    fwd_rows = _Part()
 
     @functools.cached_property
     def _views(self) -> dict[str, TensorView]:
@@ -93,8 +102,9 @@ class DispatchHandle:
 
 def _int_parts(plan: Plan, num_tokens: int, topk: int) -> dict[str, tuple[int, ...]]:
     """Shapes of the int32 parts of a handle, in ``ints`` order."""
-    world, experts = plan.world_size, plan.num_experts
+    world, experts, nodes = plan.world_size, plan.num_experts, plan.nodes
     num_chunks = ceil_div(num_tokens, plan.config.chunk_tokens)
+    across = nodes > 1
     return {
         "slot_pos": (num_tokens, topk),
         "token_rank_pos": (num_tokens, world),
@@ -104,6 +114,10 @@ def _int_parts(plan: Plan, num_tokens: int, topk: int) -> dict[str, tuple[int, .
         "recv_src_tokens": (world,),
         "expert_layout": (3, plan.experts_per_rank),
         "staged_rows": (world, plan.max_tokens, plan.meta_stride),
+        "token_node_pos": (num_tokens, nodes) if across else (0,),
+        "send_chunk_node_start": (plan.max_chunks + 1, nodes) if across else (0,),
+        "recv_net_chunk_start": (nodes, plan.max_chunks + 1) if across else (0,),
+        "fwd_rows": (nodes, plan.max_tokens, plan.ranks_per_node) if across else (0,),
     }
 
 
@@ -184,7 +198,8 @@ def compute_layout(
             tokens_per_expert_ptr=handle.tokens_per_expert, info_ptr=handle.info,
             **handle.args(
                 "slot_pos", "token_rank_pos", "chunk_expert_base", "send_chunk_start",
-                "recv_chunk_start", "recv_src_tokens", "expert_layout",
+                "recv_chunk_start", "recv_src_tokens", "expert_layout", "token_node_pos",
+                "send_chunk_node_start", "recv_net_chunk_start",
             ),
         ),
     )  # fmt: skip
@@ -196,17 +211,33 @@ def _layout_launcher(rt: Runtime) -> KernelLauncher:
     plan, heap = rt.plan, rt.plan.heap
     e_p2, w_p2 = next_power_of_2(plan.num_experts), next_power_of_2(rt.world_size)
     return KernelLauncher(
-        layout_kernel,
+        layout_kernel, on_compile=rt.on_compile,
         num_experts=plan.num_experts, experts_per_rank=plan.experts_per_rank, rank=rt.rank,
         world_size=rt.world_size, peer_bases_ptr=rt.heap.peer_bases, control_ptr=rt.control,
-        count_flags_off=heap.count_flags, counts_off=heap.counts,
-        chunk_table_off=heap.chunk_table, timeout_ns=rt.timeout_ns,
+        count_flags_off=heap.count_flags, layout_in_off=heap.layout_in,
+        timeout_ns=rt.timeout_ns, net_bases_ptr=rt.heap.net_bases,
+        layout_out_off=heap.layout_out, heap_bytes=heap.total_bytes,
         CHUNK=plan.config.chunk_tokens, W_P2=w_p2, E_P2=e_p2,
         L_P2=next_power_of_2(plan.experts_per_rank), NC_MAX=plan.max_chunks,
-        ROW=plan.counts_row, C_BLOCK=max(1, _EXCHANGE_TILE // e_p2),
+        ROW=plan.counts_row, LR=plan.layout_row, C_BLOCK=max(1, _EXCHANGE_TILE // e_p2),
         TABLE_BLOCK=min(next_power_of_2(plan.max_chunks + 1), _EXCHANGE_TILE // w_p2),
-        TOKEN_ROWS=plan.token_rows,
+        TOKEN_ROWS=plan.token_rows, **rt.compile_options,
+        **{k: v for k, v in topology_constants(plan).items() if k != "R_P2"},
     )  # fmt: skip
+
+
+def topology_constants(plan: Plan) -> dict:
+    """The constexprs of the node topology: ranks per node and nodes, and their powers of 2."""
+    return dict(
+        R=plan.ranks_per_node, NODES=plan.nodes, R_P2=next_power_of_2(plan.ranks_per_node),
+        N_P2=next_power_of_2(plan.nodes),
+    )  # fmt: skip
+
+
+def net_slot_constants(plan: Plan) -> dict:
+    """The constexprs of a NetSlot (see the planner), by the names the kernels give them."""
+    slot = plan.net_slot
+    return dict(NET_COLS=slot.cols, DATA_OFF=slot.data_offset, SLOT_BYTES=slot.bytes)
 
 
 def _own_slices(rt: Runtime, expanders: int) -> int:
@@ -221,7 +252,7 @@ def _move_launcher(rt: Runtime) -> KernelLauncher:
     """dispatch_kernel with the arguments that stay the same for a Buffer."""
     plan, cfg, heap = rt.plan, rt.plan.config, rt.plan.heap
     return KernelLauncher(
-        dispatch_kernel,
+        dispatch_kernel, on_compile=rt.on_compile,
         hidden=plan.hidden, num_experts=plan.num_experts,
         experts_per_rank=plan.experts_per_rank, rank=rt.rank, num_senders=cfg.senders,
         expand_slices=_own_slices(rt, programs_beside_senders(rt)),
@@ -233,7 +264,12 @@ def _move_launcher(rt: Runtime) -> KernelLauncher:
         P_MAX=MAX_PROGRAMS, MS=plan.meta_stride, MS_P2=next_power_of_2(plan.meta_stride),
         W_P2=next_power_of_2(rt.world_size), CHUNK=cfg.chunk_tokens, BLOCK_H=cfg.block_h,
         TOKEN_ROWS=plan.token_rows, STAGES=cfg.copy_stages, num_warps=cfg.num_warps,
-        maxnreg=MAX_REGISTERS,
+        maxnreg=MAX_REGISTERS, net_bases_ptr=rt.heap.net_bases, net_flags_off=heap.net_flags,
+        net_inbox_off=heap.net_inbox, net_outbox_off=heap.net_outbox,
+        heap_bytes=heap.total_bytes, META_INTS=plan.net_slot.meta_ints,
+        META_FLOATS=plan.net_slot.meta_floats, **rt.compile_options,
+        **{k: v for k, v in topology_constants(plan).items() if k != "N_P2"},
+        **net_slot_constants(plan),
     )  # fmt: skip
 
 
@@ -251,7 +287,7 @@ def move_tokens(
     Returns recv_x [N, H] (x's dtype) and recv_weights (None without topk_weights): [N] float32,
     with token rows [N, K].
     """
-    plan, cfg = rt.plan, rt.plan.config
+    plan = rt.plan
     topk_idx, num_tokens, topk = handle.topk_idx, handle.num_tokens, handle.topk
     num_rows = handle.num_recv_rows
     recv_x = torch.empty(num_rows, plan.hidden, dtype=x.dtype, device=rt.device)
@@ -265,7 +301,7 @@ def move_tokens(
         recv_topk_idx = torch.empty(num_rows, topk, dtype=torch.int32, device=rt.device)
         handle.recv_topk_idx = recv_topk_idx
     rt.launcher(_move_launcher)(
-        (cfg.senders + programs_beside_senders(rt),),
+        (channel_programs(plan) + programs_beside_senders(rt),),
         specialized=dict(
             x_ptr=x, x_stride=x.stride(0), topk_idx_ptr=topk_idx,
             topk_weights_ptr=topk_weights.contiguous() if has_weights else recv_weights,
@@ -278,6 +314,7 @@ def move_tokens(
             **handle.args(
                 "slot_pos", "token_rank_pos", "send_chunk_start", "chunk_expert_base",
                 "recv_chunk_start", "recv_src_tokens", "expert_layout", "staged_rows",
+                "token_node_pos", "send_chunk_node_start", "recv_net_chunk_start", "fwd_rows",
             ),
         ),
     )  # fmt: skip

@@ -57,12 +57,15 @@ class KernelLauncher:
 
     Args:
         kernel: the JITFunction.
+        on_compile: called with each CompiledKernel before its first launch (NVSHMEM's module
+            initialisation), or None.
         constants: the kernel's arguments that stay the same for the Buffer, by parameter name,
-            and its launch options (num_warps, maxnreg, ...).
+            and its launch options (num_warps, maxnreg, extern_libs, ...).
     """
 
-    def __init__(self, kernel, **constants):
+    def __init__(self, kernel, on_compile=None, **constants):
         self._kernel = kernel
+        self._on_compile = on_compile
         names = kernel.arg_names
         self._index = {name: i for i, name in enumerate(names)}
         self._options = {k: v for k, v in constants.items() if k not in self._index}
@@ -112,5 +115,14 @@ class KernelLauncher:
         args = list(self._args)
         for name, value in given.items():
             args[self._index[name]] = value.tensor() if isinstance(value, TensorView) else value
-        compiled = self._kernel[grid](*args, **self._options)
-        return compiled[(*grid, 1, 1)[:3]] if isinstance(compiled, CompiledKernel) else None
+        if self._on_compile is None or not self._compiled:
+            compiled = self._kernel[grid](*args, **self._options)
+            return compiled[(*grid, 1, 1)[:3]] if isinstance(compiled, CompiledKernel) else None
+        # Compile without launching, so that the module is initialised before it first runs.
+        compiled = self._kernel.warmup(*args, grid=grid, **self._options)
+        compiled._init_handles()
+        self._on_compile(compiled)
+        runner = compiled[(*grid, 1, 1)[:3]]
+        driver = triton.runtime.driver.active
+        runner(*args, stream=driver.get_current_stream(driver.get_current_device()))
+        return runner

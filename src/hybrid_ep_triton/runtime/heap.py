@@ -19,14 +19,23 @@ import torch.distributed as dist
 _SHM_DIR = "/dev/shm"
 
 
+def node_of(rank: int, ranks_per_node: int) -> range:
+    """The ranks of ``rank``'s node: ranks_per_node consecutive ranks."""
+    first = rank // ranks_per_node * ranks_per_node
+    return range(first, first + ranks_per_node)
+
+
 class SharedMemoryHeap:
     """POSIX shared memory heap of CPU rank processes (collective constructor).
 
     local: uint8 [nbytes], this rank's segment, zero-filled.
-    peer_bases: int64 [world], each rank's segment address as mapped in this process.
+    peer_bases: int64 [world], each rank's segment address as mapped in this process, for the
+        ranks of this rank's node; 0 for the others, which simulate other nodes: they are
+        reached only by the network puts of the kernels' primitives.
+    net_bases: int64 [world], every rank's segment address, where those puts land.
     """
 
-    def __init__(self, group: dist.ProcessGroup, nbytes: int):
+    def __init__(self, group: dist.ProcessGroup, nbytes: int, ranks_per_node: int):
         rank = dist.get_rank(group)
         name = f"hybrid_ep_triton-{uuid.uuid4().hex}-r{rank}"
         path = os.path.join(_SHM_DIR, name)
@@ -42,7 +51,12 @@ class SharedMemoryHeap:
             os.unlink(path)
         self._views = [torch.frombuffer(m, dtype=torch.uint8) for m in self._maps]
         self.local = self._views[rank]
-        self.peer_bases = torch.tensor([v.data_ptr() for v in self._views], dtype=torch.int64)
+        addresses = [v.data_ptr() for v in self._views]
+        near = node_of(rank, ranks_per_node)
+        self.peer_bases = torch.tensor(
+            [a if r in near else 0 for r, a in enumerate(addresses)], dtype=torch.int64
+        )
+        self.net_bases = torch.tensor(addresses, dtype=torch.int64)
 
     @staticmethod
     def _map(path: str, nbytes: int) -> mmap.mmap:
@@ -54,7 +68,7 @@ class SharedMemoryHeap:
 
     def close(self) -> None:
         """Unmap every segment (idempotent). Tensors viewing the heap must be gone first."""
-        self.local = self.peer_bases = None
+        self.local = self.peer_bases = self.net_bases = None
         self._views = []
         for m in self._maps:
             try:
@@ -64,14 +78,20 @@ class SharedMemoryHeap:
         self._maps = []
 
 
-def allocate_heap(group: dist.ProcessGroup, nbytes: int, device: torch.device):
-    """A symmetric heap of ``nbytes`` bytes per rank on ``device`` (collective).
+def allocate_heap(
+    group: dist.ProcessGroup, nbytes: int, device: torch.device, ranks_per_node: int | None = None
+):
+    """A symmetric heap of ``nbytes`` bytes per rank on ``device`` (collective); nodes are
+    ``ranks_per_node`` consecutive ranks (default: the whole group).
 
-    Returns an object with ``local`` (uint8 [nbytes] on device), ``peer_bases`` (int64 [world] on
-    device) and ``close()``.
+    Returns an object with ``local`` (uint8 [nbytes] on device), ``peer_bases`` (int64 [world]
+    on device: each rank's heap as mapped here for the ranks of this node, 0 for the others),
+    ``net_bases`` (int64 [world] on device: the addresses network puts take, see
+    kernels/primitives.py) and ``close()``.
     """
+    ranks_per_node = ranks_per_node or dist.get_world_size(group)
     if device.type == "cuda":
         from .nvshmem import NvshmemAllocation
 
-        return NvshmemAllocation(group, nbytes, device)
-    return SharedMemoryHeap(group, nbytes)
+        return NvshmemAllocation(group, nbytes, device, ranks_per_node=ranks_per_node)
+    return SharedMemoryHeap(group, nbytes, ranks_per_node)

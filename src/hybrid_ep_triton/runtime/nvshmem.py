@@ -36,7 +36,14 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
-__all__ = ["NvshmemAllocation", "ensure_initialized", "finalize", "is_initialized"]
+__all__ = [
+    "NvshmemAllocation",
+    "device_library",
+    "ensure_initialized",
+    "finalize",
+    "init_module",
+    "is_initialized",
+]
 
 _MiB = 1 << 20
 # NVSHMEM keeps its own symmetric objects (team psync arrays, reduction scratch, signals) in
@@ -208,9 +215,12 @@ class NvshmemAllocation:
         local: ``torch.uint8`` tensor ``[nbytes]`` on ``device``: this rank's block, zeroed
             on every rank before the constructor returns on any rank.
         peer_bases: ``torch.int64`` tensor ``[world]`` on ``device``: byte address of rank
-            ``r``'s block as mapped in this process (``nvshmem_ptr``); entry ``[rank]`` is
-            ``local.data_ptr()``. Cast to a pointer in Triton with
-            ``base.to(tl.pointer_type(dtype))``.
+            ``r``'s block as mapped in this process (``nvshmem_ptr``) for the ranks of this
+            rank's node, 0 for the others; entry ``[rank]`` is ``local.data_ptr()``. Cast to a
+            pointer in Triton with ``base.to(tl.pointer_type(dtype))``.
+        net_bases: ``torch.int64`` tensor ``[world]`` on ``device``, every entry
+            ``local.data_ptr()``: NVSHMEM's device calls name a peer's object by its local
+            symmetric address and the peer's PE.
         rank, world: this rank and the group size (== NVSHMEM PE and PE count).
 
     After :meth:`close`, ``local`` and ``peer_bases`` are ``None`` and any view of the old
@@ -223,10 +233,13 @@ class NvshmemAllocation:
         nbytes: int,
         device: torch.device | str | int,
         heap_bytes: int | None = None,
+        ranks_per_node: int | None = None,
     ) -> None:
         """Collective. ``heap_bytes`` only matters if this call initialises NVSHMEM (see
         :func:`ensure_initialized`); by default the heap then holds at least
-        max(``nbytes``, 1 GiB) plus margin."""
+        max(``nbytes``, 1 GiB) plus margin. ``ranks_per_node``: nodes are that many
+        consecutive ranks (default: the whole group), whose blocks must be reachable by
+        load/store; other nodes' ranks get no peer mapping, even where one exists."""
         global _serial_counter
         group = _norm_group(group)
         device = _norm_device(device)
@@ -259,9 +272,14 @@ class NvshmemAllocation:
         self._tensor = nvshmem.tensor((nbytes,), dtype=torch.uint8)
         self._tensor.zero_()  # nvshmem_malloc does not clear
 
+        ranks_per_node = ranks_per_node or self.world
+        first = self.rank // ranks_per_node * ranks_per_node
         bases: list[int] = []
         errors: list[str] = []
         for pe in range(self.world):
+            if not first <= pe < first + ranks_per_node:
+                bases.append(0)
+                continue
             if pe == self.rank:
                 # Not get_peer_tensor on ourselves: nvshmem_ptr(self) is our own address,
                 # and nvshmem4py would then bump the refcount of our own block, so that
@@ -286,12 +304,13 @@ class NvshmemAllocation:
             mine = "; ".join(errors) if errors else "this rank reaches all peers"
             raise RuntimeError(
                 "NVSHMEM peer memory not reachable by load/store (nvshmem_ptr returned NULL) "
-                f"on at least one rank; rank {self.rank}: {mine}. All ranks of the group "
-                "must be on one node with CUDA P2P/NVLink between their GPUs."
+                f"on at least one rank; rank {self.rank}: {mine}. The ranks of a node "
+                f"(ranks_per_node={ranks_per_node}) must have CUDA P2P/NVLink between their GPUs."
             )
 
         self.local = self._tensor
         self.peer_bases = torch.tensor(bases, dtype=torch.int64, device=device)
+        self.net_bases = torch.full_like(self.peer_bases, self._tensor.data_ptr())
         self._serial = _serial_counter
         _serial_counter += 1
         _OPEN[self._serial] = self
@@ -305,7 +324,7 @@ class NvshmemAllocation:
 
         self._closed = True
         tensor, self._tensor = self._tensor, None
-        self.local = self.peer_bases = None
+        self.local = self.peer_bases = self.net_bases = None
         if _WORLD is not None:  # after finalize NVSHMEM has freed the block itself
             nvshmem.free_tensor(tensor)
 
@@ -326,3 +345,21 @@ class NvshmemAllocation:
     def __repr__(self) -> str:
         state = "closed" if self._closed else f"{self.nbytes} B"
         return f"NvshmemAllocation(rank={self.rank}/{self.world}, {state}, {self.device})"
+
+
+def device_library() -> dict[str, str]:
+    """Triton's ``extern_libs`` for the kernels that call NVSHMEM: NVSHMEM's device bitcode.
+    nvshmem4py finds it: the current device's per-architecture file that NVSHMEM 3.5 and later
+    ship (``libnvshmem_device_sm_90.bc``), else the one file of earlier versions
+    (``libnvshmem_device.bc``)."""
+    import nvshmem.core as nvshmem
+
+    return {"libnvshmem_device": nvshmem.find_device_bitcode_library()}
+
+
+def init_module(compiled) -> None:
+    """Initialise NVSHMEM's device state in a compiled Triton kernel's CUDA module (each module
+    that calls NVSHMEM needs it once, before its first launch)."""
+    import nvshmem.bindings
+
+    nvshmem.bindings.cumodule_init(compiled.module)

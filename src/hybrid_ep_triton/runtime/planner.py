@@ -135,10 +135,31 @@ def make_config(
 
 
 @dataclass(frozen=True)
+class NetSlot:
+    """One work item (chunk, column slice) as it crosses the network, between a rank's outbox and
+    the inbox of the rank with its local index on another node: a contiguous block, so that one
+    put-with-signal carries it. Rows are the chunk's tokens to that node in order (at most CHUNK).
+
+    meta   int32 [CHUNK, R, 1 + MS]  per row and node rank r: the token's row in the sender's
+                                     stream to r (-1: none), then what the sender would record
+                                     at r (expert-major rows or local expert ids, packed; -1)
+    weights float32 [CHUNK, R, MS]   their routing weights
+    data   dtype [CHUNK, cols]       the slice's columns (dispatch: tokens; combine: the node's
+                                     partial sums); ``cols`` is the widest slice
+    """
+
+    meta_ints: int  # R * (1 + MS)
+    meta_floats: int  # R * MS
+    cols: int
+    data_offset: int  # bytes from the slot's start to its data
+    bytes: int  # the whole slot, a multiple of _ALIGN
+
+
+@dataclass(frozen=True)
 class HeapLayout:
     """Byte offsets of the regions of one rank's symmetric buffer (the same on every rank).
 
-    count_flags   int64 [W]              source s raised its layout counts (sequence number)
+    count_flags   int64 [W]              source s published its layout row (sequence number)
     dispatch_ready int64 [W, MAX_PROGRAMS] program p of rank s started a dispatch launch
     combine_ready int64 [W, MAX_PROGRAMS] ... a combine launch (apart from dispatch's, so a
                                          dispatch met by a peer's combine times out instead of
@@ -147,13 +168,27 @@ class HeapLayout:
     reduced_flags int64 [W, NC_MAX * S, LOCAL_PARTS]  combine: this rank's partial rows of that
                                          item's column part are ready (block s != own rank), or
                                          the own sums of that part of own chunk are in out
-    counts        int32 [W, E + 3]       per-expert totals of s, then tokens, invalid, pad
-    chunk_table   int32 [W, NC_MAX + 1]  offsets of s's chunks in its stream to this rank
+    layout_in     int32 [2, W, LR]       layout rows from every source s, by parity of the layout
+                                         sequence number (a source two layouts ahead has seen this
+                                         rank's next row, so this one was read): s's per-expert
+                                         totals, tokens, invalid, pad (ROW words), the offsets of
+                                         s's chunks in its stream to this rank (NC_MAX + 1), and
+                                         in its stream to this rank's node (NC_MAX + 1)
+    layout_out    int32 [W, LR]          this rank's rows for peers on other nodes, put from here
     meta_rows     int32 [W, T_MAX, MS]   expert-major rows of each staged token
     meta_weights  float32 [W, T_MAX, MS] their routing weights
     staging       dtype [W, T_MAX, H]    staged tokens (dispatch) or partial sums (combine); block
                                          s: what rank s sent here (this rank's own block is
-                                         unused: own tokens are neither staged nor sent back)
+                                         unused: own tokens are neither staged nor sent back).
+                                         Across nodes, in combine, block (n, r) of another node n
+                                         holds node rank r's partial rows of the tokens of rank
+                                         (n, this rank's local index), in r's numbering
+    net_flags     int64 [N, NC_MAX * S]  across nodes: work item w from node n's rank of this
+                                         rank's local index has landed in net_inbox
+    net_inbox     [N, NC_MAX * S] NetSlot  what that rank put here (dispatch: tokens to forward
+                                         over NVLink; combine: its node's partial sums)
+    net_outbox    [N, NC_MAX * S] NetSlot  what this rank puts to node n (network sources must
+                                         lie in registered memory)
     """
 
     count_flags: int
@@ -161,11 +196,14 @@ class HeapLayout:
     combine_ready: int
     chunk_flags: int
     reduced_flags: int
-    counts: int
-    chunk_table: int
+    layout_in: int
+    layout_out: int
     meta_rows: int
     meta_weights: int
     staging: int
+    net_flags: int
+    net_inbox: int
+    net_outbox: int
     total_bytes: int
 
 
@@ -180,9 +218,22 @@ class Plan:
     config: KernelConfig
     max_chunks: int  # NC_MAX: chunks of max_tokens tokens
     meta_stride: int  # MS
-    counts_row: int  # ROW: int32 words per published counts row
+    counts_row: int  # ROW: int32 words of per-expert totals, tokens, invalid, pad
+    layout_row: int  # LR: int32 words of a layout row (counts and two chunk tables)
     heap: HeapLayout
     token_rows: bool  # dispatch's output: a row per (token, rank), not per (token, expert)
+    ranks_per_node: int  # R: consecutive ranks that reach each other over NVLink
+    net_slot: NetSlot
+
+    @property
+    def nodes(self) -> int:
+        """N: nodes of the group; 1 keeps every transfer on NVLink."""
+        return self.world_size // self.ranks_per_node
+
+
+def slice_columns(hidden: int, config: KernelConfig) -> int:
+    """Columns of a work item's column slice in dispatch (the last slice may be narrower)."""
+    return ceil_div(ceil_div(hidden, config.h_slices), config.block_h) * config.block_h
 
 
 def make_plan(
@@ -193,23 +244,39 @@ def make_plan(
     dtype: torch.dtype,
     config: KernelConfig,
     token_rows: bool = False,
+    ranks_per_node: int | None = None,
 ) -> Plan:
+    ranks_per_node = ranks_per_node or world_size
+    nodes = world_size // ranks_per_node
     experts_per_rank = num_experts // world_size
     max_chunks = max(1, ceil_div(max_tokens, config.chunk_tokens))
     meta_stride = min(experts_per_rank, MAX_TOPK)
     counts_row = num_experts + 3
+    layout_row = counts_row + 2 * (max_chunks + 1)
     rows = world_size * max(max_tokens, 1)
+    items = max_chunks * config.h_slices
+    chunk = config.chunk_tokens
+    meta_ints = ranks_per_node * (1 + meta_stride)
+    meta_floats = ranks_per_node * meta_stride
+    cols = slice_columns(hidden, config)
+    data_offset = ceil_div(chunk * (meta_ints + meta_floats) * 4, 16) * 16
+    slot_bytes = ceil_div(data_offset + chunk * cols * dtype.itemsize, _ALIGN) * _ALIGN
+    # Across nodes only: a group of one node moves nothing over the network.
+    net_slots = nodes * items if nodes > 1 else 0
     sizes = [
         ("count_flags", world_size * 8),
         ("dispatch_ready", world_size * MAX_PROGRAMS * 8),
         ("combine_ready", world_size * MAX_PROGRAMS * 8),
-        ("chunk_flags", world_size * max_chunks * config.h_slices * 8),
-        ("reduced_flags", world_size * max_chunks * config.h_slices * LOCAL_PARTS * 8),
-        ("counts", world_size * counts_row * 4),
-        ("chunk_table", world_size * (max_chunks + 1) * 4),
+        ("chunk_flags", world_size * items * 8),
+        ("reduced_flags", world_size * items * LOCAL_PARTS * 8),
+        ("layout_in", 2 * world_size * layout_row * 4),
+        ("layout_out", (world_size if nodes > 1 else 0) * layout_row * 4),
         ("meta_rows", rows * meta_stride * 4),
         ("meta_weights", rows * meta_stride * 4),
         ("staging", rows * hidden * dtype.itemsize),
+        ("net_flags", net_slots * 8),
+        ("net_inbox", net_slots * slot_bytes),
+        ("net_outbox", net_slots * slot_bytes),
     ]
     offsets = {}
     cursor = 0
@@ -227,6 +294,9 @@ def make_plan(
         max_chunks=max_chunks,
         meta_stride=meta_stride,
         counts_row=counts_row,
+        layout_row=layout_row,
         heap=HeapLayout(total_bytes=cursor, **offsets),
         token_rows=token_rows,
+        ranks_per_node=ranks_per_node,
+        net_slot=NetSlot(meta_ints, meta_floats, cols, data_offset, slot_bytes),
     )
