@@ -3,6 +3,9 @@
 # in $STEPS (default: tests) with every log written to $OUT (the folder that comes back).
 #   tests  the GPU test suite, first half (HEP_TEST_DEVICE=cuda: tests with more ranks than
 #          GPUs skip); tests2 the second half (the whole suite takes longer than one call)
+#   network  the network put from a Triton kernel through NVSHMEM (one GPU: into its own heap)
+#   tests-nodes  the tests across (simulated) nodes: 2 GPUs as 2 nodes of 1, every transfer
+#          between them an NVSHMEM put
 #   bench  bench/run.py (JSON, Markdown, PNG into $OUT)
 #   soak   hybrid-ep soak on every local GPU ($SOAK_ROUNDS rounds, default 10000)
 #   soak-token  the same with token rows (Buffer(expand=False))
@@ -25,6 +28,10 @@ for step in $STEPS; do
         tests2) cmd=(env HEP_TEST_DEVICE=cuda HEP_TEST_TIMEOUT=120 python3 -m pytest -q -rs
                      tests/test_heap.py tests/test_validation.py tests/test_autograd.py
                      tests/test_primitives.py) ;;
+        network) cmd=(env HEP_TEST_DEVICE=cuda HEP_TEST_TIMEOUT=120 python3 -m pytest -q -rs
+                      tests/test_network.py) ;;
+        tests-nodes) cmd=(env HEP_TEST_DEVICE=cuda HEP_TEST_TIMEOUT=120 python3 -m pytest -q -rs
+                          tests/test_network.py tests/test_dispatch_combine.py -k "x1 or network") ;;
         bench) cmd=(python3 bench/run.py --iters 50 --warmup 10 --timeout 400 --out "$OUT") ;;
         soak) cmd=(python3 -m hybrid_ep_triton soak --device cuda --rounds "${SOAK_ROUNDS:-10000}") ;;
         soak-token) cmd=(python3 -m hybrid_ep_triton soak --device cuda --token-rows
