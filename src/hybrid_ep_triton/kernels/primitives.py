@@ -55,8 +55,8 @@ else:
         )
 
 
-# NVSHMEM's sig_op for "set the flag to the value" (NVSHMEM_SIGNAL_SET).
-_SIGNAL_SET: tl.constexpr = tl.constexpr(0)
+# NVSHMEM's sig_op for "set the flag to the value" (NVSHMEM_SIGNAL_SET in nvshmem.h; 10 adds).
+_SIGNAL_SET: tl.constexpr = tl.constexpr(9)
 
 if INTERPRETED:
 
