@@ -74,14 +74,16 @@ def _token_rows_out(buf: Buffer, rank: int, x, idx, weights, maps, kw: dict):
     return buf.combine(y, handle)
 
 
-def _grad_body(rank: int, world: int, cases: list[dict]) -> list[str]:
+def _grad_body(rank: int, world: int, cases: list[dict], ranks_per_node: int | None) -> list[str]:
     failures = []
     for expand, layer_out in ((True, _expert_major_out), (False, _token_rows_out)):
-        failures += _check_grads(rank, world, cases, expand, layer_out)
+        failures += _check_grads(rank, world, cases, expand, layer_out, ranks_per_node)
     return failures
 
 
-def _check_grads(rank: int, world: int, cases: list[dict], expand: bool, layer_out) -> list[str]:
+def _check_grads(
+    rank: int, world: int, cases: list[dict], expand: bool, layer_out, ranks_per_node
+) -> list[str]:
     failures = []
     with Buffer(
         None,
@@ -90,11 +92,12 @@ def _check_grads(rank: int, world: int, cases: list[dict], expand: bool, layer_o
         num_experts=world * EXPERTS_PER_RANK,
         dtype=torch.float32,
         expand=expand,
+        ranks_per_node=ranks_per_node,
     ) as buf:
         for case in cases:
             if not expand and "pad_multiple" in case:
                 continue
-            what = f"rank {rank}, expand={expand}, {case}"
+            what = f"rank {rank}, expand={expand}, ranks_per_node={ranks_per_node}, {case}"
             xs, router_weight, maps, projections = _model(world, case["seed"])
             x = xs[rank].clone().requires_grad_(True)
             router = router_weight.clone().requires_grad_(True)
@@ -124,7 +127,8 @@ CASES = [
 
 
 def test_gradients_match_a_single_process_model(launch):
-    for world in (2, 3):
-        results = launch(_grad_body, world, CASES)
+    # 2 ranks as 2 nodes (every transfer a network put), 3 ranks in one node.
+    for world, ranks_per_node in ((2, 1), (3, None)):
+        results = launch(_grad_body, world, CASES, ranks_per_node)
         failures = [msg for per_rank in results for msg in per_rank]
         assert not failures, "\n".join(failures)

@@ -253,13 +253,19 @@ def _expect_unusable(failures, what: str, buf: Buffer, x, idx) -> None:
             failures.append(f"{what}: {name} on the broken Buffer raised {e!r}")
 
 
-def _skipped_call_body(rank: int, world_size: int) -> tuple[list[str], list[str]]:
-    """Rank 1 skips collective calls that rank 0 makes; rank 0 must time out, naming it."""
+def _skipped_call_body(
+    rank: int, world_size: int, ranks_per_node: int | None
+) -> tuple[list[str], list[str]]:
+    """Rank 1 skips collective calls that rank 0 makes; rank 0 must time out, naming it (with
+    ranks_per_node=1 rank 1 is on another node, reached by network puts only)."""
     failures: list[str] = []
     dev = _device()
     x = torch.randn(T, H).to(torch.bfloat16).to(dev)
     idx = torch.tensor([[0, 3], [1, -1], [2, 0], [3, 1]], device=dev)
-    make = dict(hidden_size=H, max_tokens_per_rank=T, num_experts=4, timeout_s=3)
+    make = dict(
+        hidden_size=H, max_tokens_per_rank=T, num_experts=4, timeout_s=3,
+        ranks_per_node=ranks_per_node,
+    )  # fmt: skip
 
     # 1. Rank 1 skips a dispatch (exact mode).
     buf = Buffer(None, **make)
@@ -335,8 +341,9 @@ def _skipped_call_body(rank: int, world_size: int) -> tuple[list[str], list[str]
     return failures, sorted(segments)
 
 
-def test_buffer_times_out_on_a_skipped_call(launch, device):
-    results = launch(_skipped_call_body, 2, timeout_s=300)
+@pytest.mark.parametrize("ranks_per_node", [None, 1], ids=["one_node", "two_nodes"])
+def test_buffer_times_out_on_a_skipped_call(launch, device, ranks_per_node):
+    results = launch(_skipped_call_body, 2, ranks_per_node, timeout_s=300)
     failures = [msg for per_rank, _ in results for msg in per_rank]
     assert not failures, "\n".join(failures)
     if device == "cpu":

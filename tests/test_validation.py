@@ -11,10 +11,14 @@ must raise ValueError, the bad rank naming its first bad row and the others nami
 
 from __future__ import annotations
 
+import socket
+
+import pytest
 import torch
 import torch.distributed as dist
 
 from hybrid_ep_triton import Buffer, reference
+from hybrid_ep_triton.buffer import ranks_per_host
 from hybrid_ep_triton.moe import TokenDispatcher
 
 BF16 = torch.bfloat16
@@ -183,6 +187,8 @@ def _constructor_body(rank: int, world_size: int) -> list[str]:
         ("num_sms 133", dict(num_sms=133), "num_sms"),
         ("timeout_s 0", dict(timeout_s=0), "timeout_s"),
         ("expand 1", dict(expand=1), "expand"),
+        ("ranks_per_node 0", dict(ranks_per_node=0), "ranks_per_node"),
+        ("ranks_per_node 3 of 2 ranks", dict(ranks_per_node=3), "ranks_per_node"),
     ]
     for what, change, match in same_bad:
         kw = {**good, **change}
@@ -197,6 +203,7 @@ def _constructor_body(rank: int, world_size: int) -> list[str]:
         ("dtype", dict(dtype=(BF16, torch.float16)[rank % 2])),
         ("num_sms", dict(num_sms=None if rank == 0 else 3)),
         ("expand", dict(expand=rank == 0)),
+        ("ranks_per_node", dict(ranks_per_node=1 + rank)),
     ]
     for name, change in differing:
         kw = {**good, **change}
@@ -204,6 +211,15 @@ def _constructor_body(rank: int, world_size: int) -> list[str]:
             failures, f"rank {rank}: {name} differs between ranks",
             lambda kw=kw: Buffer(None, **kw), f"{name} differs",
         )  # fmt: skip
+    # Nodes detected from host names: two hosts of one rank each.
+    hostname = socket.gethostname
+    try:
+        socket.gethostname = lambda: f"host{rank}"
+        with Buffer(None, **good) as buf:
+            if buf.ranks_per_node != 1:
+                failures.append(f"rank {rank}: two hosts of one rank: {buf.ranks_per_node}")
+    finally:
+        socket.gethostname = hostname
     with Buffer(None, **good) as buf:
         failures += _check_round_trip(buf, 10 + rank, 4, 2, "after the refused constructors")
     with Buffer(None, **good, expand=False) as buf:
@@ -317,3 +333,16 @@ def _single_rank_body(rank: int, world_size: int) -> list[str]:
 def test_group_of_one_rank(launch):
     (failures,) = launch(_single_rank_body, 1)
     assert not failures, "\n".join(failures)
+
+
+@pytest.mark.parametrize(
+    "hosts, expected",
+    [(["a"], 1), (["a", "a", "b", "b"], 2), (["a", "b", "c"], 1), (["a", "b", "a", "b"], None),
+     (["a", "a", "b"], None), (["a", "a", "b", "b", "b", "b"], None)],
+)  # fmt: skip
+def test_nodes_from_host_names(hosts, expected):
+    if expected is None:
+        with pytest.raises(ValueError, match="consecutive"):
+            ranks_per_host(hosts)
+    else:
+        assert ranks_per_host(hosts) == expected

@@ -120,7 +120,9 @@ class Buffer:
         if not isinstance(expand, bool):
             raise ValueError(f"expand must be True or False, got {describe(expand)}")
         if ranks_per_node is None:
-            ranks_per_node = _ranks_per_host(group)
+            hosts = [None] * world
+            dist.all_gather_object(hosts, socket.gethostname(), group=group)
+            ranks_per_node = ranks_per_host(hosts)
         on_gpu = dist.get_backend(group) == "nccl"
         device = (
             torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
@@ -505,15 +507,14 @@ class Buffer:
         return needed
 
 
-def _ranks_per_host(group: dist.ProcessGroup) -> int:
-    """Ranks per node when nodes are hosts: how many ranks share the first rank's host, after
-    checking that every host holds that many consecutive ranks (collective)."""
-    hosts = [None] * dist.get_world_size(group)
-    dist.all_gather_object(hosts, socket.gethostname(), group=group)
+def ranks_per_host(hosts: list[str]) -> int:
+    """Ranks per node when nodes are hosts (``hosts``: each rank's host name, in rank order): how
+    many ranks share the first rank's host, after checking that every host holds that many
+    consecutive ranks."""
     per_host = hosts.count(hosts[0])
-    blocks = [hosts[i : i + per_host] for i in range(0, len(hosts), per_host)]
-    if any(len(set(b)) != 1 or len(b) != per_host for b in blocks) or len(
-        {b[0] for b in blocks}
+    blocks = [tuple(hosts[i : i + per_host]) for i in range(0, len(hosts), per_host)]
+    if any(len(set(block)) != 1 or len(block) != per_host for block in blocks) or len(
+        {block[0] for block in blocks}
     ) != len(blocks):
         raise ValueError(
             f"the ranks of each host must be consecutive and as many on every host (hosts in "
