@@ -9,6 +9,8 @@
 #   bench  bench/run.py (JSON, Markdown, PNG into $OUT)
 #   soak   hybrid-ep soak on every local GPU ($SOAK_ROUNDS rounds, default 10000)
 #   soak-token  the same with token rows (Buffer(expand=False))
+#   soak-nodes  the soak with every rank its own node ($SOAK_ROUNDS rounds, default 1000)
+#   bench-nodes  the benchmark with every rank its own node beside one node, in the same run
 #   tune   hybrid-ep tune for the S1 shape
 # Usage there: OUT=... STEPS="tests bench" HEP_COMMIT=<hash> bash bench/device_run.sh
 set -uo pipefail
@@ -36,6 +38,10 @@ for step in $STEPS; do
         soak) cmd=(python3 -m hybrid_ep_triton soak --device cuda --rounds "${SOAK_ROUNDS:-10000}") ;;
         soak-token) cmd=(python3 -m hybrid_ep_triton soak --device cuda --token-rows
                          --rounds "${SOAK_ROUNDS:-10000}") ;;
+        soak-nodes) cmd=(python3 -m hybrid_ep_triton soak --device cuda --ranks-per-node 1
+                         --rounds "${SOAK_ROUNDS:-1000}") ;;
+        bench-nodes) cmd=(python3 bench/run.py --iters 50 --warmup 10 --timeout 400
+                          --ranks-per-node 1 --out "$OUT") ;;
         tune) cmd=(python3 -m hybrid_ep_triton tune) ;;
         *) echo "unknown step $step" >&2; exit 2 ;;
     esac

@@ -38,9 +38,10 @@ def test_short_soak_on_two_ranks(launch):
         assert sum(s["coverage"][m] for m in ("exact", "cached", "max_recv")) == ROUNDS
 
 
-def test_short_soak_with_token_rows(launch):
-    """Rounds on a Buffer with one row per token (expand=False): no pad multiples."""
-    config = dataclasses.replace(CONFIG, rounds=8, expand=False)
+def test_short_soak_with_token_rows_across_nodes(launch):
+    """Rounds on a Buffer with one row per token (expand=False): no pad multiples; the two ranks
+    are two nodes, reached by network puts only."""
+    config = dataclasses.replace(CONFIG, rounds=8, expand=False, ranks_per_node=1)
     for s in launch(soak_rank, 2, config):
         assert s["ok"], format_summary(s) + "\n" + "\n".join(s["messages"])
         assert {"exact", "cached", "max_recv"} <= set(s["coverage"]), s["coverage"]

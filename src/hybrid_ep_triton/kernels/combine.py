@@ -19,6 +19,14 @@ transfer); then, once a chunk's partial rows from every other rank are in, their
 with those own sums, written back to ``out``. Only these light additions are left when the last
 partial rows land.
 
+Across nodes (NODES > 1), a sender sends the partial rows of a source on another node to the
+rank of that source's local index on its own node (into the staging block of the source's node
+and the sender's local index); there the next P programs, network senders, sum in fp32 the
+partial rows of each of their node's ranks for every row that rank forwarded in dispatch
+(``fwd_rows``), round them into a slot of the network outbox and put the slot into the
+source's inbox with a flag: a (token, node) pair crosses the network once. Finishers add those
+node sums from the inbox with the partial rows of their own node.
+
 Programs wait only for programs that come earlier in the launch order or belong to another rank,
 so the launch finishes whichever of its programs run first.
 """

@@ -12,6 +12,18 @@ independent channel:
    with the destination rows and weights of the token's slots there, then sets the chunk's flag.
 Senders never wait for a program of their own launch.
 
+Across nodes (NODES > 1: nodes of R consecutive ranks), senders push each row over NVLink only
+to the other ranks of their node; for every other node that holds one of a chunk's experts they
+write the chunk's rows to that node into a slot of their outbox in the symmetric heap (rows in
+order, each with its row in this rank's stream to every rank of that node and what a direct
+send would record there) and put the slot, with a flag, into the inbox of the rank with their
+own local index on that node: each token crosses the network at most once per node. There the
+next P programs, forwarders (forwarder f takes work items w = f, f + P, ... of each other
+node's rank of its local index), wait for the slot's flag and copy each row into the staging
+area of every rank of their node that needs it (block of the source rank, the row of its stream
+to that rank), with its metadata, then raise that item's flag there: the staging areas end up as
+a direct send would have left them, so expanders are the same for either path.
+
 Expanders, the other programs (the rest of the GPU: the expansion is bound by local memory, not
 by the link), take work items from a queue of two kinds, spread evenly among each other: this
 rank's own tokens, copied straight from ``x`` to their expert-major rows (own tokens never go

@@ -13,7 +13,11 @@ of ``iters`` calls after ``warmup`` calls, input sets rotated; the reported time
 of the ranks' medians.
 algo_GBps: (token, destination rank) rows received, local ones included, x hidden x element
 bytes, over time (DeepEP's metric). nvlink_GBps: the bytes of those rows that crossed between
-GPUs, over time. Results go to ``<out>/<date>-<machine>-ep<N>.{json,md,png}``.
+GPUs, over time. With ``--ranks-per-node R`` (R below the group size) S1 and S2 run again with
+the GPUs split into nodes of R (every transfer between nodes an NVSHMEM put issued by the
+kernels), in the same run: net_rows is the token rows a rank's dispatch puts over the network
+(the kernels count them), net_GBps their bytes over the whole call's time. Results go to
+``<out>/<date>-<machine>-ep<N>.{json,md,png}``.
 """
 
 import argparse
@@ -139,20 +143,23 @@ def _combine_weights(buf, outputs: tuple):
     return outputs[1] if buf.expand else None
 
 
-def _check(buf, reference, shape: Shape, x, topk_idx, weights) -> str | None:
+def _check(buf, reference, shape: Shape, x, topk_idx, weights) -> tuple[str | None, int]:
+    """(what differs from the reference or None, rows the dispatch put over the network)."""
+    sent = buf.network_rows
     *got, handle = buf.dispatch(x, topk_idx, weights)
+    net_rows = buf.network_rows - sent
     *want, ref_handle = reference.dispatch(
         None, x, topk_idx, weights, num_experts=shape.experts, expand=buf.expand
     )
     if not all(torch.equal(a, b) for a, b in zip(got, want, strict=True)):
-        return f"{shape.name}: dispatch differs from the reference"
+        return f"{shape.name}: dispatch differs from the reference", net_rows
     y = torch.randn_like(got[0])
     out = buf.combine(y, handle, weights=_combine_weights(buf, got))
     ref_out = reference.combine(None, y, ref_handle, weights=_combine_weights(buf, want))
     err = ((out.float() - ref_out.float()).norm() / ref_out.float().norm().clamp_min(1e-30)).item()
     if not err < 1e-2:
-        return f"{shape.name}: combine relative error {err:.2e}"
-    return None
+        return f"{shape.name}: combine relative error {err:.2e}", net_rows
+    return None, net_rows
 
 
 def _time_buffer(buf, sets, warmup: int, iters: int) -> dict:
@@ -211,27 +218,31 @@ def _bench_rank(rank: int, world: int, opts: dict) -> dict:
                       topk=shape.topk, experts=shape.experts, ranks=world)  # fmt: skip
         main_shape = name in ("S1", "S2")
         runs = [
-            (sms, expand)
+            (sms, expand, None)
             for expand in ((True, False) if main_shape else (True,))
             for sms in (opts["sms"] if main_shape else opts["spot_sms"])
         ]
-        for sms, expand in runs:
+        if main_shape and opts["ranks_per_node"]:
+            runs += [(sms, expand, opts["ranks_per_node"]) for expand in (True, False)
+                     for sms in opts["spot_sms"]]  # fmt: skip
+        for sms, expand, per_node in runs:
             buf = hep.Buffer(None, hidden_size=shape.hidden, max_tokens_per_rank=shape.tokens,
                              num_experts=shape.experts, num_sms=sms, timeout_s=30,
-                             expand=expand)  # fmt: skip
-            error = _check(buf, reference, shape, *sets[0])
+                             expand=expand, ranks_per_node=per_node or world)  # fmt: skip
+            error, net_rows = _check(buf, reference, shape, *sets[0])
+            what = f"num_sms={sms}, expand={expand}, ranks_per_node={per_node or world}"
             if error:
-                result["errors"].append(f"num_sms={sms}, expand={expand}: {error}")
+                result["errors"].append(f"{what}: {error}")
             else:
                 for (op, mode), (t, host) in _time_buffer(buf, sets, warmup, iters).items():
                     if rank == 0:
-                        print(f"{name} {op} {mode} sms={sms} expand={expand}: {t:.1f} us",
-                              flush=True)  # fmt: skip
+                        print(f"{name} {op} {mode} {what}: {t:.1f} us", flush=True)
                     result["rows"].append(
                         dict(common, op=op, mode=mode, expand=expand, num_sms=sms, time_us=t,
-                             host_us=host,
+                             host_us=host, ranks_per_node=per_node or world, net_rows=net_rows,
                              algo_GBps=rows_all * row_bytes / t / 1e3,
-                             nvlink_GBps=rows_remote * row_bytes / t / 1e3)
+                             nvlink_GBps=rows_remote * row_bytes / t / 1e3,
+                             net_GBps=net_rows * row_bytes / t / 1e3)
                     )  # fmt: skip
             buf.destroy()
 
@@ -266,16 +277,20 @@ def _write(result: dict, out_dir: str) -> str:
         "rows: expert = expert-major (expand=True, the default); token = one row per token "
         "(expand=False, DeepEP's output)",
         "",
-        "| shape | rows | op | mode | SMs | time µs | host µs | algo GB/s | NVLink GB/s |",
-        "|---|---|---|---|---:|---:|---:|---:|---:|",
+        "nodes: N x R, the group split into N nodes of R ranks (transfers between nodes are "
+        "NVSHMEM puts); net rows: token rows one rank's dispatch put over the network",
+        "",
+        "| shape | nodes | rows | op | mode | SMs | time µs | host µs | algo GB/s | "
+        "between GPUs GB/s | net rows | net GB/s |",
+        "|---|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in result["rows"]:
         rows = "expert" if r["expand"] else "token"
+        nodes = f"{r['ranks'] // r['ranks_per_node']}x{r['ranks_per_node']}"
         lines.append(
-            f"| {r['shape']} | {rows} | {r['op']} | {r['mode']} | {r['num_sms']} | "
-            f"{r['time_us']:.1f} | "
-            f"{r['host_us']:.0f} | "
-            f"{r['algo_GBps']:.0f} | {r['nvlink_GBps']:.0f} |"
+            f"| {r['shape']} | {nodes} | {rows} | {r['op']} | {r['mode']} | {r['num_sms']} | "
+            f"{r['time_us']:.1f} | {r['host_us']:.0f} | {r['algo_GBps']:.0f} | "
+            f"{r['nvlink_GBps']:.0f} | {r['net_rows']} | {r['net_GBps']:.0f} |"
         )
     lines += ["", "| shape | baseline | op | time µs | algo GB/s |", "|---|---|---|---:|---:|"]
     for b in result["baselines"]:
@@ -302,6 +317,7 @@ def _plot(result: dict, path: str) -> None:
                 (r["num_sms"], r["algo_GBps"])
                 for r in result["rows"]
                 if (r["shape"], r["op"], r["mode"], r["expand"]) == (shape, op, mode, expand)
+                and r["ranks_per_node"] == result["ranks"]
             )
             label = f"{op} ({mode}{'' if expand else ', token rows'})"
             if pts:
@@ -335,6 +351,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--sms", default="4,8,16,24,32", help="SM counts for S1 and S2")
     parser.add_argument("--spot-sms", default="8,24", help="SM counts for the hidden spot checks")
     parser.add_argument("--shapes", default="S1,S2,H2880,H4096")
+    parser.add_argument(
+        "--ranks-per-node",
+        type=int,
+        default=None,
+        help="also run S1 and S2 with the GPUs split into nodes of this many (at the spot SMs)",
+    )
     parser.add_argument("--warmup", type=int, default=10)
     parser.add_argument("--iters", type=int, default=50)
     parser.add_argument("--out", default="bench/results")
@@ -350,6 +372,7 @@ def run(args: argparse.Namespace) -> int:
         sms=[int(s) for s in args.sms.split(",")],
         spot_sms=[int(s) for s in args.spot_sms.split(",")],
         shapes=args.shapes.split(","),
+        ranks_per_node=args.ranks_per_node,
         warmup=args.warmup,
         iters=args.iters,
     )

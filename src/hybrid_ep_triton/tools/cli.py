@@ -162,6 +162,12 @@ def _soak_arguments(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="a Buffer with one row per token (expand=False) instead of expert-major rows",
     )
+    p.add_argument(
+        "--ranks-per-node",
+        type=int,
+        help="nodes of this many consecutive ranks, the others reached over the network "
+        "(default: the ranks of a host)",
+    )
 
 
 def run_soak(args: argparse.Namespace) -> int:
@@ -179,11 +185,12 @@ def run_soak(args: argparse.Namespace) -> int:
     every = args.progress_every if args.progress_every is not None else max(1, rounds // 20)
     cfg = SoakConfig(rounds=rounds, **sizes, dtype=args.dtype, seed=args.seed,
                      timeout_s=args.op_timeout, progress_every=max(every, 0),
-                     expand=not args.token_rows)  # fmt: skip
+                     expand=not args.token_rows, ranks_per_node=args.ranks_per_node)  # fmt: skip
     details = (
         f"{rounds} rounds of 0..{cfg.tokens} tokens per rank, hidden {cfg.hidden}, "
         f"{cfg.experts} experts, top-{cfg.topk}, {cfg.dtype}"
         f"{', token rows' if args.token_rows else ''}"
+        f"{f', {args.ranks_per_node} ranks per node' if args.ranks_per_node else ''}"
     )
     summaries, seconds = _on_ranks("soak", details, soak_rank, cfg, device, ranks, args.timeout)
     for s in summaries:

@@ -72,6 +72,7 @@ class SoakConfig:
     timeout_s: float = 60.0  # the Buffer's timeout_s
     progress_every: int = 0  # rank 0 prints a line every this many rounds; 0: never
     expand: bool = True  # the Buffer's: expert-major rows, or one row per token
+    ranks_per_node: int | None = None  # the Buffer's: nodes of that many ranks (None: hosts)
 
 
 @dataclass
@@ -98,6 +99,7 @@ def soak_rank(rank: int, world_size: int, cfg: SoakConfig) -> dict:
         dtype=DTYPES[cfg.dtype],
         timeout_s=cfg.timeout_s,
         expand=cfg.expand,
+        ranks_per_node=cfg.ranks_per_node,
     )
     messages: list[str] = []
     failed_rounds = 0
