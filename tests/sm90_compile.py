@@ -62,19 +62,27 @@ def _resource_usage(cubin: bytes) -> str:
 
 
 def _nvshmem_bitcode() -> str:
-    """NVSHMEM's sm_90 device bitcode as pip installs it (no GPU here to pick it by)."""
+    """NVSHMEM's sm_90 device bitcode: the per-architecture file of NVSHMEM 3.5 and later (as pip
+    installs it), else the one file of earlier versions."""
     import nvshmem.core as nvshmem
 
-    return nvshmem.find_device_bitcode_library(arch="90")
+    try:
+        return nvshmem.find_device_bitcode_library(arch="90")
+    except Exception:  # NVSHMEM before 3.5
+        return nvshmem.find_device_bitcode_library()
 
 
-def main() -> int:
+TOPOLOGIES = ((2, 2), (8, 8), (16, 8))  # (world, ranks per node)
+
+
+def compile_all(topologies=TOPOLOGIES):
+    """Yield (label, CompiledKernel) for every build at each (world, ranks per node)."""
     i64 = {n: "*i64" for n in ("peer_bases_ptr", "control_ptr", "info_ptr", "net_bases_ptr")}
     i64["tokens_per_expert_ptr"] = "*i64"
     # The heuristic's launch shape for S1 (4096 tokens per rank, hidden 7168).
     cfg = default_config(7168, 4096, None, on_gpu=True)
     # EP2 and EP8 within one node; EP16 as 2 nodes of 8, whose kernels call NVSHMEM.
-    for world, per_node in ((2, 2), (8, 8), (16, 8)):
+    for world, per_node in topologies:
         plan = make_plan(world, 7168, 4096, 256, torch.bfloat16, cfg, ranks_per_node=per_node)
         nodes = world // per_node
         topology = dict(R=per_node, R_P2=per_node, NODES=nodes, N_P2=max(nodes, 1))
@@ -139,11 +147,15 @@ def main() -> int:
                 target=GPUTarget("cuda", 90, 32),
                 options=options,
             )
-            usage = _resource_usage(compiled.asm["cubin"])
-            async_copies = compiled.asm["ptx"].count("cp.async.cg")
             rows = " (token rows)" if constexprs.get("TOKEN_ROWS") else ""
             topo = f"EP{world}" if nodes == 1 else f"EP{world} ({nodes}x{per_node}, NVSHMEM)"
-            print(f"{topo} {kernel.fn.__name__}{rows}: {usage} cp.async:{async_copies}")
+            yield f"{topo} {kernel.fn.__name__}{rows}", compiled
+
+
+def main() -> int:
+    for label, compiled in compile_all():
+        usage = _resource_usage(compiled.asm["cubin"])
+        print(f"{label}: {usage} cp.async:{compiled.asm['ptx'].count('cp.async.cg')}")
     return 0
 
 

@@ -157,3 +157,26 @@ def test_put_from_outside_the_heap_fails_loudly(launch):
     results = launch(_outside_body, 2)
     failures = [msg for per_rank in results for msg in per_rank]
     assert not failures, "\n".join(failures)
+
+
+def _load_body(rank: int, world: int) -> list[str]:
+    """Compile the kernels of the path across nodes (EP16 as 2 nodes of 8) for this GPU with
+    NVSHMEM's device library, load each module and initialise NVSHMEM's state in it."""
+    from sm90_compile import compile_all
+
+    from hybrid_ep_triton.runtime.nvshmem import init_module
+
+    heap = allocate_heap(dist.group.WORLD, HEAP_BYTES, _device())  # initialises NVSHMEM
+    loaded = []
+    for label, compiled in compile_all([(16, 8)]):
+        compiled._init_handles()
+        init_module(compiled)
+        loaded.append(label)
+    heap.close()
+    return [] if len(loaded) == 5 else [f"loaded only {loaded}"]
+
+
+@pytest.mark.gpu
+def test_node_kernels_load_with_nvshmem(launch):
+    results = launch(_load_body, 1)
+    assert not results[0], results[0]
