@@ -9,6 +9,8 @@
 #   bench  bench/run.py (JSON, Markdown, PNG into $OUT)
 #   soak   hybrid-ep soak on every local GPU ($SOAK_ROUNDS rounds, default 10000)
 #   soak-token  the same with token rows (Buffer(expand=False))
+#   transport  which NVSHMEM transport carries the puts (NVSHMEM_INFO, NVSHMEM_DEBUG=INFO), with
+#          P2P allowed and with NVSHMEM_DISABLE_P2P=1 (a remote transport on one host, if any)
 #   soak-nodes  the soak with every rank its own node ($SOAK_ROUNDS rounds, default 1000)
 #   bench-nodes  the benchmark with every rank its own node beside one node, in the same run
 #   tune   hybrid-ep tune for the S1 shape
@@ -38,6 +40,10 @@ for step in $STEPS; do
         soak) cmd=(python3 -m hybrid_ep_triton soak --device cuda --rounds "${SOAK_ROUNDS:-10000}") ;;
         soak-token) cmd=(python3 -m hybrid_ep_triton soak --device cuda --token-rows
                          --rounds "${SOAK_ROUNDS:-10000}") ;;
+        transport) cmd=(bash -c 'for p2p in 0 1; do echo "== NVSHMEM_DISABLE_P2P=$p2p";
+                        NVSHMEM_DISABLE_P2P=$p2p NVSHMEM_INFO=1 NVSHMEM_DEBUG=INFO
+                        HEP_TEST_DEVICE=cuda HEP_TEST_TIMEOUT=120 python3 -m pytest -q -rs -s
+                        tests/test_network.py -k lands; done') ;;
         soak-nodes) cmd=(python3 -m hybrid_ep_triton soak --device cuda --ranks-per-node 1
                          --rounds "${SOAK_ROUNDS:-1000}") ;;
         bench-nodes) cmd=(python3 bench/run.py --iters 50 --warmup 10 --timeout 400
