@@ -120,28 +120,32 @@ def _count_chunk(
     dest = tl.where(slot_ids >= 0, slot_ids // experts_per_rank, -1)
     ranks = tl.arange(0, W_P2)
     to_rank = tl.sum((dest[:, :, None] == ranks[None, None, :]).to(tl.int32), axis=1) > 0
-    sent = to_rank.to(tl.int32)
-    before = tl.cumsum(sent, axis=0) - sent
-    tl.store(
-        token_rank_pos_ptr + tokens[:, None] * world_size + ranks[None, :],
-        tl.where(to_rank, before, -1),
-        mask=token_ok[:, None] & (ranks[None, :] < world_size),
+    _store_positions(
+        to_rank, tokens, token_ok, ranks, world_size, token_rank_pos_ptr, rank_count_ptr
     )
-    tl.store(rank_count_ptr + ranks, tl.sum(sent, axis=0), mask=ranks < world_size)
     if NODES > 1:
         nodes = tl.arange(0, N_P2)
-        own_node = rank // R
         # Unused slots (dest -1) select no node: integer division truncates towards zero.
         in_node = (dest[:, :, None] >= 0) & (dest[:, :, None] // R == nodes[None, None, :])
-        to_node = (tl.sum(in_node.to(tl.int32), axis=1) > 0) & (nodes[None, :] != own_node)
-        node_sent = to_node.to(tl.int32)
-        node_before = tl.cumsum(node_sent, axis=0) - node_sent
-        tl.store(
-            token_node_pos_ptr + tokens[:, None] * NODES + nodes[None, :],
-            tl.where(to_node, node_before, -1),
-            mask=token_ok[:, None] & (nodes[None, :] < NODES),
+        to_node = (tl.sum(in_node.to(tl.int32), axis=1) > 0) & (nodes[None, :] != rank // R)
+        _store_positions(
+            to_node, tokens, token_ok, nodes, NODES, token_node_pos_ptr, node_count_ptr
         )
-        tl.store(node_count_ptr + nodes, tl.sum(node_sent, axis=0), mask=nodes < NODES)
+
+
+@triton.jit
+def _store_positions(to, tokens, token_ok, targets, num_targets, pos_ptr, count_ptr):
+    """From ``to`` [CHUNK, X]: which of the chunk's ``tokens`` go to which of ``targets`` [X]
+    (ranks or nodes), store each token's position among the chunk's tokens to each target (or
+    -1) into ``pos_ptr`` [T, num_targets], and the tokens per target into ``count_ptr``."""
+    sent = to.to(tl.int32)
+    before = tl.cumsum(sent, axis=0) - sent
+    tl.store(
+        pos_ptr + tokens[:, None] * num_targets + targets[None, :],
+        tl.where(to, before, -1),
+        mask=token_ok[:, None] & (targets[None, :] < num_targets),
+    )
+    tl.store(count_ptr + targets, tl.sum(sent, axis=0), mask=targets < num_targets)
 
 
 @triton.jit

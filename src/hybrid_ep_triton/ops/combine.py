@@ -34,8 +34,8 @@ def _combine_launcher(rt: Runtime) -> KernelLauncher:
         LP_MAX=LOCAL_PARTS, STAGES=cfg.copy_stages, num_warps=cfg.num_warps,
         maxnreg=MAX_REGISTERS, net_bases_ptr=rt.heap.net_bases, net_flags_off=heap.net_flags,
         net_inbox_off=heap.net_inbox, net_outbox_off=heap.net_outbox,
-        heap_bytes=heap.total_bytes, **topology_constants(plan), **net_slot_constants(plan),
-        **rt.compile_options,
+        heap_bytes=heap.total_bytes, **net_slot_constants(plan), **rt.compile_options,
+        **topology_constants(plan, "R", "NODES", "R_P2", "N_P2"),
     )  # fmt: skip
 
 

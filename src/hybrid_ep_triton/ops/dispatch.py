@@ -222,16 +222,18 @@ def _layout_launcher(rt: Runtime) -> KernelLauncher:
         ROW=plan.counts_row, LR=plan.layout_row, C_BLOCK=max(1, _EXCHANGE_TILE // e_p2),
         TABLE_BLOCK=min(next_power_of_2(plan.max_chunks + 1), _EXCHANGE_TILE // w_p2),
         TOKEN_ROWS=plan.token_rows, **rt.compile_options,
-        **{k: v for k, v in topology_constants(plan).items() if k != "R_P2"},
+        **topology_constants(plan, "R", "NODES", "N_P2"),
     )  # fmt: skip
 
 
-def topology_constants(plan: Plan) -> dict:
-    """The constexprs of the node topology: ranks per node and nodes, and their powers of 2."""
-    return dict(
+def topology_constants(plan: Plan, *names: str) -> dict:
+    """The constexprs ``names`` of the node topology: R (ranks per node), NODES, and their
+    powers of 2, R_P2 and N_P2."""
+    values = dict(
         R=plan.ranks_per_node, NODES=plan.nodes, R_P2=next_power_of_2(plan.ranks_per_node),
         N_P2=next_power_of_2(plan.nodes),
     )  # fmt: skip
+    return {name: values[name] for name in names}
 
 
 def net_slot_constants(plan: Plan) -> dict:
@@ -268,7 +270,7 @@ def _move_launcher(rt: Runtime) -> KernelLauncher:
         net_inbox_off=heap.net_inbox, net_outbox_off=heap.net_outbox,
         heap_bytes=heap.total_bytes, META_INTS=plan.net_slot.meta_ints,
         META_FLOATS=plan.net_slot.meta_floats, **rt.compile_options,
-        **{k: v for k, v in topology_constants(plan).items() if k != "N_P2"},
+        **topology_constants(plan, "R", "NODES", "R_P2"),
         **net_slot_constants(plan),
     )  # fmt: skip
 
