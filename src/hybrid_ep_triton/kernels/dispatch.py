@@ -422,8 +422,12 @@ def _forward_slot(
     meta = slot_ptr.to(tl.pointer_type(tl.int32))
     weights = (slot_ptr + CHUNK * META_INTS * 4).to(tl.pointer_type(tl.float32))
     lmask = valid[:, None] & (locals_[None, :] < R)
+    # The slot landed during this launch: loads bypass L1, as for staged rows.
     stream_rows = tl.load(
-        meta + slot_rows[:, None] * META_INTS + locals_[None, :] * (1 + MS), mask=lmask, other=-1
+        meta + slot_rows[:, None] * META_INTS + locals_[None, :] * (1 + MS),
+        mask=lmask,
+        other=-1,
+        cache_modifier=".cg",
     )
     if WRITE_ROWS:
         tl.store(fwd_rows_ptr + slot_rows[:, None] * R + locals_[None, :], stream_rows,
@@ -435,12 +439,12 @@ def _forward_slot(
             staged = src * T_MAX + row.to(tl.int64)
             emask = (row >= 0)[:, None] & (entries[None, :] < MS)
             values = tl.load(meta + slot_rows[:, None] * META_INTS + r * (1 + MS) + 1
-                             + entries[None, :], mask=emask)  # fmt: skip
+                             + entries[None, :], mask=emask, cache_modifier=".cg")  # fmt: skip
             meta_rows = region(peer_bases_ptr, q, meta_rows_off, tl.int32)
             tl.store(meta_rows + staged[:, None] * MS + entries[None, :], values, mask=emask)
             if HAS_WEIGHTS:
                 values = tl.load(weights + slot_rows[:, None] * META_FLOATS + r * MS
-                                 + entries[None, :], mask=emask)  # fmt: skip
+                                 + entries[None, :], mask=emask, cache_modifier=".cg")  # fmt: skip
                 meta_weights = region(peer_bases_ptr, q, meta_weights_off, tl.float32)
                 tl.store(meta_weights + staged[:, None] * MS + entries[None, :], values, mask=emask)
     data = (slot_ptr + DATA_OFF).to(tl.pointer_type(dtype))
@@ -448,7 +452,7 @@ def _forward_slot(
         cols = h0 + tl.arange(0, BLOCK_H)
         cmask = cols < h_last
         tile = tl.load(data + slot_rows[:, None] * NET_COLS + (cols - h_first)[None, :],
-                       mask=valid[:, None] & cmask[None, :])  # fmt: skip
+                       mask=valid[:, None] & cmask[None, :], cache_modifier=".cg")  # fmt: skip
         for r in tl.static_range(R_P2):
             if r < R:
                 row = column(stream_rows, locals_, r)

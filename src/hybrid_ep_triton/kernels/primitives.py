@@ -115,7 +115,11 @@ else:
         of the program calls it (a block-scoped NVSHMEM call). Returns once ``src`` may be
         reused; the flag is set after the data has landed."""
         base = tl.load(net_bases_ptr + pe)
-        tl.debug_barrier()  # the whole block's stores to src come first
+        # The whole block's stores to src come first, visible to a NIC that reads them too.
+        tl.inline_asm_elementwise(
+            "fence.acq_rel.sys; mov.u32 $0, 0;", "=r", [], dtype=tl.int32, is_pure=False, pack=1
+        )
+        tl.debug_barrier()
         # Sizes and values may be compile-time constants: make every argument a typed scalar.
         _putmem_signal_block(
             base + dst_off, src.to(tl.int64), tl.zeros([], tl.int64) + nbytes, base + flag_off,
