@@ -140,7 +140,8 @@ else:
 
 @triton.jit
 def region(peer_bases_ptr, rank, byte_offset, dtype: tl.constexpr):
-    """Typed pointer to ``byte_offset`` inside ``rank``'s symmetric buffer."""
+    """Typed pointer to ``byte_offset`` inside ``rank``'s symmetric buffer: the start of a region,
+    or of a 16-byte aligned part of one (offsets inside a region go on the pointer)."""
     base = tl.load(peer_bases_ptr + rank)
     # Heap buffers and their regions are 256-byte aligned (the planner's _ALIGN); saying so
     # lets the compiler use 16-byte accesses, which an address loaded from memory would not.
@@ -215,7 +216,7 @@ def handshake(
     node_first = node_first_rank(rank, R, NODES)
     flag_off = ready_off + (rank * P_MAX + channel) * 8
     for peer in range(node_first, node_first + R):
-        signal(region(peer_bases_ptr, peer, flag_off, tl.int64), seq)
+        signal(region(peer_bases_ptr, peer, ready_off, tl.int64) + rank * P_MAX + channel, seq)
     if NODES > 1:
         for node in range(0, NODES):
             if node * R != node_first:

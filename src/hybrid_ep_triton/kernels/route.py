@@ -225,13 +225,14 @@ def _exchange(
                 cnt = tl.load(ptrs, mask=chunks < num_chunks, other=0, cache_modifier=".cg")
                 tl.store(ptrs, carry + tl.cumsum(cnt, 0) - cnt, mask=chunks <= num_chunks)
                 carry += tl.sum(cnt, axis=0)
-    row_off = layout_in_off + ((seq % 2) * world_size + rank) * (LR * 4)
+    # Bytes from layout_in to this rank's row at the parity of seq.
+    row_off = ((seq % 2) * world_size + rank) * (LR * 4)
     for peer in range(0, world_size):
         near = (peer >= node_first) & (peer < node_first + R)
-        row = region(peer_bases_ptr, peer, row_off, tl.int32)
+        row = region(peer_bases_ptr, peer, layout_in_off, tl.int32) + row_off // 4
         if NODES > 1:
             if not near:
-                row = region(peer_bases_ptr, rank, layout_out_off + peer * (LR * 4), tl.int32)
+                row = region(peer_bases_ptr, rank, layout_out_off, tl.int32) + peer * LR
         tl.store(row + experts, totals, mask=emask)
         tl.store(row + num_experts + 0, num_tokens)
         tl.store(row + num_experts + 1, invalid)
@@ -249,22 +250,23 @@ def _exchange(
                                       mask=chunks <= num_chunks, cache_modifier=".cg")  # fmt: skip
                 tl.store(row + ROW + NC_MAX + 1 + chunks, node_starts, mask=chunks <= num_chunks)
             carry += tl.sum(cnt, axis=0)
-        flag_off = count_flags_off + rank * 8
+        flag = region(peer_bases_ptr, peer, count_flags_off, tl.int64) + rank
         if NODES > 1:
             if near:
-                signal(region(peer_bases_ptr, peer, flag_off, tl.int64), seq)
+                signal(flag, seq)
             else:
                 net_put_signal(
-                    net_bases_ptr, rank, peer, row_off, row, LR * 4, flag_off, seq, heap_bytes
-                )
+                    net_bases_ptr, rank, peer, layout_in_off + row_off, row, LR * 4,
+                    count_flags_off + rank * 8, seq, heap_bytes,
+                )  # fmt: skip
         else:
-            signal(region(peer_bases_ptr, peer, flag_off, tl.int64), seq)
+            signal(flag, seq)
 
     # 3. Wait for every peer's row.
     my_flags = region(peer_bases_ptr, rank, count_flags_off, tl.int64)
     for peer in range(0, world_size):
         wait_at_least(my_flags + peer, seq, timeout_ns, status_ptr, peer, 1)  # STAGE_LAYOUT
-    counts = region(peer_bases_ptr, rank, row_off - rank * (LR * 4), tl.int32)
+    counts = region(peer_bases_ptr, rank, layout_in_off, tl.int32) + (seq % 2) * world_size * LR
     table = counts + ROW
 
     # 4. Received streams: chunk offsets and token counts of every source; abort on bad routing.
