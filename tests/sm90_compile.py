@@ -32,7 +32,7 @@ from hybrid_ep_triton.runtime.planner import (
 )
 
 _ALIGNED_INTS = {"hidden", "x_stride", "y_stride"}
-_INT64 = {"timeout_ns", "heap_bytes"}
+_INT64 = {"timeout_ns", "heap_bytes", "report_addr"}
 
 
 def _signature(kernel, pointers: dict, constexprs: dict) -> tuple[dict, dict]:

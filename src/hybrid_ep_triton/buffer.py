@@ -1,6 +1,7 @@
 """``Buffer``: the library's one public class, expert-parallel dispatch and combine."""
 
 import socket
+import time
 
 import torch
 import torch.distributed as dist
@@ -179,6 +180,7 @@ class Buffer:
             group=group,
             check_status=self._raise_if_timed_out,
             read_report=self._read_report,
+            report=torch.zeros(7, dtype=torch.int64, pin_memory=on_gpu),
             # Kernels that call NVSHMEM link its device library and initialise their modules.
             compile_options={"extern_libs": device_library()} if across_gpus else {},
             on_compile=init_module if across_gpus else None,
@@ -490,13 +492,22 @@ class Buffer:
                     "drop a row"
                 )
 
-    def _read_report(self, handle: DispatchHandle) -> int:
-        """One device-to-host read of what the device recorded for ``handle``'s dispatch:
-        raises TimeoutError (a wait timed out) or ValueError (invalid routing on some rank);
-        returns the rows the output needs (expert-major or token rows)."""
-        needed, src, row, code, peer, stage = torch.cat(
-            [handle.info[:3], self._rt.control[3:6]]
-        ).tolist()
+    def _read_report(self, handle: DispatchHandle, tag: int = 0) -> int:
+        """What the device recorded for ``handle``'s dispatch: raises TimeoutError (a wait timed
+        out) or ValueError (invalid routing on some rank); returns the rows the output needs
+        (expert-major or token rows). With the ``tag`` its layout launch was given, from the
+        report the layout kernel writes into host memory (the host polls it: no stream
+        synchronisation, no copy); else one device-to-host read."""
+        report = self._rt.report.numpy()
+        deadline = time.monotonic() + 2 * self.timeout_s
+        while tag and report[0] != tag and time.monotonic() < deadline:
+            pass
+        if tag and report[0] == tag:
+            needed, src, row, code, peer, stage = report[1:].tolist()
+        else:  # no tag, or the device did not get there: its error surfaces here
+            needed, src, row, code, peer, stage = torch.cat(
+                [handle.info[:3], self._rt.control[3:6]]
+            ).tolist()
         self._raise_on_status(code, peer, stage)
         if src >= 0:
             if src == self._rt.rank:

@@ -60,6 +60,25 @@ _SIGNAL_SET: tl.constexpr = tl.constexpr(9)
 
 if INTERPRETED:
 
+    @triton.jit
+    def fence_system():
+        """Order this thread's earlier stores before its later ones for every observer (the
+        host too); the interpreter's stores are in order already."""
+        pass
+
+else:
+
+    @triton.jit
+    def fence_system():
+        """Order this thread's earlier stores before its later ones for every observer, the
+        host reading mapped memory included."""
+        tl.inline_asm_elementwise(
+            "fence.sc.sys; mov.u32 $0, 0;", "=r", [], dtype=tl.int32, is_pure=False, pack=1
+        )
+
+
+if INTERPRETED:
+
     class NetworkSourceError(RuntimeError):
         """A network put whose source does not lie in the sender's own symmetric heap."""
 
@@ -116,9 +135,7 @@ else:
         reused; the flag is set after the data has landed."""
         base = tl.load(net_bases_ptr + pe)
         # The whole block's stores to src come first, visible to a NIC that reads them too.
-        tl.inline_asm_elementwise(
-            "fence.acq_rel.sys; mov.u32 $0, 0;", "=r", [], dtype=tl.int32, is_pure=False, pack=1
-        )
+        fence_system()
         tl.debug_barrier()
         # Sizes and values may be compile-time constants: make every argument a typed scalar.
         _putmem_signal_block(

@@ -21,7 +21,14 @@ A sender's slot of chunk c then lands on row
 import triton
 import triton.language as tl
 
-from .primitives import net_put_signal, node_first_rank, region, signal, wait_at_least
+from .primitives import (
+    fence_system,
+    net_put_signal,
+    node_first_rank,
+    region,
+    signal,
+    wait_at_least,
+)
 
 STAGE_LAYOUT = 1  # stage number a timed-out wait records (literal inside the kernels)
 # The first invalid row of a launch is recorded in a control word as 2**62 - row (an atomic max
@@ -175,6 +182,8 @@ def _exchange(
     net_bases_ptr,
     layout_out_off,
     heap_bytes,
+    report_addr,
+    report_tag,
     W_P2: tl.constexpr,
     E_P2: tl.constexpr,
     L_P2: tl.constexpr,
@@ -325,12 +334,24 @@ def _exchange(
         src_tokens = tl.load(extra + 0, mask=smask, other=0)
         streamed = tl.load(table + srcs * LR + tl.cdiv(src_tokens, CHUNK), mask=smask, other=0)
         tl.store(tokens_per_expert_ptr + local, my_padded.to(tl.int64), mask=lmask)
-        tl.store(info_ptr, tl.sum(streamed, axis=0).to(tl.int64))
+        needed = tl.sum(streamed, axis=0).to(tl.int64)
     else:
         present = tl.minimum(my_start + my_padded, max_rows) - my_start
         tl.store(tokens_per_expert_ptr + local, tl.maximum(present, 0).to(tl.int64), mask=lmask)
-        tl.store(info_ptr, tl.sum(my_padded, axis=0).to(tl.int64))
+        needed = tl.sum(my_padded, axis=0).to(tl.int64)
+    tl.store(info_ptr, needed)
     tl.store(control_ptr + 2, seq)
+    if report_tag != 0:
+        # Exact mode: what the host waits for, straight into its pinned memory, the tag last,
+        # so that the host polls host memory instead of synchronising with the stream.
+        report = report_addr.to(tl.pointer_type(tl.int64))
+        tl.store(report + 1, needed)
+        tl.store(report + 2, tl.where(first_invalid < W_P2, first_invalid, -1).to(tl.int64))
+        tl.store(report + 3, tl.where(bad > 0, 4611686018427387904 - bad, 4611686018427387904))
+        for i in tl.static_range(3):  # status: code, peer, stage
+            tl.store(report + 4 + i, tl.load(status_ptr + i, volatile=True))
+        fence_system()
+        tl.store(report, report_tag + tl.zeros([], tl.int64))
 
 
 @triton.jit
@@ -370,6 +391,8 @@ def layout_kernel(
     net_bases_ptr,  # int64 [W]: addresses for network puts (see primitives)
     layout_out_off,
     heap_bytes,
+    report_addr,  # int64 [7] in the host's pinned memory, as an address: see report_tag
+    report_tag,  # 0, or: write [tag, rows needed, info[1], info[2], status] there, tag last
     CHUNK: tl.constexpr,
     K_P2: tl.constexpr,
     W_P2: tl.constexpr,
@@ -409,6 +432,6 @@ def layout_kernel(
             recv_chunk_start_ptr, recv_src_tokens_ptr, expert_layout_ptr, tokens_per_expert_ptr,
             info_ptr, peer_bases_ptr, control_ptr, count_flags_off, layout_in_off, timeout_ns,
             send_chunk_node_start_ptr, recv_net_chunk_start_ptr, net_bases_ptr, layout_out_off,
-            heap_bytes, W_P2, E_P2, L_P2, NC_MAX, ROW, LR, C_BLOCK, TABLE_BLOCK, CHUNK,
-            TOKEN_ROWS, R, NODES, N_P2,
+            heap_bytes, report_addr, report_tag, W_P2, E_P2, L_P2, NC_MAX, ROW, LR, C_BLOCK,
+            TABLE_BLOCK, CHUNK, TOKEN_ROWS, R, NODES, N_P2,
         )  # fmt: skip

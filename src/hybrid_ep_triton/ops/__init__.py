@@ -1,6 +1,7 @@
 """Torch-facing operations: they launch the kernels for a Buffer's runtime state."""
 
-from collections.abc import Callable
+import itertools
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -28,8 +29,11 @@ class Runtime:
         laid out like the heap's staging area.
     check_status: called after every launch; raises TimeoutError where launches are synchronous
         (CPU ranks), as soon as a wait timed out.
-    read_report: reads what the device recorded for a handle's layout (one device-to-host
-        read), raises TimeoutError or ValueError (invalid routing), returns the rows needed.
+    read_report: reads what the device recorded for a handle's layout (``read_report(handle,
+        tag)``: with a report tag, from ``report``; else one device-to-host read), raises
+        TimeoutError or ValueError (invalid routing), returns the rows needed.
+    report: int64 [7] in host memory (pinned on GPUs, which the device writes through its
+        mapping): what an exact-mode layout writes for the host, see kernels/route.py.
     compile_options: options of every launch beside the kernel's own (across nodes on GPUs:
         NVSHMEM's device library, ``extern_libs``).
     on_compile: called with each newly compiled kernel before its first launch (across nodes on
@@ -50,9 +54,16 @@ class Runtime:
     group: dist.ProcessGroup
     check_status: Callable[[], None]
     read_report: Callable[..., int]
+    report: torch.Tensor
     compile_options: dict = field(default_factory=dict)
     on_compile: Callable | None = None
     launchers: dict = field(default_factory=dict)
+    _report_tags: Iterator[int] = field(default_factory=lambda: itertools.count(3, 2))
+
+    def next_report_tag(self) -> int:
+        """A tag for an exact-mode layout's report: odd and above 1, so that every tag takes the
+        same kernel specialisation, and in int32 range."""
+        return next(self._report_tags) % (1 << 30) | 3
 
     def launcher(self, make: Callable[["Runtime"], KernelLauncher]) -> KernelLauncher:
         """The launcher ``make(self)`` returns, made on first use."""

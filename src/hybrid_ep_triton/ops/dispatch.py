@@ -4,6 +4,7 @@ expand into expert-major rows)."""
 
 import functools
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -164,12 +165,17 @@ def make_handle(
 
 
 def compute_layout(
-    rt: Runtime, topk_idx: torch.Tensor, pad_multiple: int, max_recv_tokens: int | None
+    rt: Runtime,
+    topk_idx: torch.Tensor,
+    pad_multiple: int,
+    max_recv_tokens: int | None,
+    report_tag: int = 0,
 ) -> DispatchHandle:
     """Launch the layout kernel for ``topk_idx`` [T, K] (contiguous); collective.
 
     With ``max_recv_tokens`` the handle's ``num_recv_rows`` is set to it; without, it is left
-    at -1 for the caller to set once it has read the row count.
+    at -1 for the caller to set once it has read the row count (with ``report_tag``, the kernel
+    writes it into ``rt.report`` under that tag).
     """
     plan, dev = rt.plan, rt.device
     num_tokens, topk = topk_idx.shape
@@ -189,7 +195,7 @@ def compute_layout(
         (max(num_chunks, 1),),
         specialized=dict(
             topk_idx_ptr=topk_idx, num_tokens=num_tokens, num_chunks=num_chunks, topk=topk,
-            pad_multiple=pad_multiple,
+            pad_multiple=pad_multiple, report_tag=report_tag,
             max_rows=2**31 - 1 if max_recv_tokens is None else max_recv_tokens,
             K_P2=next_power_of_2(topk),
             PAIRS=min(plan.config.chunk_tokens * next_power_of_2(topk), _PAIRS),
@@ -217,6 +223,7 @@ def _layout_launcher(rt: Runtime) -> KernelLauncher:
         count_flags_off=heap.count_flags, layout_in_off=heap.layout_in,
         timeout_ns=rt.timeout_ns, net_bases_ptr=rt.heap.net_bases,
         layout_out_off=heap.layout_out, heap_bytes=heap.total_bytes,
+        report_addr=rt.report.data_ptr(),
         CHUNK=plan.config.chunk_tokens, W_P2=w_p2, E_P2=e_p2,
         L_P2=next_power_of_2(plan.experts_per_rank), NC_MAX=plan.max_chunks,
         ROW=plan.counts_row, LR=plan.layout_row, C_BLOCK=max(1, _EXCHANGE_TILE // e_p2),
@@ -275,6 +282,67 @@ def _move_launcher(rt: Runtime) -> KernelLauncher:
     )  # fmt: skip
 
 
+def prepare_move(
+    rt: Runtime,
+    x: torch.Tensor,
+    topk_weights: torch.Tensor | None,
+    handle: DispatchHandle,
+    cached: bool,
+) -> Callable[[int], tuple[torch.Tensor, torch.Tensor | None]]:
+    """The data move for ``x`` [T, H] along ``handle``, prepared up to what depends on the row
+    count N: returns ``move(N)``, which allocates the outputs and launches; collective. An
+    exact-mode dispatch prepares while the layout kernel runs, so that only the allocation and
+    the launch wait for the count. ``cached``: the handle's staged_rows (and recv_topk_idx)
+    were filled by an earlier move and stay as they are; otherwise a token-row plan's move
+    sets handle.recv_topk_idx.
+
+    ``move(N)`` returns recv_x [N, H] (x's dtype) and recv_weights (None without
+    topk_weights): [N] float32, with token rows [N, K].
+    """
+    plan = rt.plan
+    topk_idx, num_tokens, topk = handle.topk_idx, handle.num_tokens, handle.topk
+    has_weights = topk_weights is not None
+    launch = rt.launcher(_move_launcher)
+    grid = (channel_programs(plan) + programs_beside_senders(rt),)
+    # Filled in by move(N), in these places: the launcher keys a launch by the order of names.
+    later = None
+    specialized = dict(
+        x_ptr=x, x_stride=x.stride(0), topk_idx_ptr=topk_idx,
+        topk_weights_ptr=topk_weights.contiguous() if has_weights else later,
+        num_tokens=num_tokens, topk=topk, num_out_rows=later, K_P2=next_power_of_2(topk),
+        HAS_WEIGHTS=has_weights, WRITE_ROWS=not cached,
+    )  # fmt: skip
+    aligned = dict(
+        info_ptr=handle.info, recv_x_ptr=later, recv_weights_ptr=later, recv_topk_idx_ptr=later,
+        **handle.args(
+            "slot_pos", "token_rank_pos", "send_chunk_start", "chunk_expert_base",
+            "recv_chunk_start", "recv_src_tokens", "expert_layout", "staged_rows",
+            "token_node_pos", "send_chunk_node_start", "recv_net_chunk_start", "fwd_rows",
+        ),
+    )  # fmt: skip
+
+    def move(num_rows: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        recv_x = torch.empty(num_rows, plan.hidden, dtype=x.dtype, device=rt.device)
+        weights_shape = (num_rows, topk) if plan.token_rows else (num_rows,)
+        recv_weights = torch.empty(
+            weights_shape if has_weights else 0, dtype=torch.float32, device=rt.device
+        )
+        recv_topk_idx = recv_weights  # unused unless a token-row move writes it
+        if plan.token_rows and not cached:
+            recv_topk_idx = torch.empty(num_rows, topk, dtype=torch.int32, device=rt.device)
+            handle.recv_topk_idx = recv_topk_idx
+        specialized["num_out_rows"] = num_rows
+        if not has_weights:
+            specialized["topk_weights_ptr"] = recv_weights
+        aligned.update(
+            recv_x_ptr=recv_x, recv_weights_ptr=recv_weights, recv_topk_idx_ptr=recv_topk_idx
+        )
+        launch(grid, specialized, aligned)
+        return recv_x, (recv_weights if has_weights else None)
+
+    return move
+
+
 def move_tokens(
     rt: Runtime,
     x: torch.Tensor,
@@ -282,42 +350,6 @@ def move_tokens(
     handle: DispatchHandle,
     cached: bool,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Launch the data move for ``x`` [T, H] along ``handle``; collective. ``cached``: the
-    handle's staged_rows (and recv_topk_idx) were filled by an earlier move and stay as they
-    are; otherwise a token-row plan's move sets handle.recv_topk_idx.
-
-    Returns recv_x [N, H] (x's dtype) and recv_weights (None without topk_weights): [N] float32,
-    with token rows [N, K].
-    """
-    plan = rt.plan
-    topk_idx, num_tokens, topk = handle.topk_idx, handle.num_tokens, handle.topk
-    num_rows = handle.num_recv_rows
-    recv_x = torch.empty(num_rows, plan.hidden, dtype=x.dtype, device=rt.device)
-    has_weights = topk_weights is not None
-    weights_shape = (num_rows, topk) if plan.token_rows else (num_rows,)
-    recv_weights = torch.empty(
-        weights_shape if has_weights else 0, dtype=torch.float32, device=rt.device
-    )
-    recv_topk_idx = recv_weights  # unused unless a token-row move writes it
-    if plan.token_rows and not cached:
-        recv_topk_idx = torch.empty(num_rows, topk, dtype=torch.int32, device=rt.device)
-        handle.recv_topk_idx = recv_topk_idx
-    rt.launcher(_move_launcher)(
-        (channel_programs(plan) + programs_beside_senders(rt),),
-        specialized=dict(
-            x_ptr=x, x_stride=x.stride(0), topk_idx_ptr=topk_idx,
-            topk_weights_ptr=topk_weights.contiguous() if has_weights else recv_weights,
-            num_tokens=num_tokens, topk=topk, num_out_rows=num_rows,
-            K_P2=next_power_of_2(topk), HAS_WEIGHTS=has_weights, WRITE_ROWS=not cached,
-        ),
-        aligned=dict(
-            info_ptr=handle.info, recv_x_ptr=recv_x, recv_weights_ptr=recv_weights,
-            recv_topk_idx_ptr=recv_topk_idx,
-            **handle.args(
-                "slot_pos", "token_rank_pos", "send_chunk_start", "chunk_expert_base",
-                "recv_chunk_start", "recv_src_tokens", "expert_layout", "staged_rows",
-                "token_node_pos", "send_chunk_node_start", "recv_net_chunk_start", "fwd_rows",
-            ),
-        ),
-    )  # fmt: skip
-    return recv_x, (recv_weights if has_weights else None)
+    """Launch the data move for ``x`` [T, H] along ``handle`` (N: handle.num_recv_rows); see
+    prepare_move."""
+    return prepare_move(rt, x, topk_weights, handle, cached)(handle.num_recv_rows)

@@ -29,7 +29,14 @@ from torch import Tensor
 
 from . import Runtime
 from .combine import reduce_tokens
-from .dispatch import DispatchHandle, compute_layout, handle_sizes, make_handle, move_tokens
+from .dispatch import (
+    DispatchHandle,
+    compute_layout,
+    handle_sizes,
+    make_handle,
+    move_tokens,
+    prepare_move,
+)
 
 # Weak: a Buffer dropped without destroy() is freed as before (its runtime with it).
 _runtimes: weakref.WeakValueDictionary[int, Runtime] = weakref.WeakValueDictionary()
@@ -71,10 +78,12 @@ def _dispatch_with_handle(
 ) -> tuple[Tensor, Tensor | None, DispatchHandle]:
     """Layout and data move; max_recv_tokens None: exact mode (one device-to-host read).
     Returns recv_x [N, H], recv_weights [N] float32 (None without topk_weights), the handle."""
-    handle = compute_layout(rt, topk_idx, pad_multiple, max_recv_tokens)
+    tag = rt.next_report_tag() if max_recv_tokens is None else 0
+    handle = compute_layout(rt, topk_idx, pad_multiple, max_recv_tokens, tag)
+    move = prepare_move(rt, x, topk_weights, handle, cached=False)  # while the layout runs
     if max_recv_tokens is None:
-        handle.num_recv_rows = rt.read_report(handle)
-    recv_x, recv_weights = move_tokens(rt, x, topk_weights, handle, cached=False)
+        handle.num_recv_rows = rt.read_report(handle, tag)
+    recv_x, recv_weights = move(handle.num_recv_rows)
     rt.check_status()
     if rt.device.type == "cpu":  # launches are synchronous: report routing errors now
         rt.read_report(handle)

@@ -1,0 +1,57 @@
+"""Eager calls back to back on one GPU, for A/B runs of two source trees in one device call:
+
+    PYTHONPATH=<tree>/src python3 bench/eager_ab.py --label A [--iters 200]
+
+One rank; for S1 and S2 (8 SMs) in both layouts, the median of ``iters`` back-to-back calls of
+an exact-mode dispatch, a cached dispatch and a combine (events around each call on the calling
+stream, after a warm-up; see tools.bench._median_us), device and host µs, one line each.
+"""
+
+import argparse
+
+import torch
+
+import hybrid_ep_triton as hep
+from hybrid_ep_triton.tools.bench import SHAPES, _combine_weights, _inputs, _median_us
+from hybrid_ep_triton.tools.launcher import run_ranks
+
+
+def _rank(rank: int, world: int, args) -> list[str]:
+    lines = []
+    for name in ("S1", "S2"):
+        shape = SHAPES[name]
+        sets = [_inputs(shape, rank, seed) for seed in range(4)]
+        for expand in (True, False):
+            buf = hep.Buffer(None, hidden_size=shape.hidden, max_tokens_per_rank=shape.tokens,
+                             num_experts=shape.experts, num_sms=8, expand=expand)  # fmt: skip
+            exact = [buf.dispatch(*s) for s in sets]
+            cached = [(s[0], s[2], out[-1]) for s, out in zip(sets, exact, strict=True)]
+            combines = [(torch.randn_like(out[0]), out[-1], _combine_weights(buf, out))
+                        for out in exact]  # fmt: skip
+            calls = {
+                "exact dispatch": (buf.dispatch, sets),
+                "cached dispatch": (
+                    lambda x, w, h, buf=buf: buf.dispatch(x, topk_weights=w, handle=h), cached
+                ),
+                "combine": (lambda y, h, w, buf=buf: buf.combine(y, h, weights=w), combines),
+            }  # fmt: skip
+            for what, (fn, args_list) in calls.items():
+                device_us, host_us = _median_us(fn, args_list, args.warmup, args.iters)
+                rows = "expert" if expand else "token"
+                lines.append(f"{args.label} {name} {rows} {what}: {device_us:.1f} us device, "
+                             f"{host_us:.1f} us host")  # fmt: skip
+            buf.destroy()
+    return lines
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--label", default="")
+    parser.add_argument("--iters", type=int, default=200)
+    parser.add_argument("--warmup", type=int, default=20)
+    args = parser.parse_args()
+    print("\n".join(run_ranks(_rank, 1, args, device="cuda", timeout_s=300)[0]), flush=True)
+
+
+if __name__ == "__main__":
+    main()
