@@ -212,9 +212,10 @@ class Buffer:
             topk_weights: [T, K] float32 routing weights, or None.
             pad_multiple: pad each expert's segment with zero rows (weight 0) to a multiple of it
                 (1 with ``expand=False``).
-            max_recv_tokens: None: the output has exactly the rows needed (one device-to-host
-                read). M: the output has M rows, with no host synchronisation; rows past the
-                valid count are zero; rows that do not fit are dropped, and ``check`` (or the
+            max_recv_tokens: None: the output has exactly the rows needed (the host waits for the
+                layout kernel's row count, written into pinned host memory). M: the output has M
+                rows, with no host synchronisation; rows past the valid count are zero; rows
+                that do not fit are dropped, and ``check`` (or the
                 next exact-mode dispatch of this Buffer, once its work is done) raises
                 OverflowError. Size M as world * max_tokens_per_rank * min(K, L) plus
                 L * (pad_multiple - 1) (with ``expand=False``: world * max_tokens_per_rank) to

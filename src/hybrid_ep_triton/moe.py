@@ -39,9 +39,10 @@ class TokenDispatcher:
             max_tokens_per_rank are the Buffer's.
         router_topk: K, experts per token: the slots of topk_idx, the most True entries in a
             row of routing_map; 1 <= K <= E.
-        max_recv_tokens: None (exact mode): dispatch returns exactly the rows needed, after one
-            device-to-host read. M: dispatch always returns M rows and never synchronises with
-            the host; rows past sum(tokens_per_expert) are zero with prob 0, rows past M are
+        max_recv_tokens: None (exact mode): dispatch returns exactly the rows needed, once the
+            host has read the row count. M: dispatch always returns M rows and never
+            synchronises with the host; rows past sum(tokens_per_expert) are zero with prob 0,
+            rows past M are
             dropped and ``check()`` raises OverflowError. M = world * max_tokens_per_rank *
             min(K, L) + L * (pad_multiple - 1) never drops a row.
         pad_multiple: pad each local expert's rows with zero rows (prob 0) to a multiple of it.

@@ -76,7 +76,7 @@ def _dispatch_with_handle(
     pad_multiple: int,
     max_recv_tokens: int | None,
 ) -> tuple[Tensor, Tensor | None, DispatchHandle]:
-    """Layout and data move; max_recv_tokens None: exact mode (one device-to-host read).
+    """Layout and data move; max_recv_tokens None: exact mode (the host waits for the count).
     Returns recv_x [N, H], recv_weights [N] float32 (None without topk_weights), the handle."""
     tag = rt.next_report_tag() if max_recv_tokens is None else 0
     handle = compute_layout(rt, topk_idx, pad_multiple, max_recv_tokens, tag)
