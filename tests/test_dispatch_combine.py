@@ -186,14 +186,15 @@ GROUPS = [
 # Every case also counts the rows that crossed the network (see _run_case).
 NODE_GROUPS = [
     Group(2, 7, BF16, 8, seed=11, ranks_per_node=1, cases=(
-        Case("basic_cached", tokens=(5, 9), cached=True, combine=("recv", "none")),
+        Case("strided_cached", tokens=(5, 9), strided=True, cached=True,
+             combine=("recv", "none")),
         Case("empty_rank_pad3_truncated", tokens=(0, 11), unused_prob=0.3, pad_multiple=3,
              recv="less"),
         Case("node_receives_nothing_fit", tokens=(12, 7), topk=3, hot_expert=1, recv="fit"),
     )),
     Group(4, 13, FP16, 16, seed=12, ranks_per_node=2, cases=(
-        Case("uneven_unused_pad3_cached", tokens=(6, 0, 11, 3), topk=4, unused_prob=0.3,
-             pad_multiple=3, cached=True),
+        Case("int32_uneven_unused_pad3_cached", tokens=(6, 0, 11, 3), topk=4, idx_dtype=I32,
+             unused_prob=0.3, pad_multiple=3, cached=True),
         Case("hot_expert_zero_tail", tokens=(9, 4, 0, 12), topk=3, hot_expert=13, recv="more",
              combine=("none", "recv")),
     )),
