@@ -12,7 +12,8 @@
 #   transport  which NVSHMEM transport carries the puts (NVSHMEM_INFO, NVSHMEM_DEBUG=INFO), with
 #          P2P allowed and with NVSHMEM_DISABLE_P2P=1 (a remote transport on one host, if any)
 #   soak-nodes  the soak with every rank its own node ($SOAK_ROUNDS rounds, default 1000)
-#   bench-nodes  the benchmark with every rank its own node beside one node, in the same run
+#   bench-nodes  S1 and S2 at 8 and 24 SMs, both layouts, with every rank its own node beside
+#          one node, in the same run
 #   tune   hybrid-ep tune for the S1 shape
 # Usage there: OUT=... STEPS="tests bench" HEP_COMMIT=<hash> bash bench/device_run.sh
 set -uo pipefail
@@ -47,7 +48,8 @@ for step in $STEPS; do
         soak-nodes) cmd=(python3 -m hybrid_ep_triton soak --device cuda --ranks-per-node 1
                          --rounds "${SOAK_ROUNDS:-1000}") ;;
         bench-nodes) cmd=(python3 bench/run.py --iters 50 --warmup 10 --timeout 400
-                          --ranks-per-node 1 --out "$OUT") ;;
+                          --shapes S1,S2 --sms 8,24 --spot-sms 8,24 --ranks-per-node 1
+                          --out "$OUT") ;;
         tune) cmd=(python3 -m hybrid_ep_triton tune) ;;
         *) echo "unknown step $step" >&2; exit 2 ;;
     esac
