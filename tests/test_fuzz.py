@@ -1,6 +1,7 @@
 """Fuzzing: hypothesis draws whole scenarios — world size, hidden size, experts, and a sequence of
 calls with random token counts, routings (-1 slots, hot experts, empty ranks), pad multiples,
-max_recv_tokens values and weights, expert-major rows or token rows (expand) — and every call
+max_recv_tokens values and weights, expert-major rows or token rows (expand), one node or
+simulated nodes of 1 or 2 ranks (ranks_per_node, where it divides the world) — and every call
 on CPU ranks is checked against the reference. One scenario is one launch of ranks (a launch
 costs seconds), its calls share one Buffer.
 """
@@ -36,6 +37,7 @@ scenarios = st.fixed_dictionaries(
         "hidden": st.sampled_from([3, 10, 33]),
         "experts_per_rank": st.integers(1, 3),
         "expand": st.booleans(),
+        "ranks_per_node": st.sampled_from([None, 1, 2]),
         "calls": st.lists(calls, min_size=3, max_size=5),
     }
 )
@@ -65,12 +67,15 @@ def _scenario_body(rank: int, world: int, scenario: dict) -> list[str]:
     if not expand:
         names = ["recv_x", "recv_topk_idx", "recv_topk_weights", "tokens_per_expert"]
     failures = []
+    per_node = scenario["ranks_per_node"]
+    if per_node is not None and world % per_node:
+        per_node = None
     with Buffer(
         None, hidden_size=scenario["hidden"], max_tokens_per_rank=MAX_TOKENS,
-        num_experts=experts, expand=expand,
+        num_experts=experts, expand=expand, ranks_per_node=per_node,
     ) as buf:  # fmt: skip
         for n, call in enumerate(scenario["calls"]):
-            what = f"rank {rank}, expand={expand}, call {n} {call}"
+            what = f"rank {rank}, expand={expand}, ranks_per_node={per_node}, call {n} {call}"
             x, idx, w = _inputs(call, rank, experts, scenario["hidden"])
             kw = dict(
                 pad_multiple=call["pad_multiple"] if expand else 1,
