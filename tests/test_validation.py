@@ -204,6 +204,7 @@ def _constructor_body(rank: int, world_size: int) -> list[str]:
         ("num_sms", dict(num_sms=None if rank == 0 else 3)),
         ("expand", dict(expand=rank == 0)),
         ("ranks_per_node", dict(ranks_per_node=1 + rank)),
+        ("ranks_per_node", dict(ranks_per_node=None if rank == 0 else 1)),
     ]
     for name, change in differing:
         kw = {**good, **change}

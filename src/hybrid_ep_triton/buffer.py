@@ -120,9 +120,11 @@ class Buffer:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
         if not isinstance(expand, bool):
             raise ValueError(f"expand must be True or False, got {describe(expand)}")
+        # Every rank gathers the host names, so that ranks passing and not passing
+        # ranks_per_node still make the same collectives (and fail on the check below).
+        hosts = [None] * world
+        dist.all_gather_object(hosts, socket.gethostname(), group=group)
         if ranks_per_node is None:
-            hosts = [None] * world
-            dist.all_gather_object(hosts, socket.gethostname(), group=group)
             ranks_per_node = ranks_per_host(hosts)
         on_gpu = dist.get_backend(group) == "nccl"
         device = (
