@@ -25,16 +25,17 @@ def _run(args: list[str], timeout: float) -> subprocess.CompletedProcess:
     return subprocess.run(args, capture_output=True, text=True, env=env, timeout=timeout)
 
 
-def test_demo_two_ranks(device):
+def test_demo_two_ranks_as_two_nodes(device):
     if device == "cuda":
         import torch
 
         if torch.cuda.device_count() < 2:
             pytest.skip("needs 2 GPUs")
     cmd = [sys.executable, "-m", "hybrid_ep_triton", "demo", "--ranks", "2", "--device", device]
-    r = _run(cmd + SMALL, timeout=300)
+    r = _run(cmd + SMALL + ["--ranks-per-node", "1"], timeout=300)
     assert r.returncode == 0, f"stdout:\n{r.stdout}\nstderr:\n{r.stderr}"
     out = r.stdout
+    assert "nodes of 1 ranks" in out.splitlines()[0], out
     for column in ("rank", "rows recv", "tokens / local expert", "dispatch ms", "combine ms"):
         assert column in out
     # One table row per rank, each checked OK, then the summary line.
@@ -63,6 +64,7 @@ def test_console_script_help_lists_demo():
         ["demo", "--device", "cpu", "--ranks", "3", "--experts", "8"],  # 8 % 3 != 0
         ["demo", "--device", "cpu", "--ranks", "2", "--experts", "8", "--topk", "9"],
         ["demo", "--device", "cpu", "--ranks", "0"],
+        ["demo", "--device", "cpu", "--ranks", "2", "--ranks-per-node", "3"],
         ["soak", "--device", "cpu", "--ranks", "3"],  # 8 experts by default
         ["soak", "--device", "cpu", "--rounds", "0"],
         ["soak", "--device", "cpu", "--op-timeout", "0"],

@@ -46,8 +46,8 @@ class CommandError(Exception):
 def _rank_arguments(
     p: argparse.ArgumentParser, sizes: dict, cpu_ranks: int, timeout: float, tokens_help: str
 ) -> None:
-    """--ranks, --device, the size options (defaults per device from ``sizes``), --seed and
-    --timeout (seconds for the whole run)."""
+    """--ranks, --device, the size options (defaults per device from ``sizes``),
+    --ranks-per-node, --seed and --timeout (seconds for the whole run)."""
     p.add_argument(
         "--ranks", type=int, help=f"ranks (default: every local GPU, or {cpu_ranks} CPU ranks)"
     )
@@ -61,6 +61,12 @@ def _rank_arguments(
     for name, what in {**SIZE_OPTIONS, "tokens": tokens_help}.items():
         cpu, gpu = sizes["cpu"][name], sizes["cuda"][name]
         p.add_argument(f"--{name}", type=int, help=f"{what} (default: {cpu} on CPU, {gpu} on GPU)")
+    p.add_argument(
+        "--ranks-per-node",
+        type=int,
+        help="nodes of this many consecutive ranks, the others reached over the network "
+        "(default: the ranks of a host; on CPU ranks, nodes are simulated)",
+    )
     p.add_argument("--seed", type=int, default=0, help="random seed (default: 0)")
     p.add_argument(
         "--timeout",
@@ -68,6 +74,11 @@ def _rank_arguments(
         default=timeout,
         help=f"seconds before giving up on the whole run (default: {timeout:g})",
     )
+
+
+def _nodes(args: argparse.Namespace) -> str:
+    """What --ranks-per-node said, for the line that says what runs."""
+    return f", nodes of {args.ranks_per_node} ranks" if args.ranks_per_node else ""
 
 
 def _rank_plan(args: argparse.Namespace, sizes: dict, cpu_ranks: int) -> tuple[str, int, dict]:
@@ -87,6 +98,9 @@ def _rank_plan(args: argparse.Namespace, sizes: dict, cpu_ranks: int) -> tuple[s
         raise CommandError(
             f"--experts ({chosen['experts']}) must be a multiple of --ranks ({ranks})"
         )
+    per_node = args.ranks_per_node
+    if per_node is not None and (per_node < 1 or ranks % per_node):
+        raise CommandError(f"--ranks-per-node must divide --ranks ({ranks}), got {per_node}")
     if not 1 <= chosen["topk"] <= chosen["experts"] or chosen["tokens"] < 0 or chosen["hidden"] < 1:
         raise CommandError(f"need tokens >= 0, hidden >= 1 and 1 <= topk <= experts, got {chosen}")
     return device, ranks, chosen
@@ -116,10 +130,10 @@ def run_demo(args: argparse.Namespace) -> int:
     from .demo import DemoConfig, demo_rank
 
     device, ranks, sizes = _rank_plan(args, DEMO_SIZES, CPU_RANKS)
-    cfg = DemoConfig(**sizes, seed=args.seed)
+    cfg = DemoConfig(**sizes, seed=args.seed, ranks_per_node=args.ranks_per_node)
     details = (
         f"{cfg.tokens} tokens per rank, hidden {cfg.hidden}, {cfg.experts} experts, "
-        f"top-{cfg.topk}, bf16"
+        f"top-{cfg.topk}, bf16{_nodes(args)}"
     )
     ok, seconds = _on_ranks("demo", details, demo_rank, cfg, device, ranks, args.timeout)
     print(f"{'OK' if all(ok) else 'MISMATCH'} in {seconds:.1f} s", flush=True)
@@ -162,12 +176,6 @@ def _soak_arguments(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="a Buffer with one row per token (expand=False) instead of expert-major rows",
     )
-    p.add_argument(
-        "--ranks-per-node",
-        type=int,
-        help="nodes of this many consecutive ranks, the others reached over the network "
-        "(default: the ranks of a host)",
-    )
 
 
 def run_soak(args: argparse.Namespace) -> int:
@@ -189,8 +197,7 @@ def run_soak(args: argparse.Namespace) -> int:
     details = (
         f"{rounds} rounds of 0..{cfg.tokens} tokens per rank, hidden {cfg.hidden}, "
         f"{cfg.experts} experts, top-{cfg.topk}, {cfg.dtype}"
-        f"{', token rows' if args.token_rows else ''}"
-        f"{f', {args.ranks_per_node} ranks per node' if args.ranks_per_node else ''}"
+        f"{', token rows' if args.token_rows else ''}{_nodes(args)}"
     )
     summaries, seconds = _on_ranks("soak", details, soak_rank, cfg, device, ranks, args.timeout)
     for s in summaries:

@@ -35,6 +35,7 @@ class DemoConfig:
     experts: int  # global experts, a multiple of the number of ranks
     topk: int
     seed: int = 0
+    ranks_per_node: int | None = None  # the Buffer's: nodes of that many ranks (None: hosts)
 
 
 def demo_rank(rank: int, world_size: int, cfg: DemoConfig) -> bool:
@@ -71,6 +72,7 @@ def demo_rank(rank: int, world_size: int, cfg: DemoConfig) -> bool:
         max_tokens_per_rank=cfg.tokens,
         num_experts=cfg.experts,
         dtype=DTYPE,
+        ranks_per_node=cfg.ranks_per_node,
     )
 
     if on_gpu:  # a warm-up round compiles the kernels
