@@ -1,5 +1,5 @@
 """hybrid-ep tune writes the per-machine cache; a Buffer takes its configuration from it, the
-entry for its own hidden size, dtype and output layout."""
+entry for its own hidden size, dtype, output layout and nodes."""
 
 from __future__ import annotations
 
@@ -17,11 +17,12 @@ TUNE = ["--device", "cpu", "--ranks", "2", "--tokens", "4", "--hidden", "8", "--
         "--topk", "2", "--sms", "2", "--chunks", "2", "--block-h", "32", "--warps", "1",
         "--slices", "1,2", "--warmup", "1", "--iters", "2", "--dtype", "float16",
         "--rows", "token"]  # fmt: skip
-TUNED = dict(hidden=8, dtype=torch.float16, expand=False, num_sms=None)
+TUNED = dict(hidden=8, dtype=torch.float16, expand=False, num_sms=None, ranks_per_node=None)
 UNTUNED = {
     "hidden": dict(TUNED, hidden=6),
     "dtype": dict(TUNED, dtype=torch.bfloat16),
     "layout": dict(TUNED, expand=True),
+    "nodes": dict(TUNED, ranks_per_node=1),  # tuned within one node: not for 2 nodes of 1
 }
 
 
@@ -29,7 +30,8 @@ def _configs_body(rank: int, world_size: int) -> dict:
     configs = {}
     for name, b in (("tuned", TUNED), ("tuned, 3 SMs", dict(TUNED, num_sms=3)), *UNTUNED.items()):
         with Buffer(None, hidden_size=b["hidden"], max_tokens_per_rank=4, num_experts=4,
-                    dtype=b["dtype"], expand=b["expand"], num_sms=b["num_sms"]) as buf:  # fmt: skip
+                    dtype=b["dtype"], expand=b["expand"], num_sms=b["num_sms"],
+                    ranks_per_node=b["ranks_per_node"]) as buf:  # fmt: skip
             configs[name] = dataclasses.asdict(buf._rt.plan.config)
     return configs
 

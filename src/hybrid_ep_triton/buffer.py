@@ -130,7 +130,7 @@ class Buffer:
         device = (
             torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
         )
-        key = cache_key(device, world, hidden_size, dtype, expand)
+        key = cache_key(device, world, hidden_size, dtype, expand, ranks_per_node)
         config = select_config(key, hidden_size, max_tokens_per_rank, num_sms, on_gpu)
         _check_same_on_all_ranks(
             group,

@@ -30,12 +30,21 @@ def cache_path() -> Path:
 
 
 def cache_key(
-    device: torch.device, world_size: int, hidden: int, dtype: torch.dtype, expand: bool
+    device: torch.device,
+    world_size: int,
+    hidden: int,
+    dtype: torch.dtype,
+    expand: bool,
+    ranks_per_node: int | None = None,
 ) -> str:
-    """The cache key of a Buffer's configuration (``expand``: the Buffer's output layout)."""
+    """The cache key of a Buffer's configuration (``expand``: the Buffer's output layout; a
+    group of several nodes of ``ranks_per_node`` ranks has keys of its own)."""
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu-interpreter"
     rows = "expert rows" if expand else "token rows"
-    return f"{name}|triton {triton.__version__}|world {world_size}|hidden {hidden}|{dtype}|{rows}"
+    key = f"{name}|triton {triton.__version__}|world {world_size}|hidden {hidden}|{dtype}|{rows}"
+    if ranks_per_node and ranks_per_node < world_size:
+        key += f"|nodes {world_size // ranks_per_node}x{ranks_per_node}"
+    return key
 
 
 def _load() -> dict:

@@ -44,6 +44,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default="expert",
         help="output layout: expert-major rows (default) or token rows (expand=False)",
     )
+    p.add_argument(
+        "--ranks-per-node",
+        type=int,
+        help="nodes of this many ranks, cached under keys of their own (default: the hosts)",
+    )
     p.add_argument("--sms", type=int, default=8, help="SM budget of the senders, default 8")
     p.add_argument("--chunks", type=_ints, default=[16, 32], help="tokens per chunk")
     p.add_argument("--block-h", type=_ints, default=[256, 512, 1024], help="dispatch tile width")
@@ -80,12 +85,13 @@ def _tune_rank(rank: int, world: int, opts: dict) -> tuple[str, list[tuple[float
     for config in opts["candidates"]:
         with forced(config):
             buf = Buffer(None, hidden_size=opts["hidden"], max_tokens_per_rank=opts["tokens"],
-                         num_experts=opts["experts"], dtype=dtype, expand=expand)  # fmt: skip
+                         num_experts=opts["experts"], dtype=dtype, expand=expand,
+                         ranks_per_node=opts["ranks_per_node"])  # fmt: skip
         times.append(_score(buf, x, idx, weights, opts["warmup"], opts["iters"]))
         buf.destroy()
         if progress:
             progress()
-    return cache_key(device, world, opts["hidden"], dtype, expand), times
+    return cache_key(device, world, opts["hidden"], dtype, expand, buf.ranks_per_node), times
 
 
 def _score(buf, x, idx, weights, warmup: int, iters: int) -> tuple[float, float]:
@@ -133,7 +139,7 @@ def run(args: argparse.Namespace) -> int:
     world = args.ranks or (gpus if on_gpu else 2)
     candidates = _candidates(args, on_gpu)
     opts = dict(on_gpu=on_gpu, candidates=candidates)
-    problem = ("tokens", "hidden", "experts", "topk", "dtype", "rows")
+    problem = ("tokens", "hidden", "experts", "topk", "dtype", "rows", "ranks_per_node")
     opts.update({k: getattr(args, k) for k in problem})
     opts.update(warmup=args.warmup, iters=args.iters)
     per_rank = run_ranks(
