@@ -1,5 +1,6 @@
 """KernelLauncher (ops/launch.py): launches through the compiled kernel's launcher once Triton
-has specialised a kernel, through Triton again whenever the specialisation may differ."""
+has specialised a kernel, through Triton again whenever the specialisation may differ; and the
+tags that exact-mode layout launches take."""
 
 import pytest
 import torch
@@ -138,3 +139,14 @@ def test_missing_argument_is_an_error_before_launching(fake_triton):
             aligned=dict(out_ptr=torch.zeros(64)),
         )
     assert not through_triton and not compiled.launches
+
+
+def test_report_tags_never_repeat_the_previous_call():
+    """Exact-mode dispatches poll host memory for their layout's tag: a tag equal to the
+    previous call's would let a call read the previous call's row count without waiting."""
+    from hybrid_ep_triton.ops import report_tag
+
+    calls = [*range(1000), 2**29 - 1, 2**29, 2**29 + 1]  # and across the wrap
+    tags = [report_tag(call) for call in calls]
+    assert all(a != b for a, b in zip(tags, tags[1:], strict=False)), tags[:8]
+    assert all(t % 2 == 1 and 1 < t < 2**31 for t in tags), tags[:8]  # one specialisation

@@ -58,12 +58,11 @@ class Runtime:
     compile_options: dict = field(default_factory=dict)
     on_compile: Callable | None = None
     launchers: dict = field(default_factory=dict)
-    _report_tags: Iterator[int] = field(default_factory=lambda: itertools.count(3, 2))
+    _report_calls: Iterator[int] = field(default_factory=itertools.count)
 
     def next_report_tag(self) -> int:
-        """A tag for an exact-mode layout's report: odd and above 1, so that every tag takes the
-        same kernel specialisation, and in int32 range."""
-        return next(self._report_tags) % (1 << 30) | 3
+        """The tag of this Buffer's next exact-mode layout report (see ``report_tag``)."""
+        return report_tag(next(self._report_calls))
 
     def launcher(self, make: Callable[["Runtime"], KernelLauncher]) -> KernelLauncher:
         """The launcher ``make(self)`` returns, made on first use."""
@@ -71,6 +70,13 @@ class Runtime:
         if found is None:
             found = self.launchers[make] = make(self)
         return found
+
+
+def report_tag(call: int) -> int:
+    """The tag of exact-mode call number ``call``'s layout report: never the previous call's
+    (the host must not take the previous report for this one's), odd and above 1, so that every
+    tag takes the same kernel specialisation, and in int32 range."""
+    return 3 + 2 * (call % (1 << 29))
 
 
 def channel_programs(plan: Plan) -> int:
