@@ -78,6 +78,13 @@ def _dispatch_with_handle(
 ) -> tuple[Tensor, Tensor | None, DispatchHandle]:
     """Layout and data move; max_recv_tokens None: exact mode (the host waits for the count).
     Returns recv_x [N, H], recv_weights [N] float32 (None without topk_weights), the handle."""
+    if max_recv_tokens is None and rt.device.type == "cuda":
+        # The host waits for the row count, which a capture never produces: say so at once.
+        if torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(
+                "an exact-mode dispatch (max_recv_tokens=None) waits for its row count on the "
+                "host and cannot be captured in a CUDA graph: pass max_recv_tokens"
+            )
     tag = rt.next_report_tag() if max_recv_tokens is None else 0
     handle = compute_layout(rt, topk_idx, pad_multiple, max_recv_tokens, tag)
     move = prepare_move(rt, x, topk_weights, handle, cached=False)  # while the layout runs
