@@ -5,7 +5,7 @@
 #          GPUs skip); tests2 the second half (the whole suite takes longer than one call)
 #   network  the network put from a Triton kernel through NVSHMEM (one GPU: into its own heap)
 #   tests-nodes  the tests across (simulated) nodes: 2 GPUs as 2 nodes of 1, every transfer
-#          between them an NVSHMEM put
+#          between them an NVSHMEM put (reference groups, the put, timeouts, the demo)
 #   bench  bench/run.py (JSON, Markdown, PNG into $OUT)
 #   soak   hybrid-ep soak on every local GPU ($SOAK_ROUNDS rounds, default 10000)
 #   soak-token  the same with token rows (Buffer(expand=False))
@@ -36,7 +36,8 @@ for step in $STEPS; do
         network) cmd=(env HEP_TEST_DEVICE=cuda HEP_TEST_TIMEOUT=120 python3 -m pytest -q -rs
                       tests/test_network.py) ;;
         tests-nodes) cmd=(env HEP_TEST_DEVICE=cuda HEP_TEST_TIMEOUT=120 python3 -m pytest -q -rs
-                          tests/test_network.py tests/test_dispatch_combine.py -k "x1 or network") ;;
+                          tests/test_network.py tests/test_dispatch_combine.py tests/test_heap.py
+                          tests/test_cli.py -k "x1 or network or two_nodes") ;;
         bench) cmd=(python3 bench/run.py --iters 50 --warmup 10 --timeout 400 --out "$OUT") ;;
         soak) cmd=(python3 -m hybrid_ep_triton soak --device cuda --rounds "${SOAK_ROUNDS:-10000}") ;;
         soak-token) cmd=(python3 -m hybrid_ep_triton soak --device cuda --token-rows
