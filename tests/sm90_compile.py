@@ -23,6 +23,7 @@ from triton.compiler import ASTSource
 from hybrid_ep_triton.kernels.combine import combine_kernel
 from hybrid_ep_triton.kernels.dispatch import dispatch_kernel
 from hybrid_ep_triton.kernels.route import layout_kernel
+from hybrid_ep_triton.runtime.nvshmem import device_library
 from hybrid_ep_triton.runtime.planner import (
     LOCAL_PARTS,
     MAX_PROGRAMS,
@@ -59,17 +60,6 @@ def _resource_usage(cubin: bytes) -> str:
             [tool, "--dump-resource-usage", f.name], capture_output=True, text=True
         )
     return " ".join(line.strip() for line in out.stdout.splitlines() if "REG:" in line)
-
-
-def _nvshmem_bitcode() -> str:
-    """NVSHMEM's sm_90 device bitcode: the per-architecture file of NVSHMEM 3.5 and later (as pip
-    installs it), else the one file of earlier versions."""
-    import nvshmem.core as nvshmem
-
-    try:
-        return nvshmem.find_device_bitcode_library(arch="90")
-    except Exception:  # NVSHMEM before 3.5
-        return nvshmem.find_device_bitcode_library()
 
 
 TOPOLOGIES = ((2, 2), (8, 8), (16, 8))  # (world, ranks per node)
@@ -138,7 +128,7 @@ def compile_all(topologies=TOPOLOGIES):
             if kernel is not layout_kernel:
                 options["maxnreg"] = MAX_REGISTERS
             if nodes > 1:
-                options["extern_libs"] = {"libnvshmem_device": _nvshmem_bitcode()}
+                options["extern_libs"] = device_library(arch="90")
             params = inspect.signature(kernel.fn).parameters
             constexprs = {k: v for k, v in constexprs.items() if k in params}
             signature, attrs = _signature(kernel, pointers, constexprs)

@@ -146,8 +146,8 @@ else:
 
     @triton.jit
     def net_signal(net_bases_ptr, pe, flag_off, value):
-        """Set the int64 flag at ``flag_off`` of ``pe``'s heap to ``value``, after this
-        program's earlier network puts to ``pe``."""
+        """Set the int64 flag at ``flag_off`` of ``pe``'s heap to ``value`` (an atomic: it is
+        not ordered after earlier puts to ``pe``, so it carries no data with it)."""
         tl.debug_barrier()
         _signal_op(
             tl.load(net_bases_ptr + pe) + flag_off, tl.zeros([], tl.int64) + value,
@@ -231,10 +231,10 @@ def handshake(
     this node (over NVLink) and, across nodes, the rank with this rank's local index on every
     other node (over the network). ready flags: int64 [world, P_MAX] in every heap."""
     node_first = node_first_rank(rank, R, NODES)
-    flag_off = ready_off + (rank * P_MAX + channel) * 8
     for peer in range(node_first, node_first + R):
         signal(region(peer_bases_ptr, peer, ready_off, tl.int64) + rank * P_MAX + channel, seq)
     if NODES > 1:
+        flag_off = ready_off + (rank * P_MAX + channel) * 8
         for node in range(0, NODES):
             if node * R != node_first:
                 net_signal(net_bases_ptr, node * R + rank % R, flag_off, seq)
