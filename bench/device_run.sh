@@ -14,6 +14,10 @@
 #   soak-nodes  the soak with every rank its own node ($SOAK_ROUNDS rounds, default 1000)
 #   bench-nodes  S1 and S2 at 8 and 24 SMs, both layouts, with every rank its own node beside
 #          one node, in the same run
+#   fp8    the FP8 dispatch tests (the quantizer, one rank at hidden 7168, and with 2 or 4 GPUs
+#          the groups of 2 and 4 ranks)
+#   bench-fp8  S1 and S2 at $BENCH_SMS SMs (default 8), both layouts, bf16 beside FP8 rows
+#          (given pair, quantize=True), and the quantizing copy beside a plain copy
 #   tune   hybrid-ep tune for the S1 shape
 # Usage there: OUT=... STEPS="tests bench" HEP_COMMIT=<hash> bash bench/device_run.sh
 set -uo pipefail
@@ -51,6 +55,11 @@ for step in $STEPS; do
         bench-nodes) cmd=(python3 bench/run.py --iters 50 --warmup 10 --timeout 400
                           --shapes S1,S2 --sms 8,24 --spot-sms 8,24 --ranks-per-node 1
                           --out "$OUT") ;;
+        fp8) cmd=(env HEP_TEST_DEVICE=cuda HEP_TEST_TIMEOUT=120 python3 -m pytest -q -rs
+                  tests/test_fp8.py) ;;
+        bench-fp8) cmd=(python3 bench/run.py --iters 50 --warmup 10 --timeout 400
+                        --shapes S1,S2 --sms "${BENCH_SMS:-8}" --spot-sms "${BENCH_SMS:-8}"
+                        --out "$OUT") ;;
         tune) cmd=(python3 -m hybrid_ep_triton tune) ;;
         *) echo "unknown step $step" >&2; exit 2 ;;
     esac

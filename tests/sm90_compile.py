@@ -4,9 +4,9 @@ Run as a script (``python tests/sm90_compile.py``) without TRITON_INTERPRET, bec
 interpreter replaces ``triton.jit``. Compiles the launch shapes of EP2 and EP8 within one node
 and of EP16 as 2 nodes of 8, whose kernels link NVSHMEM's sm_90 device bitcode as pip installs
 it, and prints one line per kernel (dispatch and its layout also with one row per token,
-expand=False) with ptxas' resource usage (registers, and STACK: bytes spilled); any compile or
-link error fails. Integer arguments that the JIT would specialise as multiples of 16 (pointers,
-hidden sizes, strides) are marked so.
+expand=False; dispatch of FP8 rows at EP8 and EP16) with ptxas' resource usage (registers, and
+STACK: bytes spilled); any compile or link error fails. Integer arguments that the JIT would
+specialise as multiples of 16 (pointers, hidden sizes, strides) are marked so.
 """
 
 import inspect
@@ -22,6 +22,7 @@ from triton.compiler import ASTSource
 
 from hybrid_ep_triton.kernels.combine import combine_kernel
 from hybrid_ep_triton.kernels.dispatch import dispatch_kernel
+from hybrid_ep_triton.kernels.quantize import quantize_fp8_kernel
 from hybrid_ep_triton.kernels.route import layout_kernel
 from hybrid_ep_triton.runtime.nvshmem import device_library
 from hybrid_ep_triton.runtime.planner import (
@@ -32,7 +33,7 @@ from hybrid_ep_triton.runtime.planner import (
     make_plan,
 )
 
-_ALIGNED_INTS = {"hidden", "x_stride", "y_stride"}
+_ALIGNED_INTS = {"hidden", "data_cols", "x_stride", "y_stride"}
 _INT64 = {"timeout_ns", "heap_bytes", "report_addr"}
 
 
@@ -96,6 +97,7 @@ def compile_all(topologies=TOPOLOGIES):
             COPY_UNROLL=cfg.copy_unroll,
             LP_MAX=LOCAL_PARTS,
             STAGES=cfg.copy_stages,
+            SCALE_WORDS=0,
             **topology,
             **slot,
         )
@@ -113,6 +115,12 @@ def compile_all(topologies=TOPOLOGIES):
         partials = dict(
             i64, y_ptr="*bf16", weights_ptr="*fp32", outbox_ptr="*bf16", out_ptr="*bf16"
         )
+        # FP8 rows move as int32 words: data words, then the scale words (planner.Fp8Rows).
+        fp8 = plan.fp8
+        fp8_tokens = dict(tokens, x_ptr="*i32", recv_x_ptr="*i32", x_scales_ptr="*i32",
+                          recv_scales_ptr="*i32")  # fmt: skip
+        fp8_constexprs = dict(common, BLOCK_H=fp8.block, NET_COLS=fp8.net_cols,
+                              SCALE_WORDS=fp8.scale_words)  # fmt: skip
         builds = [
             *((layout_kernel, dict(i64, topk_idx_ptr="*i64"), dict(layout, TOKEN_ROWS=rows), 4)
               for rows in (False, True)),
@@ -120,12 +128,16 @@ def compile_all(topologies=TOPOLOGIES):
                cfg.num_warps) for rows in (False, True)),
             (combine_kernel, partials,
              dict(common, BLOCK_H=cfg.combine_block_h, COPY_BLOCK_H=cfg.block_h), cfg.num_warps),
+            *((dispatch_kernel, fp8_tokens, dict(fp8_constexprs, TOKEN_ROWS=rows), cfg.num_warps)
+              for rows in (False, True) if world > 2),
+            *((quantize_fp8_kernel, dict(x_ptr="*bf16", values_ptr="*u8", scales_ptr="*fp32"),
+               dict(BLOCK_T=16, GROUPS=8), 4) for _ in range(world == 2)),
         ]  # fmt: skip
         for kernel, pointers, constexprs, num_warps in builds:
             # As launched: the data moves capped at MAX_REGISTERS, the layout kernel uncapped;
             # across nodes with NVSHMEM's device library linked.
             options = dict(num_warps=num_warps)
-            if kernel is not layout_kernel:
+            if kernel in (dispatch_kernel, combine_kernel):
                 options["maxnreg"] = MAX_REGISTERS
             if nodes > 1:
                 options["extern_libs"] = device_library(arch="90")
@@ -138,6 +150,7 @@ def compile_all(topologies=TOPOLOGIES):
                 options=options,
             )
             rows = " (token rows)" if constexprs.get("TOKEN_ROWS") else ""
+            rows += " FP8" if constexprs.get("SCALE_WORDS") else ""
             topo = f"EP{world}" if nodes == 1 else f"EP{world} ({nodes}x{per_node}, NVSHMEM)"
             yield f"{topo} {kernel.fn.__name__}{rows}", compiled
 

@@ -103,6 +103,9 @@ def _bad_call_body(rank: int, world_size: int) -> list[str]:
     refused("1-D x", lambda: buf.dispatch(x.flatten(), idx, w), "x must")
     refused("x as a list", lambda: buf.dispatch(x.tolist(), idx, w), "x must")
     refused("x float32", lambda: buf.dispatch(x.float(), idx, w), "x must be torch.bfloat16")
+    refused(f"FP8 rows at hidden {H}", lambda: buf.dispatch((x, x), idx, w), "multiple of 128")
+    refused(f"quantize at hidden {H}", lambda: buf.dispatch(x, idx, w, quantize=True),
+            "multiple of 128")  # fmt: skip
     big = torch.zeros(T_MAX + 1, H, dtype=BF16, **z)
     big_idx = torch.zeros(T_MAX + 1, K, dtype=torch.int64, **z)
     refused("too many tokens", lambda: buf.dispatch(big, big_idx), "max_tokens_per_rank")

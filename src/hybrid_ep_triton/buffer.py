@@ -11,9 +11,10 @@ from .kernels.dispatch import STAGE_DISPATCH_DATA, STAGE_DISPATCH_NET, STAGE_DIS
 from .kernels.route import STAGE_LAYOUT
 from .ops import Runtime, library
 from .ops.dispatch import DispatchHandle
+from .ops.quantize import quantize_rows
 from .runtime.checks import check_int, check_tensor, describe
 from .runtime.heap import allocate_heap
-from .runtime.planner import MAX_SMS, MAX_TOPK, make_plan
+from .runtime.planner import FP8_GROUP, MAX_SMS, MAX_TOPK, make_plan
 from .runtime.tuning import cache_key, select_config
 
 DEFAULT_TIMEOUT_S = 60.0
@@ -194,13 +195,14 @@ class Buffer:
 
     def dispatch(
         self,
-        x: torch.Tensor,
+        x: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
         topk_idx: torch.Tensor | None = None,
         topk_weights: torch.Tensor | None = None,
         *,
         pad_multiple: int = 1,
         max_recv_tokens: int | None = None,
         handle: DispatchHandle | None = None,
+        quantize: bool = False,
         previous_event: torch.cuda.Event | None = None,
         async_finish: bool = False,
     ):
@@ -209,6 +211,11 @@ class Buffer:
 
         Args:
             x: [T, H] tokens of this rank, the Buffer's dtype; 0 <= T <= max_tokens_per_rank.
+                Or FP8 rows, a pair (values [T, H] float8_e4m3fn, scales [T, H / 128]
+                float32: channel h of token t is values[t, h] * scales[t, h // 128]), with
+                H % 128 == 0, any Buffer dtype; values need a row stride and start that are
+                multiples of 4 bytes. recv_x is then such a pair too, each row's scales moved
+                with it (padding rows: values 0, scales 0). An FP8 pair carries no gradient.
             topk_idx: [T, K] int32 or int64 global expert ids, -1 for an unused slot, distinct
                 within a row. Not needed with ``handle``.
             topk_weights: [T, K] float32 routing weights, or None.
@@ -224,7 +231,10 @@ class Buffer:
                 never drop a row.
             handle: the handle of an earlier dispatch: send new rows ``x`` along the same routing
                 without recomputing the layout (topk_idx, pad_multiple and max_recv_tokens are
-                taken from it).
+                taken from it). FP8 and rows of the Buffer's dtype may share a handle.
+            quantize: x in the Buffer's dtype is quantized to FP8 rows on this GPU first
+                (``reference.quantize_fp8`` states the rule; the kernels match it bit for bit),
+                so that only FP8 values and scales cross the links; recv_x is the FP8 pair.
             previous_event: a CUDA event the call waits for before it starts (instead of the
                 calling stream's work so far, with async_finish).
             async_finish: run on the Buffer's communication stream and also return an event
@@ -254,7 +264,22 @@ class Buffer:
         """
         self._check_usable()
         rt = self._rt
-        self._check_tokens("x", x)
+        x_scales = None
+        if isinstance(x, tuple):
+            if quantize:
+                raise ValueError("quantize=True takes rows of the Buffer's dtype, not FP8 rows")
+            x, x_scales = self._check_fp8_rows(x)
+        else:
+            self._check_tokens("x", x)
+            if quantize:
+                self._check_fp8_hidden()
+                if x.requires_grad and torch.is_grad_enabled():
+                    # torch would cast the gradient of a float8 output to float8.
+                    raise ValueError(
+                        "quantize=True: the FP8 rows carry no gradient (torch casts a gradient "
+                        "to its tensor's dtype, float8 here); dispatch rows of the Buffer's "
+                        "dtype to differentiate, or send gradient rows back with combine"
+                    )
         num_tokens = x.shape[0]
         if handle is None:
             topk = self._check_routing(topk_idx, num_tokens)
@@ -277,20 +302,26 @@ class Buffer:
             check_tensor("topk_weights", topk_weights, (num_tokens, topk), torch.float32, rt.device)
 
         self._check_event(previous_event)
+
+        def rows():  # (x, x_scales) as the kernels move them, on the launch's stream
+            return quantize_rows(rt, x) if quantize else (x, x_scales)
+
         if handle is None:
             topk_idx = topk_idx.contiguous()
-            (recv_x, recv_weights, handle), event = self._launch(
+            (recv_x, recv_scales, recv_weights, handle), event = self._launch(
                 lambda: library.run_dispatch(
-                    rt, self._id, x, topk_idx, topk_weights, pad_multiple, max_recv_tokens
+                    rt, self._id, *rows(), topk_idx, topk_weights, pad_multiple, max_recv_tokens
                 ),
-                (x, topk_idx, topk_weights), previous_event, async_finish,
+                (x, x_scales, topk_idx, topk_weights), previous_event, async_finish,
             )  # fmt: skip
             self._track_overflow(handle)
         else:
-            (recv_x, recv_weights), event = self._launch(
-                lambda: library.run_dispatch_cached(rt, self._id, x, topk_weights, handle),
-                (x, topk_weights), previous_event, async_finish,
+            (recv_x, recv_scales, recv_weights), event = self._launch(
+                lambda: library.run_dispatch_cached(rt, self._id, *rows(), topk_weights, handle),
+                (x, x_scales, topk_weights), previous_event, async_finish,
             )  # fmt: skip
+        if recv_scales is not None:
+            recv_x = recv_x, recv_scales
         if self.expand:
             outputs = recv_x, recv_weights, handle.tokens_per_expert, handle
         else:
@@ -445,6 +476,46 @@ class Buffer:
             )
         if x.stride(1) != 1:
             raise ValueError(f"{name} must have contiguous rows (stride(1) == 1)")
+
+    def _check_fp8_hidden(self) -> None:
+        if self._rt.plan.fp8 is None:
+            raise ValueError(
+                f"FP8 rows need a hidden size that is a multiple of {FP8_GROUP}, this Buffer's "
+                f"is {self.hidden_size}"
+            )
+
+    def _check_fp8_rows(self, pair) -> tuple[torch.Tensor, torch.Tensor]:
+        if len(pair) != 2:
+            raise ValueError(f"FP8 rows are a pair (values, scales), got {len(pair)} items")
+        values, scales = pair
+        self._check_fp8_hidden()
+        hidden = self.hidden_size
+        if not isinstance(values, torch.Tensor) or values.dim() != 2:
+            raise ValueError(f"FP8 values must be a [T, {hidden}] tensor, got {describe(values)}")
+        num_tokens = values.shape[0]
+        check_tensor("FP8 values", values, (num_tokens, hidden), torch.float8_e4m3fn,
+                     self._rt.device)  # fmt: skip
+        check_tensor("FP8 scales", scales, (num_tokens, hidden // FP8_GROUP), torch.float32,
+                     self._rt.device)  # fmt: skip
+        if num_tokens > self.max_tokens_per_rank:
+            raise ValueError(
+                f"x has {num_tokens} tokens, more than max_tokens_per_rank="
+                f"{self.max_tokens_per_rank}"
+            )
+        if values.stride(1) != 1 or scales.stride(1) != 1:
+            raise ValueError("FP8 values and scales must have contiguous rows (stride(1) == 1)")
+        if values.stride(0) % 4 or values.storage_offset() % 4:
+            raise ValueError(
+                "FP8 values must start and have a row stride at multiples of 4 bytes (they move "
+                f"as 32-bit words), got stride {values.stride(0)}, offset "
+                f"{values.storage_offset()}"
+            )
+        if values.requires_grad or scales.requires_grad:
+            raise ValueError(
+                "FP8 rows carry no gradient: dispatch rows of the Buffer's dtype with "
+                "quantize=True to have one"
+            )
+        return values, scales
 
     def _check_routing(self, topk_idx: torch.Tensor | None, num_tokens: int) -> int:
         if topk_idx is None:

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-__all__ = ["ReferenceHandle", "combine", "dispatch"]
+__all__ = ["ReferenceHandle", "combine", "dequantize_fp8", "dispatch", "quantize_fp8"]
 
 
 @dataclass
@@ -297,3 +297,35 @@ def combine(
         out.index_add_(0, handle.send_token_idx[start:end], back[start:end])
         start = end
     return out.to(y.dtype)
+
+
+# -- FP8 rows -------------------------------------------------------------------------------
+
+FP8_GROUP = 128  # channels per scale
+E4M3_MAX = 448.0  # largest float8_e4m3fn value
+
+
+def quantize_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x`` [T, H] (H % 128 == 0) as (values [T, H] float8_e4m3fn, scales [T, H / 128]
+    float32), one scale per token and 128 consecutive channels: scale = amax / 448, value =
+    x / scale rounded to the nearest e4m3 value (ties to even), saturated at +-448; a block of
+    zeros has scale 0 and values 0. Dequantized: value * scale (``dequantize_fp8``)."""
+    num_tokens, hidden = x.shape
+    if hidden % FP8_GROUP:
+        raise ValueError(f"FP8 rows need a hidden size that is a multiple of 128, got {hidden}")
+    blocks = x.float().reshape(num_tokens, hidden // FP8_GROUP, FP8_GROUP)
+    amax = blocks.abs().amax(dim=2)
+    # A tensor divisor: CUDA torch divides by a scalar as a product with its reciprocal, which
+    # is not always the IEEE quotient.
+    scales = amax / torch.full_like(amax, E4M3_MAX)
+    safe = torch.where(scales > 0, scales, 1.0)[:, :, None]
+    ratio = torch.where(scales[:, :, None] > 0, blocks / safe, 0.0)
+    values = ratio.clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+    return values.reshape(num_tokens, hidden), scales
+
+
+def dequantize_fp8(values: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """float32 [T, H] from FP8 rows: values [T, H] float8_e4m3fn times their scales [T, H / 128]."""
+    num_tokens, hidden = values.shape
+    blocks = values.float().reshape(num_tokens, hidden // FP8_GROUP, FP8_GROUP)
+    return (blocks * scales[:, :, None]).reshape(num_tokens, hidden)

@@ -62,32 +62,71 @@ def column(tile, index, i):
 
 @triton.jit
 def _store_tile(out_ptr, rows, cols, cmask, tile, hidden):
-    """Store ``tile`` [M, BLOCK_H] into columns ``cols`` of output rows ``rows`` [M] (-1: none)."""
+    """Store ``tile`` [M, BLOCK_H] into columns ``cols`` of output rows ``rows`` [M] (-1: none)
+    of ``hidden`` columns."""
     ptrs = out_ptr + rows.to(tl.int64)[:, None] * hidden + cols[None, :]
     tl.store(ptrs, tile, mask=(rows >= 0)[:, None] & cmask[None, :])
+
+
+# A staged row is one run of columns; where it comes from and goes to may be two: an FP8 row's
+# values (part 0) and its scales (part 1), the last SCALE_WORDS of its columns. Each copy loops
+# over the parts of its columns, so that every tile has one source and one destination.
+@triton.jit
+def row_part(
+    x_rows, scale_rows, part: tl.constexpr, first, last, data_cols, SCALE_WORDS: tl.constexpr
+):
+    """The rows' source of part ``part`` of columns [first, last) (``x_rows``, ``scale_rows``
+    [M, 1]: pointers to the rows' first value, first scale), as pointers that column c is
+    added to, and that part's columns [lo, hi). Columns past the scales (a staged FP8 row's
+    padding to 16 words, for aligned rows) are in neither."""
+    # One return after a compile-time branch: Triton checks that all returns have one type.
+    if part == 0:
+        src, lo, hi = x_rows, first, tl.minimum(last, data_cols)
+    else:
+        src = scale_rows - data_cols
+        lo, hi = tl.maximum(first, data_cols), tl.minimum(last, data_cols + SCALE_WORDS)
+    return src, lo, hi
+
+
+@triton.jit
+def out_part(out_ptr, out_scales_ptr, part: tl.constexpr, data_cols, SCALE_WORDS: tl.constexpr):
+    """The output of part ``part``: (base, row stride, column of its first element)."""
+    if part == 0:
+        dst, stride, offset = out_ptr, data_cols, 0
+    else:
+        dst, stride, offset = out_scales_ptr, SCALE_WORDS, data_cols
+    return dst, stride, offset
 
 
 @triton.jit(noinline=True)
 def _zero_rows(
     out_ptr,
+    out_scales_ptr,
     weights_ptr,
     first,
     last,
-    hidden,
+    data_cols,
+    SCALE_WORDS: tl.constexpr,
     HAS_WEIGHTS: tl.constexpr,
     CHUNK: tl.constexpr,
     BLOCK_H: tl.constexpr,
 ):
+    """Zero rows [first, last) of the output (FP8 rows: values and scales) and their weights."""
+    PARTS: tl.constexpr = 2 if SCALE_WORDS > 0 else 1
     for r0 in range(first, last, CHUNK):
         rows = r0 + tl.arange(0, CHUNK)
         rmask = rows < last
         if HAS_WEIGHTS:
             tl.store(weights_ptr + rows, tl.zeros([CHUNK], tl.float32), mask=rmask)
-        for h0 in range(0, hidden, BLOCK_H):
-            cols = h0 + tl.arange(0, BLOCK_H)
-            ptrs = out_ptr + rows.to(tl.int64)[:, None] * hidden + cols[None, :]
-            zeros = tl.zeros([CHUNK, BLOCK_H], out_ptr.dtype.element_ty)
-            tl.store(ptrs, zeros, mask=rmask[:, None] & (cols[None, :] < hidden))
+        zeros = tl.zeros([CHUNK, BLOCK_H], out_ptr.dtype.element_ty)
+        for part in tl.static_range(PARTS):
+            _, lo, hi = row_part(out_ptr, out_ptr, part, 0, data_cols + SCALE_WORDS, data_cols,
+                                 SCALE_WORDS)  # fmt: skip
+            dst, stride, offset = out_part(out_ptr, out_scales_ptr, part, data_cols, SCALE_WORDS)
+            for h0 in range(lo, hi, BLOCK_H):
+                cols = h0 + tl.arange(0, BLOCK_H)
+                _store_tile(dst, tl.where(rmask, rows, -1), cols - offset, cols < hi, zeros,
+                            stride)  # fmt: skip
 
 
 @triton.jit
@@ -219,11 +258,14 @@ def _send_chunk(
     h_last,
     x_ptr,
     x_stride,
+    x_scales_ptr,
+    x_scales_stride,
     topk_idx_ptr,
     topk_weights_ptr,
     num_tokens,
     topk,
     hidden,
+    data_cols,
     num_experts,
     experts_per_rank,
     world_size,
@@ -248,11 +290,13 @@ def _send_chunk(
     HAS_WEIGHTS: tl.constexpr,
     TOKEN_ROWS: tl.constexpr,
     STAGES: tl.constexpr,
+    SCALE_WORDS: tl.constexpr,
 ):
     """Push columns [h_first, h_last) of chunk ``c`` of this rank's tokens to every other rank of
     this node (the R ranks from ``node_first``) that holds one of their experts: each row once per
     rank, with the expert-major rows (or with TOKEN_ROWS the local expert ids) and weights of its
     slots there (every column slice writes these, so the receiver of a slice needs no other)."""
+    PARTS: tl.constexpr = 2 if SCALE_WORDS > 0 else 1
     dtype = x_ptr.dtype.element_ty
     locals_ = tl.arange(0, R_P2)
     ranks = node_first + locals_
@@ -261,6 +305,7 @@ def _send_chunk(
         chunk_expert_base_ptr, CHUNK, K_P2, TOKEN_ROWS,
     )  # fmt: skip
     x_rows = x_ptr + tokens.to(tl.int64)[:, None] * x_stride
+    scale_rows = x_scales_ptr + tokens.to(tl.int64)[:, None] * x_scales_stride
     if HAS_WEIGHTS:
         weight = tl.load(topk_weights_ptr + slot_offs, mask=dest >= 0, other=0.0)
     # Row of each (token, other destination) in that destination's staging area, or -1.
@@ -281,17 +326,19 @@ def _send_chunk(
             if HAS_WEIGHTS:
                 meta_weights = region(peer_bases_ptr, q, meta_weights_off, tl.float32)
                 tl.store((meta_weights + meta)[:, None] + entry, weight, mask=sel)
-    # STAGES tiles' loads in flight (through shared memory) while one is stored.
-    for h0 in tl.range(h_first, h_last, BLOCK_H, num_stages=STAGES):
-        cols = h0 + tl.arange(0, BLOCK_H)
-        cmask = cols < h_last
-        tile = tl.load(x_rows + cols[None, :], mask=tmask[:, None] & cmask[None, :])
-        for r in tl.static_range(R_P2):
-            if r < R:
-                row = column(stream_rows, locals_, r)
-                staging = region(peer_bases_ptr, node_first + r, staging_off, dtype)
-                ptrs = staging + row.to(tl.int64)[:, None] * hidden + cols[None, :]
-                tl.store(ptrs, tile, mask=(row >= 0)[:, None] & cmask[None, :])
+    for part in tl.static_range(PARTS):
+        src, lo, hi = row_part(x_rows, scale_rows, part, h_first, h_last, data_cols, SCALE_WORDS)
+        # STAGES tiles' loads in flight (through shared memory) while one is stored.
+        for h0 in tl.range(lo, hi, BLOCK_H, num_stages=STAGES):
+            cols = h0 + tl.arange(0, BLOCK_H)
+            cmask = cols < hi
+            tile = tl.load(src + cols[None, :], mask=tmask[:, None] & cmask[None, :])
+            for r in tl.static_range(R_P2):
+                if r < R:
+                    row = column(stream_rows, locals_, r)
+                    staging = region(peer_bases_ptr, node_first + r, staging_off, dtype)
+                    ptrs = staging + row.to(tl.int64)[:, None] * hidden + cols[None, :]
+                    tl.store(ptrs, tile, mask=(row >= 0)[:, None] & cmask[None, :])
 
 
 @triton.jit(noinline=True)
@@ -304,6 +351,9 @@ def _pack_node_slot(
     slot_ptr,
     x_ptr,
     x_stride,
+    x_scales_ptr,
+    x_scales_stride,
+    data_cols,
     topk_idx_ptr,
     topk_weights_ptr,
     num_tokens,
@@ -331,12 +381,14 @@ def _pack_node_slot(
     META_FLOATS: tl.constexpr,
     NET_COLS: tl.constexpr,
     DATA_OFF: tl.constexpr,
+    SCALE_WORDS: tl.constexpr,
 ):
     """Write columns [h_first, h_last) of the tokens of chunk ``c`` that go to node ``node`` into
     the network slot at ``slot_ptr`` (a NetSlot, see the planner): row i is the chunk's i-th
     token to that node (``num_rows`` of them), with, per rank r of that node, the token's row in
     this rank's stream to r and what a direct send would record there. Rows past num_rows get
     no destination, so that what an earlier call left there is never forwarded."""
+    PARTS: tl.constexpr = 2 if SCALE_WORDS > 0 else 1
     dtype = x_ptr.dtype.element_ty
     locals_ = tl.arange(0, R_P2)
     ranks = node * R + locals_
@@ -373,11 +425,15 @@ def _pack_node_slot(
     )
     data = (slot_ptr + DATA_OFF).to(tl.pointer_type(dtype))
     x_rows = x_ptr + tokens.to(tl.int64)[:, None] * x_stride
-    for h0 in tl.range(h_first, h_last, BLOCK_H, num_stages=STAGES):
-        cols = h0 + tl.arange(0, BLOCK_H)
-        mask = sent[:, None] & (cols < h_last)[None, :]
-        tile = tl.load(x_rows + cols[None, :], mask=mask)
-        tl.store(data + row[:, None] * NET_COLS + (cols - h_first)[None, :], tile, mask=mask)
+    scale_rows = x_scales_ptr + tokens.to(tl.int64)[:, None] * x_scales_stride
+    for part in tl.static_range(PARTS):
+        src, lo, hi = row_part(x_rows, scale_rows, part, h_first, h_last, data_cols,
+                               SCALE_WORDS)  # fmt: skip
+        for h0 in tl.range(lo, hi, BLOCK_H, num_stages=STAGES):
+            cols = h0 + tl.arange(0, BLOCK_H)
+            mask = sent[:, None] & (cols < hi)[None, :]
+            tile = tl.load(src + cols[None, :], mask=mask)
+            tl.store(data + row[:, None] * NET_COLS + (cols - h_first)[None, :], tile, mask=mask)
 
 
 @triton.jit(noinline=True)
@@ -469,6 +525,7 @@ def _expand_chunk(
     h_last,
     part,
     hidden,
+    data_cols,
     topk,
     num_out_rows,
     token_row_offset,
@@ -477,6 +534,7 @@ def _expand_chunk(
     staging_ptr,
     staged_rows_ptr,
     recv_x_ptr,
+    recv_scales_ptr,
     recv_weights_ptr,
     recv_topk_idx_ptr,
     MS: tl.constexpr,
@@ -487,12 +545,14 @@ def _expand_chunk(
     HAS_WEIGHTS: tl.constexpr,
     WRITE_ROWS: tl.constexpr,
     TOKEN_ROWS: tl.constexpr,
+    SCALE_WORDS: tl.constexpr,
 ):
     """Copy columns [h_first, h_last) of staged rows [staged_first, staged_end) to their rows of
     recv_x: the expert-major rows in their metadata, or with TOKEN_ROWS the one row
     ``staged + token_row_offset``. Column ``part`` 0 of a staged chunk also records those rows
     in staged_rows (if WRITE_ROWS) and copies the rows' weights (and with TOKEN_ROWS their
     local expert ids into recv_topk_idx)."""
+    PARTS: tl.constexpr = 2 if SCALE_WORDS > 0 else 1
     entries = tl.arange(0, MS_P2)
     staged = staged_first + tl.arange(0, CHUNK)
     jmask = staged < staged_end
@@ -532,24 +592,27 @@ def _expand_chunk(
     if WRITE_ROWS:
         tl.store(staged_rows_ptr + meta, rows, mask=recorded)
     src_rows = staging_ptr + staged.to(tl.int64)[:, None] * hidden
-    cols = h_first + tl.arange(0, BLOCK_H)
-    tile = tl.load(
-        src_rows + cols[None, :],
-        mask=jmask[:, None] & (cols[None, :] < h_last),
-        cache_modifier=".cg",
-    )
-    for h0 in range(h_first, h_last, BLOCK_H):
-        cols = h0 + tl.arange(0, BLOCK_H)
-        cmask = cols < h_last
-        next_cols = cols + BLOCK_H
-        next_tile = tl.load(
-            src_rows + next_cols[None, :],
-            mask=jmask[:, None] & (next_cols[None, :] < h_last),
+    for p in tl.static_range(PARTS):
+        _, lo, hi = row_part(src_rows, src_rows, p, h_first, h_last, data_cols, SCALE_WORDS)
+        dst, stride, offset = out_part(recv_x_ptr, recv_scales_ptr, p, data_cols, SCALE_WORDS)
+        cols = lo + tl.arange(0, BLOCK_H)
+        tile = tl.load(
+            src_rows + cols[None, :],
+            mask=jmask[:, None] & (cols[None, :] < hi),
             cache_modifier=".cg",
         )
-        for i in range(0, num_copies):
-            _store_tile(recv_x_ptr, column(rows, entries, i), cols, cmask, tile, hidden)
-        tile = next_tile
+        for h0 in range(lo, hi, BLOCK_H):
+            cols = h0 + tl.arange(0, BLOCK_H)
+            cmask = cols < hi
+            next_cols = cols + BLOCK_H
+            next_tile = tl.load(
+                src_rows + next_cols[None, :],
+                mask=jmask[:, None] & (next_cols[None, :] < hi),
+                cache_modifier=".cg",
+            )
+            for i in range(0, num_copies):
+                _store_tile(dst, column(rows, entries, i), cols - offset, cmask, tile, stride)
+            tile = next_tile
 
 
 @triton.jit(noinline=True)
@@ -563,7 +626,7 @@ def _expand_own_chunk(
     topk_weights_ptr,
     num_tokens,
     topk,
-    hidden,
+    data_cols,
     num_experts,
     experts_per_rank,
     rank,
@@ -575,8 +638,11 @@ def _expand_own_chunk(
     chunk_expert_base_ptr,
     staged_rows_ptr,
     recv_x_ptr,
+    recv_scales_ptr,
     recv_weights_ptr,
     recv_topk_idx_ptr,
+    x_scales_ptr,
+    x_scales_stride,
     W: tl.constexpr,
     MS: tl.constexpr,
     MS_P2: tl.constexpr,
@@ -587,6 +653,7 @@ def _expand_own_chunk(
     WRITE_ROWS: tl.constexpr,
     TOKEN_ROWS: tl.constexpr,
     STAGES: tl.constexpr,
+    SCALE_WORDS: tl.constexpr,
 ):
     """Copy columns [h_first, h_last) of this rank's tokens of chunk ``c`` straight from ``x``
     to the expert-major rows of their local experts (with TOKEN_ROWS: to one row per token,
@@ -594,6 +661,7 @@ def _expand_own_chunk(
     weights packed in slot order), and (if WRITE_ROWS) record those rows in staged_rows as the
     rows of the token's place in its stream to this rank, which starts at row
     ``own_stream_first``, packed in slot order as a sender packs them."""
+    PARTS: tl.constexpr = 2 if SCALE_WORDS > 0 else 1
     slots = tl.arange(0, K_P2)
     tokens, tmask, slot_offs, dest, recorded = _chunk_slots(
         c, topk_idx_ptr, num_tokens, topk, num_experts, experts_per_rank, slot_pos_ptr,
@@ -629,27 +697,35 @@ def _expand_own_chunk(
         meta = staged_rows_ptr + (own_stream_first + stream_pos).to(tl.int64) * MS
         _store_packed(meta, packed, out_row, any_mine, MS, -1, MS_P2, CHUNK)
     x_rows = x_ptr + tokens.to(tl.int64)[:, None] * x_stride
+    scale_rows = x_scales_ptr + tokens.to(tl.int64)[:, None] * x_scales_stride
     wanted = tl.max(out_row, axis=1) >= 0
-    for h0 in tl.range(h_first, h_last, BLOCK_H, num_stages=STAGES):
-        cols = h0 + tl.arange(0, BLOCK_H)
-        cmask = cols < h_last
-        tile = tl.load(x_rows + cols[None, :], mask=wanted[:, None] & cmask[None, :])
-        if TOKEN_ROWS:  # one row per token, in entry 0
-            _store_tile(recv_x_ptr, column(out_row, slots, 0), cols, cmask, tile, hidden)
-        else:
-            for k in tl.static_range(K_P2):
-                _store_tile(recv_x_ptr, column(out_row, slots, k), cols, cmask, tile, hidden)
+    for p in tl.static_range(PARTS):
+        src, lo, hi = row_part(x_rows, scale_rows, p, h_first, h_last, data_cols, SCALE_WORDS)
+        dst, stride, offset = out_part(recv_x_ptr, recv_scales_ptr, p, data_cols, SCALE_WORDS)
+        for h0 in tl.range(lo, hi, BLOCK_H, num_stages=STAGES):
+            cols = h0 + tl.arange(0, BLOCK_H)
+            cmask = cols < hi
+            tile = tl.load(src + cols[None, :], mask=wanted[:, None] & cmask[None, :])
+            if TOKEN_ROWS:  # one row per token, in entry 0
+                _store_tile(dst, column(out_row, slots, 0), cols - offset, cmask, tile, stride)
+            else:
+                for k in tl.static_range(K_P2):
+                    _store_tile(dst, column(out_row, slots, k), cols - offset, cmask, tile,
+                                stride)  # fmt: skip
 
 
 @triton.jit
 def dispatch_kernel(
-    x_ptr,  # [T, H], row stride x_stride
+    x_ptr,  # [T, H], row stride x_stride; FP8 rows: [T, H / 4] int32 words of e4m3 values
     x_stride,
+    x_scales_ptr,  # FP8 rows: [T, SCALE_WORDS] float32 as int32 words, row stride x_scales_stride
+    x_scales_stride,
     topk_idx_ptr,  # [T, K] int32/int64
     topk_weights_ptr,  # [T, K] float32 (unused unless HAS_WEIGHTS)
     num_tokens,
     topk,
-    hidden,
+    hidden,  # columns of a staged row (FP8 rows: words, values then scales, then padding)
+    data_cols,  # columns of a row of recv_x: hidden; FP8 rows: H / 4 words
     num_experts,
     experts_per_rank,
     rank,
@@ -666,7 +742,8 @@ def dispatch_kernel(
     expert_layout_ptr,  # [3, L] int32
     info_ptr,  # [4] int64
     staged_rows_ptr,  # out [W, T_MAX, MS] int32: expert-major rows of each staged row, or -1
-    recv_x_ptr,  # out [N, H]
+    recv_x_ptr,  # out [N, H] (FP8 rows: [N, H / 4] int32 words)
+    recv_scales_ptr,  # out, FP8 rows: [N, SCALE_WORDS] float32 as int32 words; else unused
     recv_weights_ptr,  # out [N] float32, with TOKEN_ROWS [N, K] (unused unless HAS_WEIGHTS)
     recv_topk_idx_ptr,  # out [N, K] int32 with TOKEN_ROWS and WRITE_ROWS, else unused
     peer_bases_ptr,
@@ -709,6 +786,7 @@ def dispatch_kernel(
     NET_COLS: tl.constexpr,
     DATA_OFF: tl.constexpr,
     SLOT_BYTES: tl.constexpr,
+    SCALE_WORDS: tl.constexpr,  # 0; FP8 rows: H / 128, the scale words after a row's data words
 ):
     pid = tl.program_id(0)
     num_programs = tl.num_programs(0)
@@ -757,11 +835,12 @@ def dispatch_kernel(
                         slot = region(peer_bases_ptr, rank, slot_off, tl.uint8)
                         _pack_node_slot(
                             c, node, h_first, h_last, num_rows, slot, x_ptr, x_stride,
-                            topk_idx_ptr, topk_weights_ptr, num_tokens, topk, num_experts,
-                            experts_per_rank, W, slot_pos_ptr, token_rank_pos_ptr,
+                            x_scales_ptr, x_scales_stride, data_cols, topk_idx_ptr,
+                            topk_weights_ptr, num_tokens, topk, num_experts, experts_per_rank, W,
+                            slot_pos_ptr, token_rank_pos_ptr,
                             token_node_pos_ptr, send_chunk_start_ptr, chunk_expert_base_ptr, MS,
                             MS_P2, K_P2, R, R_P2, NODES, CHUNK, BLOCK_H, HAS_WEIGHTS, TOKEN_ROWS,
-                            STAGES, META_INTS, META_FLOATS, NET_COLS, DATA_OFF,
+                            STAGES, META_INTS, META_FLOATS, NET_COLS, DATA_OFF, SCALE_WORDS,
                         )  # fmt: skip
                         there = my_node * ITEMS + w
                         net_put_signal(
@@ -773,11 +852,12 @@ def dispatch_kernel(
                         if w % H_SLICES == 0:  # rows that crossed the network, for the stats
                             tl.atomic_add(control_ptr + 10, num_rows.to(tl.int64))
             _send_chunk(
-                c, h_first, h_last, x_ptr, x_stride, topk_idx_ptr, topk_weights_ptr, num_tokens,
-                topk, hidden, num_experts, experts_per_rank, W, rank, slot_pos_ptr,
-                token_rank_pos_ptr, send_chunk_start_ptr, chunk_expert_base_ptr, peer_bases_ptr,
-                meta_rows_off, meta_weights_off, staging_off, node_first, T_MAX, MS, MS_P2, K_P2,
-                R, R_P2, CHUNK, BLOCK_H, HAS_WEIGHTS, TOKEN_ROWS, STAGES,
+                c, h_first, h_last, x_ptr, x_stride, x_scales_ptr, x_scales_stride, topk_idx_ptr,
+                topk_weights_ptr, num_tokens, topk, hidden, data_cols, num_experts,
+                experts_per_rank, W, rank, slot_pos_ptr, token_rank_pos_ptr, send_chunk_start_ptr,
+                chunk_expert_base_ptr, peer_bases_ptr, meta_rows_off, meta_weights_off,
+                staging_off, node_first, T_MAX, MS, MS_P2, K_P2, R, R_P2, CHUNK, BLOCK_H,
+                HAS_WEIGHTS, TOKEN_ROWS, STAGES, SCALE_WORDS,
             )  # fmt: skip
             for peer in range(node_first, node_first + R):
                 if peer != rank:
@@ -848,13 +928,14 @@ def dispatch_kernel(
                 h_first = (k % expand_slices) * own_cols
                 _expand_own_chunk(
                     c, h_first, tl.minimum(h_first + own_cols, hidden), x_ptr, x_stride,
-                    topk_idx_ptr, topk_weights_ptr, num_tokens, topk, hidden, num_experts,
+                    topk_idx_ptr, topk_weights_ptr, num_tokens, topk, data_cols, num_experts,
                     experts_per_rank, rank, num_out_rows, slot_pos_ptr, token_rank_pos_ptr,
                     rank * T_MAX + tl.load(send_chunk_start_ptr + c * W + rank),
                     own_token_rows_first + tl.load(send_chunk_start_ptr + c * W + rank),
-                    chunk_expert_base_ptr, staged_rows_ptr, recv_x_ptr, recv_weights_ptr,
-                    recv_topk_idx_ptr, W, MS, MS_P2, K_P2, CHUNK, BLOCK_H, HAS_WEIGHTS,
-                    WRITE_ROWS, TOKEN_ROWS, STAGES,
+                    chunk_expert_base_ptr, staged_rows_ptr, recv_x_ptr, recv_scales_ptr,
+                    recv_weights_ptr, recv_topk_idx_ptr, x_scales_ptr, x_scales_stride, W, MS,
+                    MS_P2, K_P2, CHUNK, BLOCK_H, HAS_WEIGHTS, WRITE_ROWS, TOKEN_ROWS, STAGES,
+                    SCALE_WORDS,
                 )  # fmt: skip
             else:
                 part = k % staged_parts
@@ -882,12 +963,14 @@ def dispatch_kernel(
                         )  # fmt: skip
                     _expand_chunk(
                         src * T_MAX + tl.load(table + c), src * T_MAX + tl.load(table + c + 1),
-                        h_first, h_last, part, hidden, topk, num_out_rows, token_row_offset,
+                        h_first, h_last, part, hidden, data_cols, topk, num_out_rows,
+                        token_row_offset,
                         region(peer_bases_ptr, rank, meta_rows_off, tl.int32),
                         region(peer_bases_ptr, rank, meta_weights_off, tl.float32),
                         region(peer_bases_ptr, rank, staging_off, dtype), staged_rows_ptr,
-                        recv_x_ptr, recv_weights_ptr, recv_topk_idx_ptr, MS, MS_P2, K_P2, CHUNK,
-                        BLOCK_H, HAS_WEIGHTS, WRITE_ROWS, TOKEN_ROWS,
+                        recv_x_ptr, recv_scales_ptr, recv_weights_ptr, recv_topk_idx_ptr, MS,
+                        MS_P2, K_P2, CHUNK, BLOCK_H, HAS_WEIGHTS, WRITE_ROWS, TOKEN_ROWS,
+                        SCALE_WORDS,
                     )  # fmt: skip
             item = take_work(control_ptr + 6)
 
@@ -899,15 +982,17 @@ def dispatch_kernel(
                 seg + tl.load(expert_layout_ptr + 2 * experts_per_rank + e), num_out_rows
             )
             _zero_rows(
-                recv_x_ptr, recv_weights_ptr, first, last, hidden, ROW_WEIGHTS, CHUNK, BLOCK_H
-            )
+                recv_x_ptr, recv_scales_ptr, recv_weights_ptr, first, last, data_cols,
+                SCALE_WORDS, ROW_WEIGHTS, CHUNK, BLOCK_H,
+            )  # fmt: skip
         valid_rows = tl.where(aborted, 0, tl.minimum(tl.load(info_ptr), num_out_rows)).to(tl.int32)
         for b in range(lid, tl.cdiv(num_out_rows - valid_rows, CHUNK), num_expanders):
             first = valid_rows + b * CHUNK
             last = tl.minimum(first + CHUNK, num_out_rows)
             _zero_rows(
-                recv_x_ptr, recv_weights_ptr, first, last, hidden, ROW_WEIGHTS, CHUNK, BLOCK_H
-            )
+                recv_x_ptr, recv_scales_ptr, recv_weights_ptr, first, last, data_cols,
+                SCALE_WORDS, ROW_WEIGHTS, CHUNK, BLOCK_H,
+            )  # fmt: skip
             if TOKEN_ROWS:
                 _clear_slots(
                     recv_topk_idx_ptr, recv_weights_ptr, first, last, topk, HAS_WEIGHTS,

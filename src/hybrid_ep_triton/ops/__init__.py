@@ -92,8 +92,8 @@ def programs_beside_senders(rt: Runtime) -> int:
     return max(rt.local_programs - channel_programs(rt.plan), rt.local_programs // 2, 2)
 
 
-def local_parts(plan: Plan, block_h: int) -> int:
+def local_parts(plan: Plan, block_h: int, cols: int | None = None) -> int:
     """Column parts of a work item for the local roles: up to LOCAL_PARTS, at least one tile of
-    ``block_h`` columns each."""
-    tiles = ceil_div(ceil_div(plan.hidden, plan.config.h_slices), block_h)
+    ``block_h`` columns each, of rows of ``cols`` columns (default: the hidden size)."""
+    tiles = ceil_div(ceil_div(cols or plan.hidden, plan.config.h_slices), block_h)
     return max(1, min(tiles, LOCAL_PARTS))

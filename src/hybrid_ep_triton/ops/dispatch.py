@@ -249,46 +249,71 @@ def net_slot_constants(plan: Plan) -> dict:
     return dict(NET_COLS=slot.cols, DATA_OFF=slot.data_offset, SLOT_BYTES=slot.bytes)
 
 
-def _own_slices(rt: Runtime, expanders: int) -> int:
-    """Column slices of an own chunk in the expansion: about two work items per expander at
-    max_tokens, at most one tile column per slice."""
-    plan = rt.plan
-    tiles = ceil_div(plan.hidden, plan.config.block_h)
-    return max(1, min(tiles, ceil_div(2 * expanders, plan.max_chunks)))
+def _own_slices(rt: Runtime, expanders: int, cols: int, block: int) -> int:
+    """Column slices of an own chunk of rows of ``cols`` columns in the expansion: about two
+    work items per expander at max_tokens, at most one tile of ``block`` columns per slice."""
+    return max(1, min(ceil_div(cols, block), ceil_div(2 * expanders, rt.plan.max_chunks)))
 
 
 def _move_launcher(rt: Runtime) -> KernelLauncher:
-    """dispatch_kernel with the arguments that stay the same for a Buffer."""
+    """dispatch_kernel for rows of the Buffer's dtype, with the arguments that stay the same
+    for a Buffer (the unused scale pointers: any tensor)."""
+    plan = rt.plan
+    return _data_move_launcher(
+        rt, plan.hidden, plan.hidden, plan.config.block_h, plan.net_slot.cols, scale_words=0,
+        x_scales_ptr=rt.control, x_scales_stride=0, recv_scales_ptr=rt.control,
+    )  # fmt: skip
+
+
+def _fp8_move_launcher(rt: Runtime) -> KernelLauncher:
+    """dispatch_kernel for FP8 rows, moved as int32 words (see planner.Fp8Rows)."""
+    fp8 = rt.plan.fp8
+    return _data_move_launcher(
+        rt, fp8.words, fp8.data_words, fp8.block, fp8.net_cols, fp8.scale_words
+    )
+
+
+def _data_move_launcher(
+    rt: Runtime, cols: int, data_cols: int, block: int, net_cols: int, scale_words: int, **bound
+) -> KernelLauncher:
+    """dispatch_kernel for staged rows of ``cols`` elements (``data_cols`` of them in recv_x's
+    rows, then ``scale_words`` of an FP8 row's scales) in tiles of ``block``, ``net_cols`` per
+    network slot row."""
     plan, cfg, heap = rt.plan, rt.plan.config, rt.plan.heap
+    slot = plan.net_slot
     return KernelLauncher(
         dispatch_kernel, on_compile=rt.on_compile,
-        hidden=plan.hidden, num_experts=plan.num_experts,
+        hidden=cols, data_cols=data_cols, num_experts=plan.num_experts,
         experts_per_rank=plan.experts_per_rank, rank=rt.rank, num_senders=cfg.senders,
-        expand_slices=_own_slices(rt, programs_beside_senders(rt)),
-        staged_parts=local_parts(plan, cfg.block_h), peer_bases_ptr=rt.heap.peer_bases,
+        expand_slices=_own_slices(rt, programs_beside_senders(rt), cols, block),
+        staged_parts=local_parts(plan, block, cols), peer_bases_ptr=rt.heap.peer_bases,
         ready_off=heap.dispatch_ready, chunk_flags_off=heap.chunk_flags,
         meta_rows_off=heap.meta_rows, meta_weights_off=heap.meta_weights,
         staging_off=heap.staging, control_ptr=rt.control, timeout_ns=rt.timeout_ns,
         W=rt.world_size, T_MAX=plan.max_tokens, NC_MAX=plan.max_chunks, H_SLICES=cfg.h_slices,
         P_MAX=MAX_PROGRAMS, MS=plan.meta_stride, MS_P2=next_power_of_2(plan.meta_stride),
-        W_P2=next_power_of_2(rt.world_size), CHUNK=cfg.chunk_tokens, BLOCK_H=cfg.block_h,
+        W_P2=next_power_of_2(rt.world_size), CHUNK=cfg.chunk_tokens, BLOCK_H=block,
         TOKEN_ROWS=plan.token_rows, STAGES=cfg.copy_stages, num_warps=cfg.num_warps,
         maxnreg=MAX_REGISTERS, net_bases_ptr=rt.heap.net_bases, net_flags_off=heap.net_flags,
         net_inbox_off=heap.net_inbox, net_outbox_off=heap.net_outbox,
-        heap_bytes=heap.total_bytes, META_INTS=plan.net_slot.meta_ints,
-        META_FLOATS=plan.net_slot.meta_floats, **rt.compile_options,
-        **topology_constants(plan, "R", "NODES", "R_P2"),
-        **net_slot_constants(plan),
+        heap_bytes=heap.total_bytes, META_INTS=slot.meta_ints,
+        META_FLOATS=slot.meta_floats, NET_COLS=net_cols, DATA_OFF=slot.data_offset,
+        SLOT_BYTES=slot.bytes, SCALE_WORDS=scale_words, **rt.compile_options,
+        **topology_constants(plan, "R", "NODES", "R_P2"), **bound,
     )  # fmt: skip
+
+
+Moved = tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]
 
 
 def prepare_move(
     rt: Runtime,
     x: torch.Tensor,
+    x_scales: torch.Tensor | None,
     topk_weights: torch.Tensor | None,
     handle: DispatchHandle,
     cached: bool,
-) -> Callable[[int], tuple[torch.Tensor, torch.Tensor | None]]:
+) -> Callable[[int], Moved]:
     """The data move for ``x`` [T, H] along ``handle``, prepared up to what depends on the row
     count N: returns ``move(N)``, which allocates the outputs and launches; collective. An
     exact-mode dispatch prepares while the layout kernel runs, so that only the allocation and
@@ -296,24 +321,38 @@ def prepare_move(
     were filled by an earlier move and stay as they are; otherwise a token-row plan's move
     sets handle.recv_topk_idx.
 
-    ``move(N)`` returns recv_x [N, H] (x's dtype) and recv_weights (None without
-    topk_weights): [N] float32, with token rows [N, K].
+    FP8 rows: ``x`` [T, H] float8_e4m3fn with ``x_scales`` [T, H / 128] float32 (rows with a
+    row stride that is a multiple of 4 bytes, see fp8_words); else x_scales is None.
+
+    ``move(N)`` returns recv_x [N, H] (x's dtype), recv_scales ([N, H / 128] float32 for FP8
+    rows, else None) and recv_weights (None without topk_weights): [N] float32, with token rows
+    [N, K].
     """
     plan = rt.plan
     topk_idx, num_tokens, topk = handle.topk_idx, handle.num_tokens, handle.topk
     has_weights = topk_weights is not None
-    launch = rt.launcher(_move_launcher)
+    fp8 = x_scales is not None
     grid = (channel_programs(plan) + programs_beside_senders(rt),)
     # Filled in by move(N), in these places: the launcher keys a launch by the order of names.
     later = None
+    if fp8:  # moved as int32 words
+        launch = rt.launcher(_fp8_move_launcher)
+        words = dict(
+            x_ptr=fp8_words(x), x_stride=x.stride(0) // 4, x_scales_ptr=fp8_words(x_scales),
+            x_scales_stride=x_scales.stride(0),
+        )  # fmt: skip
+    else:
+        launch = rt.launcher(_move_launcher)
+        words = dict(x_ptr=x, x_stride=x.stride(0))
     specialized = dict(
-        x_ptr=x, x_stride=x.stride(0), topk_idx_ptr=topk_idx,
+        **words, topk_idx_ptr=topk_idx,
         topk_weights_ptr=topk_weights.contiguous() if has_weights else later,
         num_tokens=num_tokens, topk=topk, num_out_rows=later, K_P2=next_power_of_2(topk),
         HAS_WEIGHTS=has_weights, WRITE_ROWS=not cached,
     )  # fmt: skip
     aligned = dict(
-        info_ptr=handle.info, recv_x_ptr=later, recv_weights_ptr=later, recv_topk_idx_ptr=later,
+        info_ptr=handle.info, recv_x_ptr=later, **(dict(recv_scales_ptr=later) if fp8 else {}),
+        recv_weights_ptr=later, recv_topk_idx_ptr=later,
         **handle.args(
             "slot_pos", "token_rank_pos", "send_chunk_start", "chunk_expert_base",
             "recv_chunk_start", "recv_src_tokens", "expert_layout", "staged_rows",
@@ -321,8 +360,14 @@ def prepare_move(
         ),
     )  # fmt: skip
 
-    def move(num_rows: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def move(num_rows: int) -> Moved:
         recv_x = torch.empty(num_rows, plan.hidden, dtype=x.dtype, device=rt.device)
+        recv_scales = None
+        if fp8:
+            recv_scales = torch.empty(num_rows, plan.fp8.scale_words, device=rt.device)
+            aligned.update(recv_x_ptr=fp8_words(recv_x), recv_scales_ptr=fp8_words(recv_scales))
+        else:
+            aligned["recv_x_ptr"] = recv_x
         weights_shape = (num_rows, topk) if plan.token_rows else (num_rows,)
         recv_weights = torch.empty(
             weights_shape if has_weights else 0, dtype=torch.float32, device=rt.device
@@ -334,11 +379,9 @@ def prepare_move(
         specialized["num_out_rows"] = num_rows
         if not has_weights:
             specialized["topk_weights_ptr"] = recv_weights
-        aligned.update(
-            recv_x_ptr=recv_x, recv_weights_ptr=recv_weights, recv_topk_idx_ptr=recv_topk_idx
-        )
+        aligned.update(recv_weights_ptr=recv_weights, recv_topk_idx_ptr=recv_topk_idx)
         launch(grid, specialized, aligned)
-        return recv_x, (recv_weights if has_weights else None)
+        return recv_x, recv_scales, (recv_weights if has_weights else None)
 
     return move
 
@@ -346,10 +389,17 @@ def prepare_move(
 def move_tokens(
     rt: Runtime,
     x: torch.Tensor,
+    x_scales: torch.Tensor | None,
     topk_weights: torch.Tensor | None,
     handle: DispatchHandle,
     cached: bool,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
+) -> Moved:
     """Launch the data move for ``x`` [T, H] along ``handle`` (N: handle.num_recv_rows); see
     prepare_move."""
-    return prepare_move(rt, x, topk_weights, handle, cached)(handle.num_recv_rows)
+    return prepare_move(rt, x, x_scales, topk_weights, handle, cached)(handle.num_recv_rows)
+
+
+def fp8_words(t: torch.Tensor) -> torch.Tensor:
+    """``t`` (float8_e4m3fn or float32, rows contiguous, row stride and start a multiple of 4
+    bytes) as int32 words: the kernels move FP8 rows and their scales bit for bit as words."""
+    return t.view(torch.int32)

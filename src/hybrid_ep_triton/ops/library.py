@@ -71,13 +71,15 @@ def _handle(rt: Runtime, topk_idx, ints, longs, num_recv_rows: int) -> DispatchH
 def _dispatch_with_handle(
     rt: Runtime,
     x: Tensor,
+    x_scales: Tensor | None,
     topk_idx: Tensor,
     topk_weights: Tensor | None,
     pad_multiple: int,
     max_recv_tokens: int | None,
-) -> tuple[Tensor, Tensor | None, DispatchHandle]:
+) -> tuple[Tensor, Tensor | None, Tensor | None, DispatchHandle]:
     """Layout and data move; max_recv_tokens None: exact mode (the host waits for the count).
-    Returns recv_x [N, H], recv_weights [N] float32 (None without topk_weights), the handle."""
+    Returns recv_x [N, H], recv_scales ([N, H / 128] float32 with FP8 rows, else None),
+    recv_weights [N] float32 (None without topk_weights), the handle."""
     if max_recv_tokens is None and rt.device.type == "cuda":
         # The host waits for the row count, which a capture never produces: say so at once.
         if torch.cuda.is_current_stream_capturing():
@@ -87,43 +89,48 @@ def _dispatch_with_handle(
             )
     tag = rt.next_report_tag() if max_recv_tokens is None else 0
     handle = compute_layout(rt, topk_idx, pad_multiple, max_recv_tokens, tag)
-    move = prepare_move(rt, x, topk_weights, handle, cached=False)  # while the layout runs
+    move = prepare_move(rt, x, x_scales, topk_weights, handle, cached=False)  # while it runs
     if max_recv_tokens is None:
         handle.num_recv_rows = rt.read_report(handle, tag)
-    recv_x, recv_weights = move(handle.num_recv_rows)
+    recv_x, recv_scales, recv_weights = move(handle.num_recv_rows)
     rt.check_status()
     if rt.device.type == "cpu":  # launches are synchronous: report routing errors now
         rt.read_report(handle)
-    return recv_x, recv_weights, handle
+    return recv_x, recv_scales, recv_weights, handle
 
 
 def _dispatch(
     runtime_id: int,
     x: Tensor,
+    x_scales: Tensor | None,
     topk_idx: Tensor,
     topk_weights: Tensor | None,
     pad_multiple: int,
     max_recv_tokens: int,
-) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """The operator: max_recv_tokens < 0 is exact mode. Returns recv_x [N, H], recv_weights
-    float32 ([N], with token rows [N, K]; [0] without topk_weights), recv_topk_idx ([N, K] int32
-    with token rows, else [0]), and the handle's ints and longs (see DispatchHandle)."""
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """The operator: max_recv_tokens < 0 is exact mode. Returns recv_x [N, H], recv_scales
+    ([N, H / 128] float32 with FP8 rows, else [0]), recv_weights float32 ([N], with token rows
+    [N, K]; [0] without topk_weights), recv_topk_idx ([N, K] int32 with token rows, else [0]),
+    and the handle's ints and longs (see DispatchHandle)."""
     rt = _runtime(runtime_id)
     exact = max_recv_tokens < 0
-    recv_x, recv_weights, handle = _dispatch_with_handle(
-        rt, x, topk_idx, topk_weights, pad_multiple, None if exact else max_recv_tokens
+    recv_x, recv_scales, recv_weights, handle = _dispatch_with_handle(
+        rt, x, x_scales, topk_idx, topk_weights, pad_multiple, None if exact else max_recv_tokens
     )
     recv_topk_idx = handle.recv_topk_idx
     if recv_topk_idx is None:
         recv_topk_idx = torch.empty(0, dtype=torch.int32, device=rt.device)
-    return recv_x, _weights_or_empty(recv_weights, rt), recv_topk_idx, handle.ints, handle.longs
+    return (
+        recv_x, _or_empty(recv_scales, rt), _or_empty(recv_weights, rt), recv_topk_idx,
+        handle.ints, handle.longs,
+    )  # fmt: skip
 
 
 dispatch = torch.library.custom_op("hybrid_ep::dispatch", _dispatch, mutates_args=())
 
 
 @dispatch.register_fake
-def _(runtime_id, x, topk_idx, topk_weights, pad_multiple, max_recv_tokens):
+def _(runtime_id, x, x_scales, topk_idx, topk_weights, pad_multiple, max_recv_tokens):
     rt = _runtime(runtime_id)
     if max_recv_tokens >= 0:
         rows = max_recv_tokens
@@ -133,11 +140,18 @@ def _(runtime_id, x, topk_idx, topk_weights, pad_multiple, max_recv_tokens):
     slots = _slots_shape(rt, rows, topk_idx.shape[1])
     return (
         x.new_empty(rows, x.shape[1]),
+        _fake_scales(x_scales, rows),
         x.new_empty(slots if topk_weights is not None else 0, dtype=torch.float32),
         x.new_empty(slots if rt.plan.token_rows else 0, dtype=torch.int32),
         x.new_empty(num_ints, dtype=torch.int32),
         x.new_empty(num_longs, dtype=torch.int64),
     )
+
+
+def _fake_scales(x_scales: Tensor | None, rows) -> Tensor:
+    if x_scales is None:
+        return torch.empty(0, dtype=torch.float32, device="meta")
+    return x_scales.new_empty(rows, x_scales.shape[1])
 
 
 def _slots_shape(rt: Runtime, rows, topk: int) -> tuple:
@@ -148,25 +162,31 @@ def _slots_shape(rt: Runtime, rows, topk: int) -> tuple:
 def _dispatch_cached(
     runtime_id: int,
     x: Tensor,
+    x_scales: Tensor | None,
     topk_weights: Tensor | None,
     topk_idx: Tensor,
     ints: Tensor,
     longs: Tensor,
     num_recv_rows: int,
-) -> tuple[Tensor, Tensor]:
-    """Data move along an earlier dispatch's handle: recv_x [N, H], recv_weights [N] or [0]."""
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Data move along an earlier dispatch's handle: recv_x [N, H], recv_scales [N, H / 128]
+    or [0], recv_weights [N] or [0]."""
     rt = _runtime(runtime_id)
     handle = _handle(rt, topk_idx, ints, longs, num_recv_rows)
-    recv_x, recv_weights = _move_cached(rt, x, topk_weights, handle)
-    return recv_x, _weights_or_empty(recv_weights, rt)
+    recv_x, recv_scales, recv_weights = _move_cached(rt, x, x_scales, topk_weights, handle)
+    return recv_x, _or_empty(recv_scales, rt), _or_empty(recv_weights, rt)
 
 
 def _move_cached(
-    rt: Runtime, x: Tensor, topk_weights: Tensor | None, handle: DispatchHandle
-) -> tuple[Tensor, Tensor | None]:
-    recv_x, recv_weights = move_tokens(rt, x, topk_weights, handle, cached=True)
+    rt: Runtime,
+    x: Tensor,
+    x_scales: Tensor | None,
+    topk_weights: Tensor | None,
+    handle: DispatchHandle,
+) -> tuple[Tensor, Tensor | None, Tensor | None]:
+    moved = move_tokens(rt, x, x_scales, topk_weights, handle, cached=True)
     rt.check_status()
-    return recv_x, recv_weights
+    return moved
 
 
 dispatch_cached = torch.library.custom_op(
@@ -175,10 +195,11 @@ dispatch_cached = torch.library.custom_op(
 
 
 @dispatch_cached.register_fake
-def _(runtime_id, x, topk_weights, topk_idx, ints, longs, num_recv_rows):
+def _(runtime_id, x, x_scales, topk_weights, topk_idx, ints, longs, num_recv_rows):
     slots = _slots_shape(_runtime(runtime_id), num_recv_rows, topk_idx.shape[1])
     weights = x.new_empty(slots if topk_weights is not None else 0, dtype=torch.float32)
-    return x.new_empty(num_recv_rows, x.shape[1]), weights
+    recv_scales = _fake_scales(x_scales, num_recv_rows)
+    return x.new_empty(num_recv_rows, x.shape[1]), recv_scales, weights
 
 
 def _combine(
@@ -247,37 +268,53 @@ def run_dispatch(
     rt: Runtime,
     runtime_id: int,
     x: Tensor,
+    x_scales: Tensor | None,
     topk_idx: Tensor,
     topk_weights: Tensor | None,
     pad_multiple: int,
     max_recv_tokens: int | None,
-) -> tuple[Tensor, Tensor | None, DispatchHandle]:
-    """Layout and data move: recv_x [N, H], recv_weights [N] float32 (None without
-    topk_weights), the handle. max_recv_tokens None: exact mode. ``runtime_id``: ``rt``'s
-    registry id, the operators' handle on it."""
+) -> tuple[Tensor, Tensor | None, Tensor | None, DispatchHandle]:
+    """Layout and data move: recv_x [N, H], recv_scales ([N, H / 128] float32 with FP8 rows,
+    else None), recv_weights [N] float32 (None without topk_weights), the handle.
+    max_recv_tokens None: exact mode. ``runtime_id``: ``rt``'s registry id, the operators'
+    handle on it."""
     if not _through_torch(x, topk_weights):
-        return _dispatch_with_handle(rt, x, topk_idx, topk_weights, pad_multiple, max_recv_tokens)
-    recv_x, recv_weights, recv_topk_idx, ints, longs = dispatch(
-        runtime_id, x, topk_idx, topk_weights, pad_multiple,
+        return _dispatch_with_handle(
+            rt, x, x_scales, topk_idx, topk_weights, pad_multiple, max_recv_tokens
+        )
+    recv_x, recv_scales, recv_weights, recv_topk_idx, ints, longs = dispatch(
+        runtime_id, x, x_scales, topk_idx, topk_weights, pad_multiple,
         -1 if max_recv_tokens is None else max_recv_tokens,
     )  # fmt: skip
     handle = make_handle(rt.plan, topk_idx, ints, longs, recv_x.shape[0], max_recv_tokens)
     if rt.plan.token_rows:
         handle.recv_topk_idx = recv_topk_idx
-    return recv_x, (recv_weights if topk_weights is not None else None), handle
+    return (
+        recv_x, recv_scales if x_scales is not None else None,
+        recv_weights if topk_weights is not None else None, handle,
+    )  # fmt: skip
 
 
 def run_dispatch_cached(
-    rt: Runtime, runtime_id: int, x: Tensor, topk_weights: Tensor | None, handle: DispatchHandle
-) -> tuple[Tensor, Tensor | None]:
-    """Data move along ``handle``: recv_x [N, H], recv_weights [N] float32 or None."""
+    rt: Runtime,
+    runtime_id: int,
+    x: Tensor,
+    x_scales: Tensor | None,
+    topk_weights: Tensor | None,
+    handle: DispatchHandle,
+) -> tuple[Tensor, Tensor | None, Tensor | None]:
+    """Data move along ``handle``: recv_x [N, H], recv_scales [N, H / 128] float32 or None,
+    recv_weights [N] float32 or None."""
     if not _through_torch(x, topk_weights):
-        return _move_cached(rt, x, topk_weights, handle)
-    recv_x, recv_weights = dispatch_cached(
-        runtime_id, x, topk_weights, handle.topk_idx, handle.ints, handle.longs,
+        return _move_cached(rt, x, x_scales, topk_weights, handle)
+    recv_x, recv_scales, recv_weights = dispatch_cached(
+        runtime_id, x, x_scales, topk_weights, handle.topk_idx, handle.ints, handle.longs,
         handle.num_recv_rows,
     )  # fmt: skip
-    return recv_x, (recv_weights if topk_weights is not None else None)
+    return (
+        recv_x, recv_scales if x_scales is not None else None,
+        recv_weights if topk_weights is not None else None,
+    )  # fmt: skip
 
 
 def run_combine(
@@ -289,11 +326,11 @@ def run_combine(
     return combine(runtime_id, y, weights, handle.topk_idx, handle.ints, handle.longs)
 
 
-def _weights_or_empty(recv_weights: Tensor | None, rt: Runtime) -> Tensor:
-    # An operator returns tensors only: no weights is an empty one.
-    if recv_weights is None:
+def _or_empty(recv: Tensor | None, rt: Runtime) -> Tensor:
+    # An operator returns tensors only: no weights (or scales) is an empty one.
+    if recv is None:
         return torch.empty(0, dtype=torch.float32, device=rt.device)
-    return recv_weights
+    return recv
 
 
 # -- autograd -------------------------------------------------------------------------------
@@ -326,24 +363,24 @@ def _dispatch_backward(ctx, grad_recv_x, grad_recv_weights, x_index: int, weight
 
 
 def _dispatch_setup(ctx, inputs, output):
-    runtime_id, x, topk_idx = inputs[:3]
-    _, _, _, ints, longs = output
+    runtime_id, x, _, topk_idx = inputs[:4]
+    ints, longs = output[4:]
     _save_handle(ctx, runtime_id, x, output[0].shape[0], topk_idx, ints, longs)
     ctx.num_inputs = len(inputs)
 
 
-def _dispatch_grads(ctx, grad_recv_x, grad_recv_weights, _grad_idx, _grad_ints, _grad_longs):
-    return _dispatch_backward(ctx, grad_recv_x, grad_recv_weights, x_index=1, weights_index=3)
+def _dispatch_grads(ctx, grad_recv_x, _grad_scales, grad_recv_weights, *_grad_handle):
+    return _dispatch_backward(ctx, grad_recv_x, grad_recv_weights, x_index=1, weights_index=4)
 
 
 def _dispatch_cached_setup(ctx, inputs, output):
-    runtime_id, x, _, topk_idx, ints, longs, num_recv_rows = inputs
+    runtime_id, x, _, _, topk_idx, ints, longs, num_recv_rows = inputs
     _save_handle(ctx, runtime_id, x, num_recv_rows, topk_idx, ints, longs)
     ctx.num_inputs = len(inputs)
 
 
-def _dispatch_cached_grads(ctx, grad_recv_x, grad_recv_weights):
-    return _dispatch_backward(ctx, grad_recv_x, grad_recv_weights, x_index=1, weights_index=2)
+def _dispatch_cached_grads(ctx, grad_recv_x, _grad_scales, grad_recv_weights):
+    return _dispatch_backward(ctx, grad_recv_x, grad_recv_weights, x_index=1, weights_index=3)
 
 
 def _combine_setup(ctx, inputs, output):
@@ -354,8 +391,8 @@ def _combine_setup(ctx, inputs, output):
 def _combine_grads(ctx, grad_out):
     topk_idx, ints, longs, y, weights = ctx.saved_tensors
     # Row r of grad_rows is grad_out of the token row r came from (zero on padding).
-    grad_rows, _ = dispatch_cached(
-        ctx.runtime_id, grad_out.to(ctx.dtype).contiguous(), None, topk_idx, ints, longs,
+    grad_rows, _, _ = dispatch_cached(
+        ctx.runtime_id, grad_out.to(ctx.dtype).contiguous(), None, None, topk_idx, ints, longs,
         ctx.num_recv_rows,
     )  # fmt: skip
     grad_y = grad_weights = None

@@ -26,6 +26,8 @@ MAX_REGISTERS = 65536 // (WARPS_PER_SM * 32)
 GPU_WARPS = (4, 8, 16)
 # Most sending programs (channels) of one launch; the ready flags are sized for it.
 MAX_PROGRAMS = MAX_SMS * WARPS_PER_SM // min(GPU_WARPS)
+# Channels of an FP8 row that share one float32 scale (DeepSeek-V3's 1x128 activation blocks).
+FP8_GROUP = 128
 # Most column parts of a work item for the local roles (expansion, reduction, finish): the items
 # that land last (or must be sent first) are worked on by up to that many programs at once.
 LOCAL_PARTS = 4
@@ -156,6 +158,38 @@ class NetSlot:
 
 
 @dataclass(frozen=True)
+class Fp8Rows:
+    """How an FP8 dispatch moves its rows: as int32 words, each row H / 4 words of e4m3 values
+    (4 channels a word) then H / 128 words of its float32 scales, through the same staging
+    areas and network slots as rows of the Buffer's dtype (whose H elements of 2 or 4 bytes
+    hold the H * 33 / 32 bytes).
+
+    data_words: H / 4; scale_words: H / 128; words: a staged row's columns, their sum rounded
+    up to a multiple of 16, so that staged rows start 64-byte aligned and the kernels' copies
+    are vectorised (Triton knows an integer's alignment only as "a multiple of 16").
+    block: words per tile, so that a tile has the bytes of a tile of the Buffer's dtype.
+    net_cols: words of a network slot's row (the widest column slice).
+    """
+
+    data_words: int
+    scale_words: int
+    words: int
+    block: int
+    net_cols: int
+
+
+def fp8_rows(hidden: int, dtype: torch.dtype, config: "KernelConfig") -> Fp8Rows | None:
+    """The FP8 row layout for rows of ``hidden`` channels; None unless hidden % 128 == 0."""
+    if hidden % FP8_GROUP:
+        return None
+    data_words, scale_words = hidden // 4, hidden // FP8_GROUP
+    words = ceil_div(data_words + scale_words, 16) * 16
+    block = min(max(config.block_h * dtype.itemsize // 4, 16), next_power_of_2(words))
+    net_cols = ceil_div(ceil_div(words, config.h_slices), block) * block
+    return Fp8Rows(data_words, scale_words, words, block, net_cols)
+
+
+@dataclass(frozen=True)
 class HeapLayout:
     """Byte offsets of the regions of one rank's symmetric buffer (the same on every rank).
 
@@ -224,6 +258,7 @@ class Plan:
     token_rows: bool  # dispatch's output: a row per (token, rank), not per (token, expert)
     ranks_per_node: int  # R: consecutive ranks that reach each other over NVLink
     net_slot: NetSlot
+    fp8: Fp8Rows | None  # how FP8 dispatches move rows; None where H % 128 != 0
 
     @property
     def nodes(self) -> int:
@@ -259,8 +294,14 @@ def make_plan(
     meta_ints = ranks_per_node * (1 + meta_stride)
     meta_floats = ranks_per_node * meta_stride
     cols = slice_columns(hidden, config)
+    fp8 = fp8_rows(hidden, dtype, config)
+    row_bytes = hidden * dtype.itemsize
+    data_bytes = cols * dtype.itemsize  # of a slot's row
+    if fp8 is not None:  # FP8 rows move through the same regions
+        row_bytes = max(row_bytes, fp8.words * 4)
+        data_bytes = max(data_bytes, fp8.net_cols * 4)
     data_offset = ceil_div(chunk * (meta_ints + meta_floats) * 4, 16) * 16
-    slot_bytes = ceil_div(data_offset + chunk * cols * dtype.itemsize, _ALIGN) * _ALIGN
+    slot_bytes = ceil_div(data_offset + chunk * data_bytes, _ALIGN) * _ALIGN
     # Across nodes only: a group of one node moves nothing over the network.
     net_slots = nodes * items if nodes > 1 else 0
     sizes = [
@@ -273,7 +314,7 @@ def make_plan(
         ("layout_out", (world_size if nodes > 1 else 0) * layout_row * 4),
         ("meta_rows", rows * meta_stride * 4),
         ("meta_weights", rows * meta_stride * 4),
-        ("staging", rows * hidden * dtype.itemsize),
+        ("staging", rows * row_bytes),
         ("net_flags", net_slots * 8),
         ("net_inbox", net_slots * slot_bytes),
         ("net_outbox", net_slots * slot_bytes),
@@ -299,4 +340,5 @@ def make_plan(
         token_rows=token_rows,
         ranks_per_node=ranks_per_node,
         net_slot=NetSlot(meta_ints, meta_floats, cols, data_offset, slot_bytes),
+        fp8=fp8,
     )

@@ -7,16 +7,21 @@ One run measures, on every rank at once:
   tokens, same model) and spot checks at hidden 2880 and 4096; on S1 and S2 both with
   expert-major rows (the default) and with one row per token (expand=False, DeepEP's output);
 - the baseline: ``hybrid_ep_triton.reference`` over NCCL on the same inputs.
-Each configuration is first checked against the reference (dispatch bit-exact, combine within
-bf16 tolerance). Times are CUDA events around the whole call on the calling stream, the median
-of ``iters`` calls after ``warmup`` calls, input sets rotated; the reported time is the largest
-of the ranks' medians.
-algo_GBps: (token, destination rank) rows received, local ones included, x hidden x element
-bytes, over time (DeepEP's metric). nvlink_GBps: the bytes of those rows that crossed between
-GPUs, over time. With ``--ranks-per-node R`` (R below the group size) S1 and S2 run again with
-the GPUs split into nodes of R (every transfer between nodes an NVSHMEM put issued by the
-kernels), in the same run: net_rows is the token rows a rank's dispatch puts over the network
-(the kernels count them), net_GBps their bytes over the whole call's time. Results go to
+- FP8 dispatch (S1 and S2, both layouts, every SM count, beside the bf16 rows of the same
+  Buffer): rows "fp8" pass the (e4m3 values, scales) pair, rows "fp8-quantize" pass bf16 rows
+  with quantize=True; exact, cached and graph modes; and the quantizing copy alone beside a
+  plain copy of the same bf16 rows ("copies": bytes read and written over time).
+Each configuration is first checked against the reference (dispatch bit-exact, FP8 too,
+combine within bf16 tolerance). Times are CUDA events around the whole call on the calling
+stream, the median of ``iters`` calls after ``warmup`` calls, input sets rotated; the reported
+time is the largest of the ranks' medians.
+algo_GBps: (token, destination rank) rows received, local ones included, x the bytes of a row
+(bf16: 2 x hidden; FP8: hidden + 4 x hidden / 128), over time (DeepEP's metric). nvlink_GBps:
+the bytes of those rows that crossed between GPUs, over time. With ``--ranks-per-node R`` (R
+below the group size) S1 and S2 run again with the GPUs split into nodes of R (every transfer
+between nodes an NVSHMEM put issued by the kernels), in the same run: net_rows is the token
+rows a rank's dispatch puts over the network (the kernels count them), net_GBps their bytes
+over the whole call's time. Results go to
 ``<out>/<date>-<machine>-ep<N>.{json,md,png}``.
 """
 
@@ -162,14 +167,40 @@ def _check(buf, reference, shape: Shape, x, topk_idx, weights) -> tuple[str | No
     return None, net_rows
 
 
-def _time_buffer(buf, sets, warmup: int, iters: int) -> dict:
-    """{(op, mode): (device µs, host µs)} of one Buffer on the rotated input sets."""
+def _check_fp8(buf, reference, shape: Shape, x, topk_idx, weights) -> str | None:
+    """What differs between a quantizing dispatch and the reference quantizer followed by the
+    reference dispatch of values (as bytes) and scales, or None."""
+    (values, scales), *rest, _ = buf.dispatch(x, topk_idx, weights, quantize=True)
+    want_values, want_scales = reference.quantize_fp8(x)
+    kw = dict(num_experts=shape.experts, expand=buf.expand)
+    ref_values, *ref_rest, _ = reference.dispatch(
+        None, want_values.view(torch.uint8), topk_idx, weights, **kw
+    )
+    ref_scales = reference.dispatch(None, want_scales, topk_idx, weights, **kw)[0]
+    if not torch.equal(values.view(torch.uint8), ref_values):
+        return f"{shape.name}: FP8 values differ from the reference"
+    if not torch.equal(scales, ref_scales):
+        return f"{shape.name}: FP8 scales differ from the reference"
+    if not all(torch.equal(a, b) for a, b in zip(rest, ref_rest, strict=True)):
+        return f"{shape.name}: FP8 dispatch's weights or counts differ from the reference"
+    return None
+
+
+def _time_buffer(buf, sets, warmup: int, iters: int, rows: str = "bf16") -> dict:
+    """{(op, mode): (device µs, host µs)} of one Buffer on the rotated input sets, with rows
+    "bf16", "fp8" (the FP8 pair of each set's rows) or "fp8-quantize" (quantize=True; these
+    two time dispatch only)."""
     times = {}
-    exact = [buf.dispatch(x, i, w) for x, i, w in sets]
+    quantize = rows == "fp8-quantize"
+    if rows == "fp8":
+        from .. import reference
+
+        sets = [(reference.quantize_fp8(x), i, w) for x, i, w in sets]
+    exact = [buf.dispatch(x, i, w, quantize=quantize) for x, i, w in sets]
     max_rows = -(-max(out[-1].num_recv_rows for out in exact) * 11 // 10)  # 10% headroom
 
     def dispatch(x, i, w, **kwargs):
-        return buf.dispatch(x, i, w, **kwargs)
+        return buf.dispatch(x, i, w, quantize=quantize, **kwargs)
 
     times["dispatch", "exact"] = _median_us(dispatch, sets, warmup, iters)
     times["dispatch", "max_recv"] = _median_us(
@@ -181,6 +212,12 @@ def _time_buffer(buf, sets, warmup: int, iters: int) -> dict:
         lambda k: dispatch(*cached[k], handle=handles[k]), [(k,) for k in range(len(sets))],
         warmup, iters,
     )  # fmt: skip
+    if rows != "bf16":
+        graphs = [_capture(partial(dispatch, x, i, w, max_recv_tokens=max_rows))[0]
+                  for x, i, w in sets]  # fmt: skip
+        times["dispatch", "graph"] = _median_us(lambda g: g.replay(), [(g,) for g in graphs],
+                                                warmup, iters)  # fmt: skip
+        return times
     combine_args = [
         (torch.randn_like(out[0]), out[-1], _combine_weights(buf, out)) for out in exact
     ]
@@ -202,12 +239,35 @@ def _time_buffer(buf, sets, warmup: int, iters: int) -> dict:
     return times
 
 
+def _time_copies(buf, reference, sets, warmup: int, iters: int) -> list[dict]:
+    """The quantizing copy (the kernel a quantize=True dispatch runs first, and the reference
+    quantizer in plain torch) beside a plain copy of the same bf16 rows: µs and GB/s of bytes
+    read and written."""
+    from ..ops.quantize import quantize_rows
+
+    xs = [(x,) for x, _, _ in sets]
+    tokens, hidden = sets[0][0].shape
+    bf16_bytes = 2 * tokens * hidden
+    fp8_bytes = tokens * (hidden + 4 * hidden // 128)
+    copies = [
+        ("bf16 copy (torch clone)", torch.clone, 2 * bf16_bytes),
+        ("quantize, kernels/quantize.py", partial(quantize_rows, buf._rt), bf16_bytes + fp8_bytes),
+        ("quantize, reference (torch)", reference.quantize_fp8, bf16_bytes + fp8_bytes),
+    ]
+    rows = []
+    for name, fn, nbytes in copies:
+        t, _ = _median_us(fn, xs, warmup, iters)
+        rows.append(dict(name=name, tokens=tokens, hidden=hidden, time_us=t,
+                         GBps=nbytes / t / 1e3))  # fmt: skip
+    return rows
+
+
 def _bench_rank(rank: int, world: int, opts: dict) -> dict:
     import hybrid_ep_triton as hep
     from hybrid_ep_triton import reference
 
     warmup, iters = opts["warmup"], opts["iters"]
-    result = {"rows": [], "baselines": [], "errors": []}
+    result = {"rows": [], "baselines": [], "errors": [], "copies": []}
     result["ceiling_GBps"] = _ceiling_gbps(rank, world, warmup, iters)
     for name in opts["shapes"]:
         shape = SHAPES[name]
@@ -225,25 +285,36 @@ def _bench_rank(rank: int, world: int, opts: dict) -> dict:
         if main_shape and opts["ranks_per_node"]:
             runs += [(sms, expand, opts["ranks_per_node"]) for expand in (True, False)
                      for sms in opts["spot_sms"]]  # fmt: skip
+        fp8_bytes = shape.hidden + 4 * shape.hidden // 128
         for sms, expand, per_node in runs:
             buf = hep.Buffer(None, hidden_size=shape.hidden, max_tokens_per_rank=shape.tokens,
                              num_experts=shape.experts, num_sms=sms, timeout_s=30,
                              expand=expand, ranks_per_node=per_node or world)  # fmt: skip
             error, net_rows = _check(buf, reference, shape, *sets[0])
             what = f"num_sms={sms}, expand={expand}, ranks_per_node={per_node or world}"
+            # FP8 rows on the single-node path of the main shapes, beside the bf16 ones.
+            kinds = [("bf16", row_bytes)]
+            if main_shape and per_node is None:
+                error = error or _check_fp8(buf, reference, shape, *sets[0])
+                kinds += [("fp8", fp8_bytes), ("fp8-quantize", fp8_bytes)]
             if error:
                 result["errors"].append(f"{what}: {error}")
-            else:
-                for (op, mode), (t, host) in _time_buffer(buf, sets, warmup, iters).items():
+                kinds = []
+            for kind, nbytes in kinds:
+                timed = _time_buffer(buf, sets, warmup, iters, rows=kind)
+                for (op, mode), (t, host) in timed.items():
                     if rank == 0:
-                        print(f"{name} {op} {mode} {what}: {t:.1f} us", flush=True)
+                        print(f"{name} {kind} {op} {mode} {what}: {t:.1f} us", flush=True)
                     result["rows"].append(
-                        dict(common, op=op, mode=mode, expand=expand, num_sms=sms, time_us=t,
-                             host_us=host, ranks_per_node=per_node or world, net_rows=net_rows,
-                             algo_GBps=rows_all * row_bytes / t / 1e3,
-                             nvlink_GBps=rows_remote * row_bytes / t / 1e3,
-                             net_GBps=net_rows * row_bytes / t / 1e3)
+                        dict(common, dtype=kind, op=op, mode=mode, expand=expand,
+                             num_sms=sms, time_us=t, host_us=host,
+                             ranks_per_node=per_node or world, net_rows=net_rows,
+                             algo_GBps=rows_all * nbytes / t / 1e3,
+                             nvlink_GBps=rows_remote * nbytes / t / 1e3,
+                             net_GBps=net_rows * nbytes / t / 1e3)
                     )  # fmt: skip
+            if main_shape and per_node is None and not result["copies"] and not error:
+                result["copies"] = _time_copies(buf, reference, sets, warmup, iters)
             buf.destroy()
 
         def ref_dispatch(x, i, w, experts=shape.experts):
@@ -280,18 +351,27 @@ def _write(result: dict, out_dir: str) -> str:
         "nodes: N x R, the group split into N nodes of R ranks (transfers between nodes are "
         "NVSHMEM puts); net rows: token rows one rank's dispatch put over the network",
         "",
-        "| shape | nodes | rows | op | mode | SMs | time µs | host µs | algo GB/s | "
+        "dtype: bf16 rows; fp8: the (e4m3 values, scales) pair passed; fp8-quantize: bf16 rows "
+        "passed with quantize=True (both move hidden + hidden / 32 bytes a row)",
+        "",
+        "| shape | nodes | rows | dtype | op | mode | SMs | time µs | host µs | algo GB/s | "
         "between GPUs GB/s | net rows | net GB/s |",
-        "|---|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|",
+        "|---|---|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in result["rows"]:
         rows = "expert" if r["expand"] else "token"
         nodes = f"{r['ranks'] // r['ranks_per_node']}x{r['ranks_per_node']}"
         lines.append(
-            f"| {r['shape']} | {nodes} | {rows} | {r['op']} | {r['mode']} | {r['num_sms']} | "
-            f"{r['time_us']:.1f} | {r['host_us']:.0f} | {r['algo_GBps']:.0f} | "
+            f"| {r['shape']} | {nodes} | {rows} | {r['dtype']} | {r['op']} | {r['mode']} | "
+            f"{r['num_sms']} | {r['time_us']:.1f} | {r['host_us']:.0f} | {r['algo_GBps']:.0f} | "
             f"{r['nvlink_GBps']:.0f} | {r['net_rows']} | {r['net_GBps']:.0f} |"
         )
+    if result["copies"]:
+        lines += ["", "| copy of the first shape's rows | time µs | GB/s read + written |",
+                  "|---|---:|---:|"]  # fmt: skip
+        for c in result["copies"]:
+            lines.append(f"| {c['name']} ({c['tokens']}x{c['hidden']}) | {c['time_us']:.1f} | "
+                         f"{c['GBps']:.0f} |")  # fmt: skip
     lines += ["", "| shape | baseline | op | time µs | algo GB/s |", "|---|---|---|---:|---:|"]
     for b in result["baselines"]:
         cells = (b["shape"], b["name"], b["op"], f"{b['time_us']:.1f}", f"{b['algo_GBps']:.0f}")
@@ -318,6 +398,7 @@ def _plot(result: dict, path: str) -> None:
                 for r in result["rows"]
                 if (r["shape"], r["op"], r["mode"], r["expand"]) == (shape, op, mode, expand)
                 and r["ranks_per_node"] == result["ranks"]
+                and r["dtype"] == "bf16"
             )
             label = f"{op} ({mode}{'' if expand else ', token rows'})"
             if pts:
@@ -387,6 +468,7 @@ def run(args: argparse.Namespace) -> int:
         ceiling_GBps=min(r["ceiling_GBps"] for r in per_rank),
         rows=per_rank[0]["rows"],
         baselines=per_rank[0]["baselines"],
+        copies=per_rank[0]["copies"],
         errors=sorted({e for r in per_rank for e in r["errors"]}),
     )
     stem = _write(result, args.out)

@@ -1,0 +1,201 @@
+"""FP8 dispatch (``Buffer.dispatch`` with an (e4m3 values, scales) pair, or ``quantize=True``)
+against the plain-torch reference, bit for bit: the reference quantizer
+(``reference.quantize_fp8``), then ``reference.dispatch`` of the values (as bytes) and of the
+scales, which lays rows out exactly as bf16 rows would be (padding: values 0, scales 0).
+
+One Buffer per spawn runs its cases in order (as in test_dispatch_combine): FP8 pairs and
+quantized rows, exact mode and max_recv_tokens, pad_multiple, -1 slots, empty ranks, odd token
+counts, FP8 rows along a handle of a bf16 dispatch and bf16 rows along an FP8 one, and a
+combine (in the Buffer's dtype) after an FP8 dispatch.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from hybrid_ep_triton import Buffer, reference
+from hybrid_ep_triton.kernels.quantize import quantize_fp8_kernel
+
+MAX_TOKENS = 9
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
+
+
+def _awkward_rows(num: int, hidden: int, gen) -> torch.Tensor:
+    """bf16 rows over many magnitudes, with a zero block, a row of zeros, subnormal bf16
+    values, -0.0 and values at the largest bf16 magnitudes."""
+    scale = torch.logspace(-30, 30, num)[:, None] if num else torch.ones(0, 1)
+    x = (torch.randn(num, hidden, generator=gen) * scale).to(torch.bfloat16)
+    if num >= 4:
+        x[0, :128] = 0.0
+        x[1] = 0.0
+        x[2, 3:9] = torch.tensor([1e-40, -1e-40, -0.0, 3e38, -3e38, 2.0**-133])
+    return x
+
+
+def test_quantizer_matches_reference(device):
+    """The quantizing kernel against reference.quantize_fp8, bit for bit (one process)."""
+    gen = torch.Generator().manual_seed(0)
+    num_tokens, hidden = 37, 384
+    x = _awkward_rows(num_tokens, hidden, gen)
+    values = torch.empty(num_tokens, hidden, dtype=torch.uint8, device=device)
+    scales = torch.empty(num_tokens, hidden // 128, device=device)
+    quantize_fp8_kernel[(3, 2)](x.to(device), x.stride(0), values, scales, num_tokens, hidden,
+                                BLOCK_T=16, GROUPS=2)  # fmt: skip
+    values, scales = values.cpu(), scales.cpu()
+    want_values, want_scales = reference.quantize_fp8(x)
+    assert torch.equal(scales, want_scales)
+    bad = (values != want_values.view(torch.uint8)).nonzero()
+    assert bad.numel() == 0, f"{bad.shape[0]} values differ, first {bad[:5].tolist()}"
+    assert (values[1] == 0).all() and (scales[1] == 0).all()  # a zero row: zeros, scale 0
+    # Within e4m3's relative precision of the input.
+    err = (reference.dequantize_fp8(want_values, want_scales) - x.float()).abs()
+    assert (err <= x.float().abs() * 2**-4 + want_scales.repeat_interleave(128, 1) * 2**-9).all()
+
+
+def test_reference_quantizer_refuses_hidden_not_multiple_of_128():
+    with pytest.raises(ValueError, match="multiple of 128"):
+        reference.quantize_fp8(torch.zeros(2, 100))
+
+
+# (name, tokens per rank, topk, unused_prob, pad_multiple, recv, source)
+# recv: "exact" or "more" (max_recv_tokens = needed + 3: zero tail). source: "pair" (FP8 rows
+# given), "quantize" (bf16 rows quantized by the kernels), "pair_on_bf16_handle" (a bf16
+# dispatch, then FP8 rows along its handle), "bf16_on_fp8_handle" (the other way round).
+CASES = [
+    ("pair", (5, 8, 1, 9), 2, 0.0, 1, "exact", "pair"),
+    ("quantize_unused_pad3_zero_tail", (9, 3, 7, 0), 3, 0.3, 3, "more", "quantize"),
+    ("pair_on_bf16_handle_empty_rank", (0, 7, 4, 6), 2, 0.2, 1, "exact", "pair_on_bf16_handle"),
+    ("bf16_on_fp8_handle_zero_tail", (7, 9, 2, 5), 1, 0.0, 1, "more", "bf16_on_fp8_handle"),
+]
+
+
+def _rank_body(
+    rank: int, world: int, expand: bool, ranks_per_node: int | None, hidden: int
+) -> list[str]:
+    failures: list[str] = []
+    group = dist.group.WORLD
+    dev = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else (
+        torch.device("cpu"))  # fmt: skip
+    num_experts = 8
+    buf = Buffer(None, hidden_size=hidden, max_tokens_per_rank=MAX_TOKENS,
+                 num_experts=num_experts, expand=expand, ranks_per_node=ranks_per_node)  # fmt: skip
+    try:
+        if world == 2 and expand:
+            failures += _refused_calls(buf, dev, hidden)
+        for index, (name, tokens, topk, unused, pad, recv, source) in enumerate(CASES):
+            if not expand:
+                pad = 1
+            gen = torch.Generator().manual_seed(1000 * index + rank)
+            num_tokens = tokens[rank % len(tokens)]
+            x = _awkward_rows(num_tokens, hidden, gen)
+            idx = torch.rand(num_tokens, num_experts, generator=gen).topk(topk, dim=1).indices
+            idx[torch.rand(num_tokens, topk, generator=gen) < unused] = -1
+            w = torch.rand(num_tokens, topk, generator=gen)
+            values, scales = reference.quantize_fp8(x)
+
+            def ref(rows, max_recv, idx=idx, w=w, pad=pad):
+                got = reference.dispatch(group, rows.to(dev), idx.to(dev), w.to(dev),
+                                         num_experts=num_experts, pad_multiple=pad,
+                                         max_recv_tokens=max_recv, expand=expand)  # fmt: skip
+                return [t.cpu() for t in got[:-1]], got[-1]
+
+            max_recv = None
+            if recv == "more":
+                max_recv = ref(x, None)[1].num_recv_rows + 3
+            (want_values, *want_rest), _ = ref(values.view(torch.uint8), max_recv)
+            (want_scales, *_), _ = ref(scales, max_recv)
+            (want_bf16, *_), _ = ref(x, max_recv)
+            kw = dict(topk_weights=w.to(dev), pad_multiple=pad, max_recv_tokens=max_recv)
+            pair = values.to(dev), scales.to(dev)
+            if source == "pair":
+                got = buf.dispatch(pair, idx.to(dev), **kw)
+            elif source == "quantize":
+                got = buf.dispatch(x.to(dev), idx.to(dev), quantize=True, **kw)
+            elif source == "pair_on_bf16_handle":
+                first = buf.dispatch(x.to(dev), idx.to(dev), **kw)
+                got = buf.dispatch(pair, topk_weights=w.to(dev), handle=first[-1])
+            else:
+                first = buf.dispatch(pair, idx.to(dev), **kw)
+                got = buf.dispatch(x.to(dev), topk_weights=w.to(dev), handle=first[-1])
+                got, first = first, got  # check the FP8 dispatch; the bf16 rows below
+
+            def fail(msg, name=name):
+                failures.append(f"[W{world} expand={expand} case {name!r}] rank {rank}: {msg}")
+
+            (got_values, got_scales), *got_rest, handle = got
+            if got_values.dtype != torch.float8_e4m3fn or got_scales.dtype != torch.float32:
+                fail(f"recv_x is ({got_values.dtype}, {got_scales.dtype})")
+            elif not torch.equal(_bits(got_values.cpu()), want_values):
+                fail("FP8 values differ from the reference")
+            if not torch.equal(got_scales.cpu(), want_scales):
+                fail("scales differ from the reference")
+            for g, e in zip(got_rest, want_rest, strict=True):
+                if not torch.equal(g.cpu(), e):
+                    fail("weights, ids or tokens_per_expert differ from the reference")
+            if source == "bf16_on_fp8_handle" and not torch.equal(first[0].cpu(), want_bf16):
+                fail("bf16 rows along an FP8 dispatch's handle differ from the reference")
+            # Combine stays in the Buffer's dtype, on the FP8 dispatch's handle.
+            y = torch.randn(got_values.shape[0], hidden, generator=gen).to(torch.bfloat16)
+            out = buf.combine(y.to(dev), handle).cpu()
+            _, ref_handle = ref(x, max_recv)
+            want = reference.combine(group, y.to(dev), ref_handle).cpu()
+            if not torch.allclose(out.float(), want.float(), rtol=2e-2, atol=2e-2):
+                fail("combine after an FP8 dispatch differs from the reference")
+    finally:
+        buf.destroy()
+    return failures
+
+
+def _refused_calls(buf: Buffer, dev, hidden: int) -> list[str]:
+    """Bad FP8 calls: a clear ValueError before anything moves (every rank makes the same
+    calls, so none waits for a peer)."""
+    failures = []
+    x = torch.randn(4, hidden).to(torch.bfloat16).to(dev)
+    idx = torch.zeros(4, 2, dtype=torch.int64, device=dev)
+    idx[:, 1] = 1
+    values, scales = (t.to(dev) for t in reference.quantize_fp8(x.cpu()))
+    unaligned = torch.zeros(4, hidden + 4, dtype=torch.float8_e4m3fn, device=dev)[:, 1:-3]
+    grad_x = x.detach().requires_grad_()
+    for what, call, match in [
+        ("values bf16", lambda: buf.dispatch((x, scales), idx), "float8_e4m3fn"),
+        ("scales [T, 1]", lambda: buf.dispatch((values, scales[:, :1]), idx), "scales"),
+        ("scales bf16", lambda: buf.dispatch((values, scales.to(x.dtype)), idx), "float32"),
+        ("three items", lambda: buf.dispatch((values, scales, scales), idx), "pair"),
+        ("values at an odd byte", lambda: buf.dispatch((unaligned, scales), idx), "4 bytes"),
+        ("a pair with quantize", lambda: buf.dispatch((values, scales), idx, quantize=True),
+         "quantize"),
+        ("quantize, x requiring grad", lambda: buf.dispatch(grad_x, idx, quantize=True),
+         "gradient"),
+    ]:  # fmt: skip
+        try:
+            call()
+            failures.append(f"{what}: no ValueError")
+        except ValueError as e:
+            if match not in str(e):
+                failures.append(f"{what}: ValueError {str(e)!r} does not mention {match!r}")
+    return failures
+
+
+# hidden 256: two 128-channel scale blocks, 66 words a row, past one 64-word tile on CPU. One
+# rank at hidden 7168 on GPUs only: the GPU configuration's full tiles and column slices.
+@pytest.mark.parametrize(
+    "world,expand,ranks_per_node,hidden",
+    [
+        (2, True, None, 256),
+        (4, False, None, 256),
+        (2, False, 1, 256),
+        pytest.param(1, True, None, 7168, marks=pytest.mark.gpu),
+        pytest.param(1, False, None, 7168, marks=pytest.mark.gpu),
+    ],
+    ids=["W2-expert_rows", "W4-token_rows", "W2-2x1-token_rows", "W1-H7168-expert_rows",
+         "W1-H7168-token_rows"],
+)  # fmt: skip
+def test_fp8_dispatch_matches_reference(launch, world, expand, ranks_per_node, hidden):
+    results = launch(_rank_body, world, expand, ranks_per_node, hidden)
+    failures = [msg for per_rank in results for msg in per_rank]
+    assert not failures, f"{len(failures)} failure(s):\n" + "\n".join(failures)
