@@ -38,10 +38,8 @@ EXPERTS_PER_RANK, TOPK = 4, 2
 HIDDEN, FFN, SEQ, BATCH = (256, 128, 64, 2) if ON_GPU else (16, 8, 5, 2)
 STEPS = 20 if ON_GPU else 3
 LR = 0.5
-TOL = {
-    torch.float32: {"rtol": 1e-4, "atol": 1e-5},
-    torch.bfloat16: {"rtol": 2e-2, "atol": 2e-2},
-}
+# Largest difference allowed, relative to the reference tensor's largest magnitude.
+TOL = {torch.float32: 1e-5, torch.bfloat16: 3e-2}
 
 
 @dataclass(frozen=True)
@@ -247,24 +245,27 @@ def _case(rank: int, world: int, ep: int, case: Case, alone) -> list[str]:
     reference = "alltoall" if ON_GPU else "one-rank layer"
     names = ["output", "x grad", "router grad"]
     names += [f"expert {i} fc{j} grad" for i in range(EXPERTS_PER_RANK) for j in (1, 2)]
-    tol = TOL[case.dtype]
-    for name, a, b in zip(names, got, want, strict=True):
-        if a.shape != b.shape or not torch.allclose(a, b, **tol):
-            failures.append(f"{what}: {name} differs by {_diff(a, b)} from the {reference}'s")
-    if not torch.allclose(torch.tensor(got_losses), torch.tensor(want_losses), **tol):
-        failures.append(f"{what}: losses {got_losses} vs the {reference}'s {want_losses}")
+    got.append(torch.tensor(got_losses))
+    want.append(torch.tensor(want_losses))
+    names.append("losses")
+    diffs = [_diff(a, b) for a, b in zip(got, want, strict=True)]
+    for name, diff in zip(names, diffs, strict=True):
+        if not diff <= TOL[case.dtype]:
+            failures.append(f"{what}: {name} differ by {diff:.2e} (relative to the largest)")
     if not got_losses[-1] < 0.95 * got_losses[0]:
         failures.append(f"{what}: the loss did not go down: {got_losses}")
     if rank == 0:
-        worst = max(_diff(a, b) for a, b in zip(got, want, strict=True))
-        print(f"{what}: largest output/gradient difference {worst:.2e}; losses:")
+        print(f"{what}: largest relative difference {max(diffs):.2e} ({reference}); losses:")
         for step, (a, b) in enumerate(zip(got_losses, want_losses, strict=True)):
             print(f"  step {step:2d}  hybrid_ep {a:.6f}  {reference} {b:.6f}")
     return failures
 
 
 def _diff(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a - b).abs().max()) if a.shape == b.shape else float("inf")
+    """max |a - b| / max |b| (inf for different shapes)."""
+    if a.shape != b.shape:
+        return float("inf")
+    return float((a - b).abs().max() / b.abs().max().clamp(min=1e-30))
 
 
 def _errors(world: int) -> list[str]:
@@ -300,8 +301,9 @@ def _errors(world: int) -> list[str]:
         bad.config = copy.copy(layer.config)
         setattr(bad.config, name, True if name != "fp8" else "hybrid")
         expect(f"config.{name}", lambda bad=bad: use_hybrid_ep(bad, max_tokens_per_rank=4))
-    if _dp_size() > 1:
+    if _dp_size() > 1 and not ON_GPU:
         # A Buffer over the world is not the expert-parallel group (collective: every rank).
+        # CPU ranks only: on GPUs a process has one NVSHMEM world, the expert-parallel group's.
         with Buffer(None, hidden_size=HIDDEN, max_tokens_per_rank=4, num_experts=experts) as buf:
             old = layer.token_dispatcher
             groups = ProcessGroupCollection()
@@ -326,7 +328,7 @@ def _body(rank: int, world: int, ep: int) -> dict[str, list[str]]:
             from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
             model_parallel_cuda_manual_seed(1234)
-        alone = _alone()
+        alone = None if ON_GPU else _alone()
         results = {
             "matches": [m for case in CASES for m in _case(rank, world, ep, case, alone)],
             "errors": _errors(world),

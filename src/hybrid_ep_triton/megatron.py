@@ -85,11 +85,7 @@ class HybridEPTokenDispatcher(MoETokenDispatcher):
         async_finish: bool = False,
     ):
         super().__init__(config=config, pg_collection=pg_collection)
-        if self.tp_size != 1:
-            raise ValueError(
-                f"expert tensor parallelism is not supported: its size must be 1, got "
-                f"{self.tp_size}"
-            )
+        _check_expert_tp(self.tp_size)
         if not isinstance(buffer, Buffer):
             raise ValueError(f"buffer must be a hybrid_ep_triton.Buffer, got {describe(buffer)}")
         ep_ranks = dist.get_process_group_ranks(self.ep_group)
@@ -258,13 +254,17 @@ def _check_layer(layer, config, max_recv_tokens: int | None) -> None:
             raise ValueError(f"{what} is not supported: config.{name} must be off")
     if cfg.transformer_impl == "inference_optimized":
         raise ValueError("transformer_impl='inference_optimized' is not supported")
-    if layer.token_dispatcher.tp_size != 1:
-        raise ValueError(
-            f"expert tensor parallelism is not supported: expert_tensor_parallel_size must be "
-            f"1, got {layer.token_dispatcher.tp_size}"
-        )
+    _check_expert_tp(layer.token_dispatcher.tp_size)
     if max_recv_tokens is not None and isinstance(layer.experts, SequentialMLP):
         raise ValueError(
             "max_recv_tokens needs experts that take rows past sum(tokens_per_expert); "
             "SequentialMLP (the local spec's experts) splits exactly: leave max_recv_tokens None"
+        )
+
+
+def _check_expert_tp(size: int) -> None:
+    if size != 1:
+        raise ValueError(
+            f"expert tensor parallelism is not supported: expert_tensor_parallel_size must be 1, "
+            f"got {size}"
         )

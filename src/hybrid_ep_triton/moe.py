@@ -5,6 +5,8 @@
 and returns the rows grouped by local expert; ``combine(expert_output)`` sends the expert outputs
 back and sums them per token. ``MoELayer`` is a complete, small layer on it: a top-k router,
 SwiGLU experts computed with one grouped GEMM per projection, and the dispatcher in between.
+``hybrid_ep_triton.megatron`` builds Megatron-Core's own dispatcher interface on
+``TokenDispatcher`` (its ``prepare`` and ``send`` halves of ``dispatch``).
 
 Shapes: T tokens of this rank, H hidden size, E global experts, L = E / group size local
 experts (rank r owns experts r*L .. r*L+L-1), K = router_topk, N rows received by this rank.
