@@ -19,11 +19,17 @@
 #   bench-fp8  S1 and S2 at $BENCH_SMS SMs (default 8), both layouts, bf16 beside FP8 rows
 #          (given pair, quantize=True), and the quantizing copy beside a plain copy
 #   tune   hybrid-ep tune for the S1 shape
+#   megatron  tests/test_megatron.py on the GPUs: this library in Megatron-Core's MoELayer against
+#          its alltoall dispatcher (expert-parallel 1 on one GPU; EP 2 and DP 2 x EP 1 on two;
+#          DP 2 x EP 2 on four), and examples/megatron_moe.py (GPTModel losses, both dispatchers)
+#   megatron-bench  bench/megatron_bench.py: one MoE layer's forward+backward at DeepSeek-V3 sizes
+#          per rank, alltoall against this library, one rank per GPU (JSON into $OUT)
+# megatron-core travels as a wheel in .whl-megatron/ (carry it too), installed beside nvshmem4py.
 # Usage there: OUT=... STEPS="tests bench" HEP_COMMIT=<hash> bash bench/device_run.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target /tmp/site .whl/*.whl || exit 1
+    --target /tmp/site .whl/*.whl $(ls .whl-megatron/*.whl 2>/dev/null) || exit 1
 export PYTHONPATH=/tmp/site:$PWD/src PYTHONUNBUFFERED=1
 export NCCL_NVLS_ENABLE=0 NVSHMEM_DISABLE_NVLS=1 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
 : "${OUT:?set OUT}" "${STEPS:=tests}" "${STEP_TIMEOUT:=240}"
@@ -61,6 +67,10 @@ for step in $STEPS; do
                         --shapes S1,S2 --sms "${BENCH_SMS:-8}" --spot-sms "${BENCH_SMS:-8}"
                         --out "$OUT") ;;
         tune) cmd=(python3 -m hybrid_ep_triton tune) ;;
+        megatron) cmd=(bash -c 'HEP_TEST_DEVICE=cuda HEP_TEST_TIMEOUT=300 python3 -m pytest -q -rs
+                       -s -p no:warnings tests/test_megatron.py && python3 examples/megatron_moe.py
+                       --steps 10') ;;
+        megatron-bench) cmd=(python3 bench/megatron_bench.py --out "$OUT") ;;
         *) echo "unknown step $step" >&2; exit 2 ;;
     esac
     echo "== $step: ${cmd[*]}" | tee -a "$OUT/summary.txt"

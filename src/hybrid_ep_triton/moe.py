@@ -5,6 +5,8 @@
 and returns the rows grouped by local expert; ``combine(expert_output)`` sends the expert outputs
 back and sums them per token. ``MoELayer`` is a complete, small layer on it: a top-k router,
 SwiGLU experts computed with one grouped GEMM per projection, and the dispatcher in between.
+``hybrid_ep_triton.megatron`` builds Megatron-Core's own dispatcher interface on
+``TokenDispatcher`` (its ``prepare`` and ``send`` halves of ``dispatch``).
 
 Shapes: T tokens of this rank, H hidden size, E global experts, L = E / group size local
 experts (rank r owns experts r*L .. r*L+L-1), K = router_topk, N rows received by this rank.
@@ -85,7 +87,8 @@ class TokenDispatcher:
         *,
         topk_idx: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Send each token to the ranks of its experts, one row per (token, local expert).
+        """Send each token to the ranks of its experts, one row per (token, local expert):
+        ``send(*prepare(...), shape=hidden_states.shape)``.
 
         Args:
             hidden_states: [..., H] tokens of this rank in the Buffer's dtype, flattened to
@@ -106,6 +109,27 @@ class TokenDispatcher:
                 tokens' device.
             permuted_probs: [N] float32 prob of each row's (token, expert) pair, 0 on padding.
         """
+        routed = self.prepare(hidden_states, probs, routing_map, topk_idx=topk_idx)
+        return self.send(*routed, shape=hidden_states.shape)
+
+    def prepare(
+        self,
+        hidden_states: torch.Tensor,
+        probs: torch.Tensor,
+        routing_map: torch.Tensor | None = None,
+        *,
+        topk_idx: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The checks and local conversions of ``dispatch``, without communication (arguments
+        as there).
+
+        Returns:
+            tokens: [T, H] hidden_states with contiguous rows.
+            topk_idx: [T, K] global expert ids, -1 for an unused slot (from routing_map: a
+                row's K lowest routed ids).
+            probs: [T, K] float32, the probs of those slots (0 for -1 slots); differentiable
+                with respect to the probs passed in.
+        """
         x = self._check_tokens(hidden_states)
         num_tokens = x.shape[0]
         if (routing_map is None) == (topk_idx is None):
@@ -125,23 +149,46 @@ class TokenDispatcher:
             topk_idx = self._flat(
                 "topk_idx", topk_idx, hidden_states, width, _INDEX_DTYPES, "int32 or int64"
             )
-        permuted, permuted_probs, tokens_per_expert, handle = self.buffer.dispatch(
-            x,
+        return x, topk_idx, probs.float()
+
+    def send(
+        self,
+        tokens: torch.Tensor,
+        topk_idx: torch.Tensor,
+        probs: torch.Tensor,
+        *,
+        shape: torch.Size | None = None,
+        async_finish: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The communication of ``dispatch``: ``prepare``'s outputs in, ``dispatch``'s out.
+
+        Args:
+            tokens, topk_idx, probs: as ``prepare`` returns them.
+            shape: the shape ``combine`` gives its output (hidden_states' shape; default
+                tokens' [T, H]).
+            async_finish: run on the Buffer's communication stream; the calling stream waits
+                for it before any later work (so other streams may compute meanwhile).
+        """
+        outputs = self.buffer.dispatch(
+            tokens,
             topk_idx,
-            probs.float(),
+            probs,
             pad_multiple=self.pad_multiple,
             max_recv_tokens=self.max_recv_tokens,
+            async_finish=async_finish,
         )
-        self._pending = (handle, hidden_states.shape, permuted.shape[0])
+        permuted, permuted_probs, tokens_per_expert, handle = _wait(outputs, async_finish)
+        self._pending = (handle, tokens.shape if shape is None else shape, permuted.shape[0])
         self._last_handle = handle
         return permuted, tokens_per_expert, permuted_probs
 
-    def combine(self, expert_output: torch.Tensor) -> torch.Tensor:
+    def combine(self, expert_output: torch.Tensor, *, async_finish: bool = False) -> torch.Tensor:
         """Send the expert outputs back and sum them per token, without weights (Megatron
         applies the probs inside the experts).
 
         Args:
             expert_output: [N, H] in permuted_tokens' row order and dtype.
+            async_finish: as for ``send``.
 
         Returns:
             hidden_states' shape and dtype: each token's sum of its experts' rows (accumulated
@@ -155,8 +202,8 @@ class TokenDispatcher:
         expected = (num_rows, self.buffer.hidden_size)
         check_tensor("expert_output", expert_output, expected, self.buffer.dtype, self.device)
         self._pending = None
-        out = self.buffer.combine(expert_output.contiguous(), handle)
-        return out.reshape(shape)
+        out = self.buffer.combine(expert_output.contiguous(), handle, async_finish=async_finish)
+        return _wait(out, async_finish).reshape(shape)
 
     def check(self) -> None:
         """Synchronise and raise what the device recorded for the last dispatch: OverflowError
@@ -285,6 +332,17 @@ def _grouped_mm(x, w, offs, valid):
     every tensor of the forward and the backward pass."""
     x = torch.where(valid, x, 0)  # the same values; zeroes the gradient rows past offs[-1]
     return torch.where(valid, torch._grouped_mm(x, w, offs=offs), 0)
+
+
+def _wait(outputs, async_finish: bool):
+    """A Buffer call's outputs without the event of an ``async_finish`` call, once the calling
+    stream waits for it (CPU ranks: no event)."""
+    if not async_finish:
+        return outputs
+    *outputs, event = outputs
+    if event is not None:
+        torch.cuda.current_stream().wait_event(event)
+    return outputs[0] if len(outputs) == 1 else tuple(outputs)
 
 
 def _topk_from_map(routing_map, probs, topk):
