@@ -67,9 +67,9 @@ for step in $STEPS; do
                         --shapes S1,S2 --sms "${BENCH_SMS:-8}" --spot-sms "${BENCH_SMS:-8}"
                         --out "$OUT") ;;
         tune) cmd=(python3 -m hybrid_ep_triton tune) ;;
-        megatron) cmd=(bash -c 'HEP_TEST_DEVICE=cuda HEP_TEST_TIMEOUT=300 python3 -m pytest -q -rs
-                       -s -p no:warnings tests/test_megatron.py && python3 examples/megatron_moe.py
-                       --steps 10') ;;
+        megatron) cmd=(bash -c 'HEP_TEST_DEVICE=cuda HEP_TEST_TIMEOUT=300 python3 -m pytest \
+                       -q -rs -s -p no:warnings tests/test_megatron.py \
+                       && python3 examples/megatron_moe.py --steps 10') ;;
         megatron-bench) cmd=(python3 bench/megatron_bench.py --out "$OUT") ;;
         *) echo "unknown step $step" >&2; exit 2 ;;
     esac
