@@ -1,10 +1,12 @@
-"""Eager calls back to back on one GPU, for A/B runs of two source trees in one device call:
+"""Eager calls back to back on the local GPUs, for A/B runs of two source trees in one device
+call:
 
-    PYTHONPATH=<tree>/src python3 bench/eager_ab.py --label A [--iters 200]
+    PYTHONPATH=<tree>/src python3 bench/eager_ab.py --label A [--iters 200] [--ranks N]
 
-One rank; for S1 and S2 (8 SMs) in both layouts, the median of ``iters`` back-to-back calls of
-an exact-mode dispatch, a cached dispatch and a combine (events around each call on the calling
-stream, after a warm-up; see tools.bench._median_us), device and host µs, one line each.
+One rank per GPU (default: one rank; ``--ranks 0``: every local GPU); for S1 and S2 (8 SMs) in
+both layouts, the median of ``iters`` back-to-back calls of an exact-mode dispatch, a cached
+dispatch and a combine (events around each call on the calling stream, after a warm-up; the
+slowest rank's median, see tools.bench._median_us), device and host µs, one line each.
 """
 
 import argparse
@@ -49,8 +51,10 @@ def main() -> None:
     parser.add_argument("--label", default="")
     parser.add_argument("--iters", type=int, default=200)
     parser.add_argument("--warmup", type=int, default=20)
+    parser.add_argument("--ranks", type=int, default=1, help="0: every local GPU")
     args = parser.parse_args()
-    print("\n".join(run_ranks(_rank, 1, args, device="cuda", timeout_s=300)[0]), flush=True)
+    world = args.ranks or torch.cuda.device_count()
+    print("\n".join(run_ranks(_rank, world, args, device="cuda", timeout_s=300)[0]), flush=True)
 
 
 if __name__ == "__main__":
