@@ -67,7 +67,7 @@ for step in $STEPS; do
         bench-fp8) cmd=(python3 bench/run.py --iters 50 --warmup 10 --timeout 400
                         --shapes S1,S2 --sms "${BENCH_SMS:-8}" --spot-sms "${BENCH_SMS:-8}"
                         --out "$OUT") ;;
-        eager) cmd=(python3 bench/eager_ab.py --ranks 0 --label "$HEP_COMMIT") ;;
+        eager) cmd=(python3 bench/eager_ab.py --ranks 0 --label "${HEP_COMMIT:-}") ;;
         tune) cmd=(python3 -m hybrid_ep_triton tune) ;;
         megatron) cmd=(bash -c 'HEP_TEST_DEVICE=cuda HEP_TEST_TIMEOUT=300 python3 -m pytest \
                        -q -rs -s -p no:warnings tests/test_megatron.py \
