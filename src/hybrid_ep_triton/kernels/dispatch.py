@@ -30,6 +30,10 @@ rank's own tokens, copied straight from ``x`` to their expert-major rows (own to
 through the staging area), and every other rank's chunks, each as soon as its flag is up, from
 the staging area; then they zero the padding rows and the rows past the valid count. Expanders
 wait only for senders, which come first in the launch order.
+
+FP8 rows (SCALE_WORDS > 0) are moved bit for bit as int32 words: a staged row is its e4m3
+values (data_cols words) then its float32 scales (SCALE_WORDS words), padded to ``hidden``
+words; only the copies from x and into recv_x see two parts (row_part, out_part).
 """
 
 import triton
