@@ -87,6 +87,7 @@ def _rank_body(
     try:
         if world == 2 and expand:
             failures += _refused_calls(buf, dev, hidden)
+            failures += _compiled_matches_eager(buf, dev, hidden, rank)
         for index in cases:
             name, tokens, topk, unused, pad, recv, source = CASES[index]
             if not expand:
@@ -180,6 +181,29 @@ def _refused_calls(buf: Buffer, dev, hidden: int) -> list[str]:
             if match not in str(e):
                 failures.append(f"{what}: ValueError {str(e)!r} does not mention {match!r}")
     return failures
+
+
+def _compiled_matches_eager(buf: Buffer, dev, hidden: int, rank: int) -> list[str]:
+    """An FP8 dispatch under torch.compile(fullgraph=True) goes through the torch.library
+    operator and its fake implementation: the same outputs as eager mode."""
+    gen = torch.Generator().manual_seed(77 + rank)
+    x = _awkward_rows(5, hidden, gen).to(dev)
+    idx = torch.rand(5, 8, generator=gen).topk(2, dim=1).indices.to(dev)
+    w = torch.rand(5, 2, generator=gen).to(dev)
+    pair = tuple(t.to(dev) for t in reference.quantize_fp8(x.cpu()))
+
+    def step(values, scales, idx, w):
+        (recv_values, recv_scales), recv_w, tokens_per_expert, _ = buf.dispatch(
+            (values, scales), idx, w, max_recv_tokens=24
+        )
+        return recv_values.view(torch.uint8), recv_scales, recv_w, tokens_per_expert
+
+    backend = "inductor" if dev.type == "cuda" else "aot_eager"
+    compiled = torch.compile(step, fullgraph=True, backend=backend, dynamic=False)
+    eager, traced = step(*pair, idx, w), compiled(*pair, idx, w)
+    if all(torch.equal(a, b) for a, b in zip(eager, traced, strict=True)):
+        return []
+    return ["an FP8 dispatch under torch.compile differs from eager mode"]
 
 
 # hidden 256: two 128-channel scale blocks, 66 words a row, past one 64-word tile on CPU. One

@@ -504,11 +504,12 @@ class Buffer:
             )
         if values.stride(1) != 1 or scales.stride(1) != 1:
             raise ValueError("FP8 values and scales must have contiguous rows (stride(1) == 1)")
-        if values.stride(0) % 4 or values.storage_offset() % 4:
+        # (torch.compile cannot trace storage_offset(); the operator's view as words checks it.)
+        offset = 0 if torch.compiler.is_compiling() else values.storage_offset()
+        if values.stride(0) % 4 or offset % 4:
             raise ValueError(
                 "FP8 values must start and have a row stride at multiples of 4 bytes (they move "
-                f"as 32-bit words), got stride {values.stride(0)}, offset "
-                f"{values.storage_offset()}"
+                f"as 32-bit words), got stride {values.stride(0)}, offset {offset}"
             )
         if values.requires_grad or scales.requires_grad:
             raise ValueError(
