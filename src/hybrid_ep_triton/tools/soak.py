@@ -3,7 +3,9 @@
 Every rank builds one Buffer and runs ``rounds`` rounds on it. Each round draws new inputs: a
 token count per rank in 0..tokens (0 and the maximum now and then), a routing with -1 slots and
 sometimes one hot expert that every token picks, random rows, weights or none, a pad multiple
-and an index dtype (the pad multiple stays 1 with token rows, ``expand=False``). The dispatch
+and an index dtype (the pad multiple stays 1 with token rows, ``expand=False``), and, where the
+hidden size is a multiple of 128, rows in bf16 or FP8 (the FP8 pair passed, or bf16 rows with
+quantize=True; checked bit for bit against the reference quantizer). The dispatch
 mode cycles through exact, cached (new rows along the previous
 round's handle), max_recv_tokens (sized never to drop a row) and cached again; combine runs
 with recv_weights or without weights. Every round is checked against
@@ -47,6 +49,7 @@ UNUSED_SLOT_PROBS = (0.0, 0.0, 0.1, 0.5)
 HOT_EXPERT_PROB = 0.1
 EDGE_TOKENS_PROB = 0.05  # chance of 0 tokens on a rank, and again of the maximum
 WEIGHTS_PROB = 0.8  # chance that a round passes topk_weights
+ROW_KINDS = ("bf16", "bf16", "fp8 pair", "fp8 quantize")  # drawn where hidden % 128 == 0
 # Growth of memory in use allowed after the warm-up. GPUs: the retained layout (handle and
 # routing, under 2 MiB at 4096 tokens) varies with the token count, a leak of one recv_x per
 # round passes the bound within a round or two. CPU ranks: the resident set creeps by a few
@@ -142,6 +145,7 @@ def _round(buf: Buffer, dev, cfg: SoakConfig, world: int, r: int, prev, seen: Co
     mine = random.Random(f"soak/{cfg.seed}/{r}/{dist.get_rank()}")
     gen = _gen(dev, mine.getrandbits(62))
     mode = MODES[r % len(MODES)] if prev is not None else "exact"
+    kind = shared.choice(ROW_KINDS) if cfg.hidden % reference.FP8_GROUP == 0 else "bf16"
     with_weights = shared.random() < WEIGHTS_PROB
     weighted_combine = shared.random() < 0.5 and with_weights  # combine with recv_weights
     if mode == "cached":
@@ -163,22 +167,30 @@ def _round(buf: Buffer, dev, cfg: SoakConfig, world: int, r: int, prev, seen: Co
             "topk_weights": with_weights,
             "weighted combine": weighted_combine,
             "unweighted combine": not weighted_combine,
+            kind: kind != "bf16",
         }.items()
         if present
     )
 
     # The library, timed: dispatch and check, then combine of random expert outputs.
+    rows = reference.quantize_fp8(x) if kind == "fp8 pair" else x
+    quantize = kind == "fp8 quantize"
     _sync(dev)
     start = time.perf_counter()
     if mode == "cached":
-        *got, handle = buf.dispatch(x, topk_weights=w, handle=layout.handle)
+        *got, handle = buf.dispatch(rows, topk_weights=w, handle=layout.handle, quantize=quantize)
     else:
         *got, handle = buf.dispatch(
-            x, idx, w, pad_multiple=layout.pad_multiple, max_recv_tokens=layout.max_recv_tokens
-        )
+            rows, idx, w, pad_multiple=layout.pad_multiple,
+            max_recv_tokens=layout.max_recv_tokens, quantize=quantize,
+        )  # fmt: skip
         layout.handle = handle
     buf.check(handle)  # sized never to overflow: raises nothing
     seconds = time.perf_counter() - start
+    got_scales = None
+    if kind != "bf16":  # compared as bytes and scales
+        (values, got_scales), *rest = got
+        got = [values.view(torch.uint8), *rest]
     y = torch.randn(got[0].shape, generator=gen, device=dev, dtype=buf.dtype)
     _sync(dev)
     start = time.perf_counter()
@@ -186,13 +198,20 @@ def _round(buf: Buffer, dev, cfg: SoakConfig, world: int, r: int, prev, seen: Co
     _sync(dev)
     seconds += time.perf_counter() - start
 
-    # The reference, and the checks.
-    *want, ref_handle = reference.dispatch(
-        None, x, idx, w, num_experts=cfg.experts, pad_multiple=layout.pad_multiple,
-        max_recv_tokens=layout.max_recv_tokens, expand=cfg.expand,
-    )  # fmt: skip
-    what = f"{mode} dispatch of {layout.num_tokens} tokens"
-    problems = [
+    # The reference (FP8: the reference quantizer, then the values as bytes and the scales
+    # dispatched alike), and the checks.
+    kw = dict(num_experts=cfg.experts, pad_multiple=layout.pad_multiple,
+              max_recv_tokens=layout.max_recv_tokens, expand=cfg.expand)  # fmt: skip
+    ref_rows = x
+    problems = []
+    what = f"{mode} dispatch of {layout.num_tokens} tokens ({kind})"
+    if kind != "bf16":
+        values, scales = reference.quantize_fp8(x)
+        ref_rows = values.view(torch.uint8)
+        if not _same(got_scales, reference.dispatch(None, scales, idx, w, **kw)[0]):
+            problems.append(f"{what}: the FP8 scales differ from the reference")
+    *want, ref_handle = reference.dispatch(None, ref_rows, idx, w, **kw)
+    problems += [
         f"{what}: {name} differs from the reference"
         for name, a, b in zip(NAMES[cfg.expand], got, want, strict=True)
         if not _same(a, b)
