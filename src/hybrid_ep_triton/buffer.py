@@ -462,13 +462,14 @@ class Buffer:
         if self._broken is not None:
             raise RuntimeError(f"this Buffer is unusable after an earlier error: {self._broken}")
 
-    def _check_tokens(self, name: str, x: torch.Tensor) -> None:
+    def _check_tokens(self, name: str, x: torch.Tensor, dtype: torch.dtype | None = None) -> None:
+        """x: [T, H] rows of ``dtype`` (default: the Buffer's), T <= max_tokens_per_rank."""
         if not isinstance(x, torch.Tensor) or x.dim() != 2 or x.shape[1] != self.hidden_size:
             raise ValueError(
                 f"{name} must be a [T, {self.hidden_size}] tensor, got "
                 f"{tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__}"
             )
-        check_tensor(name, x, tuple(x.shape), self.dtype, self._rt.device)
+        check_tensor(name, x, tuple(x.shape), dtype or self.dtype, self._rt.device)
         if x.shape[0] > self.max_tokens_per_rank:
             raise ValueError(
                 f"{name} has {x.shape[0]} tokens, more than max_tokens_per_rank="
@@ -489,21 +490,11 @@ class Buffer:
             raise ValueError(f"FP8 rows are a pair (values, scales), got {len(pair)} items")
         values, scales = pair
         self._check_fp8_hidden()
-        hidden = self.hidden_size
-        if not isinstance(values, torch.Tensor) or values.dim() != 2:
-            raise ValueError(f"FP8 values must be a [T, {hidden}] tensor, got {describe(values)}")
-        num_tokens = values.shape[0]
-        check_tensor("FP8 values", values, (num_tokens, hidden), torch.float8_e4m3fn,
-                     self._rt.device)  # fmt: skip
-        check_tensor("FP8 scales", scales, (num_tokens, hidden // FP8_GROUP), torch.float32,
-                     self._rt.device)  # fmt: skip
-        if num_tokens > self.max_tokens_per_rank:
-            raise ValueError(
-                f"x has {num_tokens} tokens, more than max_tokens_per_rank="
-                f"{self.max_tokens_per_rank}"
-            )
-        if values.stride(1) != 1 or scales.stride(1) != 1:
-            raise ValueError("FP8 values and scales must have contiguous rows (stride(1) == 1)")
+        self._check_tokens("FP8 values", values, torch.float8_e4m3fn)
+        check_tensor("FP8 scales", scales, (values.shape[0], self.hidden_size // FP8_GROUP),
+                     torch.float32, self._rt.device)  # fmt: skip
+        if scales.stride(1) != 1:
+            raise ValueError("FP8 scales must have contiguous rows (stride(1) == 1)")
         # (torch.compile cannot trace storage_offset(); the operator's view as words checks it.)
         offset = 0 if torch.compiler.is_compiling() else values.storage_offset()
         if values.stride(0) % 4 or offset % 4:

@@ -140,7 +140,7 @@ def _(runtime_id, x, x_scales, topk_idx, topk_weights, pad_multiple, max_recv_to
     slots = _slots_shape(rt, rows, topk_idx.shape[1])
     return (
         x.new_empty(rows, x.shape[1]),
-        _fake_scales(x_scales, rows),
+        _fake_scales(x, x_scales, rows),
         x.new_empty(slots if topk_weights is not None else 0, dtype=torch.float32),
         x.new_empty(slots if rt.plan.token_rows else 0, dtype=torch.int32),
         x.new_empty(num_ints, dtype=torch.int32),
@@ -148,9 +148,10 @@ def _(runtime_id, x, x_scales, topk_idx, topk_weights, pad_multiple, max_recv_to
     )
 
 
-def _fake_scales(x_scales: Tensor | None, rows) -> Tensor:
+def _fake_scales(x: Tensor, x_scales: Tensor | None, rows) -> Tensor:
+    """recv_scales of a fake dispatch: [rows, H / 128] float32, or [0] without x_scales."""
     if x_scales is None:
-        return torch.empty(0, dtype=torch.float32, device="meta")
+        return x.new_empty(0, dtype=torch.float32)
     return x_scales.new_empty(rows, x_scales.shape[1])
 
 
@@ -198,7 +199,7 @@ dispatch_cached = torch.library.custom_op(
 def _(runtime_id, x, x_scales, topk_weights, topk_idx, ints, longs, num_recv_rows):
     slots = _slots_shape(_runtime(runtime_id), num_recv_rows, topk_idx.shape[1])
     weights = x.new_empty(slots if topk_weights is not None else 0, dtype=torch.float32)
-    recv_scales = _fake_scales(x_scales, num_recv_rows)
+    recv_scales = _fake_scales(x, x_scales, num_recv_rows)
     return x.new_empty(num_recv_rows, x.shape[1]), recv_scales, weights
 
 

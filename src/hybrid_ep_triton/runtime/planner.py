@@ -178,7 +178,7 @@ class Fp8Rows:
     net_cols: int
 
 
-def fp8_rows(hidden: int, dtype: torch.dtype, config: "KernelConfig") -> Fp8Rows | None:
+def fp8_rows(hidden: int, dtype: torch.dtype, config: KernelConfig) -> Fp8Rows | None:
     """The FP8 row layout for rows of ``hidden`` channels; None unless hidden % 128 == 0."""
     if hidden % FP8_GROUP:
         return None
