@@ -19,6 +19,7 @@
 #   bench-fp8  S1 and S2 at $BENCH_SMS SMs (default 8), both layouts, bf16 beside FP8 rows
 #          (given pair, quantize=True), and the quantizing copy beside a plain copy
 #   eager  bench/eager_ab.py on every local GPU: eager calls back to back (issue 20's targets)
+#   host   bench/host_profile.py: where the host time of each kind of eager call goes (one GPU)
 #   tune   hybrid-ep tune for the S1 shape
 #   megatron  tests/test_megatron.py on the GPUs: this library in Megatron-Core's MoELayer against
 #          its alltoall dispatcher (expert-parallel 1 on one GPU; EP 2 and DP 2 x EP 1 on two;
@@ -68,6 +69,7 @@ for step in $STEPS; do
                         --shapes S1,S2 --sms "${BENCH_SMS:-8}" --spot-sms "${BENCH_SMS:-8}"
                         --out "$OUT") ;;
         eager) cmd=(python3 bench/eager_ab.py --ranks 0 --label "${HEP_COMMIT:-}") ;;
+        host) cmd=(python3 bench/host_profile.py) ;;
         tune) cmd=(python3 -m hybrid_ep_triton tune) ;;
         megatron) cmd=(bash -c 'HEP_TEST_DEVICE=cuda HEP_TEST_TIMEOUT=300 python3 -m pytest \
                        -q -rs -s -p no:warnings tests/test_megatron.py \

@@ -1,0 +1,225 @@
+"""Where the host time of each eager call goes, per call kind, on one GPU:
+
+    python3 bench/host_profile.py [--shapes S1,S2] [--iters 200] [--sms 8]
+
+For each shape and layout (expert rows, token rows), each call kind (exact-mode dispatch,
+max_recv_tokens dispatch, cached dispatch, combine) is called back to back as a user's loop
+calls it, with events around each call on the calling stream as the benchmark times it. Then
+the same calls run with the library's steps wrapped in timers (perf_counter_ns, a stack so that
+each step's time excludes the steps it calls), and the median µs per call of each step is
+printed: our Python (checks, handle, launch arguments), torch's allocations, the wait for the
+row count, Triton's compiled launcher. The wrappers add about half a µs per wrapped step, so
+the total of the steps exceeds the unwrapped call's host time by that much.
+
+Last, the launcher alone: Triton's compiled launcher for kernels of 1 to 64 integer arguments
+(one store each), and the torch calls an eager call makes (an allocation, two events).
+"""
+
+import argparse
+import functools
+import statistics
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+import triton
+
+import hybrid_ep_triton as hep
+from hybrid_ep_triton import buffer as buffer_module
+from hybrid_ep_triton.ops import launch, library
+from hybrid_ep_triton.tools.bench import SHAPES, _combine_weights, _inputs, _median_us
+from hybrid_ep_triton.tools.launcher import run_ranks
+
+
+class StepTimer:
+    """Exclusive host ns per named step for the current call; ``wrap`` installs a timed
+    stand-in for ``owner.name`` (``wrap_entry`` for a dict's entry) and ``restore`` puts every
+    original back."""
+
+    def __init__(self):
+        self.stack: list[int] = []
+        self.call: dict[str, int] = defaultdict(int)
+        self.saved: list[tuple[object, str, object]] = []
+
+    def timed(self, label: str, fn):
+        @functools.wraps(fn)
+        def stand_in(*args, **kwargs):
+            self.stack.append(0)
+            t0 = time.perf_counter_ns()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                elapsed = time.perf_counter_ns() - t0
+                inner = self.stack.pop()
+                self.call[label] += elapsed - inner
+                if self.stack:
+                    self.stack[-1] += elapsed
+
+        return stand_in
+
+    def wrap(self, owner, name: str, label: str | None = None) -> None:
+        original = getattr(owner, name)
+        self.saved.append((owner, name, original))
+        setattr(owner, name, self.timed(label or name, original))
+
+    def wrap_entry(self, table: dict, key, label: str) -> None:
+        self.saved.append((table, key, table[key]))
+        table[key] = self.timed(label, table[key])
+
+    def restore(self) -> None:
+        for owner, name, original in reversed(self.saved):
+            if isinstance(owner, dict):
+                owner[name] = original
+            else:
+                setattr(owner, name, original)
+        self.saved.clear()
+
+
+def _wrap_library(timer: StepTimer, buf: hep.Buffer) -> None:
+    """Timers around the steps of an eager call, outermost first."""
+    rt = buf._rt
+    for name in ("dispatch", "combine", "_check_usable", "_check_tokens", "_check_routing",
+                 "_check_handle", "_check_event", "_launch", "_track_overflow"):  # fmt: skip
+        timer.wrap(hep.Buffer, name, f"Buffer.{name}")
+    timer.wrap(buffer_module, "check_tensor")
+    for name in ("compute_layout", "prepare_move", "move_tokens", "reduce_tokens"):
+        timer.wrap(library, name)
+    timer.wrap(rt, "read_report", "read_report (wait for the row count)")
+    timer.wrap(rt, "check_status")
+    timer.wrap(launch.KernelLauncher, "__call__", "KernelLauncher (key, arguments)")
+    for launcher in rt.launchers.values():
+        for key in list(launcher._runners):
+            timer.wrap_entry(launcher._runners, key, "Triton compiled launcher")
+    timer.wrap(torch, "empty", "torch.empty")
+
+
+def _profile(fn, args_list, iters: int, timer: StepTimer) -> dict[str, float]:
+    """Median exclusive µs per call of each step over ``iters`` back-to-back calls (events
+    around each, as the benchmark)."""
+    per_call = defaultdict(list)
+    for i in range(iters):
+        timer.call = defaultdict(int)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        t0 = time.perf_counter_ns()
+        fn(*args_list[i % len(args_list)])
+        total = time.perf_counter_ns() - t0
+        end.record()
+        for label, ns in timer.call.items():
+            per_call[label].append(ns / 1e3)
+        per_call["(whole call, wrapped)"].append(total / 1e3)
+    torch.cuda.synchronize()
+    return {label: statistics.median(us) for label, us in per_call.items()}
+
+
+def _calls(buf: hep.Buffer, sets: list) -> dict:
+    exact = [buf.dispatch(*s) for s in sets]
+    rows = max(out[-1].num_recv_rows for out in exact)
+    cached = [(s[0], s[2], out[-1]) for s, out in zip(sets, exact, strict=True)]
+    combines = [(torch.randn_like(out[0]), out[-1], _combine_weights(buf, out)) for out in exact]
+    return {
+        # Lambdas, so that each call finds the wrapped methods.
+        "exact dispatch": (lambda x, i, w: buf.dispatch(x, i, w), sets),
+        "max_recv dispatch": (
+            lambda x, i, w: buf.dispatch(x, i, w, max_recv_tokens=rows * 11 // 10),
+            sets,
+        ),
+        "cached dispatch": (lambda x, w, h: buf.dispatch(x, topk_weights=w, handle=h), cached),
+        "combine": (lambda y, h, w: buf.combine(y, h, weights=w), combines),
+    }
+
+
+def _launcher_costs(iters: int) -> list[str]:
+    """Host µs of Triton's compiled launcher by the number of integer arguments, and of the
+    torch calls around a launch."""
+    lines = []
+    folder = Path(tempfile.mkdtemp())
+    for count in (1, 16, 32, 64):
+        params = ", ".join(f"a{i}" for i in range(count))
+        body = " + ".join(f"a{i}" for i in range(count))
+        source = f"import triton\n\n\n@triton.jit\ndef store_sum(out_ptr, {params}):\n"
+        source += f"    out_ptr.store({body})\n"
+        path = folder / f"args{count}.py"
+        path.write_text(source)
+        sys.path.insert(0, str(folder))
+        kernel = __import__(f"args{count}").store_sum
+        sys.path.pop(0)
+        out = torch.zeros(1, dtype=torch.int64, device="cuda")
+        args = [out, *range(2, count + 2)]
+        compiled = kernel[(1,)](*args)
+        runner = compiled[(1, 1, 1)]
+        stream = triton.runtime.driver.active.get_current_stream(torch.cuda.current_device())
+        int_args = [out.data_ptr(), *args[1:]]
+        jit = _host_median(functools.partial(kernel[(1,)], *args), iters)
+        raw = _host_median(functools.partial(runner, *int_args, stream=stream), iters)
+        torch.cuda.synchronize()
+        lines.append(
+            f"launch of a kernel with {count} int args: {jit:.1f} µs through kernel[grid], "
+            f"{raw:.1f} µs by its compiled launcher (addresses as ints)"
+        )
+    empty = _host_median(lambda: torch.empty(128, 7168, dtype=torch.bfloat16, device="cuda"), iters)
+    events = _host_median(
+        lambda: [torch.cuda.Event(enable_timing=True).record() for _ in range(2)], iters
+    )
+    lines.append(f"torch.empty [128, 7168] bf16: {empty:.1f} µs; two events made and recorded: "
+                 f"{events:.1f} µs")  # fmt: skip
+    return lines
+
+
+def _host_median(fn, iters: int) -> float:
+    for _ in range(10):
+        fn()
+    times = []
+    for _ in range(iters):
+        t0 = time.perf_counter_ns()
+        fn()
+        times.append((time.perf_counter_ns() - t0) / 1e3)
+    return statistics.median(times)
+
+
+def _rank(rank: int, world: int, args) -> list[str]:
+    lines = []
+    for name in args.shapes.split(","):
+        shape = SHAPES[name]
+        sets = [_inputs(shape, rank, seed) for seed in range(4)]
+        for expand in (True, False):
+            buf = hep.Buffer(
+                None, hidden_size=shape.hidden, max_tokens_per_rank=shape.tokens,
+                num_experts=shape.experts, num_sms=args.sms, expand=expand,
+            )  # fmt: skip
+            rows = "expert" if expand else "token"
+            for what, (fn, args_list) in _calls(buf, sets).items():
+                device_us, host_us = _median_us(fn, args_list, args.warmup, args.iters)
+                timer = StepTimer()
+                _wrap_library(timer, buf)
+                try:
+                    steps = _profile(fn, args_list, args.iters, timer)
+                finally:
+                    timer.restore()
+                lines.append(
+                    f"## {name} {rows} rows, {what}: {device_us:.1f} µs device, {host_us:.1f} µs "
+                    "host (unwrapped, events around each call)"
+                )
+                for label, us in sorted(steps.items(), key=lambda item: -item[1]):
+                    lines.append(f"    {us:7.1f}  {label}")
+            buf.destroy()
+    if rank == 0:
+        lines += _launcher_costs(args.iters)
+    return lines
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--shapes", default="S1,S2")
+    parser.add_argument("--iters", type=int, default=200)
+    parser.add_argument("--warmup", type=int, default=20)
+    parser.add_argument("--sms", type=int, default=8)
+    args = parser.parse_args()
+    print("\n".join(run_ranks(_rank, 1, args, device="cuda", timeout_s=400)[0]), flush=True)
+
+
+if __name__ == "__main__":
+    main()
