@@ -44,13 +44,16 @@ def build_model(ep: int):
         bf16=True,
     )
     spec = get_gpt_layer_local_spec(num_experts=config.num_moe_experts, moe_grouped_gemm=False)
-    return GPTModel(
+    model = GPTModel(
         config,
         spec,
         vocab_size=VOCAB,
         max_sequence_length=SEQ,
         position_embedding_type="learned_absolute",
-    ).cuda()
+    )
+    # Some of its modules (the position embedding) are made in float32 whatever params_dtype
+    # says; Megatron-Core's training loop casts the model to bf16 (Float16Module), as here.
+    return model.cuda().bfloat16()
 
 
 def train(model, tokens: torch.Tensor, steps: int) -> list[float]:
