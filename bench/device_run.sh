@@ -19,6 +19,9 @@
 #   bench-fp8  S1 and S2 at $BENCH_SMS SMs (default 8), both layouts, bf16 beside FP8 rows
 #          (given pair, quantize=True), and the quantizing copy beside a plain copy
 #   eager  bench/eager_ab.py on every local GPU: eager calls back to back (issue 20's targets)
+#   eager-ab  bench/eager_ab.py on one GPU for the tree in $AB_OLD (a folder holding src/, e.g.
+#          `git archive <commit> src | tar -x -C .ab/old`, carried) and this tree, alternated
+#          twice: an A/B of eager speed in one call
 #   host   bench/host_profile.py: where the host time of each kind of eager call goes (one GPU)
 #   tune   hybrid-ep tune for the S1 shape
 #   megatron  tests/test_megatron.py on the GPUs: this library in Megatron-Core's MoELayer against
@@ -69,6 +72,10 @@ for step in $STEPS; do
                         --shapes S1,S2 --sms "${BENCH_SMS:-8}" --spot-sms "${BENCH_SMS:-8}"
                         --out "$OUT") ;;
         eager) cmd=(python3 bench/eager_ab.py --ranks 0 --label "${HEP_COMMIT:-}") ;;
+        eager-ab) cmd=(bash -c 'for run in 1 2; do for tree in old new; do src=$PWD/src; \
+                       if [ $tree = old ]; then src=$AB_OLD/src; fi; \
+                       PYTHONPATH=/tmp/site:$src python3 bench/eager_ab.py \
+                       --label "$tree run$run" || exit 1; done; done') ;;
         host) cmd=(python3 bench/host_profile.py) ;;
         tune) cmd=(python3 -m hybrid_ep_triton tune) ;;
         megatron) cmd=(bash -c 'HEP_TEST_DEVICE=cuda HEP_TEST_TIMEOUT=300 python3 -m pytest \

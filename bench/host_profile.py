@@ -11,8 +11,9 @@ printed: our Python (checks, handle, launch arguments), torch's allocations, the
 row count, Triton's compiled launcher. The wrappers add about half a µs per wrapped step, so
 the total of the steps exceeds the unwrapped call's host time by that much.
 
-Last, the launcher alone: Triton's compiled launcher for kernels of 1 to 64 integer arguments
-(one store each), and the torch calls an eager call makes (an allocation, two events).
+Last, the launcher alone: Triton's compiled launcher replaying each kind of data move's last
+launch, and for kernels of 1 to 64 integer arguments (one store each), and the torch calls an
+eager call makes (an allocation, two events).
 """
 
 import argparse
@@ -90,9 +91,13 @@ def _wrap_library(timer: StepTimer, buf: hep.Buffer) -> None:
     timer.wrap(rt, "read_report", "read_report (wait for the row count)")
     timer.wrap(rt, "check_status")
     timer.wrap(launch.KernelLauncher, "__call__", "KernelLauncher (key, arguments)")
+    timer.wrap(launch.Relaunch, "__call__", "Relaunch (checks, arguments)")
     for launcher in rt.launchers.values():
         for key in list(launcher._runners):
             timer.wrap_entry(launcher._runners, key, "Triton compiled launcher")
+    for relaunch in rt.relaunches.values():
+        if relaunch is not None:
+            timer.wrap(relaunch, "_runner", "Triton compiled launcher")
     timer.wrap(torch, "empty", "torch.empty")
 
 
@@ -130,6 +135,25 @@ def _calls(buf: hep.Buffer, sets: list) -> dict:
         "cached dispatch": (lambda x, w, h: buf.dispatch(x, topk_weights=w, handle=h), cached),
         "combine": (lambda y, h, w: buf.combine(y, h, weights=w), combines),
     }
+
+
+def _replays(buf: hep.Buffer, calls: dict, iters: int, what: str) -> list[str]:
+    """Host µs of the compiled launcher alone with the arguments of a cached dispatch and a
+    combine: each call made once more (its outputs kept), then its launch replayed, which is
+    the same call again."""
+    stream = triton.runtime.driver.active.get_current_stream(torch.cuda.current_device())
+    lines = []
+    for name, kind in (("cached dispatch", "move"), ("combine", "combine")):
+        fn, args_list = calls[name]
+        kept = fn(*args_list[0])  # noqa: F841 - the replayed launch writes into its outputs
+        key = next(k for k in buf._rt.relaunches if k[0] == kind and (kind != "move" or k[3]))
+        relaunch = buf._rt.relaunches[key]
+        launch = functools.partial(relaunch._runner, *relaunch._args, stream=stream)
+        us = _host_median(launch, iters)
+        torch.cuda.synchronize()
+        lines.append(f"{what}, {name}: its launch replayed ({len(relaunch._args)} arguments): "
+                     f"{us:.1f} µs in Triton's compiled launcher")  # fmt: skip
+    return lines
 
 
 def _launcher_costs(iters: int) -> list[str]:
@@ -191,7 +215,8 @@ def _rank(rank: int, world: int, args) -> list[str]:
                 num_experts=shape.experts, num_sms=args.sms, expand=expand,
             )  # fmt: skip
             rows = "expert" if expand else "token"
-            for what, (fn, args_list) in _calls(buf, sets).items():
+            calls = _calls(buf, sets)
+            for what, (fn, args_list) in calls.items():
                 device_us, host_us = _median_us(fn, args_list, args.warmup, args.iters)
                 timer = StepTimer()
                 _wrap_library(timer, buf)
@@ -205,6 +230,7 @@ def _rank(rank: int, world: int, args) -> list[str]:
                 )
                 for label, us in sorted(steps.items(), key=lambda item: -item[1]):
                     lines.append(f"    {us:7.1f}  {label}")
+            lines += _replays(buf, calls, args.iters, f"{name} {rows} rows")
             buf.destroy()
     if rank == 0:
         lines += _launcher_costs(args.iters)

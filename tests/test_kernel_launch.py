@@ -129,6 +129,41 @@ def test_constexprs_are_keyed_by_value(fake_triton):
     assert [args[-1] for _, args, _ in compiled.launches] == [64, 32]
 
 
+def test_relaunch_changes_the_named_arguments_within_a_specialisation(fake_triton):
+    """A launch returns its Relaunch: launched again with new values of the ``changing``
+    arguments only (pointers as addresses), refused (False, nothing launched) where a value
+    would take another specialisation; a constexpr cannot change."""
+    kernel, compiled, through_triton = fake_triton
+    offset = torch.zeros(1)
+    launcher = KernelLauncher(kernel, scale=2.0, offset_ptr=offset, BLOCK=BLOCK)
+    data, base = torch.zeros(256), torch.zeros(256)
+    relaunch = launcher(
+        (2,), specialized=dict(x_ptr=data[:64], n=7),
+        aligned=dict(out_ptr=TensorView(base, (BLOCK,), (1,), 0)), changing=("x_ptr", "out_ptr"),
+    )  # fmt: skip
+    assert len(through_triton) == 1 and not compiled.launches
+    assert relaunch(data[8:72], base.data_ptr() + 64)
+    ((grid, args, stream),) = compiled.launches
+    assert grid == (2, 1, 1) and stream == 1003
+    assert args == (data.data_ptr() + 32, base.data_ptr() + 64, 7, 2.0, offset.data_ptr(), BLOCK)
+    for x in (data[1:65], data.double()[:64]):  # misaligned, another dtype
+        assert not relaunch(x, base.data_ptr())
+    assert len(compiled.launches) == 1 and len(through_triton) == 1
+    with pytest.raises(TypeError, match="constexpr"):
+        launcher((2,), specialized=dict(x_ptr=data[:64], n=7, BLOCK=BLOCK),
+                 aligned=dict(out_ptr=base), changing=("BLOCK",))  # fmt: skip
+
+
+def test_no_relaunch_under_the_interpreter(device):
+    if device != "cpu":
+        pytest.skip("the interpreter runs on CPU ranks")
+    launcher = KernelLauncher(_scale_kernel, scale=1.0, offset_ptr=torch.zeros(1))
+    x, out = torch.ones(BLOCK), torch.zeros(BLOCK)
+    assert launcher((1,), specialized=dict(x_ptr=x, n=3, BLOCK=BLOCK),
+                    aligned=dict(out_ptr=out), changing=("x_ptr",)) is None  # fmt: skip
+    assert out[:3].tolist() == [1.0, 1.0, 1.0]
+
+
 def test_missing_argument_is_an_error_before_launching(fake_triton):
     kernel, compiled, through_triton = fake_triton
     launcher = KernelLauncher(kernel, scale=2.0, BLOCK=BLOCK)

@@ -40,6 +40,9 @@ class Runtime:
         GPUs: NVSHMEM's module initialisation), or None.
     launchers: the Buffer's KernelLauncher of each kernel, by the function that makes it
         (see ``launcher``).
+    relaunches: the last launch of each kind of call as a Relaunch (see ops/launch.py), by
+        what fixes the arguments a repeated call does not change (the kind, the token count,
+        K, flags): at most a few per distinct token count.
     """
 
     plan: Plan
@@ -58,6 +61,7 @@ class Runtime:
     compile_options: dict = field(default_factory=dict)
     on_compile: Callable | None = None
     launchers: dict = field(default_factory=dict)
+    relaunches: dict = field(default_factory=dict)
     _report_calls: Iterator[int] = field(default_factory=itertools.count)
 
     def next_report_tag(self) -> int:

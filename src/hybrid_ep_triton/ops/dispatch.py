@@ -17,6 +17,8 @@ from .launch import KernelLauncher, TensorView
 
 # Slots per side of the layout kernel's [PAIRS, PAIRS] tiles of slot pairs.
 _PAIRS = 128
+# int64 elements of a handle's info (its ``longs`` start with it, then tokens_per_expert).
+_INFO_LONGS = 4
 # Most elements of one tile of the layout exchange's prefix sums: each tile is a round trip to
 # memory, in a single program.
 _EXCHANGE_TILE = 8192
@@ -100,6 +102,11 @@ class DispatchHandle:
         views = self._views
         return {f"{name}_ptr": views[name] for name in names}
 
+    def addresses(self, plan: Plan, names: tuple[str, ...]) -> list[int]:
+        """The addresses of the int32 parts ``names`` (a Relaunch's values for them)."""
+        base = self.ints.data_ptr()
+        return [base + offset for offset in _part_offsets(plan, self.num_tokens, self.topk, names)]
+
 
 def _int_parts(plan: Plan, num_tokens: int, topk: int) -> dict[str, tuple[int, ...]]:
     """Shapes of the int32 parts of a handle, in ``ints`` order."""
@@ -135,9 +142,16 @@ def _int_layout(plan: Plan, num_tokens: int, topk: int) -> tuple[int, dict]:
     return offset, parts
 
 
+@functools.lru_cache(maxsize=256)
+def _part_offsets(plan: Plan, num_tokens: int, topk: int, names: tuple[str, ...]) -> tuple:
+    """Byte offsets of the int32 parts ``names`` in a handle's ``ints``."""
+    parts = _int_layout(plan, num_tokens, topk)[1]
+    return tuple(4 * parts[name][2] for name in names)
+
+
 def handle_sizes(plan: Plan, num_tokens: int, topk: int) -> tuple[int, int]:
     """Elements of a handle's ``ints`` (int32) and ``longs`` (int64) tensors."""
-    return _int_layout(plan, num_tokens, topk)[0], 4 + plan.experts_per_rank
+    return _int_layout(plan, num_tokens, topk)[0], _INFO_LONGS + plan.experts_per_rank
 
 
 def make_handle(
@@ -158,8 +172,8 @@ def make_handle(
         topk_idx=topk_idx,
         ints=ints,
         longs=longs,
-        info=longs[:4],
-        tokens_per_expert=longs[4:],
+        info=longs[:_INFO_LONGS],
+        tokens_per_expert=longs[_INFO_LONGS:],
         parts=_int_layout(plan, num_tokens, topk)[1],
     )
 
@@ -191,7 +205,16 @@ def compute_layout(
         -1 if max_recv_tokens is None else max_recv_tokens,
         max_recv_tokens,
     )
-    rt.launcher(_layout_launcher)(
+    # A repeated call changes these arguments only (the others are fixed by the key).
+    key = ("layout", num_tokens, topk, pad_multiple, max_recv_tokens)
+    longs = handle.longs.data_ptr()
+    relaunch = rt.relaunches.get(key)
+    if relaunch is not None and relaunch(
+        topk_idx, report_tag, longs + 8 * _INFO_LONGS, longs,
+        *handle.addresses(plan, _LAYOUT_PARTS),
+    ):  # fmt: skip
+        return handle
+    rt.relaunches[key] = rt.launcher(_layout_launcher)(
         (max(num_chunks, 1),),
         specialized=dict(
             topk_idx_ptr=topk_idx, num_tokens=num_tokens, num_chunks=num_chunks, topk=topk,
@@ -202,14 +225,22 @@ def compute_layout(
         ),
         aligned=dict(
             tokens_per_expert_ptr=handle.tokens_per_expert, info_ptr=handle.info,
-            **handle.args(
-                "slot_pos", "token_rank_pos", "chunk_expert_base", "send_chunk_start",
-                "recv_chunk_start", "recv_src_tokens", "expert_layout", "token_node_pos",
-                "send_chunk_node_start", "recv_net_chunk_start",
-            ),
+            **handle.args(*_LAYOUT_PARTS),
+        ),
+        changing=(
+            "topk_idx_ptr", "report_tag", "tokens_per_expert_ptr", "info_ptr",
+            *(f"{name}_ptr" for name in _LAYOUT_PARTS),
         ),
     )  # fmt: skip
     return handle
+
+
+# The handle parts the layout kernel writes.
+_LAYOUT_PARTS = (
+    "slot_pos", "token_rank_pos", "chunk_expert_base", "send_chunk_start", "recv_chunk_start",
+    "recv_src_tokens", "expert_layout", "token_node_pos", "send_chunk_node_start",
+    "recv_net_chunk_start",
+)  # fmt: skip
 
 
 def _layout_launcher(rt: Runtime) -> KernelLauncher:
@@ -332,42 +363,21 @@ def prepare_move(
     topk_idx, num_tokens, topk = handle.topk_idx, handle.num_tokens, handle.topk
     has_weights = topk_weights is not None
     fp8 = x_scales is not None
-    grid = (channel_programs(plan) + programs_beside_senders(rt),)
-    # Filled in by move(N), in these places: the launcher keys a launch by the order of names.
-    later = None
-    if fp8:  # moved as int32 words
-        launch = rt.launcher(_fp8_move_launcher)
-        words = dict(
-            x_ptr=fp8_words(x), x_stride=x.stride(0) // 4, x_scales_ptr=fp8_words(x_scales),
-            x_scales_stride=x_scales.stride(0),
-        )  # fmt: skip
+    dtype = x.dtype
+    if has_weights:
+        topk_weights = topk_weights.contiguous()
+    # The arguments from the caller, as _move_changing names them: FP8 rows move as int32 words.
+    if fp8:
+        inputs = (fp8_words(x), x.stride(0) // 4, fp8_words(x_scales), x_scales.stride(0))
     else:
-        launch = rt.launcher(_move_launcher)
-        words = dict(x_ptr=x, x_stride=x.stride(0))
-    specialized = dict(
-        **words, topk_idx_ptr=topk_idx,
-        topk_weights_ptr=topk_weights.contiguous() if has_weights else later,
-        num_tokens=num_tokens, topk=topk, num_out_rows=later, K_P2=next_power_of_2(topk),
-        HAS_WEIGHTS=has_weights, WRITE_ROWS=not cached,
-    )  # fmt: skip
-    aligned = dict(
-        info_ptr=handle.info, recv_x_ptr=later, **(dict(recv_scales_ptr=later) if fp8 else {}),
-        recv_weights_ptr=later, recv_topk_idx_ptr=later,
-        **handle.args(
-            "slot_pos", "token_rank_pos", "send_chunk_start", "chunk_expert_base",
-            "recv_chunk_start", "recv_src_tokens", "expert_layout", "staged_rows",
-            "token_node_pos", "send_chunk_node_start", "recv_net_chunk_start", "fwd_rows",
-        ),
-    )  # fmt: skip
+        inputs = (x, x.stride(0))
+    key = ("move", fp8, has_weights, cached, num_tokens, topk)
 
     def move(num_rows: int) -> Moved:
-        recv_x = torch.empty(num_rows, plan.hidden, dtype=x.dtype, device=rt.device)
+        recv_x = torch.empty(num_rows, plan.hidden, dtype=dtype, device=rt.device)
         recv_scales = None
         if fp8:
             recv_scales = torch.empty(num_rows, plan.fp8.scale_words, device=rt.device)
-            aligned.update(recv_x_ptr=fp8_words(recv_x), recv_scales_ptr=fp8_words(recv_scales))
-        else:
-            aligned["recv_x_ptr"] = recv_x
         weights_shape = (num_rows, topk) if plan.token_rows else (num_rows,)
         recv_weights = torch.empty(
             weights_shape if has_weights else 0, dtype=torch.float32, device=rt.device
@@ -376,14 +386,62 @@ def prepare_move(
         if plan.token_rows and not cached:
             recv_topk_idx = torch.empty(num_rows, topk, dtype=torch.int32, device=rt.device)
             handle.recv_topk_idx = recv_topk_idx
-        specialized["num_out_rows"] = num_rows
-        if not has_weights:
-            specialized["topk_weights_ptr"] = recv_weights
-        aligned.update(recv_weights_ptr=recv_weights, recv_topk_idx_ptr=recv_topk_idx)
-        launch(grid, specialized, aligned)
+        outputs = (fp8_words(recv_x), fp8_words(recv_scales)) if fp8 else (recv_x,)
+        values = (
+            *inputs, topk_idx, topk_weights if has_weights else recv_weights, num_rows,
+            handle.info, *outputs, recv_weights, recv_topk_idx,
+        )  # fmt: skip
+        relaunch = rt.relaunches.get(key)
+        if relaunch is None or not relaunch(*values, *handle.addresses(plan, _MOVE_PARTS)):
+            rt.relaunches[key] = _launch_move(rt, handle, fp8, has_weights, cached, values)
         return recv_x, recv_scales, (recv_weights if has_weights else None)
 
     return move
+
+
+# The handle parts the data move reads (and, for a new handle, writes: staged_rows, fwd_rows).
+_MOVE_PARTS = (
+    "slot_pos", "token_rank_pos", "send_chunk_start", "chunk_expert_base", "recv_chunk_start",
+    "recv_src_tokens", "expert_layout", "staged_rows", "token_node_pos",
+    "send_chunk_node_start", "recv_net_chunk_start", "fwd_rows",
+)  # fmt: skip
+# The data move's arguments from the caller or its layout (Triton specialises on them), then
+# the outputs and the handle's info, which this library allocates.
+_MOVE_SPECIALIZED = ("topk_idx_ptr", "topk_weights_ptr", "num_out_rows")
+_MOVE_ALIGNED = ("info_ptr", "recv_x_ptr", "recv_weights_ptr", "recv_topk_idx_ptr")
+
+
+def _move_changing(fp8: bool) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """(specialized, aligned) names of the data move's arguments that change between calls,
+    in a Relaunch's order: specialized, aligned, then the handle's parts (FP8 rows: the scales'
+    pointers beside the rows')."""
+    if fp8:
+        inputs = ("x_ptr", "x_stride", "x_scales_ptr", "x_scales_stride")
+        aligned = (*_MOVE_ALIGNED[:2], "recv_scales_ptr", *_MOVE_ALIGNED[2:])
+    else:
+        inputs, aligned = ("x_ptr", "x_stride"), _MOVE_ALIGNED
+    return (*inputs, *_MOVE_SPECIALIZED), aligned
+
+
+def _launch_move(
+    rt: Runtime, handle: DispatchHandle, fp8: bool, has_weights: bool, cached: bool, values
+):
+    """The data move through its KernelLauncher, ``values`` in _move_changing's order (but the
+    handle's parts); returns its Relaunch."""
+    specialized, aligned = _move_changing(fp8)
+    launch = rt.launcher(_fp8_move_launcher if fp8 else _move_launcher)
+    return launch(
+        (channel_programs(rt.plan) + programs_beside_senders(rt),),
+        specialized=dict(
+            zip(specialized, values, strict=False), num_tokens=handle.num_tokens,
+            topk=handle.topk, K_P2=next_power_of_2(handle.topk), HAS_WEIGHTS=has_weights,
+            WRITE_ROWS=not cached,
+        ),
+        aligned=dict(
+            zip(aligned, values[len(specialized) :], strict=True), **handle.args(*_MOVE_PARTS)
+        ),
+        changing=(*specialized, *aligned, *(f"{name}_ptr" for name in _MOVE_PARTS)),
+    )  # fmt: skip
 
 
 def move_tokens(

@@ -15,6 +15,12 @@ every call, so the same specialisation). The first call of each specialisation g
 Triton, which compiles or loads the kernel; later ones call its compiled launcher
 (``CompiledKernel[grid]``) with addresses as integers. Under the interpreter
 (TRITON_INTERPRET=1) every call goes through Triton.
+
+Even then, naming every argument per call costs more host time than the compiled launcher
+(bench/results/2026-12-01-1xH200-host-profile-6e3b28f.log: 10-14 µs per launch for our
+bookkeeping, and as much again for building the arguments at the call sites). So a launch also
+returns a Relaunch: the same launch again, given only the values of the arguments that a
+repeated call changes (``changing``, positionally), checked against the specialisation.
 """
 
 import torch
@@ -81,30 +87,42 @@ class KernelLauncher:
             {p.name for p in kernel.params if p.is_constexpr} if self._compiled else ()
         )
 
-    def __call__(self, grid: tuple[int, ...], specialized: dict, aligned: dict) -> None:
+    def __call__(
+        self, grid: tuple[int, ...], specialized: dict, aligned: dict, changing: tuple = ()
+    ) -> "Relaunch | None":
         """Launch on the current device's current stream. ``specialized`` and ``aligned`` (its
         values tensors or TensorViews) hold the arguments not bound at construction, by name,
-        the same names in every call."""
+        the same names in every call. Returns the Relaunch of this launch for the arguments
+        named in ``changing`` (never a constexpr), or None under the interpreter."""
+        constexprs = self._constexprs
+        if changing and any(name in constexprs for name in changing):
+            raise TypeError(f"{self._kernel.__name__}: a constexpr cannot change: {changing}")
         if not self._compiled:
             self._through_triton(grid, specialized, aligned)
-            return
+            return None
         driver = triton.runtime.driver.active
         device = driver.get_current_device()
-        constexprs = self._constexprs
         key = (device, grid, *[
             value if name in constexprs else _specialization(value)
             for name, value in specialized.items()
         ])  # fmt: skip
         runner = self._runners.get(key)
         if runner is None:
-            self._runners[key] = self._through_triton(grid, specialized, aligned)
-            return
+            runner = self._runners[key] = self._through_triton(grid, specialized, aligned)
+            launch = False
+        else:
+            launch = True
         args, index, tensor = list(self._addresses), self._index, torch.Tensor
         for name, value in specialized.items():
             args[index[name]] = value.data_ptr() if isinstance(value, tensor) else value
         for name, value in aligned.items():
             args[index[name]] = value.data_ptr() if isinstance(value, tensor) else value.address
-        runner(*args, stream=driver.get_current_stream(device))
+        if launch:
+            runner(*args, stream=driver.get_current_stream(device))
+        if runner is None:
+            return None
+        examples = [specialized.get(name) for name in changing]
+        return Relaunch(runner, args, [index[name] for name in changing], examples, device)
 
     def _through_triton(self, grid, specialized: dict, aligned: dict):
         """Launch through Triton; returns the compiled kernel's launcher for ``grid``."""
@@ -126,3 +144,33 @@ class KernelLauncher:
         driver = triton.runtime.driver.active
         runner(*args, stream=driver.get_current_stream(driver.get_current_device()))
         return runner
+
+
+class Relaunch:
+    """A launch of one compiled specialisation, to be made again with new values of some of
+    its arguments (the others as in the launch it came from).
+
+    ``relaunch(*values)`` takes the values of the ``changing`` arguments in order: tensors or
+    integers (addresses of this library's allocations as integers: no check). Values of
+    arguments that Triton specialises on (the launch's ``specialized`` ones) are checked;
+    where one would take another specialisation nothing is launched and it returns False (the
+    caller then launches through its KernelLauncher, which finds or compiles that one).
+    """
+
+    __slots__ = ("_runner", "_args", "_slots", "_checked", "_device")
+
+    def __init__(self, runner, args: list, slots: list[int], examples: list, device: int):
+        self._runner, self._args, self._slots, self._device = runner, args, slots, device
+        # Per changing argument: the specialisation it must keep, or None (not specialised).
+        self._checked = [None if e is None else _specialization(e) for e in examples]
+
+    def __call__(self, *values) -> bool:
+        for value, expected in zip(values, self._checked, strict=True):
+            if expected is not None and _specialization(value) != expected:
+                return False
+        args, tensor = self._args, torch.Tensor
+        for slot, value in zip(self._slots, values, strict=True):
+            args[slot] = value.data_ptr() if isinstance(value, tensor) else value
+        driver = triton.runtime.driver.active
+        self._runner(*args, stream=driver.get_current_stream(self._device))
+        return True
