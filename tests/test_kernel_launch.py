@@ -131,21 +131,23 @@ def test_constexprs_are_keyed_by_value(fake_triton):
 
 def test_relaunch_changes_the_named_arguments_within_a_specialisation(fake_triton):
     """A launch returns its Relaunch: launched again with new values of the ``changing``
-    arguments only (pointers as addresses), refused (False, nothing launched) where a value
-    would take another specialisation; a constexpr cannot change."""
+    arguments and a new base for the TensorViews of ``views_of`` (pointers as addresses),
+    refused (False, nothing launched) where a value would take another specialisation; a
+    constexpr cannot change."""
     kernel, compiled, through_triton = fake_triton
     offset = torch.zeros(1)
     launcher = KernelLauncher(kernel, scale=2.0, offset_ptr=offset, BLOCK=BLOCK)
-    data, base = torch.zeros(256), torch.zeros(256)
+    data, base, other = torch.zeros(256), torch.zeros(256), torch.zeros(256)
     relaunch = launcher(
         (2,), specialized=dict(x_ptr=data[:64], n=7),
-        aligned=dict(out_ptr=TensorView(base, (BLOCK,), (1,), 0)), changing=("x_ptr", "out_ptr"),
+        aligned=dict(out_ptr=TensorView(base, (BLOCK,), (1,), 16)), changing=("x_ptr",),
+        views_of=base,
     )  # fmt: skip
     assert len(through_triton) == 1 and not compiled.launches
-    assert relaunch(data[8:72], base.data_ptr() + 64)
+    assert relaunch(data[8:72], other.data_ptr())
     ((grid, args, stream),) = compiled.launches
     assert grid == (2, 1, 1) and stream == 1003
-    assert args == (data.data_ptr() + 32, base.data_ptr() + 64, 7, 2.0, offset.data_ptr(), BLOCK)
+    assert args == (data.data_ptr() + 32, other.data_ptr() + 64, 7, 2.0, offset.data_ptr(), BLOCK)
     for x in (data[1:65], data.double()[:64]):  # misaligned, another dtype
         assert not relaunch(x, base.data_ptr())
     assert len(compiled.launches) == 1 and len(through_triton) == 1

@@ -49,9 +49,7 @@ def reduce_tokens(
     # The arguments a repeated call changes (the others are fixed by the key).
     key = ("combine", has_weights, handle.num_tokens, handle.topk)
     relaunch = rt.relaunches.get(key)
-    if relaunch is not None and relaunch(
-        y, y.stride(0), weights, out, *handle.addresses(rt.plan, _COMBINE_PARTS)
-    ):
+    if relaunch is not None and relaunch(y, y.stride(0), weights, out, handle.ints.data_ptr()):
         return out
     rt.relaunches[key] = rt.launcher(_combine_launcher)(
         (channel_programs(rt.plan) + programs_beside_senders(rt),),
@@ -60,10 +58,8 @@ def reduce_tokens(
             HAS_WEIGHTS=has_weights,
         ),
         aligned=dict(out_ptr=out, **handle.args(*_COMBINE_PARTS)),
-        changing=(
-            "y_ptr", "y_stride", "weights_ptr", "out_ptr",
-            *(f"{name}_ptr" for name in _COMBINE_PARTS),
-        ),
+        changing=("y_ptr", "y_stride", "weights_ptr", "out_ptr"),
+        views_of=handle.ints,
     )  # fmt: skip
     return out
 

@@ -102,11 +102,6 @@ class DispatchHandle:
         views = self._views
         return {f"{name}_ptr": views[name] for name in names}
 
-    def addresses(self, plan: Plan, names: tuple[str, ...]) -> list[int]:
-        """The addresses of the int32 parts ``names`` (a Relaunch's values for them)."""
-        base = self.ints.data_ptr()
-        return [base + offset for offset in _part_offsets(plan, self.num_tokens, self.topk, names)]
-
 
 def _int_parts(plan: Plan, num_tokens: int, topk: int) -> dict[str, tuple[int, ...]]:
     """Shapes of the int32 parts of a handle, in ``ints`` order."""
@@ -140,13 +135,6 @@ def _int_layout(plan: Plan, num_tokens: int, topk: int) -> tuple[int, dict]:
         parts[name] = (shape, strides, offset)
         offset += ceil_div(math.prod(shape), 4) * 4
     return offset, parts
-
-
-@functools.lru_cache(maxsize=256)
-def _part_offsets(plan: Plan, num_tokens: int, topk: int, names: tuple[str, ...]) -> tuple:
-    """Byte offsets of the int32 parts ``names`` in a handle's ``ints``."""
-    parts = _int_layout(plan, num_tokens, topk)[1]
-    return tuple(4 * parts[name][2] for name in names)
 
 
 def handle_sizes(plan: Plan, num_tokens: int, topk: int) -> tuple[int, int]:
@@ -210,9 +198,8 @@ def compute_layout(
     longs = handle.longs.data_ptr()
     relaunch = rt.relaunches.get(key)
     if relaunch is not None and relaunch(
-        topk_idx, report_tag, longs + 8 * _INFO_LONGS, longs,
-        *handle.addresses(plan, _LAYOUT_PARTS),
-    ):  # fmt: skip
+        topk_idx, report_tag, longs + 8 * _INFO_LONGS, longs, handle.ints.data_ptr()
+    ):
         return handle
     rt.relaunches[key] = rt.launcher(_layout_launcher)(
         (max(num_chunks, 1),),
@@ -227,10 +214,8 @@ def compute_layout(
             tokens_per_expert_ptr=handle.tokens_per_expert, info_ptr=handle.info,
             **handle.args(*_LAYOUT_PARTS),
         ),
-        changing=(
-            "topk_idx_ptr", "report_tag", "tokens_per_expert_ptr", "info_ptr",
-            *(f"{name}_ptr" for name in _LAYOUT_PARTS),
-        ),
+        changing=("topk_idx_ptr", "report_tag", "tokens_per_expert_ptr", "info_ptr"),
+        views_of=handle.ints,
     )  # fmt: skip
     return handle
 
@@ -392,7 +377,7 @@ def prepare_move(
             handle.info, *outputs, recv_weights, recv_topk_idx,
         )  # fmt: skip
         relaunch = rt.relaunches.get(key)
-        if relaunch is None or not relaunch(*values, *handle.addresses(plan, _MOVE_PARTS)):
+        if relaunch is None or not relaunch(*values, handle.ints.data_ptr()):
             rt.relaunches[key] = _launch_move(rt, handle, fp8, has_weights, cached, values)
         return recv_x, recv_scales, (recv_weights if has_weights else None)
 
@@ -412,9 +397,9 @@ _MOVE_ALIGNED = ("info_ptr", "recv_x_ptr", "recv_weights_ptr", "recv_topk_idx_pt
 
 
 def _move_changing(fp8: bool) -> tuple[tuple[str, ...], tuple[str, ...]]:
-    """(specialized, aligned) names of the data move's arguments that change between calls,
-    in a Relaunch's order: specialized, aligned, then the handle's parts (FP8 rows: the scales'
-    pointers beside the rows')."""
+    """(specialized, aligned) names of the data move's arguments that change between calls
+    besides the handle's parts, in a Relaunch's order (FP8 rows: the scales' pointers beside
+    the rows')."""
     if fp8:
         inputs = ("x_ptr", "x_stride", "x_scales_ptr", "x_scales_stride")
         aligned = (*_MOVE_ALIGNED[:2], "recv_scales_ptr", *_MOVE_ALIGNED[2:])
@@ -426,8 +411,8 @@ def _move_changing(fp8: bool) -> tuple[tuple[str, ...], tuple[str, ...]]:
 def _launch_move(
     rt: Runtime, handle: DispatchHandle, fp8: bool, has_weights: bool, cached: bool, values
 ):
-    """The data move through its KernelLauncher, ``values`` in _move_changing's order (but the
-    handle's parts); returns its Relaunch."""
+    """The data move through its KernelLauncher, ``values`` in _move_changing's order; returns
+    its Relaunch."""
     specialized, aligned = _move_changing(fp8)
     launch = rt.launcher(_fp8_move_launcher if fp8 else _move_launcher)
     return launch(
@@ -440,7 +425,8 @@ def _launch_move(
         aligned=dict(
             zip(aligned, values[len(specialized) :], strict=True), **handle.args(*_MOVE_PARTS)
         ),
-        changing=(*specialized, *aligned, *(f"{name}_ptr" for name in _MOVE_PARTS)),
+        changing=(*specialized, *aligned),
+        views_of=handle.ints,
     )  # fmt: skip
 
 

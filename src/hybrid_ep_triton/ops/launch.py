@@ -88,12 +88,18 @@ class KernelLauncher:
         )
 
     def __call__(
-        self, grid: tuple[int, ...], specialized: dict, aligned: dict, changing: tuple = ()
+        self,
+        grid: tuple[int, ...],
+        specialized: dict,
+        aligned: dict,
+        changing: tuple = (),
+        views_of: torch.Tensor | None = None,
     ) -> "Relaunch | None":
         """Launch on the current device's current stream. ``specialized`` and ``aligned`` (its
         values tensors or TensorViews) hold the arguments not bound at construction, by name,
         the same names in every call. Returns the Relaunch of this launch for the arguments
-        named in ``changing`` (never a constexpr), or None under the interpreter."""
+        named in ``changing`` (never a constexpr) and the TensorViews of ``views_of``, or None
+        under the interpreter."""
         constexprs = self._constexprs
         if changing and any(name in constexprs for name in changing):
             raise TypeError(f"{self._kernel.__name__}: a constexpr cannot change: {changing}")
@@ -121,8 +127,16 @@ class KernelLauncher:
             runner(*args, stream=driver.get_current_stream(device))
         if runner is None:
             return None
-        examples = [specialized.get(name) for name in changing]
-        return Relaunch(runner, args, [index[name] for name in changing], examples, device)
+        checked = [
+            (i, _specialization(specialized[name]))
+            for i, name in enumerate(changing) if name in specialized
+        ]  # fmt: skip
+        views = [
+            (index[name], value.address - views_of.data_ptr())
+            for name, value in aligned.items()
+            if isinstance(value, TensorView) and value.base is views_of
+        ]  # fmt: skip
+        return Relaunch(runner, args, [index[name] for name in changing], checked, views, device)
 
     def _through_triton(self, grid, specialized: dict, aligned: dict):
         """Launch through Triton; returns the compiled kernel's launcher for ``grid``."""
@@ -150,27 +164,32 @@ class Relaunch:
     """A launch of one compiled specialisation, to be made again with new values of some of
     its arguments (the others as in the launch it came from).
 
-    ``relaunch(*values)`` takes the values of the ``changing`` arguments in order: tensors or
-    integers (addresses of this library's allocations as integers: no check). Values of
-    arguments that Triton specialises on (the launch's ``specialized`` ones) are checked;
-    where one would take another specialisation nothing is launched and it returns False (the
-    caller then launches through its KernelLauncher, which finds or compiles that one).
+    ``relaunch(*values, base)`` takes the values of the ``changing`` arguments in order
+    (tensors or integers: addresses of this library's allocations as integers, unchecked), then
+    the address of the tensor the launch's TensorViews were views of (``views_of``), whose
+    views it moves with it. Values of arguments that Triton specialises on (the launch's
+    ``specialized`` ones) are checked; where one would take another specialisation nothing is
+    launched and it returns False (the caller then launches through its KernelLauncher, which
+    finds or compiles that one).
     """
 
-    __slots__ = ("_runner", "_args", "_slots", "_checked", "_device")
+    __slots__ = ("_runner", "_args", "_slots", "_checked", "_views", "_stream", "_device")
 
-    def __init__(self, runner, args: list, slots: list[int], examples: list, device: int):
+    def __init__(self, runner, args: list, slots: list[int], checked: list, views: list, device):
         self._runner, self._args, self._slots, self._device = runner, args, slots, device
-        # Per changing argument: the specialisation it must keep, or None (not specialised).
-        self._checked = [None if e is None else _specialization(e) for e in examples]
+        self._checked = checked  # (position in values, specialisation it must keep)
+        self._views = views  # (argument index, byte offset from the base)
+        self._stream = triton.runtime.driver.active.get_current_stream
 
     def __call__(self, *values) -> bool:
-        for value, expected in zip(values, self._checked, strict=True):
-            if expected is not None and _specialization(value) != expected:
+        for position, expected in self._checked:
+            if _specialization(values[position]) != expected:
                 return False
-        args, tensor = self._args, torch.Tensor
-        for slot, value in zip(self._slots, values, strict=True):
-            args[slot] = value.data_ptr() if isinstance(value, tensor) else value
-        driver = triton.runtime.driver.active
-        self._runner(*args, stream=driver.get_current_stream(self._device))
+        args = self._args
+        for slot, value in zip(self._slots, values, strict=False):  # the base is last
+            args[slot] = value if type(value) is int else value.data_ptr()
+        base = values[-1]
+        for slot, offset in self._views:
+            args[slot] = base + offset
+        self._runner(*args, stream=self._stream(self._device))
         return True

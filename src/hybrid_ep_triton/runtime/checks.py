@@ -24,5 +24,6 @@ def check_tensor(name: str, t, shape: tuple, dtype: torch.dtype, device: torch.d
         raise ValueError(f"{name} must have shape {tuple(shape)}, got {tuple(t.shape)}")
     if t.dtype != dtype:
         raise ValueError(f"{name} must be {dtype}, got {t.dtype}")
-    if t.device.type != device.type or (device.index is not None and t.device != device):
-        raise ValueError(f"{name} must be on {device}, got {t.device}")
+    found = t.device  # a new torch.device per access
+    if found != device and (found.type != device.type or device.index is not None):
+        raise ValueError(f"{name} must be on {device}, got {found}")
