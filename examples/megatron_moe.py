@@ -42,6 +42,9 @@ def build_model(ep: int):
         expert_model_parallel_size=ep,
         params_dtype=torch.bfloat16,
         bf16=True,
+        # No biases, as in DeepSeek-V3: with them, megatron-core 0.19.2's SequentialMLP adds
+        # its experts' biases in place into an autograd view, which torch refuses.
+        add_bias_linear=False,
     )
     spec = get_gpt_layer_local_spec(num_experts=config.num_moe_experts, moe_grouped_gemm=False)
     model = GPTModel(
