@@ -6,7 +6,8 @@ scales, which lays rows out exactly as bf16 rows would be (padding: values 0, sc
 One Buffer per spawn runs its cases in order (as in test_dispatch_combine): FP8 pairs and
 quantized rows, exact mode and max_recv_tokens, pad_multiple, -1 slots, empty ranks, odd token
 counts, FP8 rows along a handle of a bf16 dispatch and bf16 rows along an FP8 one, and a
-combine (in the Buffer's dtype) after an FP8 dispatch.
+combine (in the Buffer's dtype) after an FP8 dispatch. With 2 ranks also the gradients of
+quantize=True dispatches of rows that require grad (straight through the quantization).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import torch.distributed as dist
 
 from hybrid_ep_triton import Buffer, reference
 from hybrid_ep_triton.kernels.quantize import quantize_fp8_kernel
+from hybrid_ep_triton.ops.fp8_rows import Fp8Values
 
 MAX_TOKENS = 9
 
@@ -57,6 +59,25 @@ def test_quantizer_matches_reference(device):
     assert (err <= x.float().abs() * 2**-4 + want_scales.repeat_interleave(128, 1) * 2**-9).all()
 
 
+def test_fp8_values_read_as_dequantized_rows():
+    """Fp8Values (one process): torch sees [N, H] bf16 rows, the reference's dequantized ones;
+    detach keeps the FP8 data; dequantize() passes the gradient through; writes are refused."""
+    fp8, scales = reference.quantize_fp8(_awkward_rows(5, 256, torch.Generator().manual_seed(3)))
+    values = Fp8Values(fp8, scales, torch.bfloat16).requires_grad_()
+    want = reference.dequantize_fp8(fp8, scales).to(torch.bfloat16)
+    assert (values.shape, values.dtype) == (fp8.shape, torch.bfloat16)
+    assert torch.equal(values * 1, want) and type(values * 1) is torch.Tensor
+    detached = values.detach()
+    assert type(detached) is Fp8Values and detached.fp8 is fp8 and detached.scales is scales
+    grad = torch.randn(want.shape).to(torch.bfloat16)
+    (values.dequantize().float() * grad).sum().backward()
+    assert values.grad.dtype == torch.bfloat16 and torch.equal(values.grad, grad)
+    with pytest.raises(RuntimeError, match="read-only"):
+        detached.mul_(2)
+    with pytest.raises(RuntimeError, match="read-only"):
+        torch.add(want, want, out=detached)
+
+
 def test_reference_quantizer_refuses_hidden_not_multiple_of_128():
     with pytest.raises(ValueError, match="multiple of 128"):
         reference.quantize_fp8(torch.zeros(2, 100))
@@ -88,6 +109,8 @@ def _rank_body(
         if world == 2 and expand:
             failures += _refused_calls(buf, dev, hidden)
             failures += _compiled_matches_eager(buf, dev, hidden, rank)
+        if world == 2:
+            failures += _gradients_match_reference(buf, dev, hidden, rank, expand)
         for index in cases:
             name, tokens, topk, unused, pad, recv, source = CASES[index]
             if not expand:
@@ -146,7 +169,7 @@ def _rank_body(
             out = buf.combine(y.to(dev), handle).cpu()
             _, ref_handle = ref(x, max_recv)
             want = reference.combine(group, y.to(dev), ref_handle).cpu()
-            if not torch.allclose(out.float(), want.float(), rtol=2e-2, atol=2e-2):
+            if not _close(out, want):
                 fail("combine after an FP8 dispatch differs from the reference")
     finally:
         buf.destroy()
@@ -162,7 +185,7 @@ def _refused_calls(buf: Buffer, dev, hidden: int) -> list[str]:
     idx[:, 1] = 1
     values, scales = (t.to(dev) for t in reference.quantize_fp8(x.cpu()))
     unaligned = torch.zeros(4, hidden + 4, dtype=torch.float8_e4m3fn, device=dev)[:, 1:-3]
-    grad_x = x.detach().requires_grad_()
+    grad_scales = scales.detach().requires_grad_()
     for what, call, match in [
         ("values bf16", lambda: buf.dispatch((x, scales), idx), "float8_e4m3fn"),
         ("scales [T, 1]", lambda: buf.dispatch((values, scales[:, :1]), idx), "scales"),
@@ -171,8 +194,7 @@ def _refused_calls(buf: Buffer, dev, hidden: int) -> list[str]:
         ("values at an odd byte", lambda: buf.dispatch((unaligned, scales), idx), "4 bytes"),
         ("a pair with quantize", lambda: buf.dispatch((values, scales), idx, quantize=True),
          "quantize"),
-        ("quantize, x requiring grad", lambda: buf.dispatch(grad_x, idx, quantize=True),
-         "gradient"),
+        ("scales requiring grad", lambda: buf.dispatch((values, grad_scales), idx), "gradient"),
     ]:  # fmt: skip
         try:
             call()
@@ -180,6 +202,103 @@ def _refused_calls(buf: Buffer, dev, hidden: int) -> list[str]:
         except ValueError as e:
             if match not in str(e):
                 failures.append(f"{what}: ValueError {str(e)!r} does not mention {match!r}")
+    return failures
+
+
+def _close(got: torch.Tensor, want: torch.Tensor) -> bool:
+    """Equal but for bf16 rounding (combine sums partial rows rounded to bf16)."""
+    return torch.allclose(got.float(), want.float(), rtol=2e-2, atol=2e-2)
+
+
+class _Fp8GemmStandIn(torch.autograd.Function):
+    """What an FP8 GEMM does with dispatched values: it reads their float8 data (``.fp8``) and
+    the scales, and returns a gradient for the values in their nominal dtype."""
+
+    @staticmethod
+    def forward(ctx, values, scales, weight):
+        ctx.save_for_backward(weight)
+        return reference.dequantize_fp8(values.fp8, scales) @ weight
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        (weight,) = ctx.saved_tensors
+        return (grad_out @ weight.T).to(torch.bfloat16), None, None
+
+
+def _gradients_match_reference(buf: Buffer, dev, hidden: int, rank: int, expand: bool):
+    """quantize=True with x requiring grad, a new layout (padded with expand), then along its
+    handle: the values are an Fp8Values of the reference's FP8 rows; x's gradient is the
+    reference combine of the values' gradient rows (through the dequantizing torch ops, then
+    through an FP8 GEMM's stand-in). In one layout each (the interpreter is slow): with token
+    rows topk_weights' gradient is the bf16 dispatch's; with expand, combine reads the values
+    as their dequantized rows, and without grad mode they are a plain float8 tensor."""
+    failures = []
+    group = dist.group.WORLD
+    gen = torch.Generator().manual_seed(500 + rank)
+    num_tokens, topk, pad = (6, 4)[rank], 3, 2 if expand else 1
+    xs = [torch.randn(num_tokens, hidden, generator=gen).to(torch.bfloat16) for _ in range(2)]
+    idx = torch.rand(num_tokens, 8, generator=gen).topk(topk, dim=1).indices
+    idx[torch.rand(num_tokens, topk, generator=gen) < 0.3] = -1
+    idx, w = idx.to(dev), torch.rand(num_tokens, topk, generator=gen).to(dev)
+
+    def ref(rows):
+        return reference.dispatch(group, rows.to(dev), idx, w, num_experts=8, pad_multiple=pad,
+                                  expand=expand)  # fmt: skip
+
+    def fail(msg):
+        failures.append(f"[W2 expand={expand} gradients] rank {rank}: {msg}")
+
+    # A new layout; the loss reads the values through torch ops (the dequantized rows).
+    x, w_fp8 = xs[0].to(dev).requires_grad_(), w.clone().requires_grad_()
+    got = buf.dispatch(x, idx, w_fp8, pad_multiple=pad, quantize=True)
+    (values, scales), recv_w, handle = got[0], got[1 if expand else 2], got[-1]
+    ref_values, ref_scales = reference.quantize_fp8(xs[0])
+    *_, ref_handle = ref(xs[0])
+    want_bits, want_scales = ref(ref_values.view(torch.uint8))[0], ref(ref_scales)[0]
+    if not (torch.equal(_bits(values.fp8), want_bits) and torch.equal(scales, want_scales)
+            and values.scales is scales):  # fmt: skip
+        fail("the values' .fp8 or the scales differ from the reference")
+    want = reference.dequantize_fp8(want_bits.view(torch.float8_e4m3fn), want_scales)
+    want = want.to(torch.bfloat16)
+    if values.dtype != torch.bfloat16 or not torch.equal(values.dequantize(), want):
+        fail(f"values ({values.dtype}) do not read as the reference's dequantized rows")
+    if expand:
+        with torch.no_grad():  # combine's kernels too read the dequantized rows
+            out = buf.combine(values, handle)
+        if not _close(out, reference.combine(group, want, ref_handle)):
+            fail("combine of the values differs from the reference combine of their rows")
+    grad_rows = torch.randn(values.shape, generator=gen).to(torch.bfloat16).to(dev)
+    grad_w = torch.rand(recv_w.shape, generator=gen).to(dev)
+    ((values * grad_rows).float().sum() + (recv_w * grad_w).sum()).backward()
+    if not _close(x.grad, reference.combine(group, grad_rows, ref_handle)):
+        fail("x's gradient is not the combine of the values' gradient rows")
+    if not expand:
+        w_bf16 = w.clone().requires_grad_()
+        recv_w_bf16 = buf.dispatch(xs[0].to(dev), topk_weights=w_bf16, handle=handle)[2]
+        (recv_w_bf16 * grad_w).sum().backward()
+        if w_fp8.grad is None or not torch.equal(w_fp8.grad, w_bf16.grad):
+            fail("topk_weights' gradient differs from the bf16 dispatch's")
+
+    # Along the handle, the values consumed as FP8 data by a custom autograd.Function.
+    x = xs[1].to(dev).requires_grad_()
+    (values, scales), *_ = buf.dispatch(x, handle=handle, quantize=True)
+    if expand:
+        with torch.no_grad():  # the same rows without grad mode: a plain float8 tensor
+            (plain_values, _), *_ = buf.dispatch(x, handle=handle, quantize=True)
+        if type(plain_values) is not torch.Tensor or plain_values.dtype != torch.float8_e4m3fn:
+            fail(f"without grad mode the values are {type(plain_values).__name__}")
+    try:
+        buf.dispatch((values, scales), handle=handle)
+        fail("an Fp8Values in a pair: no ValueError")
+    except ValueError as e:
+        if ".fp8" not in str(e):
+            fail(f"an Fp8Values in a pair: ValueError {str(e)!r} does not mention .fp8")
+    weight = (torch.randn(hidden, 8, generator=gen) / hidden**0.5).to(dev)  # rows of ~0.2
+    grad_out = torch.randn(values.shape[0], 8, generator=gen).to(dev)
+    (_Fp8GemmStandIn.apply(values, scales, weight) * grad_out).sum().backward()
+    grad_rows = (grad_out @ weight.T).to(torch.bfloat16)
+    if not _close(x.grad, reference.combine(group, grad_rows, ref_handle)):
+        fail("x's gradient through a cached dispatch and .fp8 is not the combine of its rows")
     return failures
 
 

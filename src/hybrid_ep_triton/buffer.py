@@ -11,6 +11,7 @@ from .kernels.dispatch import STAGE_DISPATCH_DATA, STAGE_DISPATCH_NET, STAGE_DIS
 from .kernels.route import STAGE_LAYOUT
 from .ops import Runtime, library
 from .ops.dispatch import DispatchHandle
+from .ops.fp8_rows import Fp8Values
 from .ops.quantize import quantize_rows
 from .runtime.checks import check_int, check_tensor, describe
 from .runtime.heap import allocate_heap
@@ -215,7 +216,8 @@ class Buffer:
                 float32: channel h of token t is values[t, h] * scales[t, h // 128]), with
                 H % 128 == 0, any Buffer dtype; values need a row stride and start that are
                 multiples of 4 bytes. recv_x is then such a pair too, each row's scales moved
-                with it (padding rows: values 0, scales 0). An FP8 pair carries no gradient.
+                with it (padding rows: values 0, scales 0). A pair given as x carries no
+                gradient: ValueError if its values or scales require grad.
             topk_idx: [T, K] int32 or int64 global expert ids, -1 for an unused slot, distinct
                 within a row. Not needed with ``handle``.
             topk_weights: [T, K] float32 routing weights, or None.
@@ -235,6 +237,17 @@ class Buffer:
             quantize: x in the Buffer's dtype is quantized to FP8 rows on this GPU first
                 (``reference.quantize_fp8`` states the rule; the kernels match it bit for bit),
                 so that only FP8 values and scales cross the links; recv_x is the FP8 pair.
+                When x requires grad (and grad mode is on), the pair's values are an
+                ``Fp8Values`` (ops/fp8_rows.py) instead of a float8 tensor: to torch [N, H] of
+                the Buffer's dtype, holding the float8_e4m3fn values in ``.fp8`` (what an FP8
+                GEMM reads, with the pair's scales, also in ``.scales``); every other torch op
+                on it (dispatch and combine included) sees the dequantized rows (value * scale
+                in float32, rounded to the Buffer's dtype) and returns plain tensors. Its
+                gradient, [N, H] of the Buffer's dtype, goes straight through the quantization:
+                grad x[t] is the sum of the gradients of the rows token t landed on (padding
+                rows add nothing), as for a dispatch of x itself; topk_weights' gradient is as
+                without quantize; the scales carry none. Also along a handle, in both layouts;
+                eager mode only (torch.compile is not covered with x requiring grad).
             previous_event: a CUDA event the call waits for before it starts (instead of the
                 calling stream's work so far, with async_finish).
             async_finish: run on the Buffer's communication stream and also return an event
@@ -273,13 +286,7 @@ class Buffer:
             self._check_tokens("x", x)
             if quantize:
                 self._check_fp8_hidden()
-                if x.requires_grad and torch.is_grad_enabled():
-                    # torch would cast the gradient of a float8 output to float8.
-                    raise ValueError(
-                        "quantize=True: the FP8 rows carry no gradient (torch casts a gradient "
-                        "to its tensor's dtype, float8 here); dispatch rows of the Buffer's "
-                        "dtype to differentiate, or send gradient rows back with combine"
-                    )
+            x = _readable_rows(x)
         num_tokens = x.shape[0]
         if handle is None:
             topk = self._check_routing(topk_idx, num_tokens)
@@ -306,20 +313,31 @@ class Buffer:
         def rows():  # (x, x_scales) as the kernels move them, on the launch's stream
             return quantize_rows(rt, x) if quantize else (x, x_scales)
 
-        if handle is None:
+        new_layout = handle is None
+        if new_layout:
             topk_idx = topk_idx.contiguous()
+        if quantize and x.requires_grad and torch.is_grad_enabled():
+            # Straight through the quantization: the values are an Fp8Values.
+            (recv_x, recv_scales, recv_weights, handle), event = self._launch(
+                lambda: library.run_quantized_dispatch(
+                    rt, self._id, x, topk_weights, topk_idx, pad_multiple, max_recv_tokens, handle
+                ),
+                (x, topk_idx, topk_weights), previous_event, async_finish,
+            )  # fmt: skip
+        elif new_layout:
             (recv_x, recv_scales, recv_weights, handle), event = self._launch(
                 lambda: library.run_dispatch(
                     rt, self._id, *rows(), topk_idx, topk_weights, pad_multiple, max_recv_tokens
                 ),
                 (x, x_scales, topk_idx, topk_weights), previous_event, async_finish,
             )  # fmt: skip
-            self._track_overflow(handle)
         else:
             (recv_x, recv_scales, recv_weights), event = self._launch(
                 lambda: library.run_dispatch_cached(rt, self._id, *rows(), topk_weights, handle),
                 (x, x_scales, topk_weights), previous_event, async_finish,
             )  # fmt: skip
+        if new_layout:
+            self._track_overflow(handle)
         if recv_scales is not None:
             recv_x = recv_x, recv_scales
         if self.expand:
@@ -362,6 +380,7 @@ class Buffer:
         if weights is not None:
             check_tensor("weights", weights, (handle.num_recv_rows,), torch.float32, rt.device)
         self._check_event(previous_event)
+        y = _readable_rows(y)
         out, event = self._launch(
             lambda: library.run_combine(rt, self._id, y, weights, handle),
             (y, weights), previous_event, async_finish,
@@ -490,6 +509,12 @@ class Buffer:
             raise ValueError(f"FP8 rows are a pair (values, scales), got {len(pair)} items")
         values, scales = pair
         self._check_fp8_hidden()
+        if isinstance(values, Fp8Values):
+            raise ValueError(
+                "FP8 values must be a float8_e4m3fn tensor, got an Fp8Values (the values of a "
+                "quantize=True dispatch of rows that require grad): pass its .fp8, which "
+                "carries no gradient, or the Fp8Values alone as rows of its dtype"
+            )
         self._check_tokens("FP8 values", values, torch.float8_e4m3fn)
         check_tensor("FP8 scales", scales, (values.shape[0], self.hidden_size // FP8_GROUP),
                      torch.float32, self._rt.device)  # fmt: skip
@@ -598,6 +623,12 @@ def ranks_per_host(hosts: list[str]) -> int:
             f"rank order: {hosts}); pass ranks_per_node to say what a node is"
         )
     return per_host
+
+
+def _readable_rows(rows: torch.Tensor) -> torch.Tensor:
+    """``rows``, or for an Fp8Values (no storage of its own for a kernel to read) its
+    dequantized rows, as every torch op sees them, with its gradient."""
+    return rows.dequantize() if isinstance(rows, Fp8Values) else rows
 
 
 def _check_same_on_all_ranks(group: dist.ProcessGroup, **params) -> None:

@@ -12,6 +12,10 @@ Autograd: each data move's backward is the other one along the same handle.
   token's rank.
 - combine (y, weights) -> out: grad y is the cached dispatch of grad out times weights; grad
   weights[row] is <y[row], grad out[token of row]> in fp32.
+- an FP8 dispatch of rows x that require grad (``run_quantized_dispatch``: quantization, then
+  the data move) has dispatch's gradients, straight through the quantization: its values are
+  an ``Fp8Values`` (ops/fp8_rows.py), whose gradient has x's dtype; its scales have none. It is
+  an autograd.Function for eager mode (torch.compile traces the other entry points only).
 Backward passes reuse the forward's handle (no new layout), work in max_recv_tokens mode, and
 are collective like the forward: every rank runs them, in the same order.
 """
@@ -37,6 +41,8 @@ from .dispatch import (
     move_tokens,
     prepare_move,
 )
+from .fp8_rows import Fp8Values
+from .quantize import quantize_rows
 
 # Weak: a Buffer dropped without destroy() is freed as before (its runtime with it).
 _runtimes: weakref.WeakValueDictionary[int, Runtime] = weakref.WeakValueDictionary()
@@ -327,6 +333,26 @@ def run_combine(
     return combine(runtime_id, y, weights, handle.topk_idx, handle.ints, handle.longs)
 
 
+def run_quantized_dispatch(
+    rt: Runtime,
+    runtime_id: int,
+    x: Tensor,
+    topk_weights: Tensor | None,
+    topk_idx: Tensor | None,
+    pad_multiple: int,
+    max_recv_tokens: int | None,
+    handle: DispatchHandle | None,
+) -> tuple[Fp8Values, Tensor, Tensor | None, DispatchHandle]:
+    """x [T, H] quantized to FP8 rows and dispatched, differentiable with respect to x and
+    topk_weights: along ``handle``, or (handle None) with a new layout from topk_idx,
+    pad_multiple and max_recv_tokens (None: exact mode). Returns recv_values (an Fp8Values
+    [N, H] of x's dtype), recv_scales [N, H / 128] float32 (no gradient), recv_weights (as
+    run_dispatch's), the handle (``handle`` itself when given)."""
+    return _QuantizedDispatch.apply(
+        x, topk_weights, rt, runtime_id, topk_idx, pad_multiple, max_recv_tokens, handle
+    )
+
+
 def _or_empty(recv: Tensor | None, rt: Runtime) -> Tensor:
     # An operator returns tensors only: no weights (or scales) is an empty one.
     if recv is None:
@@ -402,6 +428,35 @@ def _combine_grads(ctx, grad_out):
     if ctx.needs_input_grad[2]:
         grad_weights = (y.float() * grad_rows.float()).sum(dim=1)
     return None, grad_y, grad_weights, None, None, None
+
+
+class _QuantizedDispatch(torch.autograd.Function):
+    """``run_quantized_dispatch``: the inputs that can have a gradient first (x, topk_weights),
+    then how to route."""
+
+    @staticmethod
+    def forward(ctx, x, topk_weights, rt, runtime_id, topk_idx, pad_multiple, max_recv_tokens,
+                handle):  # fmt: skip
+        values, scales = quantize_rows(rt, x)
+        if handle is None:
+            recv_values, recv_scales, recv_weights, handle = _dispatch_with_handle(
+                rt, values, scales, topk_idx, topk_weights, pad_multiple, max_recv_tokens
+            )
+        else:
+            recv_values, recv_scales, recv_weights = _move_cached(
+                rt, values, scales, topk_weights, handle
+            )
+        _save_handle(ctx, runtime_id, x, handle.num_recv_rows, handle.topk_idx, handle.ints,
+                     handle.longs)  # fmt: skip
+        ctx.num_inputs = len(ctx.needs_input_grad)
+        # Unused outputs get None (_dispatch_backward makes the zeros it needs).
+        ctx.set_materialize_grads(False)
+        ctx.mark_non_differentiable(recv_scales)
+        return Fp8Values(recv_values, recv_scales, x.dtype), recv_scales, recv_weights, handle
+
+    @staticmethod
+    def backward(ctx, grad_values, _grad_scales, grad_recv_weights, _grad_handle):
+        return _dispatch_backward(ctx, grad_values, grad_recv_weights, x_index=0, weights_index=1)
 
 
 dispatch.register_autograd(_dispatch_grads, setup_context=_dispatch_setup)
