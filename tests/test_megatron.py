@@ -296,11 +296,24 @@ def _errors(world: int) -> list[str]:
         lambda: use_hybrid_ep(torch.nn.Linear(2, 2), max_tokens_per_rank=4),
     )
     expect("SequentialMLP", lambda: use_hybrid_ep(layer, max_tokens_per_rank=4, max_recv_tokens=64))
-    for name in ("moe_pad_expert_input_to_capacity", "fp8", "moe_shared_expert_overlap"):
+    for name in ("moe_pad_expert_input_to_capacity", "moe_shared_expert_overlap"):
         bad = copy.copy(layer)
         bad.config = copy.copy(layer.config)
-        setattr(bad.config, name, True if name != "fp8" else "hybrid")
+        setattr(bad.config, name, True)
         expect(f"config.{name}", lambda bad=bad: use_hybrid_ep(bad, max_tokens_per_rank=4))
+    # FP8 and FP4 training pad each expert's rows as Megatron-Core's HybridEP backend does (its
+    # config refuses fp8 for MoE without Transformer Engine: set on a built one).
+    for name, value, pad, want in [("fp8", "e4m3", 1, 16), ("fp8_recipe", "mxfp8", 64, 64),
+                                   ("fp4", "nvfp4", 3, 384)]:  # fmt: skip
+        quantized = copy.copy(layer)
+        quantized.config = copy.copy(layer.config)
+        if name == "fp8_recipe":
+            quantized.config.fp8 = "e4m3"
+        setattr(quantized.config, name, value)
+        with use_hybrid_ep(quantized, max_tokens_per_rank=4, pad_multiple=pad):
+            got = quantized.token_dispatcher.dispatcher.pad_multiple
+        if got != want:
+            failures.append(f"{name}={value}, pad_multiple {pad}: padded to {got}, not {want}")
     if _dp_size() > 1 and not ON_GPU:
         # A Buffer over the world is not the expert-parallel group (collective: every rank).
         # CPU ranks only: on GPUs a process has one NVSHMEM world, the expert-parallel group's.

@@ -16,6 +16,8 @@ experts (``num_moe_experts``), L = E / expert-parallel size local experts, K
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.distributed as dist
 
@@ -27,6 +29,7 @@ try:
     from megatron.core.process_groups_config import ProcessGroupCollection
     from megatron.core.transformer.moe.experts import SequentialMLP
     from megatron.core.transformer.moe.moe_layer import MoELayer
+    from megatron.core.transformer.moe.moe_utils import get_align_size_for_quantization
     from megatron.core.transformer.moe.token_dispatcher import MoETokenDispatcher
 except ImportError as e:  # pragma: no cover - the message is the point
     raise ImportError(
@@ -67,7 +70,12 @@ class HybridEPTokenDispatcher(MoETokenDispatcher):
             no host synchronisation (CUDA graphs); rows past sum(tokens_per_expert) are zero
             with prob 0, so the experts must take more rows than tokens_per_expert counts
             (SequentialMLP does not). See ``hybrid_ep_triton.moe.TokenDispatcher``.
-        pad_multiple: pad each local expert's rows to a multiple of it (grouped GEMMs, FP8).
+        pad_multiple: pad each local expert's rows to a multiple of it (grouped GEMMs). With
+            config.fp8 or config.fp4, to a multiple of it and of Megatron-Core's quantization
+            alignment too (``get_align_size_for_quantization``: 16 for FP8, 32 for MXFP8, 128
+            for FP4), as Megatron-Core's own HybridEP backend pads. The rows still cross the
+            links in the config's params dtype: Megatron-Core's FP8 experts (Transformer
+            Engine's) quantize them.
         async_finish: run dispatch and combine on the Buffer's communication stream; the
             calling stream waits for each before its next work.
     """
@@ -109,7 +117,7 @@ class HybridEPTokenDispatcher(MoETokenDispatcher):
             buffer,
             config.moe_router_topk,
             max_recv_tokens=max_recv_tokens,
-            pad_multiple=pad_multiple,
+            pad_multiple=_quantization_padding(config, pad_multiple),
         )
         self.hidden_shape = None
         self._topk_idx = None  # dispatch_preprocess -> token_dispatch
@@ -246,8 +254,6 @@ def _check_layer(layer, config, max_recv_tokens: int | None) -> None:
         "overlap_moe_expert_parallel_comm": "the 1F1B expert-parallel overlap schedule",
         "moe_router_padding_for_quantization": "padding for quantization (use pad_multiple)",
         "moe_latent_size": "latent MoE projections",
-        "fp8": "FP8 (FP8 dispatch is not in this adapter yet)",
-        "fp4": "FP4",
     }
     for name, what in unsupported.items():
         if getattr(cfg, name, None):
@@ -260,6 +266,14 @@ def _check_layer(layer, config, max_recv_tokens: int | None) -> None:
             "max_recv_tokens needs experts that take rows past sum(tokens_per_expert); "
             "SequentialMLP (the local spec's experts) splits exactly: leave max_recv_tokens None"
         )
+
+
+def _quantization_padding(config, pad_multiple: int) -> int:
+    """pad_multiple, and with FP8 or FP4 training a multiple of Megatron-Core's alignment for
+    its quantized grouped GEMMs (what its HybridEP backend pads each expert's rows to)."""
+    if config.fp8 or config.fp4:
+        return math.lcm(pad_multiple, get_align_size_for_quantization(config))
+    return pad_multiple
 
 
 def _check_expert_tp(size: int) -> None:
