@@ -182,7 +182,8 @@ class Buffer:
                 world * max(max_tokens_per_rank, 1), hidden_size, dtype=dtype, device=device
             ),
             group=group,
-            check_status=self._raise_if_timed_out,
+            # On GPUs a timed-out wait is read where the host synchronises (read_report, check).
+            check_status=_on_gpus_later if on_gpu else self._raise_if_timed_out,
             read_report=self._read_report,
             report=torch.zeros(7, dtype=torch.int64, pin_memory=on_gpu),
             # Kernels that call NVSHMEM link its device library and initialise their modules.
@@ -559,8 +560,8 @@ class Buffer:
             )
 
     def _raise_if_timed_out(self) -> None:
-        if self._rt.device.type == "cpu":  # launches are synchronous: report now
-            self._raise_on_status(*self._rt.control[3:6].tolist())
+        """CPU ranks' launches are synchronous: report a timed-out wait now."""
+        self._raise_on_status(*self._rt.control[3:6].tolist())
 
     def _raise_on_status(self, code: int, peer: int, stage: int) -> None:
         if code:
@@ -623,6 +624,10 @@ def ranks_per_host(hosts: list[str]) -> int:
             f"rank order: {hosts}); pass ranks_per_node to say what a node is"
         )
     return per_host
+
+
+def _on_gpus_later() -> None:
+    """Runtime.check_status on GPUs, where launches are asynchronous: nothing to read yet."""
 
 
 def _readable_rows(rows: torch.Tensor) -> torch.Tensor:
