@@ -4,10 +4,9 @@ Run as a script (``python tests/sm90_compile.py``) without TRITON_INTERPRET, bec
 interpreter replaces ``triton.jit``. Compiles the launch shapes of EP2 and EP8 within one node
 and of EP16 as 2 nodes of 8, whose kernels link NVSHMEM's sm_90 device bitcode as pip installs
 it, and prints one line per kernel (dispatch and its layout also with one row per token,
-expand=False; dispatch of FP8 rows, the pair and quantize=True's, at EP8, with token rows at
-EP16) with ptxas' resource usage (registers, and STACK: bytes spilled); any compile or link
-error fails. Integer arguments that the JIT would specialise as multiples of 16 (pointers,
-hidden sizes, strides) are marked so.
+expand=False; dispatch of FP8 rows at EP8, with token rows at EP16) with ptxas' resource usage
+(registers, and STACK: bytes spilled); any compile or link error fails. Integer arguments that
+the JIT would specialise as multiples of 16 (pointers, hidden sizes, strides) are marked so.
 """
 
 import inspect
@@ -99,7 +98,6 @@ def compile_all(topologies=TOPOLOGIES):
             LP_MAX=LOCAL_PARTS,
             STAGES=cfg.copy_stages,
             SCALE_WORDS=0,
-            QUANTIZE_BLOCK=0,
             **topology,
             **slot,
         )
@@ -123,8 +121,6 @@ def compile_all(topologies=TOPOLOGIES):
                           recv_scales_ptr="*i32")  # fmt: skip
         fp8_constexprs = dict(common, BLOCK_H=fp8.block, NET_COLS=fp8.net_cols,
                               SCALE_WORDS=fp8.scale_words)  # fmt: skip
-        # quantize=True: rows of the Buffer's dtype in, FP8 words out (the copies from x quantize).
-        quantizing = dict(fp8_tokens, x_ptr="*bf16")
         builds = [
             *((layout_kernel, dict(i64, topk_idx_ptr="*i64"), dict(layout, TOKEN_ROWS=rows), 4)
               for rows in (False, True)),
@@ -132,14 +128,10 @@ def compile_all(topologies=TOPOLOGIES):
                cfg.num_warps) for rows in (False, True)),
             (combine_kernel, partials,
              dict(common, BLOCK_H=cfg.combine_block_h, COPY_BLOCK_H=cfg.block_h), cfg.num_warps),
-            # FP8 rows, the pair and quantizing: expert-major at EP8, token rows across nodes
-            # (each build costs ~20 s).
+            # FP8 rows: expert-major at EP8, token rows across nodes (each build costs ~20 s).
             *((dispatch_kernel, fp8_tokens, dict(fp8_constexprs, TOKEN_ROWS=nodes > 1),
                cfg.num_warps) for _ in range(world > 2)),
-            *((dispatch_kernel, quantizing, dict(fp8_constexprs, TOKEN_ROWS=nodes > 1,
-                                                 QUANTIZE_BLOCK=fp8.quantize_block),
-               cfg.num_warps) for _ in range(world > 2)),
-            *((quantize_fp8_kernel, dict(x_ptr="*bf16", values_ptr="*i32", scales_ptr="*fp32"),
+            *((quantize_fp8_kernel, dict(x_ptr="*bf16", values_ptr="*u8", scales_ptr="*fp32"),
                dict(BLOCK_T=16, GROUPS=8), 4) for _ in range(world == 2)),
         ]  # fmt: skip
         for kernel, pointers, constexprs, num_warps in builds:
@@ -160,7 +152,6 @@ def compile_all(topologies=TOPOLOGIES):
             )
             rows = " (token rows)" if constexprs.get("TOKEN_ROWS") else ""
             rows += " FP8" if constexprs.get("SCALE_WORDS") else ""
-            rows += " quantize" if constexprs.get("QUANTIZE_BLOCK") else ""
             topo = f"EP{world}" if nodes == 1 else f"EP{world} ({nodes}x{per_node}, NVSHMEM)"
             yield f"{topo} {kernel.fn.__name__}{rows}", compiled
 

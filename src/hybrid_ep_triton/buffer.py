@@ -12,6 +12,7 @@ from .kernels.route import STAGE_LAYOUT
 from .ops import Runtime, library
 from .ops.dispatch import DispatchHandle
 from .ops.fp8_rows import Fp8Values
+from .ops.quantize import quantize_rows
 from .runtime.checks import check_int, check_tensor, describe
 from .runtime.heap import allocate_heap
 from .runtime.planner import FP8_GROUP, MAX_SMS, MAX_TOPK, make_plan
@@ -234,11 +235,9 @@ class Buffer:
             handle: the handle of an earlier dispatch: send new rows ``x`` along the same routing
                 without recomputing the layout (topk_idx, pad_multiple and max_recv_tokens are
                 taken from it). FP8 and rows of the Buffer's dtype may share a handle.
-            quantize: x in the Buffer's dtype leaves as FP8 rows: the senders (and the copy of
-                this rank's own rows) quantize each tile of x as they read it, with no pass of
-                its own (``reference.quantize_fp8`` states the rule; the kernels match it bit
-                for bit), so that only FP8 values and scales cross the links; recv_x is the
-                FP8 pair.
+            quantize: x in the Buffer's dtype is quantized to FP8 rows on this GPU first
+                (``reference.quantize_fp8`` states the rule; the kernels match it bit for bit),
+                so that only FP8 values and scales cross the links; recv_x is the FP8 pair.
                 When x requires grad (and grad mode is on), the pair's values are an
                 ``Fp8Values`` (ops/fp8_rows.py) instead of a float8 tensor: to torch [N, H] of
                 the Buffer's dtype, holding the float8_e4m3fn values in ``.fp8`` (what an FP8
@@ -312,6 +311,9 @@ class Buffer:
 
         self._check_event(previous_event)
 
+        def rows():  # (x, x_scales) as the kernels move them, on the launch's stream
+            return quantize_rows(rt, x) if quantize else (x, x_scales)
+
         new_layout = handle is None
         if new_layout:
             topk_idx = topk_idx.contiguous()
@@ -326,16 +328,13 @@ class Buffer:
         elif new_layout:
             (recv_x, recv_scales, recv_weights, handle), event = self._launch(
                 lambda: library.run_dispatch(
-                    rt, self._id, x, x_scales, topk_idx, topk_weights, pad_multiple,
-                    max_recv_tokens, quantize,
+                    rt, self._id, *rows(), topk_idx, topk_weights, pad_multiple, max_recv_tokens
                 ),
                 (x, x_scales, topk_idx, topk_weights), previous_event, async_finish,
             )  # fmt: skip
         else:
             (recv_x, recv_scales, recv_weights), event = self._launch(
-                lambda: library.run_dispatch_cached(
-                    rt, self._id, x, x_scales, topk_weights, handle, quantize
-                ),
+                lambda: library.run_dispatch_cached(rt, self._id, *rows(), topk_weights, handle),
                 (x, x_scales, topk_weights), previous_event, async_finish,
             )  # fmt: skip
         if new_layout:

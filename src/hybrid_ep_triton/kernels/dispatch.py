@@ -34,17 +34,6 @@ wait only for senders, which come first in the launch order.
 FP8 rows (SCALE_WORDS > 0) are moved bit for bit as int32 words: a staged row is its e4m3
 values (data_cols words) then its float32 scales (SCALE_WORDS words), padded to ``hidden``
 words; only the copies from x and into recv_x see two parts (row_part, out_part).
-
-Quantizing (QUANTIZE_BLOCK > 0, quantize=True), x holds rows of the Buffer's dtype and the
-copies from x quantize as they read (kernels/quantize.py's rule): the senders' pushes to the
-staging areas of their node, their writes into network slots, and the copy of own rows into
-recv_x. Each value tile of QUANTIZE_BLOCK words is loaded as 4 * QUANTIZE_BLOCK channels of x,
-whole 128-channel groups (column slices start at a group), and stored as e4m3 value words and,
-where the copy's columns hold them, its groups' scale words; the copy's scale part then computes
-from x only the scales of groups whose values another copy reads (x_part; the copy of own rows
-writes every scale with its values, recv_scales being no other copy's work). Everything after
-(staging areas, network slots, forwarders, the expansion of staged rows) moves words as for a
-given pair, and each rank's receivers cannot tell the difference.
 """
 
 import triton
@@ -62,7 +51,6 @@ from .primitives import (
     wait_at_least,
     wait_item,
 )
-from .quantize import GROUP, GROUP_WORDS, e4m3_words, group_scales
 
 STAGE_DISPATCH_READY = 2
 STAGE_DISPATCH_DATA = 3
@@ -88,83 +76,20 @@ def _store_tile(out_ptr, rows, cols, cmask, tile, hidden):
 # values (part 0) and its scales (part 1), the last SCALE_WORDS of its columns. Each copy loops
 # over the parts of its columns, so that every tile has one source and one destination.
 @triton.jit
-def row_part(part: tl.constexpr, first, last, data_cols, SCALE_WORDS: tl.constexpr):
-    """Columns [lo, hi) of part ``part`` among columns [first, last) of a staged row. Columns
-    past the scales (a staged FP8 row's padding to 16 words, for aligned rows) are in
-    neither."""
+def row_part(
+    x_rows, scale_rows, part: tl.constexpr, first, last, data_cols, SCALE_WORDS: tl.constexpr
+):
+    """The rows' source of part ``part`` of columns [first, last) (``x_rows``, ``scale_rows``
+    [M, 1]: pointers to the rows' first value, first scale), as pointers that column c is
+    added to, and that part's columns [lo, hi). Columns past the scales (a staged FP8 row's
+    padding to 16 words, for aligned rows) are in neither."""
     # One return after a compile-time branch: Triton checks that all returns have one type.
     if part == 0:
-        lo, hi = first, tl.minimum(last, data_cols)
+        src, lo, hi = x_rows, first, tl.minimum(last, data_cols)
     else:
+        src = scale_rows - data_cols
         lo, hi = tl.maximum(first, data_cols), tl.minimum(last, data_cols + SCALE_WORDS)
-    return lo, hi
-
-
-@triton.jit
-def x_part(part: tl.constexpr, first, last, data_cols, SCALE_WORDS: tl.constexpr,
-           QUANTIZE: tl.constexpr):  # fmt: skip
-    """Columns [lo, hi) of part ``part`` that a copy of columns [first, last) of staged rows from
-    x makes tiles of. Quantizing, its value tiles also write their groups' scale words that lie
-    in [first, last) (x_tiles), and part 1 is left with the scale words of the groups
-    before ``first``, whose values another copy reads."""
-    lo, hi = row_part(part, first, last, data_cols, SCALE_WORDS)
-    if QUANTIZE and part == 1:
-        hi = tl.minimum(hi, data_cols + first // GROUP_WORDS)
-    return lo, hi
-
-
-@triton.constexpr_function
-def x_tile_columns(part, block, quantize_block):
-    """Columns per tile of a copy from x: ``block``; quantizing (``quantize_block`` > 0),
-    ``quantize_block`` value words, or in part 1 the scale words of that many values' groups
-    (both tiles read the same elements of x)."""
-    if not quantize_block:
-        return block
-    return quantize_block if part == 0 else quantize_block // GROUP_WORDS
-
-
-@triton.jit
-def x_tiles(
-    x_rows, scale_rows, part: tl.constexpr, h0, hi, scales_last, data_cols, rmask,
-    BLOCK_H: tl.constexpr, QUANTIZE_BLOCK: tl.constexpr,
-):  # fmt: skip
-    """Columns [h0, h0 + TILE) (TILE: x_tile_columns) of part ``part`` of the staged form of
-    rows ``rmask`` [M] of x, masked to columns < hi: (cols, cmask, tile [M, TILE]), then the
-    scale words that come with them: (scale_cols, scale_mask, scales). ``x_rows``,
-    ``scale_rows`` [M, 1]: pointers to each row's first value and first scale.
-
-    Quantizing, x's rows are of the Buffer's dtype: part 0's tile is whole groups' e4m3 value
-    words (h0 and hi multiples of GROUP_WORDS), and its groups' scale words come with it,
-    masked to columns < ``scales_last`` too; part 1's tile is the scale words of groups
-    [h0, hi) - data_cols, computed from x. Otherwise no scale words come with a tile (the
-    tile again, for the one type of return)."""
-    TILE: tl.constexpr = x_tile_columns(part, BLOCK_H, QUANTIZE_BLOCK)
-    cols = h0 + tl.arange(0, TILE)
-    cmask = cols < hi
-    if QUANTIZE_BLOCK == 0:
-        src = x_rows
-        if part == 1:
-            src = scale_rows - data_cols
-        tile = tl.load(src + cols[None, :], mask=rmask[:, None] & cmask[None, :])
-        scale_cols, scale_mask, scales = cols, cmask, tile
-    elif part == 0:
-        channels = 4 * h0 + tl.arange(0, 4 * TILE)
-        x = tl.load(x_rows + channels[None, :], mask=rmask[:, None] & (channels < 4 * hi)[None, :],
-                    other=0.0)  # fmt: skip
-        tile, group_scale = e4m3_words(x.to(tl.float32), TILE // GROUP_WORDS)
-        groups = h0 // GROUP_WORDS + tl.arange(0, TILE // GROUP_WORDS)
-        scale_cols = data_cols + groups
-        scale_mask = (groups * GROUP_WORDS < hi) & (scale_cols < scales_last)
-        scales = group_scale.to(tl.int32, bitcast=True)
-    else:
-        channels = (h0 - data_cols) * GROUP + tl.arange(0, TILE * GROUP)
-        channel_mask = channels < (hi - data_cols) * GROUP
-        x = tl.load(x_rows + channels[None, :], mask=rmask[:, None] & channel_mask[None, :],
-                    other=0.0)  # fmt: skip
-        groups = tl.reshape(x.to(tl.float32), [x.shape[0], TILE, GROUP])
-        tile = group_scales(groups).to(tl.int32, bitcast=True)
-        scale_cols, scale_mask, scales = cols, cmask, tile
-    return cols, cmask, tile, scale_cols, scale_mask, scales
+    return src, lo, hi
 
 
 @triton.jit
@@ -199,7 +124,8 @@ def _zero_rows(
             tl.store(weights_ptr + rows, tl.zeros([CHUNK], tl.float32), mask=rmask)
         zeros = tl.zeros([CHUNK, BLOCK_H], out_ptr.dtype.element_ty)
         for part in tl.static_range(PARTS):
-            lo, hi = row_part(part, 0, data_cols + SCALE_WORDS, data_cols, SCALE_WORDS)
+            _, lo, hi = row_part(out_ptr, out_ptr, part, 0, data_cols + SCALE_WORDS, data_cols,
+                                 SCALE_WORDS)  # fmt: skip
             dst, stride, offset = out_part(out_ptr, out_scales_ptr, part, data_cols, SCALE_WORDS)
             for h0 in range(lo, hi, BLOCK_H):
                 cols = h0 + tl.arange(0, BLOCK_H)
@@ -369,16 +295,13 @@ def _send_chunk(
     TOKEN_ROWS: tl.constexpr,
     STAGES: tl.constexpr,
     SCALE_WORDS: tl.constexpr,
-    QUANTIZE_BLOCK: tl.constexpr,
-    dtype: tl.constexpr,
 ):
     """Push columns [h_first, h_last) of chunk ``c`` of this rank's tokens to every other rank of
     this node (the R ranks from ``node_first``) that holds one of their experts: each row once per
     rank, with the expert-major rows (or with TOKEN_ROWS the local expert ids) and weights of its
-    slots there (every column slice writes these, so the receiver of a slice needs no other).
-    ``dtype``: the staged rows' element type."""
+    slots there (every column slice writes these, so the receiver of a slice needs no other)."""
     PARTS: tl.constexpr = 2 if SCALE_WORDS > 0 else 1
-    QUANTIZE: tl.constexpr = QUANTIZE_BLOCK > 0
+    dtype = x_ptr.dtype.element_ty
     locals_ = tl.arange(0, R_P2)
     ranks = node_first + locals_
     tokens, tmask, slot_offs, dest, recorded = _chunk_slots(
@@ -408,35 +331,18 @@ def _send_chunk(
                 meta_weights = region(peer_bases_ptr, q, meta_weights_off, tl.float32)
                 tl.store((meta_weights + meta)[:, None] + entry, weight, mask=sel)
     for part in tl.static_range(PARTS):
-        lo, hi = x_part(part, h_first, h_last, data_cols, SCALE_WORDS, QUANTIZE)
-        step = x_tile_columns(part, BLOCK_H, QUANTIZE_BLOCK)
+        src, lo, hi = row_part(x_rows, scale_rows, part, h_first, h_last, data_cols, SCALE_WORDS)
         # STAGES tiles' loads in flight (through shared memory) while one is stored.
-        for h0 in tl.range(lo, hi, step, num_stages=STAGES):
-            cols, cmask, tile, scale_cols, scale_mask, scales = x_tiles(
-                x_rows, scale_rows, part, h0, hi, h_last, data_cols, tmask, BLOCK_H,
-                QUANTIZE_BLOCK,
-            )  # fmt: skip
-            _push_tile(tile, cols, cmask, stream_rows, locals_, peer_bases_ptr, node_first,
-                       staging_off, hidden, dtype, R, R_P2)  # fmt: skip
-            if QUANTIZE and part == 0:
-                _push_tile(scales, scale_cols, scale_mask, stream_rows, locals_, peer_bases_ptr,
-                           node_first, staging_off, hidden, dtype, R, R_P2)  # fmt: skip
-
-
-@triton.jit
-def _push_tile(
-    tile, cols, cmask, stream_rows, locals_, peer_bases_ptr, node_first, staging_off, hidden,
-    dtype: tl.constexpr, R: tl.constexpr, R_P2: tl.constexpr,
-):  # fmt: skip
-    """Store ``tile`` [M, N] into columns ``cols`` [N] (where ``cmask``) of rows
-    ``stream_rows`` [M, R_P2] (-1: none) of the staging areas of the R ranks from
-    ``node_first``."""
-    for r in tl.static_range(R_P2):
-        if r < R:
-            row = column(stream_rows, locals_, r)
-            staging = region(peer_bases_ptr, node_first + r, staging_off, dtype)
-            ptrs = staging + row.to(tl.int64)[:, None] * hidden + cols[None, :]
-            tl.store(ptrs, tile, mask=(row >= 0)[:, None] & cmask[None, :])
+        for h0 in tl.range(lo, hi, BLOCK_H, num_stages=STAGES):
+            cols = h0 + tl.arange(0, BLOCK_H)
+            cmask = cols < hi
+            tile = tl.load(src + cols[None, :], mask=tmask[:, None] & cmask[None, :])
+            for r in tl.static_range(R_P2):
+                if r < R:
+                    row = column(stream_rows, locals_, r)
+                    staging = region(peer_bases_ptr, node_first + r, staging_off, dtype)
+                    ptrs = staging + row.to(tl.int64)[:, None] * hidden + cols[None, :]
+                    tl.store(ptrs, tile, mask=(row >= 0)[:, None] & cmask[None, :])
 
 
 @triton.jit(noinline=True)
@@ -480,17 +386,14 @@ def _pack_node_slot(
     NET_COLS: tl.constexpr,
     DATA_OFF: tl.constexpr,
     SCALE_WORDS: tl.constexpr,
-    QUANTIZE_BLOCK: tl.constexpr,
-    dtype: tl.constexpr,
 ):
     """Write columns [h_first, h_last) of the tokens of chunk ``c`` that go to node ``node`` into
     the network slot at ``slot_ptr`` (a NetSlot, see the planner): row i is the chunk's i-th
     token to that node (``num_rows`` of them), with, per rank r of that node, the token's row in
     this rank's stream to r and what a direct send would record there. Rows past num_rows get
-    no destination, so that what an earlier call left there is never forwarded. ``dtype``: the
-    staged rows' element type."""
+    no destination, so that what an earlier call left there is never forwarded."""
     PARTS: tl.constexpr = 2 if SCALE_WORDS > 0 else 1
-    QUANTIZE: tl.constexpr = QUANTIZE_BLOCK > 0
+    dtype = x_ptr.dtype.element_ty
     locals_ = tl.arange(0, R_P2)
     ranks = node * R + locals_
     tokens, tmask, slot_offs, dest, recorded = _chunk_slots(
@@ -528,24 +431,13 @@ def _pack_node_slot(
     x_rows = x_ptr + tokens.to(tl.int64)[:, None] * x_stride
     scale_rows = x_scales_ptr + tokens.to(tl.int64)[:, None] * x_scales_stride
     for part in tl.static_range(PARTS):
-        lo, hi = x_part(part, h_first, h_last, data_cols, SCALE_WORDS, QUANTIZE)
-        step = x_tile_columns(part, BLOCK_H, QUANTIZE_BLOCK)
-        for h0 in tl.range(lo, hi, step, num_stages=STAGES):
-            cols, cmask, tile, scale_cols, scale_mask, scales = x_tiles(
-                x_rows, scale_rows, part, h0, hi, h_last, data_cols, sent, BLOCK_H,
-                QUANTIZE_BLOCK,
-            )  # fmt: skip
-            _store_slot_tile(data, row, cols - h_first, cmask, tile, NET_COLS)
-            if QUANTIZE and part == 0:
-                _store_slot_tile(data, row, scale_cols - h_first, scale_mask, scales, NET_COLS)
-
-
-@triton.jit
-def _store_slot_tile(data_ptr, rows, cols, cmask, tile, NET_COLS: tl.constexpr):
-    """Store ``tile`` [M, N] into columns ``cols`` [N] (where ``cmask``) of rows ``rows`` [M]
-    (-1: none) of a network slot's data."""
-    tl.store(data_ptr + rows[:, None] * NET_COLS + cols[None, :], tile,
-             mask=(rows >= 0)[:, None] & cmask[None, :])  # fmt: skip
+        src, lo, hi = row_part(x_rows, scale_rows, part, h_first, h_last, data_cols,
+                               SCALE_WORDS)  # fmt: skip
+        for h0 in tl.range(lo, hi, BLOCK_H, num_stages=STAGES):
+            cols = h0 + tl.arange(0, BLOCK_H)
+            mask = sent[:, None] & (cols < hi)[None, :]
+            tile = tl.load(src + cols[None, :], mask=mask)
+            tl.store(data + row[:, None] * NET_COLS + (cols - h_first)[None, :], tile, mask=mask)
 
 
 @triton.jit(noinline=True)
@@ -705,7 +597,7 @@ def _expand_chunk(
         tl.store(staged_rows_ptr + meta, rows, mask=recorded)
     src_rows = staging_ptr + staged.to(tl.int64)[:, None] * hidden
     for p in tl.static_range(PARTS):
-        lo, hi = row_part(p, h_first, h_last, data_cols, SCALE_WORDS)
+        _, lo, hi = row_part(src_rows, src_rows, p, h_first, h_last, data_cols, SCALE_WORDS)
         dst, stride, offset = out_part(recv_x_ptr, recv_scales_ptr, p, data_cols, SCALE_WORDS)
         cols = lo + tl.arange(0, BLOCK_H)
         tile = tl.load(
@@ -766,18 +658,14 @@ def _expand_own_chunk(
     TOKEN_ROWS: tl.constexpr,
     STAGES: tl.constexpr,
     SCALE_WORDS: tl.constexpr,
-    QUANTIZE_BLOCK: tl.constexpr,
 ):
     """Copy columns [h_first, h_last) of this rank's tokens of chunk ``c`` straight from ``x``
     to the expert-major rows of their local experts (with TOKEN_ROWS: to one row per token,
     from row ``own_token_rows_first`` on, with its slots' local expert ids in recv_topk_idx and
     weights packed in slot order), and (if WRITE_ROWS) record those rows in staged_rows as the
     rows of the token's place in its stream to this rank, which starts at row
-    ``own_stream_first``, packed in slot order as a sender packs them. Quantizing, the copy of
-    a row's values writes their groups' scales too, wherever they lie: recv_scales is no other
-    copy's work, and no part 1 recomputes them."""
-    QUANTIZE: tl.constexpr = QUANTIZE_BLOCK > 0
-    PARTS: tl.constexpr = 2 if SCALE_WORDS > 0 and not QUANTIZE else 1
+    ``own_stream_first``, packed in slot order as a sender packs them."""
+    PARTS: tl.constexpr = 2 if SCALE_WORDS > 0 else 1
     slots = tl.arange(0, K_P2)
     tokens, tmask, slot_offs, dest, recorded = _chunk_slots(
         c, topk_idx_ptr, num_tokens, topk, num_experts, experts_per_rank, slot_pos_ptr,
@@ -816,50 +704,25 @@ def _expand_own_chunk(
     scale_rows = x_scales_ptr + tokens.to(tl.int64)[:, None] * x_scales_stride
     wanted = tl.max(out_row, axis=1) >= 0
     for p in tl.static_range(PARTS):
-        lo, hi = row_part(p, h_first, h_last, data_cols, SCALE_WORDS)
+        src, lo, hi = row_part(x_rows, scale_rows, p, h_first, h_last, data_cols, SCALE_WORDS)
         dst, stride, offset = out_part(recv_x_ptr, recv_scales_ptr, p, data_cols, SCALE_WORDS)
-        step = x_tile_columns(p, BLOCK_H, QUANTIZE_BLOCK)
-        for h0 in tl.range(lo, hi, step, num_stages=STAGES):
-            if QUANTIZE:
-                cols, cmask, tile, scale_cols, scale_mask, scales = x_tiles(
-                    x_rows, scale_rows, p, h0, hi, data_cols + SCALE_WORDS, data_cols, wanted,
-                    BLOCK_H, QUANTIZE_BLOCK,
-                )  # fmt: skip
-                _store_copies(recv_scales_ptr, out_row, slots, scale_cols - data_cols, scale_mask,
-                              scales, SCALE_WORDS, K_P2, TOKEN_ROWS)  # fmt: skip
+        for h0 in tl.range(lo, hi, BLOCK_H, num_stages=STAGES):
+            cols = h0 + tl.arange(0, BLOCK_H)
+            cmask = cols < hi
+            tile = tl.load(src + cols[None, :], mask=wanted[:, None] & cmask[None, :])
+            if TOKEN_ROWS:  # one row per token, in entry 0
+                _store_tile(dst, column(out_row, slots, 0), cols - offset, cmask, tile, stride)
             else:
-                # Not through x_tiles: with the same instructions in an inlined call, ptxas
-                # spills differently by the line info alone (sm_90, EP2: 312 bytes, not 320).
-                cols = h0 + tl.arange(0, BLOCK_H)
-                cmask = cols < hi
-                src = x_rows if p == 0 else scale_rows - data_cols
-                tile = tl.load(src + cols[None, :], mask=wanted[:, None] & cmask[None, :])
-            _store_copies(dst, out_row, slots, cols - offset, cmask, tile, stride, K_P2,
-                          TOKEN_ROWS)  # fmt: skip
-
-
-@triton.jit
-def _store_copies(
-    out_ptr, out_row, slots, cols, cmask, tile, stride, K_P2: tl.constexpr,
-    TOKEN_ROWS: tl.constexpr,
-):  # fmt: skip
-    """Store ``tile`` [M, N] into columns ``cols`` [N] (where ``cmask``) of each of its rows'
-    output rows ``out_row`` [M, K_P2] (-1: none; with TOKEN_ROWS one row per token, in entry 0)
-    of ``stride`` columns."""
-    if TOKEN_ROWS:
-        _store_tile(out_ptr, column(out_row, slots, 0), cols, cmask, tile, stride)
-    else:
-        for k in tl.static_range(K_P2):
-            _store_tile(out_ptr, column(out_row, slots, k), cols, cmask, tile, stride)
+                for k in tl.static_range(K_P2):
+                    _store_tile(dst, column(out_row, slots, k), cols - offset, cmask, tile,
+                                stride)  # fmt: skip
 
 
 @triton.jit
 def dispatch_kernel(
-    x_ptr,  # [T, H], row stride x_stride; FP8 rows: [T, H / 4] int32 words of e4m3 values, or
-    # with QUANTIZE_BLOCK [T, H] of the Buffer's dtype, quantized as the copies read them
+    x_ptr,  # [T, H], row stride x_stride; FP8 rows: [T, H / 4] int32 words of e4m3 values
     x_stride,
-    x_scales_ptr,  # FP8 rows: [T, SCALE_WORDS] float32 as int32 words, row stride
-    # x_scales_stride (unused with QUANTIZE_BLOCK)
+    x_scales_ptr,  # FP8 rows: [T, SCALE_WORDS] float32 as int32 words, row stride x_scales_stride
     x_scales_stride,
     topk_idx_ptr,  # [T, K] int32/int64
     topk_weights_ptr,  # [T, K] float32 (unused unless HAS_WEIGHTS)
@@ -928,7 +791,6 @@ def dispatch_kernel(
     DATA_OFF: tl.constexpr,
     SLOT_BYTES: tl.constexpr,
     SCALE_WORDS: tl.constexpr,  # 0; FP8 rows: H / 128, the scale words after a row's data words
-    QUANTIZE_BLOCK: tl.constexpr,  # 0; FP8 rows quantized from x: value words per tile of x
 ):
     pid = tl.program_id(0)
     num_programs = tl.num_programs(0)
@@ -983,7 +845,6 @@ def dispatch_kernel(
                             token_node_pos_ptr, send_chunk_start_ptr, chunk_expert_base_ptr, MS,
                             MS_P2, K_P2, R, R_P2, NODES, CHUNK, BLOCK_H, HAS_WEIGHTS, TOKEN_ROWS,
                             STAGES, META_INTS, META_FLOATS, NET_COLS, DATA_OFF, SCALE_WORDS,
-                            QUANTIZE_BLOCK, dtype,
                         )  # fmt: skip
                         there = my_node * ITEMS + w
                         net_put_signal(
@@ -1000,7 +861,7 @@ def dispatch_kernel(
                 experts_per_rank, W, rank, slot_pos_ptr, token_rank_pos_ptr, send_chunk_start_ptr,
                 chunk_expert_base_ptr, peer_bases_ptr, meta_rows_off, meta_weights_off,
                 staging_off, node_first, T_MAX, MS, MS_P2, K_P2, R, R_P2, CHUNK, BLOCK_H,
-                HAS_WEIGHTS, TOKEN_ROWS, STAGES, SCALE_WORDS, QUANTIZE_BLOCK, dtype,
+                HAS_WEIGHTS, TOKEN_ROWS, STAGES, SCALE_WORDS,
             )  # fmt: skip
             for peer in range(node_first, node_first + R):
                 if peer != rank:
@@ -1078,7 +939,7 @@ def dispatch_kernel(
                     chunk_expert_base_ptr, staged_rows_ptr, recv_x_ptr, recv_scales_ptr,
                     recv_weights_ptr, recv_topk_idx_ptr, x_scales_ptr, x_scales_stride, W, MS,
                     MS_P2, K_P2, CHUNK, BLOCK_H, HAS_WEIGHTS, WRITE_ROWS, TOKEN_ROWS, STAGES,
-                    SCALE_WORDS, QUANTIZE_BLOCK,
+                    SCALE_WORDS,
                 )  # fmt: skip
             else:
                 part = k % staged_parts

@@ -1,8 +1,6 @@
 """Dispatch launches: the layout (one kernel), then the data move (one kernel whose first
 programs, the senders, push rows to the other ranks and whose others, on the rest of the GPU,
-expand into expert-major rows). FP8 rows move as int32 words; with quantize=True the data move
-reads rows of the Buffer's dtype and its copies from x quantize them as they read (no pass of
-their own)."""
+expand into expert-major rows)."""
 
 import functools
 import math
@@ -279,7 +277,7 @@ def _move_launcher(rt: Runtime) -> KernelLauncher:
     plan = rt.plan
     return _data_move_launcher(
         rt, plan.hidden, plan.hidden, plan.config.block_h, plan.net_slot.cols, scale_words=0,
-        quantize_block=0, x_scales_ptr=rt.control, x_scales_stride=0, recv_scales_ptr=rt.control,
+        x_scales_ptr=rt.control, x_scales_stride=0, recv_scales_ptr=rt.control,
     )  # fmt: skip
 
 
@@ -287,34 +285,16 @@ def _fp8_move_launcher(rt: Runtime) -> KernelLauncher:
     """dispatch_kernel for FP8 rows, moved as int32 words (see planner.Fp8Rows)."""
     fp8 = rt.plan.fp8
     return _data_move_launcher(
-        rt, fp8.words, fp8.data_words, fp8.block, fp8.net_cols, fp8.scale_words, quantize_block=0
+        rt, fp8.words, fp8.data_words, fp8.block, fp8.net_cols, fp8.scale_words
     )
 
 
-def _quantizing_move_launcher(rt: Runtime) -> KernelLauncher:
-    """dispatch_kernel for rows of the Buffer's dtype that leave it as FP8 rows: the copies from
-    x quantize as they read (the unused scale pointer: any tensor)."""
-    fp8 = rt.plan.fp8
-    return _data_move_launcher(
-        rt, fp8.words, fp8.data_words, fp8.block, fp8.net_cols, fp8.scale_words,
-        quantize_block=fp8.quantize_block, x_scales_ptr=rt.control, x_scales_stride=0,
-    )  # fmt: skip
-
-
 def _data_move_launcher(
-    rt: Runtime,
-    cols: int,
-    data_cols: int,
-    block: int,
-    net_cols: int,
-    scale_words: int,
-    quantize_block: int,
-    **bound,
+    rt: Runtime, cols: int, data_cols: int, block: int, net_cols: int, scale_words: int, **bound
 ) -> KernelLauncher:
     """dispatch_kernel for staged rows of ``cols`` elements (``data_cols`` of them in recv_x's
     rows, then ``scale_words`` of an FP8 row's scales) in tiles of ``block``, ``net_cols`` per
-    network slot row; ``quantize_block`` > 0: FP8 rows quantized from x in tiles of that many
-    value words."""
+    network slot row."""
     plan, cfg, heap = rt.plan, rt.plan.config, rt.plan.heap
     slot = plan.net_slot
     return KernelLauncher(
@@ -334,8 +314,7 @@ def _data_move_launcher(
         net_inbox_off=heap.net_inbox, net_outbox_off=heap.net_outbox,
         heap_bytes=heap.total_bytes, META_INTS=slot.meta_ints,
         META_FLOATS=slot.meta_floats, NET_COLS=net_cols, DATA_OFF=slot.data_offset,
-        SLOT_BYTES=slot.bytes, SCALE_WORDS=scale_words, QUANTIZE_BLOCK=quantize_block,
-        **rt.compile_options,
+        SLOT_BYTES=slot.bytes, SCALE_WORDS=scale_words, **rt.compile_options,
         **topology_constants(plan, "R", "NODES", "R_P2"), **bound,
     )  # fmt: skip
 
@@ -350,7 +329,6 @@ def prepare_move(
     topk_weights: torch.Tensor | None,
     handle: DispatchHandle,
     cached: bool,
-    quantize: bool,
 ) -> Callable[[int], Moved]:
     """The data move for ``x`` [T, H] along ``handle``, prepared up to what depends on the row
     count N: returns ``move(N)``, which allocates the outputs and launches; collective. An
@@ -360,32 +338,28 @@ def prepare_move(
     sets handle.recv_topk_idx.
 
     FP8 rows: ``x`` [T, H] float8_e4m3fn with ``x_scales`` [T, H / 128] float32 (rows with a
-    row stride that is a multiple of 4 bytes, see fp8_words); else x_scales is None. With
-    ``quantize``, ``x`` (the Buffer's dtype) leaves as FP8 rows: the senders (and the copy of
-    own rows) quantize each tile of x as they read it (kernels/quantize.py's rule) and move the
-    e4m3 values and scales as an FP8 pair's words.
+    row stride that is a multiple of 4 bytes, see fp8_words); else x_scales is None.
 
-    ``move(N)`` returns recv_x [N, H] (x's dtype; float8_e4m3fn for FP8 rows), recv_scales
-    ([N, H / 128] float32 for FP8 rows, else None) and recv_weights (None without
-    topk_weights): [N] float32, with token rows [N, K].
+    ``move(N)`` returns recv_x [N, H] (x's dtype), recv_scales ([N, H / 128] float32 for FP8
+    rows, else None) and recv_weights (None without topk_weights): [N] float32, with token rows
+    [N, K].
     """
     plan = rt.plan
     topk_idx, num_tokens, topk = handle.topk_idx, handle.num_tokens, handle.topk
     has_weights = topk_weights is not None
-    fp8 = x_scales is not None or quantize
+    fp8 = x_scales is not None
+    dtype = x.dtype
     if has_weights:
         topk_weights = topk_weights.contiguous()
-    # The arguments from the caller, as _move_changing names them: FP8 rows move as int32 words
-    # (quantized ones are read as x's own dtype).
-    if x_scales is not None:
+    # The arguments from the caller, as _move_changing names them: FP8 rows move as int32 words.
+    if fp8:
         inputs = (fp8_words(x), x.stride(0) // 4, fp8_words(x_scales), x_scales.stride(0))
     else:
         inputs = (x, x.stride(0))
-    key = ("move", fp8, quantize, has_weights, cached, num_tokens, topk)
-    recv_dtype = torch.float8_e4m3fn if fp8 else x.dtype
+    key = ("move", fp8, has_weights, cached, num_tokens, topk)
 
     def move(num_rows: int) -> Moved:
-        recv_x = torch.empty(num_rows, plan.hidden, dtype=recv_dtype, device=rt.device)
+        recv_x = torch.empty(num_rows, plan.hidden, dtype=dtype, device=rt.device)
         recv_scales = None
         if fp8:
             recv_scales = torch.empty(num_rows, plan.fp8.scale_words, device=rt.device)
@@ -404,9 +378,7 @@ def prepare_move(
         )  # fmt: skip
         relaunch = rt.relaunches.get(key)
         if relaunch is None or not relaunch(*values, handle.ints.data_ptr()):
-            rt.relaunches[key] = _launch_move(
-                rt, handle, x_scales is not None, quantize, has_weights, cached, values
-            )
+            rt.relaunches[key] = _launch_move(rt, handle, fp8, has_weights, cached, values)
         return recv_x, recv_scales, (recv_weights if has_weights else None)
 
     return move
@@ -424,32 +396,25 @@ _MOVE_SPECIALIZED = ("topk_idx_ptr", "topk_weights_ptr", "num_out_rows")
 _MOVE_ALIGNED = ("info_ptr", "recv_x_ptr", "recv_weights_ptr", "recv_topk_idx_ptr")
 
 
-def _move_changing(pair: bool, fp8: bool) -> tuple[tuple[str, ...], tuple[str, ...]]:
+def _move_changing(fp8: bool) -> tuple[tuple[str, ...], tuple[str, ...]]:
     """(specialized, aligned) names of the data move's arguments that change between calls
-    besides the handle's parts, in a Relaunch's order: ``pair``, FP8 rows given with their
-    scales; ``fp8``, FP8 rows out (given or quantized), whose scales' pointer is beside the
-    rows'."""
-    inputs = ("x_ptr", "x_stride", "x_scales_ptr", "x_scales_stride")[: 4 if pair else 2]
-    aligned = (*_MOVE_ALIGNED[:2], "recv_scales_ptr", *_MOVE_ALIGNED[2:]) if fp8 else _MOVE_ALIGNED
+    besides the handle's parts, in a Relaunch's order (FP8 rows: the scales' pointers beside
+    the rows')."""
+    if fp8:
+        inputs = ("x_ptr", "x_stride", "x_scales_ptr", "x_scales_stride")
+        aligned = (*_MOVE_ALIGNED[:2], "recv_scales_ptr", *_MOVE_ALIGNED[2:])
+    else:
+        inputs, aligned = ("x_ptr", "x_stride"), _MOVE_ALIGNED
     return (*inputs, *_MOVE_SPECIALIZED), aligned
 
 
 def _launch_move(
-    rt: Runtime,
-    handle: DispatchHandle,
-    pair: bool,
-    quantize: bool,
-    has_weights: bool,
-    cached: bool,
-    values: tuple,
+    rt: Runtime, handle: DispatchHandle, fp8: bool, has_weights: bool, cached: bool, values
 ):
     """The data move through its KernelLauncher, ``values`` in _move_changing's order; returns
     its Relaunch."""
-    specialized, aligned = _move_changing(pair, pair or quantize)
-    if quantize:
-        launch = rt.launcher(_quantizing_move_launcher)
-    else:
-        launch = rt.launcher(_fp8_move_launcher if pair else _move_launcher)
+    specialized, aligned = _move_changing(fp8)
+    launch = rt.launcher(_fp8_move_launcher if fp8 else _move_launcher)
     return launch(
         (channel_programs(rt.plan) + programs_beside_senders(rt),),
         specialized=dict(
@@ -472,12 +437,10 @@ def move_tokens(
     topk_weights: torch.Tensor | None,
     handle: DispatchHandle,
     cached: bool,
-    quantize: bool,
 ) -> Moved:
     """Launch the data move for ``x`` [T, H] along ``handle`` (N: handle.num_recv_rows); see
     prepare_move."""
-    move = prepare_move(rt, x, x_scales, topk_weights, handle, cached, quantize)
-    return move(handle.num_recv_rows)
+    return prepare_move(rt, x, x_scales, topk_weights, handle, cached)(handle.num_recv_rows)
 
 
 def fp8_words(t: torch.Tensor) -> torch.Tensor:

@@ -1,6 +1,5 @@
-"""FP8 quantization of a Buffer's token rows as a pass of its own (kernels/quantize.py says the
-rule): the benchmark's quantizing copy. A dispatch with quantize=True needs no such pass: its
-senders quantize as they read."""
+"""FP8 quantization of a Buffer's token rows before an FP8 dispatch (kernels/quantize.py says
+the rule)."""
 
 import torch
 
@@ -24,7 +23,7 @@ def quantize_rows(rt: Runtime, x: torch.Tensor) -> tuple[torch.Tensor, torch.Ten
         rt.launcher(_quantize_launcher)(
             grid,
             specialized=dict(x_ptr=x, x_stride=x.stride(0), num_tokens=num_tokens),
-            aligned=dict(values_ptr=values.view(torch.int32), scales_ptr=scales),
+            aligned=dict(values_ptr=values.view(torch.uint8), scales_ptr=scales),
         )
     return values, scales
 

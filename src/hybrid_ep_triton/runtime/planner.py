@@ -167,13 +167,8 @@ class Fp8Rows:
     data_words: H / 4; scale_words: H / 128; words: a staged row's columns, their sum rounded
     up to a multiple of 16, so that staged rows start 64-byte aligned and the kernels' copies
     are vectorised (Triton knows an integer's alignment only as "a multiple of 16").
-    block: words per tile, so that a tile has the bytes of a tile of the Buffer's dtype; at
-        least the 32 value words of one 128-channel group, so that column slices, which start
-        at multiples of it, start at a group.
+    block: words per tile, so that a tile has the bytes of a tile of the Buffer's dtype.
     net_cols: words of a network slot's row (the widest column slice).
-    quantize_block: value words per tile where a dispatch quantizes as it reads rows of the
-        Buffer's dtype (quantize=True): whole groups, a quarter of a tile, so that the tile of x
-        it holds as float32 has the bytes of a tile.
     """
 
     data_words: int
@@ -181,7 +176,6 @@ class Fp8Rows:
     words: int
     block: int
     net_cols: int
-    quantize_block: int
 
 
 def fp8_rows(hidden: int, dtype: torch.dtype, config: KernelConfig) -> Fp8Rows | None:
@@ -190,10 +184,9 @@ def fp8_rows(hidden: int, dtype: torch.dtype, config: KernelConfig) -> Fp8Rows |
         return None
     data_words, scale_words = hidden // 4, hidden // FP8_GROUP
     words = ceil_div(data_words + scale_words, 16) * 16
-    group_words = FP8_GROUP // 4
-    block = min(max(config.block_h * dtype.itemsize // 4, group_words), next_power_of_2(words))
+    block = min(max(config.block_h * dtype.itemsize // 4, 16), next_power_of_2(words))
     net_cols = ceil_div(ceil_div(words, config.h_slices), block) * block
-    return Fp8Rows(data_words, scale_words, words, block, net_cols, max(block // 4, group_words))
+    return Fp8Rows(data_words, scale_words, words, block, net_cols)
 
 
 @dataclass(frozen=True)

@@ -9,10 +9,8 @@ One run measures, on every rank at once:
 - the baseline: ``hybrid_ep_triton.reference`` over NCCL on the same inputs.
 - FP8 dispatch (S1 and S2, both layouts, every SM count, beside the bf16 rows of the same
   Buffer): rows "fp8" pass the (e4m3 values, scales) pair, rows "fp8-quantize" pass bf16 rows
-  with quantize=True (the senders quantize as they read: its time over the pair's is what the
-  quantization costs inside the dispatch); exact, cached and graph modes; and the quantizer as
-  a pass of its own beside a plain copy of the same bf16 rows ("copies": bytes read and written
-  over time).
+  with quantize=True; exact, cached and graph modes; and the quantizing copy alone beside a
+  plain copy of the same bf16 rows ("copies": bytes read and written over time).
 Each configuration is first checked against the reference (dispatch bit-exact, FP8 too,
 combine within bf16 tolerance). Times are CUDA events around the whole call on the calling
 stream, the median of ``iters`` calls after ``warmup`` calls, input sets rotated; the reported
@@ -247,9 +245,9 @@ def _time_buffer(buf, sets, warmup: int, iters: int, rows: str = "bf16") -> dict
 
 
 def _time_copies(buf, reference, sets, warmup: int, iters: int) -> list[dict]:
-    """The quantizer as a pass of its own (kernels/quantize.py: the arithmetic that a
-    quantize=True dispatch's senders do as they read, and the reference quantizer in plain
-    torch) beside a plain copy of the same bf16 rows: µs and GB/s of bytes read and written."""
+    """The quantizing copy (the kernel a quantize=True dispatch runs first, and the reference
+    quantizer in plain torch) beside a plain copy of the same bf16 rows: µs and GB/s of bytes
+    read and written."""
     from ..ops.quantize import quantize_rows
 
     xs = [(x,) for x, _, _ in sets]
