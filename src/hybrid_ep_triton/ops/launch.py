@@ -20,7 +20,8 @@ Even then, naming every argument per call costs more host time than the compiled
 (bench/results/2026-12-01-1xH200-host-profile-6e3b28f.log: 10-14 µs per launch for our
 bookkeeping, and as much again for building the arguments at the call sites). So a launch also
 returns a Relaunch: the same launch again, given only the values of the arguments that a
-repeated call changes (``changing``, positionally), checked against the specialisation.
+repeated call changes (``changing``, positionally, then the new address of the tensor its
+TensorViews were views of), checked against the specialisation.
 """
 
 import torch
@@ -113,17 +114,15 @@ class KernelLauncher:
             for name, value in specialized.items()
         ])  # fmt: skip
         runner = self._runners.get(key)
-        if runner is None:
+        through_triton = runner is None  # which also launched it
+        if through_triton:
             runner = self._runners[key] = self._through_triton(grid, specialized, aligned)
-            launch = False
-        else:
-            launch = True
         args, index, tensor = list(self._addresses), self._index, torch.Tensor
         for name, value in specialized.items():
             args[index[name]] = value.data_ptr() if isinstance(value, tensor) else value
         for name, value in aligned.items():
             args[index[name]] = value.data_ptr() if isinstance(value, tensor) else value.address
-        if launch:
+        if not through_triton:
             runner(*args, stream=driver.get_current_stream(device))
         if runner is None:
             return None
