@@ -12,9 +12,10 @@ slowest rank's median, see tools.bench._median_us), device and host µs, one lin
 import argparse
 
 import torch
+from host_profile import eager_calls  # bench/, beside this script
 
 import hybrid_ep_triton as hep
-from hybrid_ep_triton.tools.bench import SHAPES, _combine_weights, _inputs, _median_us
+from hybrid_ep_triton.tools.bench import SHAPES, _inputs, _median_us
 from hybrid_ep_triton.tools.launcher import run_ranks
 
 
@@ -26,18 +27,9 @@ def _rank(rank: int, world: int, args) -> list[str]:
         for expand in (True, False):
             buf = hep.Buffer(None, hidden_size=shape.hidden, max_tokens_per_rank=shape.tokens,
                              num_experts=shape.experts, num_sms=8, expand=expand)  # fmt: skip
-            exact = [buf.dispatch(*s) for s in sets]
-            cached = [(s[0], s[2], out[-1]) for s, out in zip(sets, exact, strict=True)]
-            combines = [(torch.randn_like(out[0]), out[-1], _combine_weights(buf, out))
-                        for out in exact]  # fmt: skip
-            calls = {
-                "exact dispatch": (buf.dispatch, sets),
-                "cached dispatch": (
-                    lambda x, w, h, buf=buf: buf.dispatch(x, topk_weights=w, handle=h), cached
-                ),
-                "combine": (lambda y, h, w, buf=buf: buf.combine(y, h, weights=w), combines),
-            }  # fmt: skip
-            for what, (fn, args_list) in calls.items():
+            calls = eager_calls(buf, sets)
+            for what in ("exact dispatch", "cached dispatch", "combine"):
+                fn, args_list = calls[what]
                 device_us, host_us = _median_us(fn, args_list, args.warmup, args.iters)
                 rows = "expert" if expand else "token"
                 lines.append(f"{args.label} {name} {rows} {what}: {device_us:.1f} us device, "

@@ -120,7 +120,9 @@ def _profile(fn, args_list, iters: int, timer: StepTimer) -> dict[str, float]:
     return {label: statistics.median(us) for label, us in per_call.items()}
 
 
-def _calls(buf: hep.Buffer, sets: list) -> dict:
+def eager_calls(buf: hep.Buffer, sets: list) -> dict:
+    """{call kind: (fn, argument sets)} of ``buf`` on the input sets ``sets`` (x, topk_idx,
+    topk_weights): exact-mode, max_recv_tokens and cached dispatches, and combines."""
     exact = [buf.dispatch(*s) for s in sets]
     rows = max(out[-1].num_recv_rows for out in exact)
     cached = [(s[0], s[2], out[-1]) for s, out in zip(sets, exact, strict=True)]
@@ -215,7 +217,7 @@ def _rank(rank: int, world: int, args) -> list[str]:
                 num_experts=shape.experts, num_sms=args.sms, expand=expand,
             )  # fmt: skip
             rows = "expert" if expand else "token"
-            calls = _calls(buf, sets)
+            calls = eager_calls(buf, sets)
             for what, (fn, args_list) in calls.items():
                 device_us, host_us = _median_us(fn, args_list, args.warmup, args.iters)
                 timer = StepTimer()
