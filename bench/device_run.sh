@@ -18,6 +18,8 @@
 #          the groups of 2 and 4 ranks)
 #   bench-fp8  S1 and S2 at $BENCH_SMS SMs (default 8), both layouts, bf16 beside FP8 rows
 #          (given pair, quantize=True), and the quantizing copy beside a plain copy
+#   bench-fp8-ab  the S1 part of bench-fp8 for the tree in $AB_OLD (see eager-ab), then this
+#          tree: an A/B of FP8 dispatch speed in one call (results in $OUT/old, $OUT/new)
 #   eager  bench/eager_ab.py on every local GPU: eager calls back to back (issue 20's targets)
 #   eager-ab  bench/eager_ab.py on one GPU for the tree in $AB_OLD (a folder holding src/, e.g.
 #          `git archive <commit> src | tar -x -C .ab/old`, carried) and this tree, alternated
@@ -71,6 +73,11 @@ for step in $STEPS; do
         bench-fp8) cmd=(python3 bench/run.py --iters 50 --warmup 10 --timeout 400
                         --shapes S1,S2 --sms "${BENCH_SMS:-8}" --spot-sms "${BENCH_SMS:-8}"
                         --out "$OUT") ;;
+        bench-fp8-ab) cmd=(bash -c 'for tree in old new; do src=$PWD/src; \
+                           if [ $tree = old ]; then src=$AB_OLD/src; fi; mkdir -p $OUT/$tree; \
+                           PYTHONPATH=/tmp/site:$src python3 bench/run.py --iters 50 \
+                           --warmup 10 --timeout 300 --shapes S1 --sms 8 --spot-sms 8 \
+                           --out $OUT/$tree || exit 1; done') ;;
         eager) cmd=(python3 bench/eager_ab.py --ranks 0 --label "${HEP_COMMIT:-}") ;;
         eager-ab) cmd=(bash -c 'for run in 1 2; do for tree in old new; do src=$PWD/src; \
                        if [ $tree = old ]; then src=$AB_OLD/src; fi; \

@@ -22,7 +22,6 @@ from triton.compiler import ASTSource
 
 from hybrid_ep_triton.kernels.combine import combine_kernel
 from hybrid_ep_triton.kernels.dispatch import dispatch_kernel
-from hybrid_ep_triton.kernels.quantize import quantize_fp8_kernel
 from hybrid_ep_triton.kernels.route import layout_kernel
 from hybrid_ep_triton.runtime.nvshmem import device_library
 from hybrid_ep_triton.runtime.planner import (
@@ -98,6 +97,7 @@ def compile_all(topologies=TOPOLOGIES):
             LP_MAX=LOCAL_PARTS,
             STAGES=cfg.copy_stages,
             SCALE_WORDS=0,
+            QUANTIZE=False,
             **topology,
             **slot,
         )
@@ -108,6 +108,7 @@ def compile_all(topologies=TOPOLOGIES):
             topk_weights_ptr="*fp32",
             recv_x_ptr="*bf16",
             recv_weights_ptr="*fp32",
+            quantized_flags_ptr="*i64",
         )
         layout = dict(CHUNK=cfg.chunk_tokens, K_P2=8, W_P2=world, E_P2=256, L_P2=256 // world,
                       PAIRS=128, NC_MAX=plan.max_chunks, ROW=plan.counts_row,
@@ -131,8 +132,10 @@ def compile_all(topologies=TOPOLOGIES):
             # FP8 rows: expert-major at EP8, token rows across nodes (each build costs ~20 s).
             *((dispatch_kernel, fp8_tokens, dict(fp8_constexprs, TOKEN_ROWS=nodes > 1),
                cfg.num_warps) for _ in range(world > 2)),
-            *((quantize_fp8_kernel, dict(x_ptr="*bf16", values_ptr="*u8", scales_ptr="*fp32"),
-               dict(BLOCK_T=16, GROUPS=8), 4) for _ in range(world == 2)),
+            # Quantizing as it sends, from bf16 rows: expert-major at EP2.
+            *((dispatch_kernel, dict(fp8_tokens, source_ptr="*bf16"),
+               dict(fp8_constexprs, TOKEN_ROWS=False, QUANTIZE=True), cfg.num_warps)
+              for _ in range(world == 2)),
         ]  # fmt: skip
         for kernel, pointers, constexprs, num_warps in builds:
             # As launched: the data moves capped at MAX_REGISTERS, the layout kernel uncapped;
@@ -152,6 +155,7 @@ def compile_all(topologies=TOPOLOGIES):
             )
             rows = " (token rows)" if constexprs.get("TOKEN_ROWS") else ""
             rows += " FP8" if constexprs.get("SCALE_WORDS") else ""
+            rows += " quantizing" if constexprs.get("QUANTIZE") else ""
             topo = f"EP{world}" if nodes == 1 else f"EP{world} ({nodes}x{per_node}, NVSHMEM)"
             yield f"{topo} {kernel.fn.__name__}{rows}", compiled
 

@@ -7,12 +7,16 @@ import torch
 import torch.distributed as dist
 
 from .kernels.combine import STAGE_COMBINE_DATA, STAGE_COMBINE_NET, STAGE_COMBINE_READY
-from .kernels.dispatch import STAGE_DISPATCH_DATA, STAGE_DISPATCH_NET, STAGE_DISPATCH_READY
+from .kernels.dispatch import (
+    STAGE_DISPATCH_DATA,
+    STAGE_DISPATCH_NET,
+    STAGE_DISPATCH_QUANTIZED,
+    STAGE_DISPATCH_READY,
+)
 from .kernels.route import STAGE_LAYOUT
 from .ops import Runtime, library
 from .ops.dispatch import DispatchHandle
 from .ops.fp8_rows import Fp8Values
-from .ops.quantize import quantize_rows
 from .runtime.checks import check_int, check_tensor, describe
 from .runtime.heap import allocate_heap
 from .runtime.planner import FP8_GROUP, MAX_SMS, MAX_TOPK, make_plan
@@ -33,6 +37,7 @@ _STAGES = {
     STAGE_COMBINE_DATA: "combine partial sums",
     STAGE_DISPATCH_NET: "dispatch token chunks over the network",
     STAGE_COMBINE_NET: "combine partial sums over the network",
+    STAGE_DISPATCH_QUANTIZED: "dispatch's quantization of this rank's rows",
 }
 
 
@@ -311,9 +316,6 @@ class Buffer:
 
         self._check_event(previous_event)
 
-        def rows():  # (x, x_scales) as the kernels move them, on the launch's stream
-            return quantize_rows(rt, x) if quantize else (x, x_scales)
-
         new_layout = handle is None
         if new_layout:
             topk_idx = topk_idx.contiguous()
@@ -328,13 +330,16 @@ class Buffer:
         elif new_layout:
             (recv_x, recv_scales, recv_weights, handle), event = self._launch(
                 lambda: library.run_dispatch(
-                    rt, self._id, *rows(), topk_idx, topk_weights, pad_multiple, max_recv_tokens
+                    rt, self._id, x, x_scales, topk_idx, topk_weights, pad_multiple,
+                    max_recv_tokens, quantize,
                 ),
                 (x, x_scales, topk_idx, topk_weights), previous_event, async_finish,
             )  # fmt: skip
         else:
             (recv_x, recv_scales, recv_weights), event = self._launch(
-                lambda: library.run_dispatch_cached(rt, self._id, *rows(), topk_weights, handle),
+                lambda: library.run_dispatch_cached(
+                    rt, self._id, x, x_scales, topk_weights, handle, quantize
+                ),
                 (x, x_scales, topk_weights), previous_event, async_finish,
             )  # fmt: skip
         if new_layout:

@@ -303,23 +303,27 @@ def combine(
 
 FP8_GROUP = 128  # channels per scale
 E4M3_MAX = 448.0  # largest float8_e4m3fn value
+AMAX_FLOOR = 2.0**-119  # the smallest power of two whose 448 / amax is finite in float32
 
 
 def quantize_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``x`` [T, H] (H % 128 == 0) as (values [T, H] float8_e4m3fn, scales [T, H / 128]
-    float32), one scale per token and 128 consecutive channels: scale = amax / 448, value =
-    x / scale rounded to the nearest e4m3 value (ties to even), saturated at +-448; a block of
-    zeros has scale 0 and values 0. Dequantized: value * scale (``dequantize_fp8``)."""
+    float32), one scale per token and 128 consecutive channels. With amax the block's largest
+    magnitude and a = max(amax, 2^-119): value = x * (448 / a) rounded to the nearest e4m3
+    value (ties to even), saturated at +-448; scale = a / 448, or 0 for a block of zeros (values
+    0). DeepEP's per_token_cast_to_fp8 with a floor of 2^-119 instead of 1e-4 on amax.
+    Dequantized: value * scale (``dequantize_fp8``)."""
     num_tokens, hidden = x.shape
     if hidden % FP8_GROUP:
         raise ValueError(f"FP8 rows need a hidden size that is a multiple of 128, got {hidden}")
     blocks = x.float().reshape(num_tokens, hidden // FP8_GROUP, FP8_GROUP)
     amax = blocks.abs().amax(dim=2)
-    # A tensor divisor: CUDA torch divides by a scalar as a product with its reciprocal, which
+    floored = amax.clamp(min=AMAX_FLOOR)
+    e4m3_max = torch.full_like(amax, E4M3_MAX)
+    # Tensor operands: CUDA torch divides by a scalar as a product with its reciprocal, which
     # is not always the IEEE quotient.
-    scales = amax / torch.full_like(amax, E4M3_MAX)
-    safe = torch.where(scales > 0, scales, 1.0)[:, :, None]
-    ratio = torch.where(scales[:, :, None] > 0, blocks / safe, 0.0)
+    scales = torch.where(amax > 0, floored / e4m3_max, 0.0)
+    ratio = blocks * (e4m3_max / floored)[:, :, None]
     values = ratio.clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
     return values.reshape(num_tokens, hidden), scales
 

@@ -31,6 +31,13 @@ through the staging area), and every other rank's chunks, each as soon as its fl
 the staging area; then they zero the padding rows and the rows past the valid count. Expanders
 wait only for senders, which come first in the launch order.
 
+Quantizing (QUANTIZE: rows of the Buffer's dtype in, FP8 rows out), the first programs come
+before the senders: quantizers take work items (chunk, QUANT_GROUPS channel groups) of
+``source`` from a queue, quantize them (kernels/quantize.py) into x / x_scales, and raise the
+item's flag; senders and the expansion of own rows wait for the flags of a chunk before they
+read it, so the transfers start with the first chunks quantized and only FP8 bytes cross the
+links. Quantizers wait for nothing, and come first in the launch order.
+
 FP8 rows (SCALE_WORDS > 0) are moved bit for bit as int32 words: a staged row is its e4m3
 values (data_cols words) then its float32 scales (SCALE_WORDS words), padded to ``hidden``
 words; only the copies from x and into recv_x see two parts (row_part, out_part).
@@ -51,10 +58,13 @@ from .primitives import (
     wait_at_least,
     wait_item,
 )
+from .quantize import quantize_block
 
 STAGE_DISPATCH_READY = 2
 STAGE_DISPATCH_DATA = 3
 STAGE_DISPATCH_NET = 6
+STAGE_DISPATCH_QUANTIZED = 8
+QUANT_GROUPS = tl.constexpr(8)  # 128-channel groups of a quantizer's work item
 
 
 @triton.jit
@@ -719,6 +729,14 @@ def _expand_own_chunk(
 
 
 @triton.jit
+def _wait_quantized(flags_ptr, c, seq, timeout_ns, status_ptr, rank, QUANT_SLICES: tl.constexpr):
+    """Wait until the quantizers have put chunk ``c`` into x, all its items."""
+    for s in tl.static_range(QUANT_SLICES):
+        wait_at_least(flags_ptr + c * QUANT_SLICES + s, seq, timeout_ns, status_ptr, rank, 8)
+        # 8 == STAGE_DISPATCH_QUANTIZED
+
+
+@triton.jit
 def dispatch_kernel(
     x_ptr,  # [T, H], row stride x_stride; FP8 rows: [T, H / 4] int32 words of e4m3 values
     x_stride,
@@ -767,6 +785,10 @@ def dispatch_kernel(
     net_inbox_off,
     net_outbox_off,
     heap_bytes,
+    source_ptr,  # QUANTIZE: [T, H] of the Buffer's dtype, row stride source_stride
+    source_stride,
+    quantized_flags_ptr,  # QUANTIZE: int64 [NC_MAX, QUANT_SLICES]: seq once the item is in x
+    num_quantizers,  # QUANTIZE: the first programs, which quantize; else 0
     W: tl.constexpr,
     T_MAX: tl.constexpr,
     NC_MAX: tl.constexpr,
@@ -791,9 +813,11 @@ def dispatch_kernel(
     DATA_OFF: tl.constexpr,
     SLOT_BYTES: tl.constexpr,
     SCALE_WORDS: tl.constexpr,  # 0; FP8 rows: H / 128, the scale words after a row's data words
+    QUANTIZE: tl.constexpr,  # FP8 rows that this launch quantizes from source into x, x_scales
 ):
-    pid = tl.program_id(0)
+    pid = tl.program_id(0) - num_quantizers  # quantizers < 0 <= senders
     num_programs = tl.num_programs(0)
+    QUANT_SLICES: tl.constexpr = (SCALE_WORDS + QUANT_GROUPS - 1) // QUANT_GROUPS
     ROW_WEIGHTS: tl.constexpr = False if TOKEN_ROWS else HAS_WEIGHTS  # recv_weights is [N]
     seq = tl.load(control_ptr) + 1
     status_ptr = control_ptr + 3
@@ -814,7 +838,21 @@ def dispatch_kernel(
         num_forwarders = num_senders
         is_forwarder = (pid >= num_senders) & (pid < 2 * num_senders)
 
-    if pid < num_senders:
+    if pid < 0:
+        if QUANTIZE:
+            items = tl.where(aborted, 0, tl.cdiv(num_tokens, CHUNK) * QUANT_SLICES)
+            item = take_work(control_ptr + 7)
+            while item < items:
+                first_group = (item % QUANT_SLICES) * QUANT_GROUPS
+                quantize_block(
+                    source_ptr, source_stride, x_ptr.to(tl.pointer_type(tl.uint8)), x_stride * 4,
+                    x_scales_ptr.to(tl.pointer_type(tl.float32)), x_scales_stride,
+                    item // QUANT_SLICES * CHUNK, num_tokens, first_group,
+                    tl.minimum(first_group + QUANT_GROUPS, SCALE_WORDS), CHUNK,
+                )  # fmt: skip
+                signal(quantized_flags_ptr + item, seq)
+                item = take_work(control_ptr + 7)
+    elif pid < num_senders:
         stage = 2  # STAGE_DISPATCH_READY
         handshake(
             peer_bases_ptr, net_bases_ptr, ready_off, rank, seq, timeout_ns, status_ptr, stage,
@@ -825,6 +863,10 @@ def dispatch_kernel(
             c = w // H_SLICES
             h_first = (w % H_SLICES) * send_cols
             h_last = tl.minimum(h_first + send_cols, hidden)
+            if QUANTIZE:
+                _wait_quantized(
+                    quantized_flags_ptr, c, seq, timeout_ns, status_ptr, rank, QUANT_SLICES
+                )
             if NODES > 1:
                 # Each token once to every other node that holds one of its experts, to the rank
                 # of this rank's local index there, first: the network is the slower path.
@@ -904,7 +946,7 @@ def dispatch_kernel(
                         signal(flags + src * ITEMS + w, seq)
     else:
         lid = pid - num_senders - num_forwarders
-        num_expanders = num_programs - num_senders - num_forwarders
+        num_expanders = num_programs - num_quantizers - num_senders - num_forwarders
         # One work queue of two kinds of items, spread evenly among each other: own tokens
         # (straight from x, nothing to wait for, in finer column slices), and every other
         # rank's items, each as soon as its flag says it has landed, in the order senders send
@@ -930,6 +972,10 @@ def dispatch_kernel(
             if is_own:
                 c = k // expand_slices
                 h_first = (k % expand_slices) * own_cols
+                if QUANTIZE:
+                    _wait_quantized(
+                        quantized_flags_ptr, c, seq, timeout_ns, status_ptr, rank, QUANT_SLICES
+                    )
                 _expand_own_chunk(
                     c, h_first, tl.minimum(h_first + own_cols, hidden), x_ptr, x_stride,
                     topk_idx_ptr, topk_weights_ptr, num_tokens, topk, data_cols, num_experts,

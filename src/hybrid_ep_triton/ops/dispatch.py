@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..kernels.dispatch import dispatch_kernel
+from ..kernels.dispatch import QUANT_GROUPS, dispatch_kernel
 from ..kernels.route import layout_kernel
 from ..runtime.planner import MAX_PROGRAMS, MAX_REGISTERS, Plan, ceil_div, next_power_of_2
 from . import Runtime, channel_programs, local_parts, programs_beside_senders
@@ -278,6 +278,7 @@ def _move_launcher(rt: Runtime) -> KernelLauncher:
     return _data_move_launcher(
         rt, plan.hidden, plan.hidden, plan.config.block_h, plan.net_slot.cols, scale_words=0,
         x_scales_ptr=rt.control, x_scales_stride=0, recv_scales_ptr=rt.control,
+        **_no_quantizers(rt),
     )  # fmt: skip
 
 
@@ -285,8 +286,42 @@ def _fp8_move_launcher(rt: Runtime) -> KernelLauncher:
     """dispatch_kernel for FP8 rows, moved as int32 words (see planner.Fp8Rows)."""
     fp8 = rt.plan.fp8
     return _data_move_launcher(
-        rt, fp8.words, fp8.data_words, fp8.block, fp8.net_cols, fp8.scale_words
+        rt, fp8.words, fp8.data_words, fp8.block, fp8.net_cols, fp8.scale_words,
+        **_no_quantizers(rt),
+    )  # fmt: skip
+
+
+def _no_quantizers(rt: Runtime) -> dict:
+    """The quantizers' arguments of a launch that has none (the unused pointers: any tensor)."""
+    return dict(
+        QUANTIZE=False, source_ptr=rt.control, source_stride=0,
+        quantized_flags_ptr=rt.control,
+    )  # fmt: skip
+
+
+def _quantizing_move_launcher(rt: Runtime) -> KernelLauncher:
+    """dispatch_kernel for rows of the Buffer's dtype that it quantizes into FP8 rows as it
+    sends them (kernels/dispatch.py): into a pair of the Buffer's lifetime, [T_MAX, H / 4] e4m3
+    words and [T_MAX, H / 128] scales, with a flag per quantizer item, which the launcher
+    keeps."""
+    plan, fp8 = rt.plan, rt.plan.fp8
+    words = functools.partial(torch.empty, plan.max_tokens, dtype=torch.int32, device=rt.device)
+    items = plan.max_chunks * ceil_div(fp8.scale_words, QUANT_GROUPS.value)
+    return _data_move_launcher(
+        rt, fp8.words, fp8.data_words, fp8.block, fp8.net_cols, fp8.scale_words,
+        QUANTIZE=True, x_ptr=words(fp8.data_words), x_stride=fp8.data_words,
+        x_scales_ptr=words(fp8.scale_words), x_scales_stride=fp8.scale_words,
+        quantized_flags_ptr=torch.zeros(items, dtype=torch.int64, device=rt.device),
+    )  # fmt: skip
+
+
+def _quantizers(rt: Runtime, num_tokens: int) -> int:
+    """Programs of a quantizing move that quantize: half the room beside the senders, so that
+    the expansion starts beside them, at most one per work item."""
+    items = ceil_div(num_tokens, rt.plan.config.chunk_tokens) * ceil_div(
+        rt.plan.fp8.scale_words, QUANT_GROUPS.value
     )
+    return max(1, min(programs_beside_senders(rt) // 2, items))
 
 
 def _data_move_launcher(
@@ -329,6 +364,7 @@ def prepare_move(
     topk_weights: torch.Tensor | None,
     handle: DispatchHandle,
     cached: bool,
+    quantize: bool = False,
 ) -> Callable[[int], Moved]:
     """The data move for ``x`` [T, H] along ``handle``, prepared up to what depends on the row
     count N: returns ``move(N)``, which allocates the outputs and launches; collective. An
@@ -338,25 +374,28 @@ def prepare_move(
     sets handle.recv_topk_idx.
 
     FP8 rows: ``x`` [T, H] float8_e4m3fn with ``x_scales`` [T, H / 128] float32 (rows with a
-    row stride that is a multiple of 4 bytes, see fp8_words); else x_scales is None.
+    row stride that is a multiple of 4 bytes, see fp8_words); ``quantize``: ``x`` of the
+    Buffer's dtype, which the launch quantizes as it sends (x_scales None); else x_scales is
+    None.
 
-    ``move(N)`` returns recv_x [N, H] (x's dtype), recv_scales ([N, H / 128] float32 for FP8
-    rows, else None) and recv_weights (None without topk_weights): [N] float32, with token rows
-    [N, K].
+    ``move(N)`` returns recv_x [N, H] (x's dtype; float8_e4m3fn with quantize), recv_scales
+    ([N, H / 128] float32 for FP8 rows, else None) and recv_weights (None without
+    topk_weights): [N] float32, with token rows [N, K].
     """
     plan = rt.plan
     topk_idx, num_tokens, topk = handle.topk_idx, handle.num_tokens, handle.topk
     has_weights = topk_weights is not None
-    fp8 = x_scales is not None
-    dtype = x.dtype
+    rows = "quantize" if quantize else "fp8" if x_scales is not None else "rows"
+    fp8 = rows != "rows"
+    dtype = torch.float8_e4m3fn if quantize else x.dtype
     if has_weights:
         topk_weights = topk_weights.contiguous()
     # The arguments from the caller, as _move_changing names them: FP8 rows move as int32 words.
-    if fp8:
+    if rows == "fp8":
         inputs = (fp8_words(x), x.stride(0) // 4, fp8_words(x_scales), x_scales.stride(0))
     else:
         inputs = (x, x.stride(0))
-    key = ("move", fp8, has_weights, cached, num_tokens, topk)
+    key = ("move", rows, has_weights, cached, num_tokens, topk)
 
     def move(num_rows: int) -> Moved:
         recv_x = torch.empty(num_rows, plan.hidden, dtype=dtype, device=rt.device)
@@ -378,7 +417,7 @@ def prepare_move(
         )  # fmt: skip
         relaunch = rt.relaunches.get(key)
         if relaunch is None or not relaunch(*values, handle.ints.data_ptr()):
-            rt.relaunches[key] = _launch_move(rt, handle, fp8, has_weights, cached, values)
+            rt.relaunches[key] = _launch_move(rt, handle, rows, has_weights, cached, values)
         return recv_x, recv_scales, (recv_weights if has_weights else None)
 
     return move
@@ -394,33 +433,42 @@ _MOVE_PARTS = (
 # the outputs and the handle's info, which this library allocates.
 _MOVE_SPECIALIZED = ("topk_idx_ptr", "topk_weights_ptr", "num_out_rows")
 _MOVE_ALIGNED = ("info_ptr", "recv_x_ptr", "recv_weights_ptr", "recv_topk_idx_ptr")
+# By the rows moved (prepare_move's ``rows``): the caller's rows (x, or what a quantizing
+# move reads) and the launcher that moves them.
+_MOVE_INPUTS = {
+    "rows": ("x_ptr", "x_stride"),
+    "fp8": ("x_ptr", "x_stride", "x_scales_ptr", "x_scales_stride"),
+    "quantize": ("source_ptr", "source_stride"),
+}
+_MOVE_LAUNCHERS = {
+    "rows": _move_launcher, "fp8": _fp8_move_launcher, "quantize": _quantizing_move_launcher
+}  # fmt: skip
 
 
-def _move_changing(fp8: bool) -> tuple[tuple[str, ...], tuple[str, ...]]:
+def _move_changing(rows: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
     """(specialized, aligned) names of the data move's arguments that change between calls
     besides the handle's parts, in a Relaunch's order (FP8 rows: the scales' pointers beside
     the rows')."""
-    if fp8:
-        inputs = ("x_ptr", "x_stride", "x_scales_ptr", "x_scales_stride")
+    aligned = _MOVE_ALIGNED
+    if rows != "rows":
         aligned = (*_MOVE_ALIGNED[:2], "recv_scales_ptr", *_MOVE_ALIGNED[2:])
-    else:
-        inputs, aligned = ("x_ptr", "x_stride"), _MOVE_ALIGNED
-    return (*inputs, *_MOVE_SPECIALIZED), aligned
+    return (*_MOVE_INPUTS[rows], *_MOVE_SPECIALIZED), aligned
 
 
 def _launch_move(
-    rt: Runtime, handle: DispatchHandle, fp8: bool, has_weights: bool, cached: bool, values
+    rt: Runtime, handle: DispatchHandle, rows: str, has_weights: bool, cached: bool, values
 ):
     """The data move through its KernelLauncher, ``values`` in _move_changing's order; returns
     its Relaunch."""
-    specialized, aligned = _move_changing(fp8)
-    launch = rt.launcher(_fp8_move_launcher if fp8 else _move_launcher)
+    specialized, aligned = _move_changing(rows)
+    quantizers = _quantizers(rt, handle.num_tokens) if rows == "quantize" else 0
+    launch = rt.launcher(_MOVE_LAUNCHERS[rows])
     return launch(
-        (channel_programs(rt.plan) + programs_beside_senders(rt),),
+        (quantizers + channel_programs(rt.plan) + programs_beside_senders(rt),),
         specialized=dict(
             zip(specialized, values, strict=False), num_tokens=handle.num_tokens,
             topk=handle.topk, K_P2=next_power_of_2(handle.topk), HAS_WEIGHTS=has_weights,
-            WRITE_ROWS=not cached,
+            WRITE_ROWS=not cached, num_quantizers=quantizers,
         ),
         aligned=dict(
             zip(aligned, values[len(specialized) :], strict=True), **handle.args(*_MOVE_PARTS)
@@ -437,10 +485,13 @@ def move_tokens(
     topk_weights: torch.Tensor | None,
     handle: DispatchHandle,
     cached: bool,
+    quantize: bool = False,
 ) -> Moved:
     """Launch the data move for ``x`` [T, H] along ``handle`` (N: handle.num_recv_rows); see
     prepare_move."""
-    return prepare_move(rt, x, x_scales, topk_weights, handle, cached)(handle.num_recv_rows)
+    return prepare_move(rt, x, x_scales, topk_weights, handle, cached, quantize)(
+        handle.num_recv_rows
+    )
 
 
 def fp8_words(t: torch.Tensor) -> torch.Tensor:

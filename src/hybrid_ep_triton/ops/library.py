@@ -12,10 +12,10 @@ Autograd: each data move's backward is the other one along the same handle.
   token's rank.
 - combine (y, weights) -> out: grad y is the cached dispatch of grad out times weights; grad
   weights[row] is <y[row], grad out[token of row]> in fp32.
-- an FP8 dispatch of rows x that require grad (``run_quantized_dispatch``: quantization, then
-  the data move) has dispatch's gradients, straight through the quantization: its values are
-  an ``Fp8Values`` (ops/fp8_rows.py), whose gradient has x's dtype; its scales have none. It is
-  an autograd.Function for eager mode (torch.compile traces the other entry points only).
+- a quantizing dispatch of rows x that require grad (``run_quantized_dispatch``) has
+  dispatch's gradients, straight through the quantization: its values are an ``Fp8Values``
+  (ops/fp8_rows.py), whose gradient has x's dtype; its scales have none. It is an
+  autograd.Function for eager mode (torch.compile traces the other entry points only).
 Backward passes reuse the forward's handle (no new layout), work in max_recv_tokens mode, and
 are collective like the forward: every rank runs them, in the same order.
 """
@@ -42,7 +42,6 @@ from .dispatch import (
     prepare_move,
 )
 from .fp8_rows import Fp8Values
-from .quantize import quantize_rows
 
 # Weak: a Buffer dropped without destroy() is freed as before (its runtime with it).
 _runtimes: weakref.WeakValueDictionary[int, Runtime] = weakref.WeakValueDictionary()
@@ -82,10 +81,12 @@ def _dispatch_with_handle(
     topk_weights: Tensor | None,
     pad_multiple: int,
     max_recv_tokens: int | None,
+    quantize: bool = False,
 ) -> tuple[Tensor, Tensor | None, Tensor | None, DispatchHandle]:
-    """Layout and data move; max_recv_tokens None: exact mode (the host waits for the count).
-    Returns recv_x [N, H], recv_scales ([N, H / 128] float32 with FP8 rows, else None),
-    recv_weights [N] float32 (None without topk_weights), the handle."""
+    """Layout and data move; max_recv_tokens None: exact mode (the host waits for the count);
+    ``quantize``: x of the Buffer's dtype is sent as FP8 rows (see prepare_move). Returns
+    recv_x [N, H], recv_scales ([N, H / 128] float32 with FP8 rows, else None), recv_weights
+    [N] float32 (None without topk_weights), the handle."""
     if max_recv_tokens is None and rt.device.type == "cuda":
         # The host waits for the row count, which a capture never produces: say so at once.
         if torch.cuda.is_current_stream_capturing():
@@ -95,7 +96,7 @@ def _dispatch_with_handle(
             )
     tag = rt.next_report_tag() if max_recv_tokens is None else 0
     handle = compute_layout(rt, topk_idx, pad_multiple, max_recv_tokens, tag)
-    move = prepare_move(rt, x, x_scales, topk_weights, handle, cached=False)  # while it runs
+    move = prepare_move(rt, x, x_scales, topk_weights, handle, False, quantize)  # while it runs
     if max_recv_tokens is None:
         handle.num_recv_rows = rt.read_report(handle, tag)
     recv_x, recv_scales, recv_weights = move(handle.num_recv_rows)
@@ -113,16 +114,19 @@ def _dispatch(
     topk_weights: Tensor | None,
     pad_multiple: int,
     max_recv_tokens: int,
+    quantize: bool,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """The operator: max_recv_tokens < 0 is exact mode. Returns recv_x [N, H], recv_scales
-    ([N, H / 128] float32 with FP8 rows, else [0]), recv_weights float32 ([N], with token rows
+    """The operator: max_recv_tokens < 0 is exact mode; ``quantize``: FP8 rows from x of the
+    Buffer's dtype. Returns recv_x [N, H], recv_scales ([N, H / 128] float32 with FP8 rows,
+    else [0]), recv_weights float32 ([N], with token rows
     [N, K]; [0] without topk_weights), recv_topk_idx ([N, K] int32 with token rows, else [0]),
     and the handle's ints and longs (see DispatchHandle)."""
     rt = _runtime(runtime_id)
     exact = max_recv_tokens < 0
     recv_x, recv_scales, recv_weights, handle = _dispatch_with_handle(
-        rt, x, x_scales, topk_idx, topk_weights, pad_multiple, None if exact else max_recv_tokens
-    )
+        rt, x, x_scales, topk_idx, topk_weights, pad_multiple,
+        None if exact else max_recv_tokens, quantize,
+    )  # fmt: skip
     recv_topk_idx = handle.recv_topk_idx
     if recv_topk_idx is None:
         recv_topk_idx = torch.empty(0, dtype=torch.int32, device=rt.device)
@@ -136,7 +140,7 @@ dispatch = torch.library.custom_op("hybrid_ep::dispatch", _dispatch, mutates_arg
 
 
 @dispatch.register_fake
-def _(runtime_id, x, x_scales, topk_idx, topk_weights, pad_multiple, max_recv_tokens):
+def _(runtime_id, x, x_scales, topk_idx, topk_weights, pad_multiple, max_recv_tokens, quantize):
     rt = _runtime(runtime_id)
     if max_recv_tokens >= 0:
         rows = max_recv_tokens
@@ -145,8 +149,8 @@ def _(runtime_id, x, x_scales, topk_idx, topk_weights, pad_multiple, max_recv_to
     num_ints, num_longs = handle_sizes(rt.plan, *topk_idx.shape)
     slots = _slots_shape(rt, rows, topk_idx.shape[1])
     return (
-        x.new_empty(rows, x.shape[1]),
-        _fake_scales(x, x_scales, rows),
+        _fake_rows(x, rows, quantize),
+        _fake_scales(x, x_scales, rows, quantize),
         x.new_empty(slots if topk_weights is not None else 0, dtype=torch.float32),
         x.new_empty(slots if rt.plan.token_rows else 0, dtype=torch.int32),
         x.new_empty(num_ints, dtype=torch.int32),
@@ -154,11 +158,16 @@ def _(runtime_id, x, x_scales, topk_idx, topk_weights, pad_multiple, max_recv_to
     )
 
 
-def _fake_scales(x: Tensor, x_scales: Tensor | None, rows) -> Tensor:
-    """recv_scales of a fake dispatch: [rows, H / 128] float32, or [0] without x_scales."""
-    if x_scales is None:
+def _fake_rows(x: Tensor, rows, quantize: bool) -> Tensor:
+    """recv_x of a fake dispatch: [rows, H] of x's dtype, float8_e4m3fn with quantize."""
+    return x.new_empty(rows, x.shape[1], dtype=torch.float8_e4m3fn if quantize else x.dtype)
+
+
+def _fake_scales(x: Tensor, x_scales: Tensor | None, rows, quantize: bool) -> Tensor:
+    """recv_scales of a fake dispatch: [rows, H / 128] float32 for FP8 rows, else [0]."""
+    if x_scales is None and not quantize:
         return x.new_empty(0, dtype=torch.float32)
-    return x_scales.new_empty(rows, x_scales.shape[1])
+    return x.new_empty(rows, x.shape[1] // 128, dtype=torch.float32)
 
 
 def _slots_shape(rt: Runtime, rows, topk: int) -> tuple:
@@ -175,12 +184,15 @@ def _dispatch_cached(
     ints: Tensor,
     longs: Tensor,
     num_recv_rows: int,
+    quantize: bool,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Data move along an earlier dispatch's handle: recv_x [N, H], recv_scales [N, H / 128]
     or [0], recv_weights [N] or [0]."""
     rt = _runtime(runtime_id)
     handle = _handle(rt, topk_idx, ints, longs, num_recv_rows)
-    recv_x, recv_scales, recv_weights = _move_cached(rt, x, x_scales, topk_weights, handle)
+    recv_x, recv_scales, recv_weights = _move_cached(
+        rt, x, x_scales, topk_weights, handle, quantize
+    )
     return recv_x, _or_empty(recv_scales, rt), _or_empty(recv_weights, rt)
 
 
@@ -190,8 +202,9 @@ def _move_cached(
     x_scales: Tensor | None,
     topk_weights: Tensor | None,
     handle: DispatchHandle,
+    quantize: bool = False,
 ) -> tuple[Tensor, Tensor | None, Tensor | None]:
-    moved = move_tokens(rt, x, x_scales, topk_weights, handle, cached=True)
+    moved = move_tokens(rt, x, x_scales, topk_weights, handle, True, quantize)
     rt.check_status()
     return moved
 
@@ -202,11 +215,11 @@ dispatch_cached = torch.library.custom_op(
 
 
 @dispatch_cached.register_fake
-def _(runtime_id, x, x_scales, topk_weights, topk_idx, ints, longs, num_recv_rows):
+def _(runtime_id, x, x_scales, topk_weights, topk_idx, ints, longs, num_recv_rows, quantize):
     slots = _slots_shape(_runtime(runtime_id), num_recv_rows, topk_idx.shape[1])
     weights = x.new_empty(slots if topk_weights is not None else 0, dtype=torch.float32)
-    recv_scales = _fake_scales(x, x_scales, num_recv_rows)
-    return x.new_empty(num_recv_rows, x.shape[1]), recv_scales, weights
+    recv_scales = _fake_scales(x, x_scales, num_recv_rows, quantize)
+    return _fake_rows(x, num_recv_rows, quantize), recv_scales, weights
 
 
 def _combine(
@@ -280,24 +293,26 @@ def run_dispatch(
     topk_weights: Tensor | None,
     pad_multiple: int,
     max_recv_tokens: int | None,
+    quantize: bool,
 ) -> tuple[Tensor, Tensor | None, Tensor | None, DispatchHandle]:
     """Layout and data move: recv_x [N, H], recv_scales ([N, H / 128] float32 with FP8 rows,
     else None), recv_weights [N] float32 (None without topk_weights), the handle.
-    max_recv_tokens None: exact mode. ``runtime_id``: ``rt``'s registry id, the operators'
-    handle on it."""
+    max_recv_tokens None: exact mode. ``quantize``: x of the Buffer's dtype (that does not
+    require grad: see run_quantized_dispatch) sent as FP8 rows. ``runtime_id``: ``rt``'s
+    registry id, the operators' handle on it."""
     if not _through_torch(x, topk_weights):
         return _dispatch_with_handle(
-            rt, x, x_scales, topk_idx, topk_weights, pad_multiple, max_recv_tokens
+            rt, x, x_scales, topk_idx, topk_weights, pad_multiple, max_recv_tokens, quantize
         )
     recv_x, recv_scales, recv_weights, recv_topk_idx, ints, longs = dispatch(
         runtime_id, x, x_scales, topk_idx, topk_weights, pad_multiple,
-        -1 if max_recv_tokens is None else max_recv_tokens,
+        -1 if max_recv_tokens is None else max_recv_tokens, quantize,
     )  # fmt: skip
     handle = make_handle(rt.plan, topk_idx, ints, longs, recv_x.shape[0], max_recv_tokens)
     if rt.plan.token_rows:
         handle.recv_topk_idx = recv_topk_idx
     return (
-        recv_x, recv_scales if x_scales is not None else None,
+        recv_x, recv_scales if x_scales is not None or quantize else None,
         recv_weights if topk_weights is not None else None, handle,
     )  # fmt: skip
 
@@ -309,17 +324,18 @@ def run_dispatch_cached(
     x_scales: Tensor | None,
     topk_weights: Tensor | None,
     handle: DispatchHandle,
+    quantize: bool,
 ) -> tuple[Tensor, Tensor | None, Tensor | None]:
     """Data move along ``handle``: recv_x [N, H], recv_scales [N, H / 128] float32 or None,
-    recv_weights [N] float32 or None."""
+    recv_weights [N] float32 or None; ``quantize`` as in run_dispatch."""
     if not _through_torch(x, topk_weights):
-        return _move_cached(rt, x, x_scales, topk_weights, handle)
+        return _move_cached(rt, x, x_scales, topk_weights, handle, quantize)
     recv_x, recv_scales, recv_weights = dispatch_cached(
         runtime_id, x, x_scales, topk_weights, handle.topk_idx, handle.ints, handle.longs,
-        handle.num_recv_rows,
+        handle.num_recv_rows, quantize,
     )  # fmt: skip
     return (
-        recv_x, recv_scales if x_scales is not None else None,
+        recv_x, recv_scales if x_scales is not None or quantize else None,
         recv_weights if topk_weights is not None else None,
     )  # fmt: skip
 
@@ -401,7 +417,7 @@ def _dispatch_grads(ctx, grad_recv_x, _grad_scales, grad_recv_weights, *_grad_ha
 
 
 def _dispatch_cached_setup(ctx, inputs, output):
-    runtime_id, x, _, _, topk_idx, ints, longs, num_recv_rows = inputs
+    runtime_id, x, _, _, topk_idx, ints, longs, num_recv_rows, _ = inputs
     _save_handle(ctx, runtime_id, x, num_recv_rows, topk_idx, ints, longs)
     ctx.num_inputs = len(inputs)
 
@@ -420,7 +436,7 @@ def _combine_grads(ctx, grad_out):
     # Row r of grad_rows is grad_out of the token row r came from (zero on padding).
     grad_rows, _, _ = dispatch_cached(
         ctx.runtime_id, grad_out.to(ctx.dtype).contiguous(), None, None, topk_idx, ints, longs,
-        ctx.num_recv_rows,
+        ctx.num_recv_rows, False,
     )  # fmt: skip
     grad_y = grad_weights = None
     if ctx.needs_input_grad[1]:
@@ -437,14 +453,13 @@ class _QuantizedDispatch(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, topk_weights, rt, runtime_id, topk_idx, pad_multiple, max_recv_tokens,
                 handle):  # fmt: skip
-        values, scales = quantize_rows(rt, x)
         if handle is None:
             recv_values, recv_scales, recv_weights, handle = _dispatch_with_handle(
-                rt, values, scales, topk_idx, topk_weights, pad_multiple, max_recv_tokens
+                rt, x, None, topk_idx, topk_weights, pad_multiple, max_recv_tokens, quantize=True
             )
         else:
             recv_values, recv_scales, recv_weights = _move_cached(
-                rt, values, scales, topk_weights, handle
+                rt, x, None, topk_weights, handle, quantize=True
             )
         _save_handle(ctx, runtime_id, x, handle.num_recv_rows, handle.topk_idx, handle.ints,
                      handle.longs)  # fmt: skip

@@ -1,5 +1,5 @@
-"""FP8 quantization of a Buffer's token rows before an FP8 dispatch (kernels/quantize.py says
-the rule)."""
+"""FP8 quantization of a Buffer's token rows on their own (kernels/quantize.py says the rule):
+what a quantize=True dispatch's quantizers do as it sends, for the benchmark's copy rows."""
 
 import torch
 

@@ -245,9 +245,9 @@ def _time_buffer(buf, sets, warmup: int, iters: int, rows: str = "bf16") -> dict
 
 
 def _time_copies(buf, reference, sets, warmup: int, iters: int) -> list[dict]:
-    """The quantizing copy (the kernel a quantize=True dispatch runs first, and the reference
-    quantizer in plain torch) beside a plain copy of the same bf16 rows: µs and GB/s of bytes
-    read and written."""
+    """The quantizing copy (what a quantize=True dispatch's quantizers do, as a kernel alone,
+    and the reference quantizer in plain torch) beside a plain copy of the same bf16 rows: µs
+    and GB/s of bytes read and written."""
     from ..ops.quantize import quantize_rows
 
     xs = [(x,) for x, _, _ in sets]
