@@ -240,9 +240,10 @@ class Buffer:
             handle: the handle of an earlier dispatch: send new rows ``x`` along the same routing
                 without recomputing the layout (topk_idx, pad_multiple and max_recv_tokens are
                 taken from it). FP8 and rows of the Buffer's dtype may share a handle.
-            quantize: x in the Buffer's dtype is quantized to FP8 rows on this GPU first
-                (``reference.quantize_fp8`` states the rule; the kernels match it bit for bit),
-                so that only FP8 values and scales cross the links; recv_x is the FP8 pair.
+            quantize: x in the Buffer's dtype is quantized to FP8 rows by the dispatch launch
+                as it sends them (``reference.quantize_fp8`` states the rule; the kernels match
+                it bit for bit), so that only FP8 values and scales cross the links; recv_x is
+                the FP8 pair.
                 When x requires grad (and grad mode is on), the pair's values are an
                 ``Fp8Values`` (ops/fp8_rows.py) instead of a float8 tensor: to torch [N, H] of
                 the Buffer's dtype, holding the float8_e4m3fn values in ``.fp8`` (what an FP8

@@ -1,6 +1,6 @@
 """Dispatch launches: the layout (one kernel), then the data move (one kernel whose first
 programs, the senders, push rows to the other ranks and whose others, on the rest of the GPU,
-expand into expert-major rows)."""
+expand into expert-major rows; with quantize=True, quantizers come before the senders)."""
 
 import functools
 import math
