@@ -859,6 +859,8 @@ def dispatch_kernel(
             P_MAX, pid, R, NODES,
         )  # fmt: skip
         items = tl.where(aborted, 0, tl.cdiv(num_tokens, CHUNK) * H_SLICES)
+        if W == 1:  # no other rank: a sender would read x for nothing
+            items = 0
         for w in range(pid, items, num_senders):
             c = w // H_SLICES
             h_first = (w % H_SLICES) * send_cols
