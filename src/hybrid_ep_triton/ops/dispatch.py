@@ -316,12 +316,14 @@ def _quantizing_move_launcher(rt: Runtime) -> KernelLauncher:
 
 
 def _quantizers(rt: Runtime, num_tokens: int) -> int:
-    """Programs of a quantizing move that quantize: half the room beside the senders, so that
-    the expansion starts beside them, at most one per work item."""
+    """Programs of a quantizing move that quantize: the room beside the senders (the expanders
+    start as they finish; half of it took 117 µs instead of 93 for quantizing then moving S1
+    token rows at one rank, as both halves are bound by their SMs), at most one per work
+    item."""
     items = ceil_div(num_tokens, rt.plan.config.chunk_tokens) * ceil_div(
         rt.plan.fp8.scale_words, QUANT_GROUPS.value
     )
-    return max(1, min(programs_beside_senders(rt) // 2, items))
+    return max(1, min(programs_beside_senders(rt), items))
 
 
 def _data_move_launcher(
