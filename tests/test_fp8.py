@@ -346,14 +346,13 @@ def _graph_replays_match_eager(buf: Buffer, dev, hidden: int, rank: int, world: 
     max_recv = world * num_tokens * topk
 
     def calls():
-        (values, scales), recv_w, tokens_per_expert, _ = buf.dispatch(
-            tuple(pair), idx, w, max_recv_tokens=max_recv
-        )
+        # Either layout: the rows, then weights, ids or tokens_per_expert, then the handle.
+        (values, scales), *rest, _ = buf.dispatch(tuple(pair), idx, w, max_recv_tokens=max_recv)
         (quantized, quantized_scales), *_ = buf.dispatch(
             x, idx, max_recv_tokens=max_recv, quantize=True
         )
-        return [values.view(torch.uint8), scales, recv_w, tokens_per_expert,
-                quantized.view(torch.uint8), quantized_scales]  # fmt: skip
+        return [values.view(torch.uint8), scales, *rest, quantized.view(torch.uint8),
+                quantized_scales]  # fmt: skip
 
     calls()  # warm-up outside the capture
     graph = torch.cuda.CUDAGraph()
