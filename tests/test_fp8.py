@@ -233,7 +233,7 @@ def _rank_body(
 
 def _refused_calls(buf: Buffer, dev, hidden: int) -> list[str]:
     """Bad FP8 calls: a clear ValueError before anything moves (every rank makes the same
-    calls, so none waits for a peer)."""
+    calls, so none waits for a peer); then an empty pair, strided as torch may make it, taken."""
     failures = []
     x = torch.randn(4, hidden).to(torch.bfloat16).to(dev)
     idx = torch.zeros(4, 2, dtype=torch.int64, device=dev)
@@ -257,6 +257,13 @@ def _refused_calls(buf: Buffer, dev, hidden: int) -> list[str]:
         except ValueError as e:
             if match not in str(e):
                 failures.append(f"{what}: ValueError {str(e)!r} does not mention {match!r}")
+    # No rows: any strides (torch.where makes [0, N] tensors strided (1, 0)), on every rank.
+    empty_scales = torch.zeros(0, dtype=torch.float32, device=dev).as_strided(
+        (0, hidden // 128), (1, 0)
+    )
+    (got, _), *_ = buf.dispatch((values[:0], empty_scales), idx[:0])
+    if got.shape[0] != 0:
+        failures.append(f"an empty pair: {got.shape[0]} rows received, not 0")
     return failures
 
 

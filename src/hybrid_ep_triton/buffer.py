@@ -17,7 +17,7 @@ from .kernels.route import STAGE_LAYOUT
 from .ops import Runtime, library
 from .ops.dispatch import DispatchHandle
 from .ops.fp8_rows import Fp8Values
-from .runtime.checks import check_int, check_tensor, describe
+from .runtime.checks import check_contiguous_rows, check_int, check_tensor, describe
 from .runtime.heap import allocate_heap
 from .runtime.planner import FP8_GROUP, MAX_SMS, MAX_TOPK, make_plan
 from .runtime.tuning import cache_key, select_config
@@ -382,8 +382,7 @@ class Buffer:
         self._check_handle(handle)
         rt = self._rt
         check_tensor("y", y, (handle.num_recv_rows, self.hidden_size), self.dtype, rt.device)
-        if y.stride(1) != 1:
-            raise ValueError("y must have contiguous rows (stride(1) == 1)")
+        check_contiguous_rows("y", y)
         if weights is not None:
             check_tensor("weights", weights, (handle.num_recv_rows,), torch.float32, rt.device)
         self._check_event(previous_event)
@@ -501,8 +500,7 @@ class Buffer:
                 f"{name} has {x.shape[0]} tokens, more than max_tokens_per_rank="
                 f"{self.max_tokens_per_rank}"
             )
-        if x.stride(1) != 1:
-            raise ValueError(f"{name} must have contiguous rows (stride(1) == 1)")
+        check_contiguous_rows(name, x)
 
     def _check_fp8_hidden(self) -> None:
         if self._rt.plan.fp8 is None:
@@ -525,8 +523,7 @@ class Buffer:
         self._check_tokens("FP8 values", values, torch.float8_e4m3fn)
         check_tensor("FP8 scales", scales, (values.shape[0], self.hidden_size // FP8_GROUP),
                      torch.float32, self._rt.device)  # fmt: skip
-        if scales.stride(1) != 1:
-            raise ValueError("FP8 scales must have contiguous rows (stride(1) == 1)")
+        check_contiguous_rows("FP8 scales", scales)
         # (torch.compile cannot trace storage_offset(); the operator's view as words checks it.)
         offset = 0 if torch.compiler.is_compiling() else values.storage_offset()
         if values.stride(0) % 4 or offset % 4:

@@ -322,7 +322,7 @@ def quantize_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     e4m3_max = torch.full_like(amax, E4M3_MAX)
     # Tensor operands: CUDA torch divides by a scalar as a product with its reciprocal, which
     # is not always the IEEE quotient.
-    scales = torch.where(amax > 0, floored / e4m3_max, 0.0)
+    scales = (floored / e4m3_max).masked_fill_(amax == 0, 0.0)
     ratio = blocks * (e4m3_max / floored)[:, :, None]
     values = ratio.clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
     return values.reshape(num_tokens, hidden), scales

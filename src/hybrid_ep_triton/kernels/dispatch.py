@@ -36,7 +36,10 @@ before the senders: quantizers take work items (chunk, QUANT_GROUPS channel grou
 ``source`` from a queue, quantize them (kernels/quantize.py) into x / x_scales, and raise the
 item's flag; senders and the expansion of own rows wait for the flags of a chunk before they
 read it, so the transfers start with the first chunks quantized and only FP8 bytes cross the
-links. Quantizers wait for nothing, and come first in the launch order.
+links. Quantizers wait for nothing and come first in the launch order, so that every wait is
+for programs that started earlier (the launch is then more than one wave of programs: the GPU
+starts them in order as others finish; on CPU ranks, where they run one after the other, the
+quantizers are done before any sender starts).
 
 FP8 rows (SCALE_WORDS > 0) are moved bit for bit as int32 words: a staged row is its e4m3
 values (data_cols words) then its float32 scales (SCALE_WORDS words), padded to ``hidden``
@@ -732,8 +735,8 @@ def _expand_own_chunk(
 def _wait_quantized(flags_ptr, c, seq, timeout_ns, status_ptr, rank, QUANT_SLICES: tl.constexpr):
     """Wait until the quantizers have put chunk ``c`` into x, all its items."""
     for s in tl.static_range(QUANT_SLICES):
-        wait_at_least(flags_ptr + c * QUANT_SLICES + s, seq, timeout_ns, status_ptr, rank, 8)
-        # 8 == STAGE_DISPATCH_QUANTIZED
+        flag = flags_ptr + c * QUANT_SLICES + s
+        wait_at_least(flag, seq, timeout_ns, status_ptr, rank, 8)  # STAGE_DISPATCH_QUANTIZED
 
 
 @triton.jit

@@ -27,3 +27,11 @@ def check_tensor(name: str, t, shape: tuple, dtype: torch.dtype, device: torch.d
     found = t.device  # a new torch.device per access
     if found != device and (found.type != device.type or device.index is not None):
         raise ValueError(f"{name} must be on {device}, got {found}")
+
+
+def check_contiguous_rows(name: str, t: torch.Tensor) -> None:
+    """A [M, N] tensor whose rows the kernels read as N consecutive elements: stride(1) == 1,
+    which only matters where a row has more than one element (torch makes some empty or
+    one-column tensors with another stride there)."""
+    if t.stride(1) != 1 and t.shape[1] > 1 and t.shape[0] > 0:
+        raise ValueError(f"{name} must have contiguous rows (stride(1) == 1)")
