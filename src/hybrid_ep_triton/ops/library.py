@@ -118,9 +118,9 @@ def _dispatch(
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """The operator: max_recv_tokens < 0 is exact mode; ``quantize``: FP8 rows from x of the
     Buffer's dtype. Returns recv_x [N, H], recv_scales ([N, H / 128] float32 with FP8 rows,
-    else [0]), recv_weights float32 ([N], with token rows
-    [N, K]; [0] without topk_weights), recv_topk_idx ([N, K] int32 with token rows, else [0]),
-    and the handle's ints and longs (see DispatchHandle)."""
+    else [0]), recv_weights float32 ([N], with token rows [N, K]; [0] without topk_weights),
+    recv_topk_idx ([N, K] int32 with token rows, else [0]), and the handle's ints and longs
+    (see DispatchHandle)."""
     rt = _runtime(runtime_id)
     exact = max_recv_tokens < 0
     recv_x, recv_scales, recv_weights, handle = _dispatch_with_handle(
