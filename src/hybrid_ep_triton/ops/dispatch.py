@@ -306,7 +306,7 @@ def _quantizing_move_launcher(rt: Runtime) -> KernelLauncher:
     keeps."""
     plan, fp8 = rt.plan, rt.plan.fp8
     words = functools.partial(torch.empty, plan.max_tokens, dtype=torch.int32, device=rt.device)
-    items = plan.max_chunks * ceil_div(fp8.scale_words, QUANT_GROUPS.value)
+    items = plan.max_chunks * _quantizer_slices(plan)
     return _data_move_launcher(
         rt, fp8.words, fp8.data_words, fp8.block, fp8.net_cols, fp8.scale_words,
         QUANTIZE=True, x_ptr=words(fp8.data_words), x_stride=fp8.data_words,
@@ -320,10 +320,14 @@ def _quantizers(rt: Runtime, num_tokens: int) -> int:
     start as they finish; half of it took 117 µs instead of 93 for quantizing then moving S1
     token rows at one rank, as both halves are bound by their SMs), at most one per work
     item."""
-    items = ceil_div(num_tokens, rt.plan.config.chunk_tokens) * ceil_div(
-        rt.plan.fp8.scale_words, QUANT_GROUPS.value
-    )
+    items = ceil_div(num_tokens, rt.plan.config.chunk_tokens) * _quantizer_slices(rt.plan)
     return max(1, min(programs_beside_senders(rt), items))
+
+
+def _quantizer_slices(plan: Plan) -> int:
+    """Quantizer work items per chunk of tokens: column slices of QUANT_GROUPS 128-channel
+    groups (the kernel's QUANT_SLICES)."""
+    return ceil_div(plan.fp8.scale_words, QUANT_GROUPS.value)
 
 
 def _data_move_launcher(
