@@ -49,7 +49,7 @@ for step in $STEPS; do
                     tests/test_dispatch_combine.py) ;;
         tests2) cmd=(env HEP_TEST_DEVICE=cuda HEP_TEST_TIMEOUT=120 python3 -m pytest -q -rs
                      tests/test_heap.py tests/test_validation.py tests/test_autograd.py
-                     tests/test_primitives.py) ;;
+                     tests/test_primitives.py tests/test_kernel_launch.py) ;;
         network) cmd=(env HEP_TEST_DEVICE=cuda HEP_TEST_TIMEOUT=120 python3 -m pytest -q -rs
                       tests/test_network.py) ;;
         tests-nodes) cmd=(env HEP_TEST_DEVICE=cuda HEP_TEST_TIMEOUT=120 python3 -m pytest -q -rs

@@ -11,9 +11,10 @@ printed: our Python (checks, handle, launch arguments), torch's allocations, the
 row count, Triton's compiled launcher. The wrappers add about half a µs per wrapped step, so
 the total of the steps exceeds the unwrapped call's host time by that much.
 
-Last, the launcher alone: Triton's compiled launcher replaying each kind of data move's last
-launch, and for kernels of 1 to 64 integer arguments (one store each), and the torch calls an
-eager call makes (an allocation, two events).
+Last, the launch alone: each kind of data move's last launch replayed, and for kernels of 1 to
+64 integer arguments (one store each) Triton's compiled launcher beside the driver launch of a
+Relaunch (ops/launch.py), and the torch calls an eager call makes (an allocation, two
+events).
 """
 
 import argparse
@@ -67,8 +68,10 @@ class StepTimer:
         setattr(owner, name, self.timed(label or name, original))
 
     def wrap_entry(self, table: dict, key, label: str) -> None:
-        self.saved.append((table, key, table[key]))
-        table[key] = self.timed(label, table[key])
+        """Time the launcher of a KernelLauncher's entry (compiled, launcher, parameters)."""
+        compiled, runner, parameters = entry = table[key]
+        self.saved.append((table, key, entry))
+        table[key] = compiled, self.timed(label, runner), parameters
 
     def restore(self) -> None:
         for owner, name, original in reversed(self.saved):
@@ -93,12 +96,17 @@ def _wrap_library(timer: StepTimer, buf: hep.Buffer) -> None:
     timer.wrap(launch.KernelLauncher, "__call__", "KernelLauncher (key, arguments)")
     timer.wrap(launch.Relaunch, "__call__", "Relaunch (checks, arguments)")
     for launcher in rt.launchers.values():
-        for key in list(launcher._runners):
-            timer.wrap_entry(launcher._runners, key, "Triton compiled launcher")
+        for key in list(launcher._specialisations):
+            timer.wrap_entry(launcher._specialisations, key, "Triton compiled launcher")
     for relaunch in rt.relaunches.values():
         if relaunch is not None:
-            timer.wrap(relaunch, "_runner", "Triton compiled launcher")
+            timer.wrap(relaunch, "_launch", _launch_label(relaunch))
     timer.wrap(torch, "empty", "torch.empty")
+
+
+def _launch_label(relaunch: launch.Relaunch) -> str:
+    through_driver = isinstance(relaunch._launch, launch._DriverLaunch)
+    return "kernel launch (cuLaunchKernel)" if through_driver else "Triton compiled launcher"
 
 
 def _profile(fn, args_list, iters: int, timer: StepTimer) -> dict[str, float]:
@@ -143,18 +151,16 @@ def _replays(buf: hep.Buffer, calls: dict, iters: int, what: str) -> list[str]:
     """Host µs of the compiled launcher alone with the arguments of a cached dispatch and a
     combine: each call made once more (its outputs kept), then its launch replayed, which is
     the same call again."""
-    stream = triton.runtime.driver.active.get_current_stream(torch.cuda.current_device())
     lines = []
     for name, kind in (("cached dispatch", "move"), ("combine", "combine")):
         fn, args_list = calls[name]
         kept = fn(*args_list[0])  # noqa: F841 - the replayed launch writes into its outputs
         key = next(k for k in buf._rt.relaunches if k[0] == kind and (kind != "move" or k[3]))
         relaunch = buf._rt.relaunches[key]
-        launch = functools.partial(relaunch._runner, *relaunch._args, stream=stream)
-        us = _host_median(launch, iters)
+        us = _host_median(relaunch._launch, iters)
         torch.cuda.synchronize()
         lines.append(f"{what}, {name}: its launch replayed ({len(relaunch._args)} arguments): "
-                     f"{us:.1f} µs in Triton's compiled launcher")  # fmt: skip
+                     f"{us:.1f} µs, {_launch_label(relaunch)}")  # fmt: skip
     return lines
 
 
@@ -181,10 +187,16 @@ def _launcher_costs(iters: int) -> list[str]:
         int_args = [out.data_ptr(), *args[1:]]
         jit = _host_median(functools.partial(kernel[(1,)], *args), iters)
         raw = _host_median(functools.partial(runner, *int_args, stream=stream), iters)
+        device = torch.cuda.current_device()
+        parameters = launch._driver_parameters(compiled)
+        direct = _host_median(launch._DriverLaunch(compiled, (1,), int_args, parameters, device),
+                              iters)  # fmt: skip
         torch.cuda.synchronize()
+        assert out.item() == sum(args[1:]), "the driver launch stored a wrong sum"
         lines.append(
             f"launch of a kernel with {count} int args: {jit:.1f} µs through kernel[grid], "
-            f"{raw:.1f} µs by its compiled launcher (addresses as ints)"
+            f"{raw:.1f} µs by its compiled launcher (addresses as ints), {direct:.1f} µs by "
+            "cuLaunchKernel from a kept parameter array"
         )
     empty = _host_median(lambda: torch.empty(128, 7168, dtype=torch.bfloat16, device="cuda"), iters)
     events = _host_median(

@@ -2,10 +2,14 @@
 has specialised a kernel, through Triton again whenever the specialisation may differ; and the
 tags that exact-mode layout launches take."""
 
+import ctypes
+from types import SimpleNamespace
+
 import pytest
 import torch
 import triton
 import triton.language as tl
+from cuda.bindings import driver as cuda
 from triton.runtime import JITFunction
 
 from hybrid_ep_triton.ops import launch
@@ -47,14 +51,57 @@ def test_launches_match_triton_across_specialisations(device):
         )
 
 
+@pytest.mark.gpu
+def test_relaunches_through_the_driver_match_triton():
+    """A Relaunch of a compiled kernel goes through cuLaunchKernel (an fp32 and a negative
+    int32 argument among its parameters, a constexpr not) and computes what Triton's launch
+    does; one that would take another specialisation (n == 1) is refused."""
+    offset = torch.tensor([0.25], device="cuda")
+    launcher = KernelLauncher(_scale_kernel, scale=-1.5, offset_ptr=offset, BLOCK=BLOCK)
+    base = torch.zeros(4 * BLOCK, device="cuda")
+    relaunch = launcher(
+        (1,), specialized=dict(x_ptr=torch.randn(BLOCK, device="cuda"), n=-3),
+        aligned=dict(out_ptr=TensorView(base, (BLOCK,), (1,), BLOCK)), changing=("x_ptr", "n"),
+        views_of=base,
+    )  # fmt: skip
+    assert isinstance(relaunch._launch, launch._DriverLaunch)
+    for n in (5, 17, 40):
+        x, other = torch.randn(BLOCK, device="cuda"), torch.zeros(4 * BLOCK, device="cuda")
+        assert relaunch(x, n, other.data_ptr())
+        expected = torch.zeros_like(other)
+        expected[BLOCK : BLOCK + n] = x[:n] * -1.5 + 0.25
+        torch.testing.assert_close(other, expected, msg=f"n={n}")
+    assert not relaunch(x, 1, base.data_ptr())
+
+
+_SIGNATURE = {"x_ptr": "*fp32", "out_ptr": "*fp32", "n": "i32", "scale": "fp32",
+              "offset_ptr": "*fp32", "BLOCK": "constexpr"}  # fmt: skip
+
+
 class _FakeCompiled:
-    """A compiled kernel that records the launches of its launcher."""
+    """A compiled kernel of _scale_kernel that records the launches of its launcher; the
+    launches through the driver are recorded by the fixture's cuLaunchKernel."""
+
+    name, function = "_scale_kernel", 77
 
     def __init__(self):
         self.launches = []
+        self.src = SimpleNamespace(fn=_scale_kernel, signature=_SIGNATURE, constants={(5,): BLOCK})
+        self.metadata = SimpleNamespace(
+            num_warps=4, num_ctas=1, shared=96, global_scratch_size=0, profile_scratch_size=0
+        )
 
     def __getitem__(self, grid):
         return lambda *args, stream: self.launches.append((grid, args, stream))
+
+
+def _driver_arguments(params: int) -> tuple:
+    """The values a cuLaunchKernel parameter array of _scale_kernel points at, as the kernel
+    reads them (BLOCK is not a parameter), then the two scratch pointers."""
+    pointers = (ctypes.c_uint64 * 7).from_address(params)
+    kinds = [ctypes.c_uint64, ctypes.c_uint64, ctypes.c_int32, ctypes.c_float, ctypes.c_uint64,
+             ctypes.c_uint64, ctypes.c_uint64]  # fmt: skip
+    return tuple(kind.from_address(p).value for kind, p in zip(kinds, pointers, strict=True))
 
 
 class _FakeDriver:
@@ -68,7 +115,8 @@ class _FakeDriver:
 @pytest.fixture
 def fake_triton(monkeypatch):
     """A JITFunction whose Triton launches are recorded (returning a fake compiled kernel), on
-    a fake driver: the launcher's bookkeeping without a GPU."""
+    a fake driver, and cuLaunchKernel recording what it is given: the launcher's bookkeeping
+    without a GPU."""
     kernel = JITFunction(_scale_kernel.fn)
     compiled, through_triton = _FakeCompiled(), []
 
@@ -76,8 +124,16 @@ def fake_triton(monkeypatch):
         through_triton.append((grid, args, kwargs))
         return compiled
 
+    def launch_kernel(function, gx, gy, gz, bx, by, bz, shared, stream, params, extra):
+        compiled.driver_launches.append(
+            ((function, gx, gy, gz, bx, by, bz, shared, stream, extra), _driver_arguments(params))
+        )
+        return (cuda.CUresult.CUDA_SUCCESS,)
+
+    compiled.driver_launches = []
     monkeypatch.setattr(kernel, "run", run)
     monkeypatch.setattr(launch, "CompiledKernel", _FakeCompiled)
+    monkeypatch.setattr(cuda, "cuLaunchKernel", launch_kernel)
     # set_active's counterpart, reset_active, would start the real driver: restore instead.
     monkeypatch.setattr(triton.runtime.driver, "_active", _FakeDriver())
     return kernel, compiled, through_triton
@@ -130,30 +186,55 @@ def test_constexprs_are_keyed_by_value(fake_triton):
 
 
 def test_relaunch_changes_the_named_arguments_within_a_specialisation(fake_triton):
-    """A launch returns its Relaunch: launched again with new values of the ``changing``
-    arguments and a new base for the TensorViews of ``views_of`` (pointers as addresses),
-    refused (False, nothing launched) where a value would take another specialisation; a
-    constexpr cannot change."""
+    """A launch returns its Relaunch: launched again, through the driver, with new values of
+    the ``changing`` arguments and a new base for the TensorViews of ``views_of`` (pointers as
+    addresses), refused (False, nothing launched) where a value would take another
+    specialisation; a constexpr cannot change."""
     kernel, compiled, through_triton = fake_triton
     offset = torch.zeros(1)
-    launcher = KernelLauncher(kernel, scale=2.0, offset_ptr=offset, BLOCK=BLOCK)
+    launcher = KernelLauncher(kernel, scale=2.5, offset_ptr=offset, BLOCK=BLOCK)
     data, base, other = torch.zeros(256), torch.zeros(256), torch.zeros(256)
     relaunch = launcher(
-        (2,), specialized=dict(x_ptr=data[:64], n=7),
+        (2,), specialized=dict(x_ptr=data[:64], n=-7),
         aligned=dict(out_ptr=TensorView(base, (BLOCK,), (1,), 16)), changing=("x_ptr",),
         views_of=base,
     )  # fmt: skip
-    assert len(through_triton) == 1 and not compiled.launches
+    assert len(through_triton) == 1 and not compiled.launches and not compiled.driver_launches
     assert relaunch(data[8:72], other.data_ptr())
-    ((grid, args, stream),) = compiled.launches
-    assert grid == (2, 1, 1) and stream == 1003
-    assert args == (data.data_ptr() + 32, other.data_ptr() + 64, 7, 2.0, offset.data_ptr(), BLOCK)
+    ((launch_config, arguments),) = compiled.driver_launches
+    # function, grid, 4 warps, the kernel's shared memory, the stream, no ``extra``
+    assert launch_config == (77, 2, 1, 1, 128, 1, 1, 96, 1003, 0)
+    assert arguments == (data.data_ptr() + 32, other.data_ptr() + 64, -7, 2.5,
+                         offset.data_ptr(), 0, 0)  # fmt: skip
     for x in (data[1:65], data.double()[:64]):  # misaligned, another dtype
         assert not relaunch(x, base.data_ptr())
-    assert len(compiled.launches) == 1 and len(through_triton) == 1
+    assert len(compiled.driver_launches) == 1 and len(through_triton) == 1
+    assert not compiled.launches
     with pytest.raises(TypeError, match="constexpr"):
         launcher((2,), specialized=dict(x_ptr=data[:64], n=7, BLOCK=BLOCK),
                  aligned=dict(out_ptr=base), changing=("BLOCK",))  # fmt: skip
+
+
+@pytest.mark.parametrize("needs", ["cluster", "global scratch", "launch hook"])
+def test_relaunch_takes_tritons_launcher_where_the_driver_launch_cannot(
+    fake_triton, monkeypatch, needs
+):
+    """Kernels launched with attributes or scratch memory, and launches a profiler hooks into,
+    relaunch through the compiled kernel's launcher."""
+    kernel, compiled, through_triton = fake_triton
+    if needs == "cluster":
+        compiled.metadata.num_ctas = 2
+    elif needs == "global scratch":
+        compiled.metadata.global_scratch_size = 128
+    else:
+        monkeypatch.setattr(triton.knobs.runtime, "launch_enter_hook", lambda metadata: None)
+    launcher = KernelLauncher(kernel, scale=2.0, offset_ptr=torch.zeros(1), BLOCK=BLOCK)
+    x, out = torch.zeros(64), torch.zeros(64)
+    relaunch = launcher((1,), specialized=dict(x_ptr=x, n=7), aligned=dict(out_ptr=out),
+                        changing=("n",), views_of=out)  # fmt: skip
+    assert relaunch(9, out.data_ptr())
+    ((grid, args, stream),) = compiled.launches
+    assert args[2] == 9 and stream == 1003 and not compiled.driver_launches
 
 
 def test_no_relaunch_under_the_interpreter(device):

@@ -21,9 +21,15 @@ Even then, naming every argument per call costs more host time than the compiled
 bookkeeping, and as much again for building the arguments at the call sites). So a launch also
 returns a Relaunch: the same launch again, given only the values of the arguments that a
 repeated call changes (``changing``, positionally, then the new address of the tensor its
-TensorViews were views of), checked against the specialisation.
+TensorViews were views of), checked against the specialisation. A Relaunch launches through
+the driver (``cuLaunchKernel``) from a parameter array it keeps, where the kernel needs nothing
+that only Triton's launcher does: Triton's compiled launcher parses every argument again on
+every call, 10-16 µs per launch of our kernels there (the same log).
 """
 
+import struct
+
+import numpy as np
 import torch
 import triton
 from triton.compiler import CompiledKernel
@@ -80,7 +86,9 @@ class KernelLauncher:
         self._bound = {name for name in names if name in constants}
         # The compiled launcher takes integers for pointers (and skips checking them).
         self._addresses = [v.data_ptr() if isinstance(v, torch.Tensor) else v for v in self._args]
-        self._runners: dict[tuple, object] = {}
+        # By specialisation key: the compiled kernel, its launcher for the key's grid, and its
+        # parameters for a driver launch (None: Relaunches take the launcher).
+        self._specialisations: dict[tuple, tuple] = {}
         # Under the interpreter kernels are InterpretedFunctions, launched through Triton only.
         self._compiled = isinstance(kernel, JITFunction)
         # A constexpr is in the key by its value.
@@ -113,10 +121,15 @@ class KernelLauncher:
             value if name in constexprs else _specialization(value)
             for name, value in specialized.items()
         ])  # fmt: skip
-        runner = self._runners.get(key)
-        through_triton = runner is None  # which also launched it
+        entry = self._specialisations.get(key)
+        through_triton = entry is None  # which also launched it
         if through_triton:
-            runner = self._runners[key] = self._through_triton(grid, specialized, aligned)
+            compiled = self._through_triton(grid, specialized, aligned)
+            if compiled is None:
+                return None
+            runner, parameters = compiled[(*grid, 1, 1)[:3]], _driver_parameters(compiled)
+            entry = self._specialisations[key] = compiled, runner, parameters
+        compiled, runner, parameters = entry
         args, index, tensor = list(self._addresses), self._index, torch.Tensor
         for name, value in specialized.items():
             args[index[name]] = value.data_ptr() if isinstance(value, tensor) else value
@@ -124,8 +137,6 @@ class KernelLauncher:
             args[index[name]] = value.data_ptr() if isinstance(value, tensor) else value.address
         if not through_triton:
             runner(*args, stream=driver.get_current_stream(device))
-        if runner is None:
-            return None
         checked = [
             (i, _specialization(specialized[name]))
             for i, name in enumerate(changing) if name in specialized
@@ -135,10 +146,15 @@ class KernelLauncher:
             for name, value in aligned.items()
             if isinstance(value, TensorView) and value.base is views_of
         ]  # fmt: skip
-        return Relaunch(runner, args, [index[name] for name in changing], checked, views, device)
+        if parameters is None:
+            launch = _TritonLaunch(runner, args, device)
+        else:
+            launch = _DriverLaunch(compiled, grid, args, parameters, device)
+        return Relaunch(launch, [index[name] for name in changing], checked, views)
 
     def _through_triton(self, grid, specialized: dict, aligned: dict):
-        """Launch through Triton; returns the compiled kernel's launcher for ``grid``."""
+        """Launch through Triton; returns the compiled kernel (None where Triton returns
+        none)."""
         given = {**specialized, **aligned}
         missing = [n for n in self._index if n not in given and n not in self._bound]
         if missing:
@@ -148,15 +164,16 @@ class KernelLauncher:
             args[self._index[name]] = value.tensor() if isinstance(value, TensorView) else value
         if self._on_compile is None or not self._compiled:
             compiled = self._kernel[grid](*args, **self._options)
-            return compiled[(*grid, 1, 1)[:3]] if isinstance(compiled, CompiledKernel) else None
+            return compiled if isinstance(compiled, CompiledKernel) else None
         # Compile without launching, so that the module is initialised before it first runs.
         compiled = self._kernel.warmup(*args, grid=grid, **self._options)
         compiled._init_handles()
         self._on_compile(compiled)
-        runner = compiled[(*grid, 1, 1)[:3]]
         driver = triton.runtime.driver.active
-        runner(*args, stream=driver.get_current_stream(driver.get_current_device()))
-        return runner
+        compiled[(*grid, 1, 1)[:3]](
+            *args, stream=driver.get_current_stream(driver.get_current_device())
+        )
+        return compiled
 
 
 class Relaunch:
@@ -172,13 +189,12 @@ class Relaunch:
     finds or compiles that one).
     """
 
-    __slots__ = ("_runner", "_args", "_slots", "_checked", "_views", "_stream", "_device")
+    __slots__ = ("_launch", "_args", "_slots", "_checked", "_views")
 
-    def __init__(self, runner, args: list, slots: list[int], checked: list, views: list, device):
-        self._runner, self._args, self._slots, self._device = runner, args, slots, device
+    def __init__(self, launch, slots: list[int], checked: list, views: list):
+        self._launch, self._args, self._slots = launch, launch.args, slots
         self._checked = checked  # (position in values, specialisation it must keep)
         self._views = views  # (argument index, byte offset from the base)
-        self._stream = triton.runtime.driver.active.get_current_stream
 
     def __call__(self, *values) -> bool:
         for position, expected in self._checked:
@@ -190,5 +206,105 @@ class Relaunch:
         base = values[-1]
         for slot, offset in self._views:
             args[slot] = base + offset
-        self._runner(*args, stream=self._stream(self._device))
+        self._launch()
         return True
+
+
+class _TritonLaunch:
+    """A launch through the compiled kernel's launcher: ``args`` (a list, by argument index,
+    pointers as addresses) as its arguments."""
+
+    __slots__ = ("args", "_runner", "_stream", "_device")
+
+    def __init__(self, runner, args: list, device):
+        self.args, self._runner, self._device = args, runner, device
+        self._stream = triton.runtime.driver.active.get_current_stream
+
+    def __call__(self) -> None:
+        self._runner(*self.args, stream=self._stream(self._device))
+
+
+# Parameter types a driver launch passes: pointers ("*<dtype>"), these, and fp32.
+_INTEGER_TYPES = frozenset({"i1", "i8", "i16", "i32", "i64", "u1", "u8", "u16", "u32", "u64"})
+
+
+class _DriverLaunch:
+    """A launch through the driver, ``cuLaunchKernel``, of a parameter array built once.
+
+    ``args`` holds every argument's value by argument index as int64 (pointers as addresses;
+    the driver copies each parameter's size from its slot, the low bytes on little-endian
+    hosts; fp32 as its bits; constexprs' slots unused). The array handed to the driver points
+    at the slots of the kernel's parameters, then twice at a zero: the global and profile
+    scratch pointers Triton appends to every kernel's parameters since 3.3 and 3.5 (the driver
+    reads as many parameters as the kernel has).
+    """
+
+    __slots__ = ("args", "_params", "_call", "_stream", "_device", "_name", "_success")
+
+    def __init__(self, compiled, grid: tuple, args: list, parameters: list, device):
+        from cuda.bindings import driver as cuda
+
+        self.args = values = np.zeros(len(args) + 1, dtype=np.int64)  # the last stays zero
+        for i, kind in parameters:
+            values[i] = _fp32_bits(args[i]) if kind == "fp32" else args[i]
+        base = values.ctypes.data
+        null = base + 8 * len(args)
+        self._params = np.array([base + 8 * i for i, _ in parameters] + [null, null], np.uint64)
+        meta = compiled.metadata
+        self._call = (
+            cuda.cuLaunchKernel, compiled.function, *(*grid, 1, 1)[:3], 32 * meta.num_warps, 1,
+            1, meta.shared,
+        )  # fmt: skip
+        self._device, self._name = device, compiled.name
+        self._stream = triton.runtime.driver.active.get_current_stream
+        self._success = cuda.CUresult.CUDA_SUCCESS
+
+    def __call__(self) -> None:
+        launch, function, gx, gy, gz, threads, by, bz, shared = self._call
+        stream = self._stream(self._device)
+        (error,) = launch(
+            function, gx, gy, gz, threads, by, bz, shared, stream, self._params.ctypes.data, 0
+        )
+        if error != self._success:
+            raise RuntimeError(f"cuLaunchKernel of {self._name} failed: {error}")
+
+
+def _fp32_bits(value: float) -> int:
+    return struct.unpack("<i", struct.pack("<f", value))[0]
+
+
+def _driver_parameters(compiled) -> list[tuple[int, str]] | None:
+    """The kernel parameters of ``compiled`` for a driver launch: (argument index, type) of
+    each argument that is not a constexpr, in order; or None where the launch needs what only
+    Triton's launcher does: launch attributes (clusters, cooperative grids, programmatic
+    dependent launch), scratch memory, tensor descriptors, parameters of other types, or
+    launch hooks (a profiler's: they are looked at when the kernel is first launched)."""
+    meta = compiled.metadata
+    hook = triton.knobs.runtime.launch_enter_hook
+    if (
+        getattr(meta, "num_ctas", 1) != 1
+        or getattr(meta, "launch_cooperative_grid", False)
+        or getattr(meta, "launch_pdl", False)
+        or getattr(meta, "global_scratch_size", 0)
+        or getattr(meta, "profile_scratch_size", 0)
+        or getattr(meta, "tensordesc_meta", None)
+        or (hook is not None and getattr(hook, "calls", True))  # a HookChain since 3.7
+    ):
+        return None
+    src = compiled.src
+    names = src.fn.arg_names
+    # Triton keys constants by argument name or by index path; older releases also list
+    # specialised arguments there that the signature does not mark constexpr.
+    constants = {
+        names.index(k) if isinstance(k, str) else k[0] for k in getattr(src, "constants", {})
+    }
+    if len(src.signature) != len(names):
+        return None
+    parameters = []
+    for i, kind in enumerate(src.signature.values()):
+        if kind == "constexpr" or i in constants:
+            continue
+        if not (kind.startswith("*") or kind in _INTEGER_TYPES or kind == "fp32"):
+            return None
+        parameters.append((i, kind))
+    return parameters
