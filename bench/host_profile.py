@@ -31,7 +31,7 @@ import triton
 
 import hybrid_ep_triton as hep
 from hybrid_ep_triton import buffer as buffer_module
-from hybrid_ep_triton.ops import launch, library
+from hybrid_ep_triton.ops import dispatch, launch, library
 from hybrid_ep_triton.tools.bench import SHAPES, _combine_weights, _inputs, _median_us
 from hybrid_ep_triton.tools.launcher import run_ranks
 
@@ -91,6 +91,9 @@ def _wrap_library(timer: StepTimer, buf: hep.Buffer) -> None:
     timer.wrap(buffer_module, "check_tensor")
     for name in ("compute_layout", "prepare_move", "move_tokens", "reduce_tokens"):
         timer.wrap(library, name)
+    # (Looked up here: eager_ab.py imports this module with older trees too.)
+    for name in ("launch_awaiting_outputs", "deliver"):
+        timer.wrap(dispatch.PreparedMove, name, f"PreparedMove.{name}")
     timer.wrap(rt, "read_report", "read_report (wait for the row count)")
     timer.wrap(rt, "check_status")
     timer.wrap(launch.KernelLauncher, "__call__", "KernelLauncher (key, arguments)")

@@ -33,7 +33,7 @@ from hybrid_ep_triton.runtime.planner import (
 )
 
 _ALIGNED_INTS = {"hidden", "data_cols", "x_stride", "y_stride"}
-_INT64 = {"timeout_ns", "heap_bytes", "report_addr"}
+_INT64 = {"timeout_ns", "heap_bytes", "report_addr", "outputs_addr"}
 
 
 def _signature(kernel, pointers: dict, constexprs: dict) -> tuple[dict, dict]:

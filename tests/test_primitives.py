@@ -1,11 +1,18 @@
-"""Device primitives that need no peer: the work-queue order of ``interleaved``."""
+"""Device primitives that need no peer: the work-queue order of ``interleaved``, and the wait
+for a record the host writes (``wait_host_record``)."""
 
 import pytest
 import torch
 import triton
 import triton.language as tl
 
-from hybrid_ep_triton.kernels.primitives import interleaved
+from hybrid_ep_triton.kernels.primitives import (
+    HOST_RECORD_WORDS,
+    STATUS_TIMED_OUT,
+    interleaved,
+    wait_host_record,
+)
+from hybrid_ep_triton.ops.dispatch import write_host_record
 
 BLOCK = 256
 
@@ -38,3 +45,32 @@ def test_interleaved_spreads_two_kinds_evenly(device, count_a, count_b):
     a_taken = torch.cumsum(is_a.to(torch.int64), 0)
     expected = torch.arange(1, total + 1, dtype=torch.float64) * count_a / total
     assert (a_taken - expected).abs().max() < 1
+
+
+@triton.jit
+def _host_record_kernel(record_addr, tag, timeout_ns, status_ptr, out_ptr):
+    words = wait_host_record(
+        record_addr.to(tl.pointer_type(tl.int64)), tag, timeout_ns, status_ptr, 7, 9
+    )
+    tl.store(out_ptr + tl.arange(0, HOST_RECORD_WORDS), words)
+
+
+@pytest.mark.parametrize("record", ["complete", "another tag", "torn"])
+def test_wait_host_record_takes_only_a_complete_record_of_its_tag(device, record):
+    """A record written by write_host_record under the awaited tag is returned at once; one of
+    another tag, or whose check does not add up (words of two writes), times out recording
+    (TIMED_OUT, peer, stage)."""
+    gen = torch.Generator().manual_seed(len(record))
+    values = tuple(torch.randint(0, 2**48, (5,), generator=gen).tolist())
+    words = torch.zeros(HOST_RECORD_WORDS, dtype=torch.int64, pin_memory=device == "cuda")
+    write_host_record(words.numpy(), 41 if record == "another tag" else 43, values)
+    if record == "torn":
+        words[3] += 1  # one value of a later record beside the check of an earlier one
+    status = torch.zeros(3, dtype=torch.int64, device=device)
+    out = torch.zeros(HOST_RECORD_WORDS, dtype=torch.int64, device=device)
+    _host_record_kernel[(1,)](words.data_ptr(), 43, 2_000_000, status, out)
+    if record == "complete":
+        assert status.tolist() == [0, 0, 0]
+        assert out.tolist() == words.tolist() and out[1:6].tolist() == list(values)
+    else:
+        assert status.tolist() == [STATUS_TIMED_OUT, 7, 9]

@@ -10,6 +10,7 @@ from .kernels.combine import STAGE_COMBINE_DATA, STAGE_COMBINE_NET, STAGE_COMBIN
 from .kernels.dispatch import (
     STAGE_DISPATCH_DATA,
     STAGE_DISPATCH_NET,
+    STAGE_DISPATCH_OUTPUTS,
     STAGE_DISPATCH_QUANTIZED,
     STAGE_DISPATCH_READY,
 )
@@ -38,6 +39,7 @@ _STAGES = {
     STAGE_DISPATCH_NET: "dispatch token chunks over the network",
     STAGE_COMBINE_NET: "combine partial sums over the network",
     STAGE_DISPATCH_QUANTIZED: "dispatch's quantization of this rank's rows",
+    STAGE_DISPATCH_OUTPUTS: "the host's outputs of an exact-mode dispatch",
 }
 
 
@@ -191,6 +193,7 @@ class Buffer:
             check_status=_on_gpus_later if on_gpu else self._raise_if_timed_out,
             read_report=self._read_report,
             report=torch.zeros(7, dtype=torch.int64, pin_memory=on_gpu),
+            outputs_record=torch.zeros(8, dtype=torch.int64, pin_memory=on_gpu),
             # Kernels that call NVSHMEM link its device library and initialise their modules.
             compile_options={"extern_libs": device_library()} if across_gpus else {},
             on_compile=init_module if across_gpus else None,

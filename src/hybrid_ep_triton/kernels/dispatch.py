@@ -55,10 +55,12 @@ from .primitives import (
     interleaved,
     net_put_signal,
     node_first_rank,
+    record_word,
     region,
     signal,
     take_work,
     wait_at_least,
+    wait_host_record,
     wait_item,
 )
 from .quantize import quantize_block
@@ -67,6 +69,7 @@ STAGE_DISPATCH_READY = 2
 STAGE_DISPATCH_DATA = 3
 STAGE_DISPATCH_NET = 6
 STAGE_DISPATCH_QUANTIZED = 8
+STAGE_DISPATCH_OUTPUTS = 9
 QUANT_GROUPS = tl.constexpr(8)  # 128-channel groups of a quantizer's work item
 
 
@@ -792,6 +795,8 @@ def dispatch_kernel(
     source_stride,
     quantized_flags_ptr,  # QUANTIZE: int64 [NC_MAX, QUANT_SLICES]: seq once the item is in x
     num_quantizers,  # QUANTIZE: the first programs, which quantize; else 0
+    outputs_addr,  # int64 [8] in the host's pinned memory, as an address: see outputs_tag
+    outputs_tag,  # -1; or > 0: the host writes N and the outputs' addresses there (see below)
     W: tl.constexpr,
     T_MAX: tl.constexpr,
     NC_MAX: tl.constexpr,
@@ -952,6 +957,26 @@ def dispatch_kernel(
     else:
         lid = pid - num_senders - num_forwarders
         num_expanders = num_programs - num_quantizers - num_senders - num_forwarders
+        num_out_rows = tl.zeros([], tl.int32) + num_out_rows  # a value, also where it is 1
+        if outputs_tag > 0:
+            # Exact mode: launched before the host knew the row count, which it then writes
+            # with the outputs it allocated into its record [tag, N, recv_x, recv_scales,
+            # recv_weights, recv_topk_idx, check] (N < 0: no outputs, an error on the host);
+            # meanwhile the senders are sending already. The pointer arguments give the types.
+            record = wait_host_record(
+                outputs_addr.to(tl.pointer_type(tl.int64)), outputs_tag, timeout_ns, status_ptr,
+                rank, 9,  # STAGE_DISPATCH_OUTPUTS
+            )  # fmt: skip
+            num_out_rows = record_word(record, 1).to(tl.int32)
+            if tl.load(status_ptr, volatile=True) != 0:
+                num_out_rows = -1
+            aborted = aborted | (num_out_rows < 0)
+            recv_x_ptr = tl.multiple_of(record_word(record, 2).to(recv_x_ptr.dtype), 16)
+            recv_scales_ptr = tl.multiple_of(record_word(record, 3).to(recv_scales_ptr.dtype), 16)
+            recv_weights_ptr = tl.multiple_of(record_word(record, 4).to(recv_weights_ptr.dtype), 16)
+            recv_topk_idx_ptr = tl.multiple_of(
+                record_word(record, 5).to(recv_topk_idx_ptr.dtype), 16
+            )
         # One work queue of two kinds of items, spread evenly among each other: own tokens
         # (straight from x, nothing to wait for, in finer column slices), and every other
         # rank's items, each as soon as its flag says it has landed, in the order senders send

@@ -188,13 +188,70 @@ def wait_at_least(flag_ptr, target, timeout_ns, status_ptr, peer, stage):
     start = clock_ns()
     waiting = (_read_flag(flag_ptr) < target) & (tl.load(status_ptr, volatile=True) == 0)
     while waiting:
-        if clock_ns() - start > timeout_ns:
-            if tl.atomic_cas(status_ptr, tl.zeros([], tl.int64), tl.full([], 1, tl.int64)) == 0:
-                # 1 == STATUS_TIMED_OUT; the first waiter to time out names the peer and stage.
-                tl.store(status_ptr + 1, peer)
-                tl.store(status_ptr + 2, stage)
+        _time_out_after(start, timeout_ns, status_ptr, peer, stage)
         waiting = (_read_flag(flag_ptr) < target) & (tl.load(status_ptr, volatile=True) == 0)
     tl.debug_barrier()
+
+
+@triton.jit
+def _time_out_after(start, timeout_ns, status_ptr, peer, stage):
+    """Inside a wait that began at ``start``: past ``timeout_ns``, the first waiter to time out
+    records (STATUS_TIMED_OUT, peer, stage)."""
+    if clock_ns() - start > timeout_ns:
+        if tl.atomic_cas(status_ptr, tl.zeros([], tl.int64), tl.full([], 1, tl.int64)) == 0:
+            tl.store(status_ptr + 1, peer)
+            tl.store(status_ptr + 2, stage)
+
+
+# Words of a host record (wait_host_record): the tag, HOST_RECORD_VALUES values, the check, 0.
+HOST_RECORD_WORDS = tl.constexpr(8)
+HOST_RECORD_VALUES = tl.constexpr(5)
+
+
+@triton.jit
+def host_record_weights(idx):
+    """The check's weight of each word of a host record: 2i + 1 for value i = 1..5, else 0."""
+    return tl.where((idx >= 1) & (idx <= HOST_RECORD_VALUES), 2 * idx + 1, 0).to(tl.int64)
+
+
+@triton.jit
+def wait_host_record(record_ptr, tag, timeout_ns, status_ptr, peer, stage):
+    """Spin until the host has written the record ``tag`` at ``record_ptr`` (int64
+    [HOST_RECORD_WORDS] in its pinned memory, through the device's mapping), at most
+    ``timeout_ns``; returns the record's words ([HOST_RECORD_WORDS] int64; on a timeout,
+    whatever was there: the caller looks at the status).
+
+    The host writes [tag, v1 .. v5, check, 0], check = tag + sum of (2i + 1) * v_i, the tag
+    last. A device may see the words of host stores in another order where the host orders
+    no stores (Arm hosts): a record whose check does not add up is read again, not taken.
+    Plain volatile loads: an atomic on host memory may be a read and a write over PCIe, which
+    would undo a host store between them.
+    """
+    idx = tl.arange(0, HOST_RECORD_WORDS)
+    weights = host_record_weights(idx)
+    start = clock_ns()
+    words = tl.load(record_ptr + idx, volatile=True)
+    waiting = ~_complete_record(words, idx, weights, tag)
+    waiting = waiting & (tl.load(status_ptr, volatile=True) == 0)
+    while waiting:
+        _time_out_after(start, timeout_ns, status_ptr, peer, stage)
+        words = tl.load(record_ptr + idx, volatile=True)
+        waiting = ~_complete_record(words, idx, weights, tag)
+        waiting = waiting & (tl.load(status_ptr, volatile=True) == 0)
+    return words
+
+
+@triton.jit
+def _complete_record(words, idx, weights, tag):
+    check = record_word(words, HOST_RECORD_VALUES + 1)
+    return (record_word(words, 0) == tag) & (check == tag + tl.sum(words * weights, axis=0))
+
+
+@triton.jit
+def record_word(words, i):
+    """Word ``i`` of a host record's words."""
+    idx = tl.arange(0, HOST_RECORD_WORDS)
+    return tl.sum(tl.where(idx == i, words, 0), axis=0)
 
 
 @triton.jit

@@ -34,6 +34,10 @@ class Runtime:
         TimeoutError or ValueError (invalid routing), returns the rows needed.
     report: int64 [7] in host memory (pinned on GPUs, which the device writes through its
         mapping): what an exact-mode layout writes for the host, see kernels/route.py.
+    outputs_record: int64 [8] in host memory (pinned on GPUs, which the device reads through
+        its mapping): the row count and output addresses of an exact-mode dispatch's data move,
+        written by the host once it knows them (ops/dispatch.PreparedMove);
+        ``outputs_record_words`` is its numpy view.
     compile_options: options of every launch beside the kernel's own (across nodes on GPUs:
         NVSHMEM's device library, ``extern_libs``).
     on_compile: called with each newly compiled kernel before its first launch (across nodes on
@@ -58,11 +62,25 @@ class Runtime:
     check_status: Callable[[], None]
     read_report: Callable[..., int]
     report: torch.Tensor
+    outputs_record: torch.Tensor
     compile_options: dict = field(default_factory=dict)
     on_compile: Callable | None = None
     launchers: dict = field(default_factory=dict)
     relaunches: dict = field(default_factory=dict)
     _report_calls: Iterator[int] = field(default_factory=itertools.count)
+
+    def __post_init__(self) -> None:
+        self.outputs_record_words = self.outputs_record.numpy()
+        # Made here, not on first use, which may be inside a CUDA graph capture.
+        self._placeholders = {
+            dtype: torch.zeros(16, dtype=torch.uint8, device=self.device).view(dtype)
+            for dtype in (torch.float32, torch.int32, torch.float8_e4m3fn, self.outbox.dtype)
+        }
+
+    def placeholder(self, dtype: torch.dtype) -> torch.Tensor:
+        """16 bytes of ``dtype`` (float32, int32, float8_e4m3fn or the Buffer's dtype) on the
+        device: a pointer argument of that type that a launch does not use."""
+        return self._placeholders[dtype]
 
     def next_report_tag(self) -> int:
         """The tag of this Buffer's next exact-mode layout report (see ``report_tag``)."""

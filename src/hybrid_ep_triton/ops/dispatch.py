@@ -4,7 +4,6 @@ expand into expert-major rows; with quantize=True, quantizers come before the se
 
 import functools
 import math
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -353,7 +352,8 @@ def _data_move_launcher(
         TOKEN_ROWS=plan.token_rows, STAGES=cfg.copy_stages, num_warps=cfg.num_warps,
         maxnreg=MAX_REGISTERS, net_bases_ptr=rt.heap.net_bases, net_flags_off=heap.net_flags,
         net_inbox_off=heap.net_inbox, net_outbox_off=heap.net_outbox,
-        heap_bytes=heap.total_bytes, META_INTS=slot.meta_ints,
+        heap_bytes=heap.total_bytes, outputs_addr=rt.outputs_record.data_ptr(),
+        META_INTS=slot.meta_ints,
         META_FLOATS=slot.meta_floats, NET_COLS=net_cols, DATA_OFF=slot.data_offset,
         SLOT_BYTES=slot.bytes, SCALE_WORDS=scale_words, **rt.compile_options,
         **topology_constants(plan, "R", "NODES", "R_P2"), **bound,
@@ -371,62 +371,120 @@ def prepare_move(
     handle: DispatchHandle,
     cached: bool,
     quantize: bool = False,
-) -> Callable[[int], Moved]:
+) -> "PreparedMove":
     """The data move for ``x`` [T, H] along ``handle``, prepared up to what depends on the row
-    count N: returns ``move(N)``, which allocates the outputs and launches; collective. An
-    exact-mode dispatch prepares while the layout kernel runs, so that only the allocation and
-    the launch wait for the count. ``cached``: the handle's staged_rows (and recv_topk_idx)
-    were filled by an earlier move and stay as they are; otherwise a token-row plan's move
-    sets handle.recv_topk_idx.
+    count N; collective. ``cached``: the handle's staged_rows (and recv_topk_idx) were filled
+    by an earlier move and stay as they are; otherwise a token-row plan's move sets
+    handle.recv_topk_idx.
 
     FP8 rows: ``x`` [T, H] float8_e4m3fn with ``x_scales`` [T, H / 128] float32 (rows with a
     row stride that is a multiple of 4 bytes, see fp8_words); ``quantize``: ``x`` of the
     Buffer's dtype, which the launch quantizes as it sends (x_scales None); else x_scales is
     None.
-
-    ``move(N)`` returns recv_x [N, H] (x's dtype; float8_e4m3fn with quantize), recv_scales
-    ([N, H / 128] float32 for FP8 rows, else None) and recv_weights (None without
-    topk_weights): [N] float32, with token rows [N, K].
     """
-    plan = rt.plan
-    topk_idx, num_tokens, topk = handle.topk_idx, handle.num_tokens, handle.topk
-    has_weights = topk_weights is not None
-    rows = "quantize" if quantize else "fp8" if x_scales is not None else "rows"
-    fp8 = rows != "rows"
-    dtype = torch.float8_e4m3fn if quantize else x.dtype
-    if has_weights:
-        topk_weights = topk_weights.contiguous()
-    # The arguments from the caller, as _move_changing names them: FP8 rows move as int32 words.
-    if rows == "fp8":
-        inputs = (fp8_words(x), x.stride(0) // 4, fp8_words(x_scales), x_scales.stride(0))
-    else:
-        inputs = (x, x.stride(0))
-    key = ("move", rows, has_weights, cached, num_tokens, topk)
+    return PreparedMove(rt, x, x_scales, topk_weights, handle, cached, quantize)
 
-    def move(num_rows: int) -> Moved:
-        recv_x = torch.empty(num_rows, plan.hidden, dtype=dtype, device=rt.device)
-        recv_scales = None
-        if fp8:
-            recv_scales = torch.empty(num_rows, plan.fp8.scale_words, device=rt.device)
-        weights_shape = (num_rows, topk) if plan.token_rows else (num_rows,)
-        recv_weights = torch.empty(
-            weights_shape if has_weights else 0, dtype=torch.float32, device=rt.device
-        )
-        recv_topk_idx = recv_weights  # unused unless a token-row move writes it
-        if plan.token_rows and not cached:
-            recv_topk_idx = torch.empty(num_rows, topk, dtype=torch.int32, device=rt.device)
-            handle.recv_topk_idx = recv_topk_idx
-        outputs = (fp8_words(recv_x), fp8_words(recv_scales)) if fp8 else (recv_x,)
-        values = (
-            *inputs, topk_idx, topk_weights if has_weights else recv_weights, num_rows,
-            handle.info, *outputs, recv_weights, recv_topk_idx,
+
+class PreparedMove:
+    """A data move (see prepare_move) whose outputs are allocated once N is known.
+
+    ``move(N)`` allocates the outputs and launches. An exact-mode dispatch instead launches
+    with ``launch_awaiting_outputs(tag)`` before it knows N, so that the senders start as soon
+    as the layout kernel is done, and ``deliver(N, tag)`` allocates the outputs and writes N
+    and their addresses into the host record the launch waits for (``cancel(tag)`` where the
+    host has none to give). Each returns (or ``deliver`` returns) recv_x [N, H] (x's dtype;
+    float8_e4m3fn with quantize), recv_scales ([N, H / 128] float32 for FP8 rows, else None)
+    and recv_weights (None without topk_weights): [N] float32, with token rows [N, K].
+    """
+
+    def __init__(self, rt, x, x_scales, topk_weights, handle, cached, quantize):
+        self.rt, self.handle, self.cached = rt, handle, cached
+        self.has_weights = topk_weights is not None
+        self.rows = "quantize" if quantize else "fp8" if x_scales is not None else "rows"
+        self.dtype = torch.float8_e4m3fn if quantize else x.dtype
+        self.topk_weights = topk_weights.contiguous() if self.has_weights else None
+        # The arguments from the caller, as _move_changing names them: FP8 rows move as words.
+        if self.rows == "fp8":
+            self.inputs = (fp8_words(x), x.stride(0) // 4, fp8_words(x_scales), x_scales.stride(0))
+        else:
+            self.inputs = (x, x.stride(0))
+        self.key = ("move", self.rows, self.has_weights, cached, handle.num_tokens, handle.topk)
+
+    def __call__(self, num_rows: int) -> Moved:
+        outputs = self._allocate(num_rows)
+        self._launch(num_rows, -1, *self._arguments(outputs))
+        return outputs[:3]
+
+    def launch_awaiting_outputs(self, tag: int) -> None:
+        """Launch before N is known: the expansion waits for the host record ``tag`` (> 0)."""
+        # Stand-ins of the outputs' types, so that the launch takes move(N)'s kernel.
+        placeholder, fp8 = self.rt.placeholder, self.rows != "rows"
+        outputs = (
+            placeholder(self.dtype), placeholder(torch.float32) if fp8 else None,
+            placeholder(torch.float32) if self.has_weights else None,
+            placeholder(torch.int32) if self.rt.plan.token_rows and not self.cached else None,
         )  # fmt: skip
+        self._launch(0, tag, *self._arguments(outputs))
+
+    def deliver(self, num_rows: int, tag: int) -> Moved:
+        """The outputs of a launch_awaiting_outputs(tag) launch, for N = ``num_rows``."""
+        outputs = self._allocate(num_rows)
+        recv_x, recv_scales, recv_weights, recv_topk_idx = outputs
+        addresses = [t.data_ptr() if t is not None else 0 for t in outputs]
+        write_host_record(self.rt.outputs_record_words, tag, (num_rows, *addresses))
+        return recv_x, recv_scales, recv_weights
+
+    def cancel(self, tag: int) -> None:
+        """No outputs for the launch_awaiting_outputs(tag) launch: it moves nothing here."""
+        write_host_record(self.rt.outputs_record_words, tag, (-1, 0, 0, 0, 0))
+
+    def _allocate(self, num_rows: int) -> tuple:
+        """recv_x, recv_scales, recv_weights (None without weights), the recv_topk_idx the
+        launch writes (None unless a token-row move sets the handle's)."""
+        plan, dev = self.rt.plan, self.rt.device
+        recv_x = torch.empty(num_rows, plan.hidden, dtype=self.dtype, device=dev)
+        recv_scales = None
+        if self.rows != "rows":
+            recv_scales = torch.empty(num_rows, plan.fp8.scale_words, device=dev)
+        recv_weights = recv_topk_idx = None
+        if self.has_weights:
+            shape = (num_rows, self.handle.topk) if plan.token_rows else (num_rows,)
+            recv_weights = torch.empty(shape, dtype=torch.float32, device=dev)
+        if plan.token_rows and not self.cached:
+            recv_topk_idx = torch.empty(num_rows, self.handle.topk, dtype=torch.int32, device=dev)
+            self.handle.recv_topk_idx = recv_topk_idx
+        return recv_x, recv_scales, recv_weights, recv_topk_idx
+
+    def _arguments(self, outputs: tuple) -> tuple:
+        """The launch's output arguments (unused ones: any tensor of their type) and, without
+        weights, the unused topk_weights: (topk_weights, recv_x, [recv_scales,] recv_weights,
+        recv_topk_idx)."""
+        recv_x, recv_scales, recv_weights, recv_topk_idx = outputs
+        unused = self.rt.placeholder(torch.float32)
+        recv_weights = unused if recv_weights is None else recv_weights
+        recv_topk_idx = recv_weights if recv_topk_idx is None else recv_topk_idx
+        fp8 = self.rows != "rows"
+        rows = (fp8_words(recv_x), fp8_words(recv_scales)) if fp8 else (recv_x,)
+        topk_weights = self.topk_weights if self.has_weights else unused
+        return topk_weights, *rows, recv_weights, recv_topk_idx
+
+    def _launch(self, num_rows: int, tag: int, topk_weights, *outputs) -> None:
+        rt, handle = self.rt, self.handle
+        values = (*self.inputs, handle.topk_idx, topk_weights, num_rows, tag, handle.info, *outputs)
+        key = (*self.key, tag > 0)
         relaunch = rt.relaunches.get(key)
         if relaunch is None or not relaunch(*values, handle.ints.data_ptr()):
-            rt.relaunches[key] = _launch_move(rt, handle, rows, has_weights, cached, values)
-        return recv_x, recv_scales, (recv_weights if has_weights else None)
+            rt.relaunches[key] = _launch_move(
+                rt, handle, self.rows, self.has_weights, self.cached, values
+            )
 
-    return move
+
+def write_host_record(words, tag: int, values: tuple[int, ...]) -> None:
+    """Write the host record ``tag`` of ``values`` into ``words`` (int64 numpy view of pinned
+    memory): the values, the check, the tag last (kernels/primitives.wait_host_record)."""
+    words[1 : 1 + len(values)] = values
+    words[1 + len(values)] = tag + sum((2 * i + 3) * v for i, v in enumerate(values))
+    words[0] = tag
 
 
 # The handle parts the data move reads (and, for a new handle, writes: staged_rows, fwd_rows).
@@ -437,7 +495,7 @@ _MOVE_PARTS = (
 )  # fmt: skip
 # The data move's arguments from the caller or its layout (Triton specialises on them), then
 # the outputs and the handle's info, which this library allocates.
-_MOVE_SPECIALIZED = ("topk_idx_ptr", "topk_weights_ptr", "num_out_rows")
+_MOVE_SPECIALIZED = ("topk_idx_ptr", "topk_weights_ptr", "num_out_rows", "outputs_tag")
 _MOVE_ALIGNED = ("info_ptr", "recv_x_ptr", "recv_weights_ptr", "recv_topk_idx_ptr")
 # By the rows moved (prepare_move's ``rows``): the caller's rows (x, or what a quantizing
 # move reads) and the launcher that moves them.

@@ -35,6 +35,7 @@ from . import Runtime
 from .combine import reduce_tokens
 from .dispatch import (
     DispatchHandle,
+    PreparedMove,
     compute_layout,
     handle_sizes,
     make_handle,
@@ -98,12 +99,33 @@ def _dispatch_with_handle(
     handle = compute_layout(rt, topk_idx, pad_multiple, max_recv_tokens, tag)
     move = prepare_move(rt, x, x_scales, topk_weights, handle, False, quantize)  # while it runs
     if max_recv_tokens is None:
-        handle.num_recv_rows = rt.read_report(handle, tag)
-    recv_x, recv_scales, recv_weights = move(handle.num_recv_rows)
+        recv_x, recv_scales, recv_weights = _exact_move(rt, handle, move, tag)
+    else:
+        recv_x, recv_scales, recv_weights = move(max_recv_tokens)
     rt.check_status()
     if rt.device.type == "cpu":  # launches are synchronous: report routing errors now
         rt.read_report(handle)
     return recv_x, recv_scales, recv_weights, handle
+
+
+def _exact_move(rt: Runtime, handle: DispatchHandle, move: PreparedMove, tag: int):
+    """The data move of an exact-mode dispatch, whose layout launch wrote its row count into
+    the host report under ``tag``; sets handle.num_recv_rows. On GPUs it is launched before
+    the count is known and its outputs are delivered once the host has read it, so that
+    neither the launch nor the host's wait comes between the layout kernel and the senders.
+    CPU ranks, whose launches are synchronous, read the count and deliver first."""
+    if rt.device.type == "cpu":
+        handle.num_recv_rows = rt.read_report(handle, tag)
+        moved = move.deliver(handle.num_recv_rows, tag)
+        move.launch_awaiting_outputs(tag)
+        return moved
+    move.launch_awaiting_outputs(tag)
+    try:
+        handle.num_recv_rows = rt.read_report(handle, tag)
+        return move.deliver(handle.num_recv_rows, tag)
+    except BaseException:  # its expansion waits for the record: say there is none
+        move.cancel(tag)
+        raise
 
 
 def _dispatch(
