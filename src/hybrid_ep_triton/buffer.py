@@ -174,7 +174,7 @@ class Buffer:
         self._rt = Runtime(
             plan=plan,
             heap=allocate_heap(group, plan.heap.total_bytes, device, ranks_per_node),
-            control=torch.zeros(11, dtype=torch.int64, device=device),
+            control=torch.zeros(17, dtype=torch.int64, device=device),
             rank=rank,
             world_size=world,
             device=device,

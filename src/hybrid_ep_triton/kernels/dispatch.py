@@ -743,6 +743,13 @@ def _wait_quantized(flags_ptr, c, seq, timeout_ns, status_ptr, rank, QUANT_SLICE
 
 
 @triton.jit
+def _output_pointer(word_ptr, like):
+    """The output address at ``word_ptr`` as a pointer of ``like``'s type (16-byte aligned:
+    the caching allocator's blocks are)."""
+    return tl.multiple_of(tl.load(word_ptr, volatile=True).to(like.dtype), 16)
+
+
+@triton.jit
 def dispatch_kernel(
     x_ptr,  # [T, H], row stride x_stride; FP8 rows: [T, H / 4] int32 words of e4m3 values
     x_stride,
@@ -962,21 +969,26 @@ def dispatch_kernel(
             # Exact mode: launched before the host knew the row count, which it then writes
             # with the outputs it allocated into its record [tag, N, recv_x, recv_scales,
             # recv_weights, recv_topk_idx, check] (N < 0: no outputs, an error on the host);
-            # meanwhile the senders are sending already. The pointer arguments give the types.
-            record = wait_host_record(
-                outputs_addr.to(tl.pointer_type(tl.int64)), outputs_tag, timeout_ns, status_ptr,
-                rank, 9,  # STAGE_DISPATCH_OUTPUTS
-            )  # fmt: skip
-            num_out_rows = record_word(record, 1).to(tl.int32)
+            # meanwhile the senders are sending already. The first expander waits for it and
+            # copies it into control[11:16] (its flag: control[16] = seq) for the others. The
+            # pointer arguments give the types.
+            if lid == 0:
+                record = wait_host_record(
+                    outputs_addr.to(tl.pointer_type(tl.int64)), outputs_tag, timeout_ns,
+                    status_ptr, rank, 9,  # STAGE_DISPATCH_OUTPUTS
+                )  # fmt: skip
+                for i in tl.static_range(5):
+                    tl.store(control_ptr + 11 + i, record_word(record, 1 + i))
+                signal(control_ptr + 16, seq)
+            wait_at_least(control_ptr + 16, seq, timeout_ns, status_ptr, rank, 9)
+            num_out_rows = tl.load(control_ptr + 11, volatile=True).to(tl.int32)
             if tl.load(status_ptr, volatile=True) != 0:
                 num_out_rows = -1
             aborted = aborted | (num_out_rows < 0)
-            recv_x_ptr = tl.multiple_of(record_word(record, 2).to(recv_x_ptr.dtype), 16)
-            recv_scales_ptr = tl.multiple_of(record_word(record, 3).to(recv_scales_ptr.dtype), 16)
-            recv_weights_ptr = tl.multiple_of(record_word(record, 4).to(recv_weights_ptr.dtype), 16)
-            recv_topk_idx_ptr = tl.multiple_of(
-                record_word(record, 5).to(recv_topk_idx_ptr.dtype), 16
-            )
+            recv_x_ptr = _output_pointer(control_ptr + 12, recv_x_ptr)
+            recv_scales_ptr = _output_pointer(control_ptr + 13, recv_scales_ptr)
+            recv_weights_ptr = _output_pointer(control_ptr + 14, recv_weights_ptr)
+            recv_topk_idx_ptr = _output_pointer(control_ptr + 15, recv_topk_idx_ptr)
         # One work queue of two kinds of items, spread evenly among each other: own tokens
         # (straight from x, nothing to wait for, in finer column slices), and every other
         # rank's items, each as soon as its flag says it has landed, in the order senders send

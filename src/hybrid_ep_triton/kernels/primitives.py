@@ -55,6 +55,23 @@ else:
         )
 
 
+if INTERPRETED:
+
+    @triton.jit
+    def back_off():
+        """Pause a polling loop (on CPU ranks clock_ns yields already)."""
+        pass
+
+else:
+
+    @triton.jit
+    def back_off():
+        """Pause a polling loop for about a microsecond, so that it issues few reads."""
+        tl.inline_asm_elementwise(
+            "nanosleep.u32 1000; mov.u32 $0, 0;", "=r", [], dtype=tl.int32, is_pure=False, pack=1
+        )
+
+
 # NVSHMEM's sig_op for "set the flag to the value" (NVSHMEM_SIGNAL_SET in nvshmem.h; 10 adds).
 _SIGNAL_SET: tl.constexpr = tl.constexpr(9)
 
@@ -224,18 +241,23 @@ def wait_host_record(record_ptr, tag, timeout_ns, status_ptr, peer, stage):
     The host writes [tag, v1 .. v5, check, 0], check = tag + sum of (2i + 1) * v_i, the tag
     last. A device may see the words of host stores in another order where the host orders
     no stores (Arm hosts): a record whose check does not add up is read again, not taken.
-    Plain volatile loads: an atomic on host memory may be a read and a write over PCIe, which
-    would undo a host store between them.
+    One program of a launch should wait here, the others for what it copies into device
+    memory: every poll is a read over PCIe (loads with the .cv cache operator, which fetch the
+    line again where the GPU's L2 holds a copy of it; not an atomic, which on host memory may
+    be a read and a write that undo a host store between them), and a launch whose expanders
+    all polled kept the host from seeing the layout's report for milliseconds to a minute
+    (H200). Polls are a microsecond apart (``back_off``).
     """
     idx = tl.arange(0, HOST_RECORD_WORDS)
     weights = host_record_weights(idx)
     start = clock_ns()
-    words = tl.load(record_ptr + idx, volatile=True)
+    words = tl.load(record_ptr + idx, cache_modifier=".cv")
     waiting = ~_complete_record(words, idx, weights, tag)
     waiting = waiting & (tl.load(status_ptr, volatile=True) == 0)
     while waiting:
         _time_out_after(start, timeout_ns, status_ptr, peer, stage)
-        words = tl.load(record_ptr + idx, volatile=True)
+        back_off()
+        words = tl.load(record_ptr + idx, cache_modifier=".cv")
         waiting = ~_complete_record(words, idx, weights, tag)
         waiting = waiting & (tl.load(status_ptr, volatile=True) == 0)
     return words

@@ -17,11 +17,13 @@ class Runtime:
 
     heap: the symmetric heap (``local`` uint8 tensor, ``peer_bases`` int64 [world]: 0 for the
         ranks of other nodes, ``net_bases`` int64 [world]: addresses for network puts).
-    control: int64 [11] on the device: [0] last data-launch sequence number, [1] ticket of the
+    control: int64 [17] on the device: [0] last data-launch sequence number, [1] ticket of the
         running launch, [2] last layout-exchange sequence number, [3:6] status (code, peer,
         stage), [6:8] work queues of the running launch's local roles, [8] ticket of the
         running layout launch, [9] its first invalid row (encoded as kernels/route.py says),
-        [10] token rows this rank has put over the network in dispatches so far.
+        [10] token rows this rank has put over the network in dispatches so far, [11:16] the
+        host record of the running exact-mode data move (N and the outputs' addresses, see
+        ops/dispatch.PreparedMove) and [16] the launch's sequence number once it is there.
     timeout_ns: bound of every wait on a peer, in nanoseconds.
     local_programs: programs of a launch for the work that stays on this GPU (expansion,
         reduction, finish): the config's programs_per_sm per SM; the senders are taken from it.
