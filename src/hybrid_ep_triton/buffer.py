@@ -233,7 +233,8 @@ class Buffer:
             pad_multiple: pad each expert's segment with zero rows (weight 0) to a multiple of it
                 (1 with ``expand=False``).
             max_recv_tokens: None: the output has exactly the rows needed (the host waits for the
-                layout kernel's row count, written into pinned host memory). M: the output has M
+                layout kernel's row count, written into pinned host memory; the data move is
+                already launched and waits for the outputs' addresses). M: the output has M
                 rows, with no host synchronisation; rows past the valid count are zero; rows
                 that do not fit are dropped, and ``check`` (or the
                 next exact-mode dispatch of this Buffer, once its work is done) raises
