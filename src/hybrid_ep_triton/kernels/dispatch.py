@@ -964,7 +964,8 @@ def dispatch_kernel(
     else:
         lid = pid - num_senders - num_forwarders
         num_expanders = num_programs - num_quantizers - num_senders - num_forwarders
-        num_out_rows = tl.zeros([], tl.int32) + num_out_rows  # a value, also where it is 1
+        # A value even where Triton made it a constant (N == 1): the branch below may set it.
+        num_out_rows = tl.zeros([], tl.int32) + num_out_rows
         if outputs_tag > 0:
             # Exact mode: launched before the host knew the row count, which it then writes
             # with the outputs it allocated into its record [tag, N, recv_x, recv_scales,

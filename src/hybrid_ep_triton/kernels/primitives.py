@@ -244,9 +244,10 @@ def wait_host_record(record_ptr, tag, timeout_ns, status_ptr, peer, stage):
     One program of a launch should wait here, the others for what it copies into device
     memory: every poll is a read over PCIe (loads with the .cv cache operator, which fetch the
     line again where the GPU's L2 holds a copy of it; not an atomic, which on host memory may
-    be a read and a write that undo a host store between them), and a launch whose expanders
-    all polled kept the host from seeing the layout's report for milliseconds to a minute
-    (H200). Polls are a microsecond apart (``back_off``).
+    be a read and a write that undo a host store between them). With all of a launch's
+    expanders polling, an exact-mode dispatch took 2 ms (volatile loads) or never got its
+    record within a minute (.cv loads) on an H200. Polls are a microsecond apart
+    (``back_off``).
     """
     idx = tl.arange(0, HOST_RECORD_WORDS)
     weights = host_record_weights(idx)

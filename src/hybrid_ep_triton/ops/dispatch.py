@@ -392,7 +392,7 @@ class PreparedMove:
     with ``launch_awaiting_outputs(tag)`` before it knows N, so that the senders start as soon
     as the layout kernel is done, and ``deliver(N, tag)`` allocates the outputs and writes N
     and their addresses into the host record the launch waits for (``cancel(tag)`` where the
-    host has none to give). Each returns (or ``deliver`` returns) recv_x [N, H] (x's dtype;
+    host has none to give). ``move(N)`` and ``deliver`` return recv_x [N, H] (x's dtype;
     float8_e4m3fn with quantize), recv_scales ([N, H / 128] float32 for FP8 rows, else None)
     and recv_weights (None without topk_weights): [N] float32, with token rows [N, K].
     """
