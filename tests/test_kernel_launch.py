@@ -53,9 +53,9 @@ def test_launches_match_triton_across_specialisations(device):
 
 @pytest.mark.gpu
 def test_relaunches_through_the_driver_match_triton():
-    """A Relaunch of a compiled kernel goes through cuLaunchKernel (an fp32 and a negative
-    int32 argument among its parameters, a constexpr not) and computes what Triton's launch
-    does; one that would take another specialisation (n == 1) is refused."""
+    """A Relaunch of a compiled kernel goes through cuLaunchKernel (an fp32 argument among its
+    parameters, a constexpr not; the int32 n and two pointers changing) and computes what
+    Triton's launch does; one that would take another specialisation (n == 1) is refused."""
     offset = torch.tensor([0.25], device="cuda")
     launcher = KernelLauncher(_scale_kernel, scale=-1.5, offset_ptr=offset, BLOCK=BLOCK)
     base = torch.zeros(4 * BLOCK, device="cuda")
