@@ -134,6 +134,7 @@ def fake_triton(monkeypatch):
     monkeypatch.setattr(kernel, "run", run)
     monkeypatch.setattr(launch, "CompiledKernel", _FakeCompiled)
     monkeypatch.setattr(cuda, "cuLaunchKernel", launch_kernel)
+    monkeypatch.setattr(launch, "_driver_api", lambda: cuda)  # reachable, whatever this host has
     # set_active's counterpart, reset_active, would start the real driver: restore instead.
     monkeypatch.setattr(triton.runtime.driver, "_active", _FakeDriver())
     return kernel, compiled, through_triton
@@ -215,19 +216,22 @@ def test_relaunch_changes_the_named_arguments_within_a_specialisation(fake_trito
                  aligned=dict(out_ptr=base), changing=("BLOCK",))  # fmt: skip
 
 
-@pytest.mark.parametrize("needs", ["cluster", "global scratch", "launch hook"])
+@pytest.mark.parametrize("needs", ["cluster", "global scratch", "launch hook", "no driver"])
 def test_relaunch_takes_tritons_launcher_where_the_driver_launch_cannot(
     fake_triton, monkeypatch, needs
 ):
-    """Kernels launched with attributes or scratch memory, and launches a profiler hooks into,
-    relaunch through the compiled kernel's launcher."""
+    """Kernels launched with attributes or scratch memory, launches a profiler hooks into, and
+    launches where cuda-python cannot reach the driver relaunch through the compiled kernel's
+    launcher."""
     kernel, compiled, through_triton = fake_triton
     if needs == "cluster":
         compiled.metadata.num_ctas = 2
     elif needs == "global scratch":
         compiled.metadata.global_scratch_size = 128
-    else:
+    elif needs == "launch hook":
         monkeypatch.setattr(triton.knobs.runtime, "launch_enter_hook", lambda metadata: None)
+    else:
+        monkeypatch.setattr(launch, "_driver_api", lambda: None)
     launcher = KernelLauncher(kernel, scale=2.0, offset_ptr=torch.zeros(1), BLOCK=BLOCK)
     x, out = torch.zeros(64), torch.zeros(64)
     relaunch = launcher((1,), specialized=dict(x_ptr=x, n=7), aligned=dict(out_ptr=out),

@@ -28,6 +28,7 @@ argument again on every call: 6-9 µs per launch of our kernels instead of 9-16,
 driver call itself is most (bench/results/2026-12-01-1xH200-host-profile-3ccb8fb.log).
 """
 
+import functools
 import struct
 
 import numpy as np
@@ -243,8 +244,7 @@ class _DriverLaunch:
     __slots__ = ("args", "_params", "_call", "_stream", "_device", "_name", "_success")
 
     def __init__(self, compiled, grid: tuple, args: list, parameters: list, device):
-        from cuda.bindings import driver as cuda
-
+        cuda = _driver_api()
         self.args = values = np.zeros(len(args) + 1, dtype=np.int64)  # the last stays zero
         for i, kind in parameters:
             values[i] = _fp32_bits(args[i]) if kind == "fp32" else args[i]
@@ -270,6 +270,22 @@ class _DriverLaunch:
             raise RuntimeError(f"cuLaunchKernel of {self._name} failed: {error}")
 
 
+@functools.cache
+def _driver_api():
+    """cuda-python's driver module, or None where it cannot reach the driver (it is not
+    installed, or it was built for a newer CUDA than the driver's): then Relaunches take
+    Triton's launcher."""
+    try:
+        from cuda.bindings import driver
+    except ImportError:
+        return None
+    try:
+        error, _ = driver.cuDriverGetVersion()
+    except Exception:  # the driver library was not found or lacks the entry point
+        return None
+    return driver if error == driver.CUresult.CUDA_SUCCESS else None
+
+
 def _fp32_bits(value: float) -> int:
     return struct.unpack("<i", struct.pack("<f", value))[0]
 
@@ -278,8 +294,9 @@ def _driver_parameters(compiled) -> list[tuple[int, str]] | None:
     """The kernel parameters of ``compiled`` for a driver launch: (argument index, type) of
     each argument that is not a constexpr, in order; or None where the launch needs what only
     Triton's launcher does: launch attributes (clusters, cooperative grids, programmatic
-    dependent launch), scratch memory, tensor descriptors, parameters of other types, or
-    launch hooks (a profiler's: they are looked at when the kernel is first launched)."""
+    dependent launch), scratch memory, tensor descriptors, parameters of other types, launch
+    hooks (a profiler's: they are looked at when the kernel is first launched), or a driver
+    that cuda-python cannot reach."""
     meta = compiled.metadata
     hook = triton.knobs.runtime.launch_enter_hook
     if (
@@ -290,6 +307,7 @@ def _driver_parameters(compiled) -> list[tuple[int, str]] | None:
         or getattr(meta, "profile_scratch_size", 0)
         or getattr(meta, "tensordesc_meta", None)
         or (hook is not None and getattr(hook, "calls", True))  # a HookChain since 3.7
+        or _driver_api() is None
     ):
         return None
     src = compiled.src
