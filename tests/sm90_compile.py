@@ -4,7 +4,8 @@ Run as a script (``python tests/sm90_compile.py``) without TRITON_INTERPRET, bec
 interpreter replaces ``triton.jit``. Compiles the launch shapes of EP2 and EP8 within one node
 and of EP16 as 2 nodes of 8, whose kernels link NVSHMEM's sm_90 device bitcode as pip installs
 it, and prints one line per kernel (dispatch and its layout also with one row per token,
-expand=False; dispatch of FP8 rows at EP8, with token rows at EP16) with ptxas' resource usage
+expand=False; dispatch of FP8 rows at EP8, with token rows at EP16; quantizing, and an exact-mode
+move whose outputs come from the host, at EP2) with ptxas' resource usage
 (registers, and STACK: bytes spilled); any compile or link error fails. Integer arguments that
 the JIT would specialise as multiples of 16 (pointers, hidden sizes, strides) are marked so.
 """
@@ -98,6 +99,7 @@ def compile_all(topologies=TOPOLOGIES):
             STAGES=cfg.copy_stages,
             SCALE_WORDS=0,
             QUANTIZE=False,
+            OUTPUTS_FROM_HOST=False,
             **topology,
             **slot,
         )
@@ -136,6 +138,10 @@ def compile_all(topologies=TOPOLOGIES):
             *((dispatch_kernel, dict(fp8_tokens, source_ptr="*bf16"),
                dict(fp8_constexprs, TOKEN_ROWS=False, QUANTIZE=True), cfg.num_warps)
               for _ in range(world == 2)),
+            # An exact-mode move, its outputs from the host's record: expert-major at EP2.
+            *((dispatch_kernel, tokens,
+               dict(common, BLOCK_H=cfg.block_h, TOKEN_ROWS=False, OUTPUTS_FROM_HOST=True),
+               cfg.num_warps) for _ in range(world == 2)),
         ]  # fmt: skip
         for kernel, pointers, constexprs, num_warps in builds:
             # As launched: the data moves capped at MAX_REGISTERS, the layout kernel uncapped;
@@ -156,6 +162,7 @@ def compile_all(topologies=TOPOLOGIES):
             rows = " (token rows)" if constexprs.get("TOKEN_ROWS") else ""
             rows += " FP8" if constexprs.get("SCALE_WORDS") else ""
             rows += " quantizing" if constexprs.get("QUANTIZE") else ""
+            rows += " (outputs from the host)" if constexprs.get("OUTPUTS_FROM_HOST") else ""
             topo = f"EP{world}" if nodes == 1 else f"EP{world} ({nodes}x{per_node}, NVSHMEM)"
             yield f"{topo} {kernel.fn.__name__}{rows}", compiled
 

@@ -802,8 +802,8 @@ def dispatch_kernel(
     source_stride,
     quantized_flags_ptr,  # QUANTIZE: int64 [NC_MAX, QUANT_SLICES]: seq once the item is in x
     num_quantizers,  # QUANTIZE: the first programs, which quantize; else 0
-    outputs_addr,  # int64 [8] in the host's pinned memory, as an address: see outputs_tag
-    outputs_tag,  # -1; or > 0: the host writes N and the outputs' addresses there (see below)
+    outputs_addr,  # OUTPUTS_FROM_HOST: int64 [8] in the host's pinned memory, as an address
+    outputs_tag,  # OUTPUTS_FROM_HOST: the tag of the record the host writes there; else -1
     W: tl.constexpr,
     T_MAX: tl.constexpr,
     NC_MAX: tl.constexpr,
@@ -829,6 +829,7 @@ def dispatch_kernel(
     SLOT_BYTES: tl.constexpr,
     SCALE_WORDS: tl.constexpr,  # 0; FP8 rows: H / 128, the scale words after a row's data words
     QUANTIZE: tl.constexpr,  # FP8 rows that this launch quantizes from source into x, x_scales
+    OUTPUTS_FROM_HOST: tl.constexpr,  # N and the output pointers come from a host record
 ):
     pid = tl.program_id(0) - num_quantizers  # quantizers < 0 <= senders
     num_programs = tl.num_programs(0)
@@ -964,15 +965,14 @@ def dispatch_kernel(
     else:
         lid = pid - num_senders - num_forwarders
         num_expanders = num_programs - num_quantizers - num_senders - num_forwarders
-        # A value even where Triton made it a constant (N == 1): the branch below may set it.
-        num_out_rows = tl.zeros([], tl.int32) + num_out_rows
-        if outputs_tag > 0:
+        if OUTPUTS_FROM_HOST:
             # Exact mode: launched before the host knew the row count, which it then writes
             # with the outputs it allocated into its record [tag, N, recv_x, recv_scales,
             # recv_weights, recv_topk_idx, check] (N < 0: no outputs, an error on the host);
             # meanwhile the senders are sending already. The first expander waits for it and
             # copies it into control[11:16] (its flag: control[16] = seq) for the others. The
-            # pointer arguments give the types.
+            # pointer arguments give the types. A constexpr: as a runtime branch it cost the
+            # other launches registers and spills, ~5 µs of an S1 expert-row move (H200).
             if lid == 0:
                 record = wait_host_record(
                     outputs_addr.to(tl.pointer_type(tl.int64)), outputs_tag, timeout_ns,

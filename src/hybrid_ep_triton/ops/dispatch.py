@@ -525,14 +525,15 @@ def _launch_move(
     """The data move through its KernelLauncher, ``values`` in _move_changing's order; returns
     its Relaunch."""
     specialized, aligned = _move_changing(rows)
+    named = dict(zip(specialized, values, strict=False))
     quantizers = _quantizers(rt, handle.num_tokens) if rows == "quantize" else 0
     launch = rt.launcher(_MOVE_LAUNCHERS[rows])
     return launch(
         (quantizers + channel_programs(rt.plan) + programs_beside_senders(rt),),
         specialized=dict(
-            zip(specialized, values, strict=False), num_tokens=handle.num_tokens,
-            topk=handle.topk, K_P2=next_power_of_2(handle.topk), HAS_WEIGHTS=has_weights,
-            WRITE_ROWS=not cached, num_quantizers=quantizers,
+            named, num_tokens=handle.num_tokens, topk=handle.topk,
+            K_P2=next_power_of_2(handle.topk), HAS_WEIGHTS=has_weights, WRITE_ROWS=not cached,
+            num_quantizers=quantizers, OUTPUTS_FROM_HOST=named["outputs_tag"] > 0,
         ),
         aligned=dict(
             zip(aligned, values[len(specialized) :], strict=True), **handle.args(*_MOVE_PARTS)
