@@ -89,9 +89,10 @@ def _wrap_library(timer: StepTimer, buf: hep.Buffer) -> None:
                  "_check_handle", "_check_event", "_launch", "_track_overflow"):  # fmt: skip
         timer.wrap(hep.Buffer, name, f"Buffer.{name}")
     timer.wrap(buffer_module, "check_tensor")
-    for name in ("compute_layout", "prepare_move", "move_tokens", "reduce_tokens"):
+    for name in ("compute_layout", "reduce_tokens"):
         timer.wrap(library, name)
     # (Looked up here: eager_ab.py imports this module with older trees too.)
+    timer.wrap(dispatch.PreparedMove, "__init__", "prepare_move")
     for name in ("launch_awaiting_outputs", "deliver"):
         timer.wrap(dispatch.PreparedMove, name, f"PreparedMove.{name}")
     timer.wrap(rt, "read_report", "read_report (wait for the row count)")

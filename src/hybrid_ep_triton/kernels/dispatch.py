@@ -50,6 +50,7 @@ import triton
 import triton.language as tl
 
 from .primitives import (
+    HOST_RECORD_VALUES,
     finish_launch,
     handshake,
     interleaved,
@@ -978,7 +979,7 @@ def dispatch_kernel(
                     outputs_addr.to(tl.pointer_type(tl.int64)), outputs_tag, timeout_ns,
                     status_ptr, rank, 9,  # STAGE_DISPATCH_OUTPUTS
                 )  # fmt: skip
-                for i in tl.static_range(5):
+                for i in tl.static_range(HOST_RECORD_VALUES):
                     tl.store(control_ptr + 11 + i, record_word(record, 1 + i))
                 signal(control_ptr + 16, seq)
             wait_at_least(control_ptr + 16, seq, timeout_ns, status_ptr, rank, 9)

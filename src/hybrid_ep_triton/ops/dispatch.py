@@ -363,15 +363,7 @@ def _data_move_launcher(
 Moved = tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]
 
 
-def prepare_move(
-    rt: Runtime,
-    x: torch.Tensor,
-    x_scales: torch.Tensor | None,
-    topk_weights: torch.Tensor | None,
-    handle: DispatchHandle,
-    cached: bool,
-    quantize: bool = False,
-) -> "PreparedMove":
+class PreparedMove:
     """The data move for ``x`` [T, H] along ``handle``, prepared up to what depends on the row
     count N; collective. ``cached``: the handle's staged_rows (and recv_topk_idx) were filled
     by an earlier move and stay as they are; otherwise a token-row plan's move sets
@@ -381,12 +373,6 @@ def prepare_move(
     row stride that is a multiple of 4 bytes, see fp8_words); ``quantize``: ``x`` of the
     Buffer's dtype, which the launch quantizes as it sends (x_scales None); else x_scales is
     None.
-    """
-    return PreparedMove(rt, x, x_scales, topk_weights, handle, cached, quantize)
-
-
-class PreparedMove:
-    """A data move (see prepare_move) whose outputs are allocated once N is known.
 
     ``move(N)`` allocates the outputs and launches. An exact-mode dispatch instead launches
     with ``launch_awaiting_outputs(tag)`` before it knows N, so that the senders start as soon
@@ -397,10 +383,20 @@ class PreparedMove:
     and recv_weights (None without topk_weights): [N] float32, with token rows [N, K].
     """
 
-    def __init__(self, rt, x, x_scales, topk_weights, handle, cached, quantize):
+    def __init__(
+        self,
+        rt: Runtime,
+        x: torch.Tensor,
+        x_scales: torch.Tensor | None,
+        topk_weights: torch.Tensor | None,
+        handle: DispatchHandle,
+        cached: bool,
+        quantize: bool = False,
+    ):
         self.rt, self.handle, self.cached = rt, handle, cached
         self.has_weights = topk_weights is not None
         self.rows = "quantize" if quantize else "fp8" if x_scales is not None else "rows"
+        self.fp8 = self.rows != "rows"  # FP8 rows out: values and scales
         self.dtype = torch.float8_e4m3fn if quantize else x.dtype
         self.topk_weights = topk_weights.contiguous() if self.has_weights else None
         # The arguments from the caller, as _move_changing names them: FP8 rows move as words.
@@ -418,9 +414,9 @@ class PreparedMove:
     def launch_awaiting_outputs(self, tag: int) -> None:
         """Launch before N is known: the expansion waits for the host record ``tag`` (> 0)."""
         # Stand-ins of the outputs' types, so that the launch takes move(N)'s kernel.
-        placeholder, fp8 = self.rt.placeholder, self.rows != "rows"
+        placeholder = self.rt.placeholder
         outputs = (
-            placeholder(self.dtype), placeholder(torch.float32) if fp8 else None,
+            placeholder(self.dtype), placeholder(torch.float32) if self.fp8 else None,
             placeholder(torch.float32) if self.has_weights else None,
             placeholder(torch.int32) if self.rt.plan.token_rows and not self.cached else None,
         )  # fmt: skip
@@ -444,7 +440,7 @@ class PreparedMove:
         plan, dev = self.rt.plan, self.rt.device
         recv_x = torch.empty(num_rows, plan.hidden, dtype=self.dtype, device=dev)
         recv_scales = None
-        if self.rows != "rows":
+        if self.fp8:
             recv_scales = torch.empty(num_rows, plan.fp8.scale_words, device=dev)
         recv_weights = recv_topk_idx = None
         if self.has_weights:
@@ -463,8 +459,7 @@ class PreparedMove:
         unused = self.rt.placeholder(torch.float32)
         recv_weights = unused if recv_weights is None else recv_weights
         recv_topk_idx = recv_weights if recv_topk_idx is None else recv_topk_idx
-        fp8 = self.rows != "rows"
-        rows = (fp8_words(recv_x), fp8_words(recv_scales)) if fp8 else (recv_x,)
+        rows = (fp8_words(recv_x), fp8_words(recv_scales)) if self.fp8 else (recv_x,)
         topk_weights = self.topk_weights if self.has_weights else unused
         return topk_weights, *rows, recv_weights, recv_topk_idx
 
@@ -497,7 +492,7 @@ _MOVE_PARTS = (
 # the outputs and the handle's info, which this library allocates.
 _MOVE_SPECIALIZED = ("topk_idx_ptr", "topk_weights_ptr", "num_out_rows", "outputs_tag")
 _MOVE_ALIGNED = ("info_ptr", "recv_x_ptr", "recv_weights_ptr", "recv_topk_idx_ptr")
-# By the rows moved (prepare_move's ``rows``): the caller's rows (x, or what a quantizing
+# By the rows moved (PreparedMove's ``rows``): the caller's rows (x, or what a quantizing
 # move reads) and the launcher that moves them.
 _MOVE_INPUTS = {
     "rows": ("x_ptr", "x_stride"),
@@ -541,22 +536,6 @@ def _launch_move(
         changing=(*specialized, *aligned),
         views_of=handle.ints,
     )  # fmt: skip
-
-
-def move_tokens(
-    rt: Runtime,
-    x: torch.Tensor,
-    x_scales: torch.Tensor | None,
-    topk_weights: torch.Tensor | None,
-    handle: DispatchHandle,
-    cached: bool,
-    quantize: bool = False,
-) -> Moved:
-    """Launch the data move for ``x`` [T, H] along ``handle`` (N: handle.num_recv_rows); see
-    prepare_move."""
-    return prepare_move(rt, x, x_scales, topk_weights, handle, cached, quantize)(
-        handle.num_recv_rows
-    )
 
 
 def fp8_words(t: torch.Tensor) -> torch.Tensor:

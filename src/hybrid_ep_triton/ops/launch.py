@@ -242,6 +242,7 @@ class _DriverLaunch:
     """
 
     __slots__ = ("args", "_params", "_call", "_stream", "_device", "_name", "_success")
+    # (_params is kept for its memory: _call holds its address.)
 
     def __init__(self, compiled, grid: tuple, args: list, parameters: list, device):
         cuda = _driver_api()
@@ -254,18 +255,16 @@ class _DriverLaunch:
         meta = compiled.metadata
         self._call = (
             cuda.cuLaunchKernel, compiled.function, *(*grid, 1, 1)[:3], 32 * meta.num_warps, 1,
-            1, meta.shared,
+            1, meta.shared, self._params.ctypes.data,
         )  # fmt: skip
         self._device, self._name = device, compiled.name
         self._stream = triton.runtime.driver.active.get_current_stream
         self._success = cuda.CUresult.CUDA_SUCCESS
 
     def __call__(self) -> None:
-        launch, function, gx, gy, gz, threads, by, bz, shared = self._call
+        launch, function, gx, gy, gz, threads, by, bz, shared, params = self._call
         stream = self._stream(self._device)
-        (error,) = launch(
-            function, gx, gy, gz, threads, by, bz, shared, stream, self._params.ctypes.data, 0
-        )
+        (error,) = launch(function, gx, gy, gz, threads, by, bz, shared, stream, params, 0)
         if error != self._success:
             raise RuntimeError(f"cuLaunchKernel of {self._name} failed: {error}")
 

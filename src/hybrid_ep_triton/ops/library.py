@@ -39,8 +39,6 @@ from .dispatch import (
     compute_layout,
     handle_sizes,
     make_handle,
-    move_tokens,
-    prepare_move,
 )
 from .fp8_rows import Fp8Values
 
@@ -85,7 +83,7 @@ def _dispatch_with_handle(
     quantize: bool = False,
 ) -> tuple[Tensor, Tensor | None, Tensor | None, DispatchHandle]:
     """Layout and data move; max_recv_tokens None: exact mode (the host waits for the count);
-    ``quantize``: x of the Buffer's dtype is sent as FP8 rows (see prepare_move). Returns
+    ``quantize``: x of the Buffer's dtype is sent as FP8 rows (see PreparedMove). Returns
     recv_x [N, H], recv_scales ([N, H / 128] float32 with FP8 rows, else None), recv_weights
     [N] float32 (None without topk_weights), the handle."""
     if max_recv_tokens is None and rt.device.type == "cuda":
@@ -97,7 +95,7 @@ def _dispatch_with_handle(
             )
     tag = rt.next_report_tag() if max_recv_tokens is None else 0
     handle = compute_layout(rt, topk_idx, pad_multiple, max_recv_tokens, tag)
-    move = prepare_move(rt, x, x_scales, topk_weights, handle, False, quantize)  # while it runs
+    move = PreparedMove(rt, x, x_scales, topk_weights, handle, False, quantize)  # while it runs
     if max_recv_tokens is None:
         recv_x, recv_scales, recv_weights = _exact_move(rt, handle, move, tag)
     else:
@@ -226,7 +224,9 @@ def _move_cached(
     handle: DispatchHandle,
     quantize: bool = False,
 ) -> tuple[Tensor, Tensor | None, Tensor | None]:
-    moved = move_tokens(rt, x, x_scales, topk_weights, handle, True, quantize)
+    moved = PreparedMove(rt, x, x_scales, topk_weights, handle, True, quantize)(
+        handle.num_recv_rows
+    )
     rt.check_status()
     return moved
 
