@@ -24,7 +24,7 @@ repeated call changes (``changing``, positionally, then the new address of the t
 TensorViews were views of), checked against the specialisation. A Relaunch launches through
 the driver (``cuLaunchKernel``) from a parameter array it keeps, where the kernel needs nothing
 that only Triton's launcher does, instead of Triton's compiled launcher, which parses every
-argument again on every call: 6-9 µs per launch of our kernels instead of 9-16, of which the
+argument again on every call: 6-10 µs per launch of our kernels instead of 8-16, of which the
 driver call itself is most (bench/results/2026-12-01-1xH200-host-profile-3ccb8fb.log).
 """
 
