@@ -493,15 +493,13 @@ class Buffer:
 
     def _check_tokens(self, name: str, x: torch.Tensor, dtype: torch.dtype | None = None) -> None:
         """x: [T, H] rows of ``dtype`` (default: the Buffer's), T <= max_tokens_per_rank."""
-        if not isinstance(x, torch.Tensor) or x.dim() != 2 or x.shape[1] != self.hidden_size:
+        check_tensor(name, x, None, dtype or self.dtype, self._rt.device)
+        shape = x.shape
+        if len(shape) != 2 or shape[1] != self.hidden_size:
+            raise ValueError(f"{name} must be a [T, {self.hidden_size}] tensor, got {tuple(shape)}")
+        if shape[0] > self.max_tokens_per_rank:
             raise ValueError(
-                f"{name} must be a [T, {self.hidden_size}] tensor, got "
-                f"{tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__}"
-            )
-        check_tensor(name, x, tuple(x.shape), dtype or self.dtype, self._rt.device)
-        if x.shape[0] > self.max_tokens_per_rank:
-            raise ValueError(
-                f"{name} has {x.shape[0]} tokens, more than max_tokens_per_rank="
+                f"{name} has {shape[0]} tokens, more than max_tokens_per_rank="
                 f"{self.max_tokens_per_rank}"
             )
         check_contiguous_rows(name, x)
@@ -597,7 +595,7 @@ class Buffer:
         (expert-major or token rows). With the ``tag`` its layout launch was given, from the
         report the layout kernel writes into host memory (the host polls it: no stream
         synchronisation, no copy); else one device-to-host read."""
-        report = self._rt.report.numpy()
+        report = self._rt.report_words
         deadline = time.monotonic() + 2 * self.timeout_s
         while tag and report[0] != tag and time.monotonic() < deadline:
             pass

@@ -219,7 +219,7 @@ class TokenDispatcher:
         t = hidden_states
         if not isinstance(t, torch.Tensor) or t.dim() < 1 or t.shape[-1] != hidden:
             raise ValueError(f"hidden_states must have shape [..., {hidden}], got {describe(t)}")
-        check_tensor("hidden_states", t, t.shape, self.buffer.dtype, self.device)
+        check_tensor("hidden_states", t, None, self.buffer.dtype, self.device)
         x = t.reshape(-1, hidden)
         x = x if x.stride(1) == 1 else x.contiguous()  # the Buffer wants contiguous rows
         if x.shape[0] > self.buffer.max_tokens_per_rank:

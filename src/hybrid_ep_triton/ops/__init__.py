@@ -35,11 +35,12 @@ class Runtime:
         tag)``: with a report tag, from ``report``; else one device-to-host read), raises
         TimeoutError or ValueError (invalid routing), returns the rows needed.
     report: int64 [7] in host memory (pinned on GPUs, which the device writes through its
-        mapping): what an exact-mode layout writes for the host, see kernels/route.py.
+        mapping): what an exact-mode layout writes for the host, see kernels/route.py;
+        ``report_words`` is a memoryview of it.
     outputs_record: int64 [8] in host memory (pinned on GPUs, which the device reads through
         its mapping): the row count and output addresses of an exact-mode dispatch's data move,
         written by the host once it knows them (ops/dispatch.PreparedMove);
-        ``outputs_record_words`` is its numpy view.
+        ``outputs_record_words`` is a memoryview of it.
     compile_options: options of every launch beside the kernel's own (across nodes on GPUs:
         NVSHMEM's device library, ``extern_libs``).
     on_compile: called with each newly compiled kernel before its first launch (across nodes on
@@ -72,7 +73,10 @@ class Runtime:
     _report_calls: Iterator[int] = field(default_factory=itertools.count)
 
     def __post_init__(self) -> None:
-        self.outputs_record_words = self.outputs_record.numpy()
+        # Memoryviews: the host reads and writes their items on every exact-mode call, and a
+        # memoryview's items cost less host time than a numpy array's or a tensor's.
+        self.report_words = memoryview(self.report.numpy())
+        self.outputs_record_words = memoryview(self.outputs_record.numpy())
         # Made here, not on first use, which may be inside a CUDA graph capture.
         self._placeholders = {
             dtype: torch.zeros(16, dtype=torch.uint8, device=self.device).view(dtype)

@@ -74,7 +74,6 @@ class DispatchHandle:
     topk_idx: torch.Tensor
     ints: torch.Tensor
     longs: torch.Tensor
-    info: torch.Tensor
     tokens_per_expert: torch.Tensor
     parts: dict
     recv_topk_idx: torch.Tensor | None = None
@@ -91,6 +90,12 @@ class DispatchHandle:
     send_chunk_node_start = _Part()
     recv_net_chunk_start = _Part()
     fwd_rows = _Part()
+
+    @functools.cached_property
+    def info(self) -> torch.Tensor:
+        # A view on first use: launches take ``longs``, which starts with it, and a view costs
+        # host time that most calls need not pay.
+        return self.longs[:_INFO_LONGS]
 
     @functools.cached_property
     def _views(self) -> dict[str, TensorView]:
@@ -159,7 +164,6 @@ def make_handle(
         topk_idx=topk_idx,
         ints=ints,
         longs=longs,
-        info=longs[:_INFO_LONGS],
         tokens_per_expert=longs[_INFO_LONGS:],
         parts=_int_layout(plan, num_tokens, topk)[1],
     )
@@ -210,7 +214,7 @@ def compute_layout(
             PAIRS=min(plan.config.chunk_tokens * next_power_of_2(topk), _PAIRS),
         ),
         aligned=dict(
-            tokens_per_expert_ptr=handle.tokens_per_expert, info_ptr=handle.info,
+            tokens_per_expert_ptr=handle.tokens_per_expert, info_ptr=handle.longs,
             **handle.args(*_LAYOUT_PARTS),
         ),
         changing=("topk_idx_ptr", "report_tag", "tokens_per_expert_ptr", "info_ptr"),
@@ -383,6 +387,11 @@ class PreparedMove:
     and recv_weights (None without topk_weights): [N] float32, with token rows [N, K].
     """
 
+    __slots__ = (
+        "rt", "handle", "cached", "has_weights", "rows", "fp8", "dtype", "topk_weights",
+        "inputs", "key",
+    )  # fmt: skip
+
     def __init__(
         self,
         rt: Runtime,
@@ -465,7 +474,16 @@ class PreparedMove:
 
     def _launch(self, num_rows: int, tag: int, topk_weights, *outputs) -> None:
         rt, handle = self.rt, self.handle
-        values = (*self.inputs, handle.topk_idx, topk_weights, num_rows, tag, handle.info, *outputs)
+        # (info_ptr: ``longs``, which starts with the handle's info.)
+        values = (
+            *self.inputs,
+            handle.topk_idx,
+            topk_weights,
+            num_rows,
+            tag,
+            handle.longs,
+            *outputs,
+        )
         key = (*self.key, tag > 0)
         relaunch = rt.relaunches.get(key)
         if relaunch is None or not relaunch(*values, handle.ints.data_ptr()):
@@ -475,10 +493,14 @@ class PreparedMove:
 
 
 def write_host_record(words, tag: int, values: tuple[int, ...]) -> None:
-    """Write the host record ``tag`` of ``values`` into ``words`` (int64 numpy view of pinned
-    memory): the values, the check, the tag last (kernels/primitives.wait_host_record)."""
-    words[1 : 1 + len(values)] = values
-    words[1 + len(values)] = tag + sum((2 * i + 3) * v for i, v in enumerate(values))
+    """Write the host record ``tag`` of ``values`` into ``words`` (int64 items of pinned
+    memory, a numpy array or a memoryview): the values, the check, the tag last
+    (kernels/primitives.wait_host_record)."""
+    check = tag
+    for i, value in enumerate(values, 1):
+        words[i] = value
+        check += (2 * i + 1) * value
+    words[len(values) + 1] = check
     words[0] = tag
 
 

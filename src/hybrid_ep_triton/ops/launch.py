@@ -63,8 +63,12 @@ def _specialization(value) -> object:
     if isinstance(value, torch.Tensor):
         return value.dtype, value.data_ptr() % 16 == 0
     if type(value) is int:
-        return value == 1, value % 16 == 0, value in _INT32, value < 2**63
+        return _int_specialization(value)
     return value
+
+
+def _int_specialization(value: int) -> tuple:
+    return value == 1, value % 16 == 0, value in _INT32, value < 2**63
 
 
 class KernelLauncher:
@@ -139,10 +143,10 @@ class KernelLauncher:
             args[index[name]] = value.data_ptr() if isinstance(value, tensor) else value.address
         if not through_triton:
             runner(*args, stream=driver.get_current_stream(device))
-        checked = [
-            (i, _specialization(specialized[name]))
+        checked = {
+            i: _specialization(specialized[name])
             for i, name in enumerate(changing) if name in specialized
-        ]  # fmt: skip
+        }  # fmt: skip
         views = [
             (index[name], value.address - views_of.data_ptr())
             for name, value in aligned.items()
@@ -188,23 +192,32 @@ class Relaunch:
     views it moves with it. Values of arguments that Triton specialises on (the launch's
     ``specialized`` ones) are checked; where one would take another specialisation nothing is
     launched and it returns False (the caller then launches through its KernelLauncher, which
-    finds or compiles that one).
+    finds or compiles that one, and drops this Relaunch, whose arguments are then partly
+    updated).
     """
 
-    __slots__ = ("_launch", "_args", "_slots", "_checked", "_views")
+    __slots__ = ("_launch", "_args", "_values", "_views")
 
-    def __init__(self, launch, slots: list[int], checked: list, views: list):
-        self._launch, self._args, self._slots = launch, launch.args, slots
-        self._checked = checked  # (position in values, specialisation it must keep)
+    def __init__(self, launch, slots: list[int], checked: dict[int, object], views: list):
+        self._launch, self._args = launch, launch.args
+        # (argument index, specialisation the value must keep or None) of each value in turn:
+        # one pass over the values per launch, each tensor's address read once, is most of a
+        # relaunch's host time.
+        self._values = [(slot, checked.get(position)) for position, slot in enumerate(slots)]
         self._views = views  # (argument index, byte offset from the base)
 
     def __call__(self, *values) -> bool:
-        for position, expected in self._checked:
-            if _specialization(values[position]) != expected:
-                return False
         args = self._args
-        for slot, value in zip(self._slots, values, strict=False):  # the base is last
-            args[slot] = value if type(value) is int else value.data_ptr()
+        for (slot, expected), value in zip(self._values, values, strict=False):  # base last
+            if type(value) is int:
+                if expected is not None and _int_specialization(value) != expected:
+                    return False
+                args[slot] = value
+            else:
+                address = value.data_ptr()
+                if expected is not None and (value.dtype, address % 16 == 0) != expected:
+                    return False
+                args[slot] = address
         base = values[-1]
         for slot, offset in self._views:
             args[slot] = base + offset
@@ -252,6 +265,7 @@ class _DriverLaunch:
         base = values.ctypes.data
         null = base + 8 * len(args)
         self._params = np.array([base + 8 * i for i, _ in parameters] + [null, null], np.uint64)
+        self.args = memoryview(values)  # the same memory: its items are set faster than numpy's
         meta = compiled.metadata
         self._call = (
             cuda.cuLaunchKernel, compiled.function, *(*grid, 1, 1)[:3], 32 * meta.num_warps, 1,

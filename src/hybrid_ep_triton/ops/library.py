@@ -301,9 +301,13 @@ def _(runtime_id, grad_recv_weights, topk_idx, ints, longs):
 
 
 def _through_torch(*tensors) -> bool:
-    return torch.compiler.is_compiling() or (
-        torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
-    )
+    if torch.compiler.is_compiling():
+        return True
+    if torch.is_grad_enabled():
+        for t in tensors:  # (a loop, not any() of a generator: this is on every call's path)
+            if t is not None and t.requires_grad:
+                return True
+    return False
 
 
 def run_dispatch(

@@ -17,10 +17,14 @@ def check_int(name: str, value, minimum: int, maximum: int | None = None) -> Non
         raise ValueError(f"{name} must be <= {maximum}, got {value!r}")
 
 
-def check_tensor(name: str, t, shape: tuple, dtype: torch.dtype, device: torch.device) -> None:
+def check_tensor(
+    name: str, t, shape: tuple | None, dtype: torch.dtype, device: torch.device
+) -> None:
+    """``t`` is a tensor of ``shape`` (None: any), ``dtype``, on ``device`` (a device without an
+    index: any of its type)."""
     if not isinstance(t, torch.Tensor):
         raise ValueError(f"{name} must be a tensor, got {type(t).__name__}")
-    if tuple(t.shape) != tuple(shape):
+    if shape is not None and t.shape != shape:  # a torch.Size is a tuple
         raise ValueError(f"{name} must have shape {tuple(shape)}, got {tuple(t.shape)}")
     if t.dtype != dtype:
         raise ValueError(f"{name} must be {dtype}, got {t.dtype}")

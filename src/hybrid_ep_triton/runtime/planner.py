@@ -4,7 +4,7 @@ Everything is sized for the worst case once, at construction (max_tokens_per_ran
 every rank), so a call never allocates heap memory and never waits for the host.
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 
@@ -259,6 +259,22 @@ class Plan:
     ranks_per_node: int  # R: consecutive ranks that reach each other over NVLink
     net_slot: NetSlot
     fp8: Fp8Rows | None  # how FP8 dispatches move rows; None where H % 128 != 0
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "_hash", hash(self._fields()))
+
+    def __hash__(self) -> int:
+        # Computed once: a Plan keys caches that every dispatch looks up, and hashing its
+        # nested fields took a µs of host time per lookup.
+        return self._hash
+
+    def __reduce__(self):
+        # Rebuilt from its fields, so that an unpickled Plan hashes as this process's do (a
+        # dtype's hash differs between processes).
+        return Plan, self._fields()
+
+    def _fields(self) -> tuple:
+        return tuple(getattr(self, f.name) for f in fields(self))
 
     @property
     def nodes(self) -> int:
