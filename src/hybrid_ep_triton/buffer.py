@@ -435,8 +435,7 @@ class Buffer:
     def _launch(self, call, inputs, previous_event, async_finish):
         """Run ``call`` (returns a tensor or a tuple of tensors, None or handles) on the calling
         stream, or on the communication stream with async_finish; returns (outputs, event)."""
-        on_gpu = self._rt.device.type == "cuda"
-        if not (async_finish and on_gpu):
+        if not async_finish or self._rt.device.type != "cuda":
             if previous_event is not None:
                 torch.cuda.current_stream().wait_event(previous_event)
             return call(), None

@@ -465,11 +465,11 @@ class PreparedMove:
         weights, the unused topk_weights: (topk_weights, recv_x, [recv_scales,] recv_weights,
         recv_topk_idx)."""
         recv_x, recv_scales, recv_weights, recv_topk_idx = outputs
-        unused = self.rt.placeholder(torch.float32)
-        recv_weights = unused if recv_weights is None else recv_weights
+        if recv_weights is None:  # no weights: both weight pointers unused
+            recv_weights = self.rt.placeholder(torch.float32)
+        topk_weights = self.topk_weights if self.has_weights else recv_weights
         recv_topk_idx = recv_weights if recv_topk_idx is None else recv_topk_idx
         rows = (fp8_words(recv_x), fp8_words(recv_scales)) if self.fp8 else (recv_x,)
-        topk_weights = self.topk_weights if self.has_weights else unused
         return topk_weights, *rows, recv_weights, recv_topk_idx
 
     def _launch(self, num_rows: int, tag: int, topk_weights, *outputs) -> None:
