@@ -166,7 +166,8 @@ class Buffer:
         self.device = device
         self.timeout_s = float(timeout_s)
         self._broken: str | None = None
-        # max_recv_tokens dispatches whose overflow nobody has checked yet: (info, M).
+        # max_recv_tokens dispatches whose overflow nobody has checked yet: (the handle's longs,
+        # whose [0] is the rows it needed, M).
         self._unchecked: list[tuple[torch.Tensor, int]] = []
         across_gpus = on_gpu and plan.nodes > 1
         if across_gpus:
@@ -406,9 +407,9 @@ class Buffer:
         """
         self._check_handle(handle)
         self._read_report(handle)
-        self._unchecked = [entry for entry in self._unchecked if entry[0] is not handle.info]
+        self._unchecked = [entry for entry in self._unchecked if entry[0] is not handle.longs]
         if handle.max_recv_tokens is not None:
-            self._raise_on_overflow([(handle.info, handle.max_recv_tokens)])
+            self._raise_on_overflow([(handle.longs, handle.max_recv_tokens)])
 
     @property
     def network_rows(self) -> int:
@@ -469,7 +470,7 @@ class Buffer:
         raise the overflows of earlier ones."""
         if handle.max_recv_tokens is not None:
             if len(self._unchecked) < _MAX_UNCHECKED:
-                self._unchecked.append((handle.info, handle.max_recv_tokens))
+                self._unchecked.append((handle.longs, handle.max_recv_tokens))
         elif self._unchecked:
             pending, self._unchecked = self._unchecked, []
             self._raise_on_overflow(pending)
@@ -576,9 +577,9 @@ class Buffer:
             raise TimeoutError(self._broken)
 
     def _raise_on_overflow(self, dispatches: list[tuple[torch.Tensor, int]]) -> None:
-        """Raise OverflowError for the first of ``dispatches`` (info, M) that needed more than
-        M rows."""
-        needed = torch.stack([info[0] for info, _ in dispatches]).tolist()
+        """Raise OverflowError for the first of ``dispatches`` (a handle's longs, M) that needed
+        more than M rows."""
+        needed = torch.stack([longs[0] for longs, _ in dispatches]).tolist()
         for (_, limit), rows in zip(dispatches, needed, strict=True):
             if rows > limit:
                 raise OverflowError(
@@ -602,7 +603,7 @@ class Buffer:
             needed, src, row, code, peer, stage = report[1:].tolist()
         else:  # no tag, or the device did not get there: its error surfaces here
             needed, src, row, code, peer, stage = torch.cat(
-                [handle.info[:3], self._rt.control[3:6]]
+                [handle.longs[:3], self._rt.control[3:6]]
             ).tolist()
         self._raise_on_status(code, peer, stage)
         if src >= 0:

@@ -59,7 +59,8 @@ class DispatchHandle:
         recv_net_chunk_start [N, NC_MAX + 1] int32 (the streams to this node that this rank
         forwards), fwd_rows [N, T_MAX, R] int32 (each forwarded row's row at every node rank,
         filled by the data move).
-    info: int64 [4] on the device: [0] rows the output needs (expert-major: padding included;
+    The handle's info, the first 4 of ``longs`` (no view of its own: launches and the host
+    take ``longs``): [0] rows the output needs (expert-major: padding included;
         token rows: the tokens received; even past max_recv_tokens), [1] first rank whose
         topk_idx was invalid or -1, [2] first invalid row of this rank's topk_idx (or a large
         value).
@@ -90,12 +91,6 @@ class DispatchHandle:
     send_chunk_node_start = _Part()
     recv_net_chunk_start = _Part()
     fwd_rows = _Part()
-
-    @functools.cached_property
-    def info(self) -> torch.Tensor:
-        # A view on first use: launches take ``longs``, which starts with it, and a view costs
-        # host time that most calls need not pay.
-        return self.longs[:_INFO_LONGS]
 
     @functools.cached_property
     def _views(self) -> dict[str, TensorView]:
