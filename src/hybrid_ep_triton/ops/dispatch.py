@@ -59,11 +59,11 @@ class DispatchHandle:
         recv_net_chunk_start [N, NC_MAX + 1] int32 (the streams to this node that this rank
         forwards), fwd_rows [N, T_MAX, R] int32 (each forwarded row's row at every node rank,
         filled by the data move).
-    The handle's info, the first 4 of ``longs`` (no view of its own: launches and the host
-    take ``longs``): [0] rows the output needs (expert-major: padding included;
-        token rows: the tokens received; even past max_recv_tokens), [1] first rank whose
-        topk_idx was invalid or -1, [2] first invalid row of this rank's topk_idx (or a large
-        value).
+    longs: int64 on the device: the handle's info [4] (read through ``longs``, no view of its
+        own), then tokens_per_expert. Info: [0] rows the output needs (expert-major: padding
+        included; token rows: the tokens received; even past max_recv_tokens), [1] first rank
+        whose topk_idx was invalid or -1, [2] first invalid row of this rank's topk_idx (or a
+        large value).
     num_recv_rows: N, the rows of recv_x.
     parts: (shape, strides, offset) of each int32 part in ``ints``, by name.
     """
@@ -469,16 +469,8 @@ class PreparedMove:
 
     def _launch(self, num_rows: int, tag: int, topk_weights, *outputs) -> None:
         rt, handle = self.rt, self.handle
-        # (info_ptr: ``longs``, which starts with the handle's info.)
-        values = (
-            *self.inputs,
-            handle.topk_idx,
-            topk_weights,
-            num_rows,
-            tag,
-            handle.longs,
-            *outputs,
-        )
+        info = handle.longs  # (which starts with the handle's info)
+        values = (*self.inputs, handle.topk_idx, topk_weights, num_rows, tag, info, *outputs)
         key = (*self.key, tag > 0)
         relaunch = rt.relaunches.get(key)
         if relaunch is None or not relaunch(*values, handle.ints.data_ptr()):
