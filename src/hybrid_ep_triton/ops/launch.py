@@ -259,7 +259,7 @@ class _DriverLaunch:
 
     def __init__(self, compiled, grid: tuple, args: list, parameters: list, device):
         cuda = _driver_api()
-        self.args = values = np.zeros(len(args) + 1, dtype=np.int64)  # the last stays zero
+        values = np.zeros(len(args) + 1, dtype=np.int64)  # the last stays zero
         for i, kind in parameters:
             values[i] = _fp32_bits(args[i]) if kind == "fp32" else args[i]
         base = values.ctypes.data
