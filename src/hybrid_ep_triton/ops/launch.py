@@ -215,6 +215,7 @@ class Relaunch:
                 args[slot] = value
             else:
                 address = value.data_ptr()
+                # _specialization's rule for a tensor, inline: a call per value costs host time.
                 if expected is not None and (value.dtype, address % 16 == 0) != expected:
                     return False
                 args[slot] = address
