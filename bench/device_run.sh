@@ -24,7 +24,8 @@
 #   eager-ab  bench/eager_ab.py on one GPU for the tree in $AB_OLD (a folder holding src/, e.g.
 #          `git archive <commit> src | tar -x -C .ab/old`, carried) and this tree, alternated
 #          twice: an A/B of eager speed in one call
-#   host   bench/host_profile.py: where the host time of each kind of eager call goes (one GPU)
+#   host   bench/host_profile.py: where the host time of each kind of eager call goes (one GPU;
+#          $HOST_SHAPES, default S1,S2; empty: only the launch and torch call costs)
 #   tune   hybrid-ep tune for the S1 shape
 #   megatron  tests/test_megatron.py on the GPUs: this library in Megatron-Core's MoELayer against
 #          its alltoall dispatcher (expert-parallel 1 on one GPU; EP 2 and DP 2 x EP 1 on two;
@@ -83,7 +84,7 @@ for step in $STEPS; do
                        if [ $tree = old ]; then src=$AB_OLD/src; fi; \
                        PYTHONPATH=/tmp/site:$src python3 bench/eager_ab.py \
                        --label "$tree run$run" || exit 1; done; done') ;;
-        host) cmd=(python3 bench/host_profile.py) ;;
+        host) cmd=(python3 bench/host_profile.py --shapes "${HOST_SHAPES-S1,S2}") ;;
         tune) cmd=(python3 -m hybrid_ep_triton tune) ;;
         megatron) cmd=(bash -c 'HEP_TEST_DEVICE=cuda HEP_TEST_TIMEOUT=300 python3 -m pytest \
                        -q -rs -s -p no:warnings tests/test_megatron.py \

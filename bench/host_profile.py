@@ -95,6 +95,16 @@ def _wrap_library(timer: StepTimer, buf: hep.Buffer) -> None:
     timer.wrap(dispatch.PreparedMove, "__init__", "prepare_move")
     for name in ("launch_awaiting_outputs", "deliver"):
         timer.wrap(dispatch.PreparedMove, name, f"PreparedMove.{name}")
+    for name in ("_dispatch_with_handle", "_exact_move", "run_dispatch"):
+        if hasattr(library, name):
+            timer.wrap(library, name)
+    for name in ("make_handle", "write_host_record"):
+        if hasattr(dispatch, name):
+            timer.wrap(dispatch, name)
+    for name in ("_allocate", "_arguments", "_launch"):
+        if hasattr(dispatch.PreparedMove, name):
+            timer.wrap(dispatch.PreparedMove, name, f"PreparedMove.{name}")
+    timer.wrap(torch.cuda, "is_current_stream_capturing")
     timer.wrap(rt, "read_report", "read_report (wait for the row count)")
     timer.wrap(rt, "check_status")
     timer.wrap(launch.KernelLauncher, "__call__", "KernelLauncher (key, arguments)")
@@ -202,6 +212,8 @@ def _launcher_costs(iters: int) -> list[str]:
             f"{raw:.1f} µs by its compiled launcher (addresses as ints), {direct:.1f} µs by "
             "cuLaunchKernel from a kept parameter array"
         )
+    lines += _ctypes_launches(iters)
+    lines += _torch_call_costs(iters)
     empty = _host_median(lambda: torch.empty(128, 7168, dtype=torch.bfloat16, device="cuda"), iters)
     events = _host_median(
         lambda: [torch.cuda.Event(enable_timing=True).record() for _ in range(2)], iters
@@ -209,6 +221,67 @@ def _launcher_costs(iters: int) -> list[str]:
     lines.append(f"torch.empty [128, 7168] bf16: {empty:.1f} µs; two events made and recorded: "
                  f"{events:.1f} µs")  # fmt: skip
     return lines
+
+
+def _ctypes_launches(iters: int) -> list[str]:
+    """Host µs of cuLaunchKernel called through ctypes (libcuda.so.1, argument types set once)
+    beside cuda-python's binding, the same parameter array: the binding's share of a launch."""
+    import ctypes
+
+    libcuda = ctypes.CDLL("libcuda.so.1")
+    raw = libcuda.cuLaunchKernel
+    raw.argtypes = [ctypes.c_void_p, *[ctypes.c_uint] * 7, ctypes.c_void_p, ctypes.c_void_p,
+                    ctypes.c_void_p]  # fmt: skip
+    raw.restype = ctypes.c_int
+    lines = []
+    source = "import triton\n\n\n@triton.jit\ndef store_one(out_ptr, a):\n    out_ptr.store(a)\n"
+    folder = Path(tempfile.mkdtemp())
+    (folder / "store_one.py").write_text(source)
+    sys.path.insert(0, str(folder))
+    kernel = __import__("store_one").store_one
+    sys.path.pop(0)
+    out = torch.zeros(1, dtype=torch.int64, device="cuda")
+    compiled = kernel[(1,)](out, 5)
+    device = torch.cuda.current_device()
+    driver_launch = launch._DriverLaunch(
+        compiled, (1,), [out.data_ptr(), 7], launch._driver_parameters(compiled), device
+    )
+    binding = _host_median(driver_launch, iters)
+    _, function, gx, gy, gz, threads, by, bz, shared, params = driver_launch._call
+    stream = triton.runtime.driver.active.get_current_stream
+    get_stream = functools.partial(stream, device)
+
+    def through_ctypes():
+        error = raw(function, gx, gy, gz, threads, by, bz, shared, get_stream(), params, None)
+        if error:
+            raise RuntimeError(error)
+
+    direct = _host_median(through_ctypes, iters)
+    torch.cuda.synchronize()
+    assert out.item() == 7, "the ctypes launch did not store"
+    lines.append(f"cuLaunchKernel of a 2-argument kernel: {binding:.1f} µs through cuda-python, "
+                 f"{direct:.1f} µs through ctypes; the current stream alone "
+                 f"{_host_median(get_stream, iters):.2f} µs")  # fmt: skip
+    return lines
+
+
+def _torch_call_costs(iters: int) -> list[str]:
+    """Host µs of the small torch calls on an eager dispatch's path."""
+    cuda = torch.device("cuda", torch.cuda.current_device())
+    t = torch.empty(1024, dtype=torch.int64, device=cuda)
+    calls = {
+        "torch.empty(1000, int32)": lambda: torch.empty(1000, dtype=torch.int32, device=cuda),
+        "torch.empty(128, 8, float32)": lambda: torch.empty(128, 8, device=cuda),
+        "torch.cuda.is_current_stream_capturing()": torch.cuda.is_current_stream_capturing,
+        "t.data_ptr()": t.data_ptr,
+        "t[4:]": lambda: t[4:],
+        "t.view(torch.int32)": lambda: t.view(torch.int32),
+        "t.contiguous()": t.contiguous,
+        "torch.is_grad_enabled()": torch.is_grad_enabled,
+        "torch.compiler.is_compiling()": torch.compiler.is_compiling,
+        "an empty Python call": lambda: None,
+    }
+    return [f"{name}: {_host_median(fn, iters):.2f} µs" for name, fn in calls.items()]
 
 
 def _host_median(fn, iters: int) -> float:
@@ -224,7 +297,7 @@ def _host_median(fn, iters: int) -> float:
 
 def _rank(rank: int, world: int, args) -> list[str]:
     lines = []
-    for name in args.shapes.split(","):
+    for name in filter(None, args.shapes.split(",")):
         shape = SHAPES[name]
         sets = [_inputs(shape, rank, seed) for seed in range(4)]
         for expand in (True, False):
@@ -257,7 +330,7 @@ def _rank(rank: int, world: int, args) -> list[str]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--shapes", default="S1,S2")
+    parser.add_argument("--shapes", default="S1,S2", help="empty: only the launch costs")
     parser.add_argument("--iters", type=int, default=200)
     parser.add_argument("--warmup", type=int, default=20)
     parser.add_argument("--sms", type=int, default=8)

@@ -166,7 +166,7 @@ class Buffer:
         self.device = device
         self.timeout_s = float(timeout_s)
         self._broken: str | None = None
-        # max_recv_tokens dispatches whose overflow nobody has checked yet: (the handle's longs,
+        # max_recv_tokens dispatches whose overflow nobody has checked yet: (the handle's state,
         # whose [0] is the rows it needed, M).
         self._unchecked: list[tuple[torch.Tensor, int]] = []
         across_gpus = on_gpu and plan.nodes > 1
@@ -407,9 +407,9 @@ class Buffer:
         """
         self._check_handle(handle)
         self._read_report(handle)
-        self._unchecked = [entry for entry in self._unchecked if entry[0] is not handle.longs]
+        self._unchecked = [entry for entry in self._unchecked if entry[0] is not handle.state]
         if handle.max_recv_tokens is not None:
-            self._raise_on_overflow([(handle.longs, handle.max_recv_tokens)])
+            self._raise_on_overflow([(handle.state, handle.max_recv_tokens)])
 
     @property
     def network_rows(self) -> int:
@@ -436,7 +436,7 @@ class Buffer:
     def _launch(self, call, inputs, previous_event, async_finish):
         """Run ``call`` (returns a tensor or a tuple of tensors, None or handles) on the calling
         stream, or on the communication stream with async_finish; returns (outputs, event)."""
-        if not async_finish or self._rt.device.type != "cuda":
+        if not async_finish or not self._rt.on_gpu:
             if previous_event is not None:
                 torch.cuda.current_stream().wait_event(previous_event)
             return call(), None
@@ -457,7 +457,7 @@ class Buffer:
                 t.record_stream(comm)
         for out in outputs if isinstance(outputs, tuple) else (outputs,):
             if isinstance(out, DispatchHandle):
-                for part in (out.ints, out.longs, out.recv_topk_idx):
+                for part in (out.state, out.recv_topk_idx):
                     if part is not None:
                         part.record_stream(caller)
             elif out is not None:
@@ -470,7 +470,7 @@ class Buffer:
         raise the overflows of earlier ones."""
         if handle.max_recv_tokens is not None:
             if len(self._unchecked) < _MAX_UNCHECKED:
-                self._unchecked.append((handle.longs, handle.max_recv_tokens))
+                self._unchecked.append((handle.state, handle.max_recv_tokens))
         elif self._unchecked:
             pending, self._unchecked = self._unchecked, []
             self._raise_on_overflow(pending)
@@ -480,7 +480,7 @@ class Buffer:
     def _check_event(self, event) -> None:
         if event is None:
             return
-        if self._rt.device.type != "cuda" or not isinstance(event, torch.cuda.Event):
+        if not self._rt.on_gpu or not isinstance(event, torch.cuda.Event):
             raise ValueError(
                 f"previous_event must be a torch.cuda.Event on GPUs or None, got {describe(event)}"
             )
@@ -559,7 +559,7 @@ class Buffer:
         return topk
 
     def _check_handle(self, handle) -> None:
-        if not isinstance(handle, DispatchHandle) or handle.ints.device != self._rt.device:
+        if not isinstance(handle, DispatchHandle) or handle.state.device != self._rt.device:
             raise ValueError(
                 f"handle must be a DispatchHandle of this Buffer, got {describe(handle)}"
             )
@@ -577,9 +577,9 @@ class Buffer:
             raise TimeoutError(self._broken)
 
     def _raise_on_overflow(self, dispatches: list[tuple[torch.Tensor, int]]) -> None:
-        """Raise OverflowError for the first of ``dispatches`` (a handle's longs, M) that needed
+        """Raise OverflowError for the first of ``dispatches`` (a handle's state, M) that needed
         more than M rows."""
-        needed = torch.stack([longs[0] for longs, _ in dispatches]).tolist()
+        needed = torch.stack([state[0] for state, _ in dispatches]).tolist()
         for (_, limit), rows in zip(dispatches, needed, strict=True):
             if rows > limit:
                 raise OverflowError(
@@ -603,7 +603,7 @@ class Buffer:
             needed, src, row, code, peer, stage = report[1:].tolist()
         else:  # no tag, or the device did not get there: its error surfaces here
             needed, src, row, code, peer, stage = torch.cat(
-                [handle.longs[:3], self._rt.control[3:6]]
+                [handle.state[:3], self._rt.control[3:6]]
             ).tolist()
         self._raise_on_status(code, peer, stage)
         if src >= 0:

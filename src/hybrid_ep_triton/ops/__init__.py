@@ -24,6 +24,7 @@ class Runtime:
         [10] token rows this rank has put over the network in dispatches so far, [11:16] the
         host record of the running exact-mode data move (N and the outputs' addresses, see
         ops/dispatch.PreparedMove) and [16] the launch's sequence number once it is there.
+    on_gpu: whether ``device`` is a CUDA device (else the CPU, under the interpreter).
     timeout_ns: bound of every wait on a peer, in nanoseconds.
     local_programs: programs of a launch for the work that stays on this GPU (expansion,
         reduction, finish): the config's programs_per_sm per SM; the senders are taken from it.
@@ -73,6 +74,8 @@ class Runtime:
     _report_calls: Iterator[int] = field(default_factory=itertools.count)
 
     def __post_init__(self) -> None:
+        # Read on every call: a torch.device's ``type`` costs more host time than an attribute.
+        self.on_gpu = self.device.type == "cuda"
         # Memoryviews: the host reads and writes their items on every exact-mode call, and a
         # memoryview's items cost less host time than a numpy array's or a tensor's.
         self.report_words = memoryview(self.report.numpy())

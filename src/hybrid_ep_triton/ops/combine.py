@@ -49,7 +49,7 @@ def reduce_tokens(
     # The arguments a repeated call changes (the others are fixed by the key).
     key = ("combine", has_weights, handle.num_tokens, handle.topk)
     relaunch = rt.relaunches.get(key)
-    if relaunch is not None and relaunch(y, y.stride(0), weights, out, handle.ints.data_ptr()):
+    if relaunch is not None and relaunch(y, y.stride(0), weights, out, handle.state.data_ptr()):
         return out
     rt.relaunches[key] = rt.launcher(_combine_launcher)(
         (channel_programs(rt.plan) + programs_beside_senders(rt),),

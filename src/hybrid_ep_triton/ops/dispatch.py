@@ -16,7 +16,7 @@ from .launch import KernelLauncher, TensorView
 
 # Slots per side of the layout kernel's [PAIRS, PAIRS] tiles of slot pairs.
 _PAIRS = 128
-# int64 elements of a handle's info (its ``longs`` start with it, then tokens_per_expert).
+# int64 elements of a handle's info (its ``state`` starts with it, then tokens_per_expert).
 _INFO_LONGS = 4
 # Most elements of one tile of the layout exchange's prefix sums: each tile is a round trip to
 # memory, in a single program.
@@ -24,7 +24,7 @@ _EXCHANGE_TILE = 8192
 
 
 class _Part:
-    """An int32 part of a handle: a view of its ``ints``, made on first access (launches take
+    """An int32 part of a handle: a view of its ``state``, made on first access (launches take
     the parts by address, ``DispatchHandle.args``, and most never need the view)."""
 
     def __set_name__(self, owner, name: str) -> None:
@@ -38,32 +38,45 @@ class _Part:
         return view
 
 
+class _Ints:
+    """A handle's ``state`` as int32, which the int32 parts are views of: made on first access
+    (a view costs host time, and only a launch through Triton needs it)."""
+
+    def __get__(self, handle, owner=None):
+        if handle is None:
+            return self
+        ints = handle.__dict__["ints"] = handle.state.view(torch.int32)
+        return ints
+
+
 @dataclass
 class DispatchHandle:
     """Everything combine and a cached dispatch need; produced by ``Buffer.dispatch``.
 
-    The int32 parts are views of one tensor, ``ints``, and the int64 parts of ``longs``, so that
-    the torch.library operators pass a handle as a few tensors (``make_handle`` rebuilds it).
+    All of it lives in one int64 tensor, ``state``, so that a dispatch allocates it once and
+    the torch.library operators pass a handle as two tensors, topk_idx and state
+    (``make_handle`` rebuilds it). ``state`` starts with the handle's info [4] (read through
+    ``state``, no view of its own), then tokens_per_expert [L], then the int32 parts, each on a
+    16-byte boundary (views of ``ints``, ``state`` as int32):
     Sender side (this rank's tokens):
-        topk_idx [T, K] int32 or int64, slot_pos [T, K] int32, token_rank_pos [T, W] int32,
-        send_chunk_start [NC_MAX + 1, W] int32, chunk_expert_base [NC + 1, E] int32 (row 0:
-        destination row of each expert's first slot from this rank; row c + 1: offset of chunk
-        c's first slot among them).
+        topk_idx [T, K] int32 or int64 (a tensor of its own), slot_pos [T, K] int32,
+        token_rank_pos [T, W] int32, send_chunk_start [NC_MAX + 1, W] int32,
+        chunk_expert_base [NC + 1, E] int32 (row 0: destination row of each expert's first
+        slot from this rank; row c + 1: offset of chunk c's first slot among them).
     Receiver side (rows that came to this rank):
         recv_chunk_start [W, NC_MAX + 1] int32, recv_src_tokens [W] int32,
         expert_layout [3, L] int32 (segment start, valid rows, padded rows),
         tokens_per_expert [L] int64, staged_rows [W, T_MAX, MS] int32 (filled by the data move),
-        recv_topk_idx [N, K] int32 with token rows (filled by the data move; None otherwise).
+        recv_topk_idx [N, K] int32 with token rows (filled by the data move; None otherwise;
+        a tensor of its own).
     Across nodes (empty within one node): token_node_pos [T, N] int32 and
         send_chunk_node_start [NC_MAX + 1, N] int32 (this rank's streams to the other nodes),
         recv_net_chunk_start [N, NC_MAX + 1] int32 (the streams to this node that this rank
         forwards), fwd_rows [N, T_MAX, R] int32 (each forwarded row's row at every node rank,
         filled by the data move).
-    longs: int64 on the device: the handle's info [4] (read through ``longs``, no view of its
-        own), then tokens_per_expert. Info: [0] rows the output needs (expert-major: padding
-        included; token rows: the tokens received; even past max_recv_tokens), [1] first rank
-        whose topk_idx was invalid or -1, [2] first invalid row of this rank's topk_idx (or a
-        large value).
+    Info: [0] rows the output needs (expert-major: padding included; token rows: the tokens
+        received; even past max_recv_tokens), [1] first rank whose topk_idx was invalid or -1,
+        [2] first invalid row of this rank's topk_idx (or a large value).
     num_recv_rows: N, the rows of recv_x.
     parts: (shape, strides, offset) of each int32 part in ``ints``, by name.
     """
@@ -73,12 +86,12 @@ class DispatchHandle:
     num_recv_rows: int
     max_recv_tokens: int | None
     topk_idx: torch.Tensor
-    ints: torch.Tensor
-    longs: torch.Tensor
+    state: torch.Tensor
     tokens_per_expert: torch.Tensor
     parts: dict
     recv_topk_idx: torch.Tensor | None = None
 
+    ints = _Ints()
     slot_pos = _Part()
     token_rank_pos = _Part()
     send_chunk_start = _Part()
@@ -103,7 +116,7 @@ class DispatchHandle:
 
 
 def _int_parts(plan: Plan, num_tokens: int, topk: int) -> dict[str, tuple[int, ...]]:
-    """Shapes of the int32 parts of a handle, in ``ints`` order."""
+    """Shapes of the int32 parts of a handle, in ``state`` order."""
     world, experts, nodes = plan.world_size, plan.num_experts, plan.nodes
     num_chunks = ceil_div(num_tokens, plan.config.chunk_tokens)
     across = nodes > 1
@@ -124,32 +137,38 @@ def _int_parts(plan: Plan, num_tokens: int, topk: int) -> dict[str, tuple[int, .
 
 
 @functools.lru_cache(maxsize=256)
-def _int_layout(plan: Plan, num_tokens: int, topk: int) -> tuple[int, dict]:
-    """(int32 elements of ``ints``, {part: (shape, strides, offset)}). Each part starts on a
-    16-byte boundary, as Triton's pointer specialisation expects. Cached: every call needs it,
-    and a dispatch is latency-bound at small batches."""
-    parts, offset = {}, 0
+def _state_layout(plan: Plan, num_tokens: int, topk: int) -> tuple[int, dict]:
+    """(int64 elements of ``state``, {part: (shape, strides, offset in int32 elements)}). Each
+    part starts on a 16-byte boundary, as Triton's pointer specialisation expects. Cached:
+    every call needs it, and a dispatch is latency-bound at small batches."""
+    parts = {}
+    offset = 2 * _ceil_to(_INFO_LONGS + plan.experts_per_rank, 2)  # int32s after the int64s
     for name, shape in _int_parts(plan, num_tokens, topk).items():
         strides = tuple(math.prod(shape[i + 1 :]) for i in range(len(shape)))
         parts[name] = (shape, strides, offset)
-        offset += ceil_div(math.prod(shape), 4) * 4
-    return offset, parts
+        offset += _ceil_to(math.prod(shape), 4)
+    return offset // 2, parts
 
 
-def handle_sizes(plan: Plan, num_tokens: int, topk: int) -> tuple[int, int]:
-    """Elements of a handle's ``ints`` (int32) and ``longs`` (int64) tensors."""
-    return _int_layout(plan, num_tokens, topk)[0], _INFO_LONGS + plan.experts_per_rank
+def _ceil_to(n: int, multiple: int) -> int:
+    return ceil_div(n, multiple) * multiple
+
+
+def handle_size(plan: Plan, num_tokens: int, topk: int) -> int:
+    """Elements of a handle's ``state`` (int64) for ``num_tokens`` tokens of ``topk`` slots."""
+    return _state_layout(plan, num_tokens, topk)[0]
 
 
 def make_handle(
     plan: Plan,
     topk_idx: torch.Tensor,
-    ints: torch.Tensor,
-    longs: torch.Tensor,
+    state: torch.Tensor,
     num_recv_rows: int,
     max_recv_tokens: int | None,
+    parts: dict | None = None,
 ) -> DispatchHandle:
-    """The handle whose parts are views of ``ints`` and ``longs`` (see handle_sizes)."""
+    """The handle whose parts are views of ``state`` (see handle_size); ``parts``: their layout,
+    where the caller has looked it up already."""
     num_tokens, topk = topk_idx.shape
     return DispatchHandle(
         num_tokens=num_tokens,
@@ -157,10 +176,9 @@ def make_handle(
         num_recv_rows=num_recv_rows,
         max_recv_tokens=max_recv_tokens,
         topk_idx=topk_idx,
-        ints=ints,
-        longs=longs,
-        tokens_per_expert=longs[_INFO_LONGS:],
-        parts=_int_layout(plan, num_tokens, topk)[1],
+        state=state,
+        tokens_per_expert=state[_INFO_LONGS : _INFO_LONGS + plan.experts_per_rank],
+        parts=parts if parts is not None else _state_layout(plan, num_tokens, topk)[1],
     )
 
 
@@ -177,28 +195,25 @@ def compute_layout(
     at -1 for the caller to set once it has read the row count (with ``report_tag``, the kernel
     writes it into ``rt.report`` under that tag).
     """
-    plan, dev = rt.plan, rt.device
+    plan = rt.plan
     num_tokens, topk = topk_idx.shape
-    num_chunks = ceil_div(num_tokens, plan.config.chunk_tokens)
-    # One int32 and one int64 allocation for the whole handle: a dispatch is latency-bound at
-    # small batches, and every allocator call costs host time.
-    num_ints, num_longs = handle_sizes(plan, num_tokens, topk)
+    # One allocation for the whole handle: a dispatch is latency-bound at small batches, and
+    # every allocator call costs host time.
+    size, parts = _state_layout(plan, num_tokens, topk)
+    state = torch.empty(size, dtype=torch.int64, device=rt.device)
     handle = make_handle(
-        plan,
-        topk_idx,
-        torch.empty(num_ints, dtype=torch.int32, device=dev),
-        torch.empty(num_longs, dtype=torch.int64, device=dev),
-        -1 if max_recv_tokens is None else max_recv_tokens,
-        max_recv_tokens,
-    )
+        plan, topk_idx, state, -1 if max_recv_tokens is None else max_recv_tokens,
+        max_recv_tokens, parts,
+    )  # fmt: skip
     # A repeated call changes these arguments only (the others are fixed by the key).
     key = ("layout", num_tokens, topk, pad_multiple, max_recv_tokens)
-    longs = handle.longs.data_ptr()
+    address = state.data_ptr()
     relaunch = rt.relaunches.get(key)
     if relaunch is not None and relaunch(
-        topk_idx, report_tag, longs + 8 * _INFO_LONGS, longs, handle.ints.data_ptr()
+        topk_idx, report_tag, address + 8 * _INFO_LONGS, address, address
     ):
         return handle
+    num_chunks = ceil_div(num_tokens, plan.config.chunk_tokens)
     rt.relaunches[key] = rt.launcher(_layout_launcher)(
         (max(num_chunks, 1),),
         specialized=dict(
@@ -209,7 +224,7 @@ def compute_layout(
             PAIRS=min(plan.config.chunk_tokens * next_power_of_2(topk), _PAIRS),
         ),
         aligned=dict(
-            tokens_per_expert_ptr=handle.tokens_per_expert, info_ptr=handle.longs,
+            tokens_per_expert_ptr=handle.tokens_per_expert, info_ptr=state,
             **handle.args(*_LAYOUT_PARTS),
         ),
         changing=("topk_idx_ptr", "report_tag", "tokens_per_expert_ptr", "info_ptr"),
@@ -469,11 +484,11 @@ class PreparedMove:
 
     def _launch(self, num_rows: int, tag: int, topk_weights, *outputs) -> None:
         rt, handle = self.rt, self.handle
-        info = handle.longs  # (which starts with the handle's info)
-        values = (*self.inputs, handle.topk_idx, topk_weights, num_rows, tag, info, *outputs)
+        state = handle.state  # (which starts with the handle's info)
+        values = (*self.inputs, handle.topk_idx, topk_weights, num_rows, tag, state, *outputs)
         key = (*self.key, tag > 0)
         relaunch = rt.relaunches.get(key)
-        if relaunch is None or not relaunch(*values, handle.ints.data_ptr()):
+        if relaunch is None or not relaunch(*values, state.data_ptr()):
             rt.relaunches[key] = _launch_move(
                 rt, handle, self.rows, self.has_weights, self.cached, values
             )

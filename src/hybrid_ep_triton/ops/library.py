@@ -1,7 +1,7 @@
 """torch.library operators for dispatch and combine: fake implementations and autograd.
 
 The operators take a Buffer's runtime by its registry id (an int) and a handle as its tensors
-(``topk_idx``, ``ints``, ``longs``), so torch.compile traces a model that calls them without
+(``topk_idx``, ``state``), so torch.compile traces a model that calls them without
 graph breaks: in max_recv_tokens mode every output shape is static; in exact mode the received
 row count is a data-dependent size.
 
@@ -37,7 +37,7 @@ from .dispatch import (
     DispatchHandle,
     PreparedMove,
     compute_layout,
-    handle_sizes,
+    handle_size,
     make_handle,
 )
 from .fp8_rows import Fp8Values
@@ -65,8 +65,8 @@ def _runtime(runtime_id: int) -> Runtime:
     return rt
 
 
-def _handle(rt: Runtime, topk_idx, ints, longs, num_recv_rows: int) -> DispatchHandle:
-    return make_handle(rt.plan, topk_idx, ints, longs, num_recv_rows, None)
+def _handle(rt: Runtime, topk_idx, state, num_recv_rows: int) -> DispatchHandle:
+    return make_handle(rt.plan, topk_idx, state, num_recv_rows, None)
 
 
 # -- operators ------------------------------------------------------------------------------
@@ -86,7 +86,7 @@ def _dispatch_with_handle(
     ``quantize``: x of the Buffer's dtype is sent as FP8 rows (see PreparedMove). Returns
     recv_x [N, H], recv_scales ([N, H / 128] float32 with FP8 rows, else None), recv_weights
     [N] float32 (None without topk_weights), the handle."""
-    if max_recv_tokens is None and rt.device.type == "cuda":
+    if max_recv_tokens is None and rt.on_gpu:
         # The host waits for the row count, which a capture never produces: say so at once.
         if torch.cuda.is_current_stream_capturing():
             raise RuntimeError(
@@ -101,7 +101,7 @@ def _dispatch_with_handle(
     else:
         recv_x, recv_scales, recv_weights = move(max_recv_tokens)
     rt.check_status()
-    if rt.device.type == "cpu":  # launches are synchronous: report routing errors now
+    if not rt.on_gpu:  # launches are synchronous: report routing errors now
         rt.read_report(handle)
     return recv_x, recv_scales, recv_weights, handle
 
@@ -112,7 +112,7 @@ def _exact_move(rt: Runtime, handle: DispatchHandle, move: PreparedMove, tag: in
     the count is known and its outputs are delivered once the host has read it, so that
     neither the launch nor the host's wait comes between the layout kernel and the senders.
     CPU ranks, whose launches are synchronous, read the count and deliver first."""
-    if rt.device.type == "cpu":
+    if not rt.on_gpu:
         handle.num_recv_rows = rt.read_report(handle, tag)
         moved = move.deliver(handle.num_recv_rows, tag)
         move.launch_awaiting_outputs(tag)
@@ -135,12 +135,12 @@ def _dispatch(
     pad_multiple: int,
     max_recv_tokens: int,
     quantize: bool,
-) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """The operator: max_recv_tokens < 0 is exact mode; ``quantize``: FP8 rows from x of the
     Buffer's dtype. Returns recv_x [N, H], recv_scales ([N, H / 128] float32 with FP8 rows,
     else [0]), recv_weights float32 ([N], with token rows [N, K]; [0] without topk_weights),
-    recv_topk_idx ([N, K] int32 with token rows, else [0]), and the handle's ints and longs
-    (see DispatchHandle)."""
+    recv_topk_idx ([N, K] int32 with token rows, else [0]), and the handle's state (see
+    DispatchHandle)."""
     rt = _runtime(runtime_id)
     exact = max_recv_tokens < 0
     recv_x, recv_scales, recv_weights, handle = _dispatch_with_handle(
@@ -152,7 +152,7 @@ def _dispatch(
         recv_topk_idx = torch.empty(0, dtype=torch.int32, device=rt.device)
     return (
         recv_x, _or_empty(recv_scales, rt), _or_empty(recv_weights, rt), recv_topk_idx,
-        handle.ints, handle.longs,
+        handle.state,
     )  # fmt: skip
 
 
@@ -166,15 +166,14 @@ def _(runtime_id, x, x_scales, topk_idx, topk_weights, pad_multiple, max_recv_to
         rows = max_recv_tokens
     else:
         rows = torch.library.get_ctx().new_dynamic_size()
-    num_ints, num_longs = handle_sizes(rt.plan, *topk_idx.shape)
+    num_state = handle_size(rt.plan, *topk_idx.shape)
     slots = _slots_shape(rt, rows, topk_idx.shape[1])
     return (
         _fake_rows(x, rows, quantize),
         _fake_scales(x, x_scales, rows, quantize),
         x.new_empty(slots if topk_weights is not None else 0, dtype=torch.float32),
         x.new_empty(slots if rt.plan.token_rows else 0, dtype=torch.int32),
-        x.new_empty(num_ints, dtype=torch.int32),
-        x.new_empty(num_longs, dtype=torch.int64),
+        x.new_empty(num_state, dtype=torch.int64),
     )
 
 
@@ -201,15 +200,14 @@ def _dispatch_cached(
     x_scales: Tensor | None,
     topk_weights: Tensor | None,
     topk_idx: Tensor,
-    ints: Tensor,
-    longs: Tensor,
+    state: Tensor,
     num_recv_rows: int,
     quantize: bool,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Data move along an earlier dispatch's handle: recv_x [N, H], recv_scales [N, H / 128]
     or [0], recv_weights [N] or [0]."""
     rt = _runtime(runtime_id)
-    handle = _handle(rt, topk_idx, ints, longs, num_recv_rows)
+    handle = _handle(rt, topk_idx, state, num_recv_rows)
     recv_x, recv_scales, recv_weights = _move_cached(
         rt, x, x_scales, topk_weights, handle, quantize
     )
@@ -237,7 +235,7 @@ dispatch_cached = torch.library.custom_op(
 
 
 @dispatch_cached.register_fake
-def _(runtime_id, x, x_scales, topk_weights, topk_idx, ints, longs, num_recv_rows, quantize):
+def _(runtime_id, x, x_scales, topk_weights, topk_idx, state, num_recv_rows, quantize):
     slots = _slots_shape(_runtime(runtime_id), num_recv_rows, topk_idx.shape[1])
     weights = x.new_empty(slots if topk_weights is not None else 0, dtype=torch.float32)
     recv_scales = _fake_scales(x, x_scales, num_recv_rows, quantize)
@@ -249,12 +247,11 @@ def _combine(
     y: Tensor,
     weights: Tensor | None,
     topk_idx: Tensor,
-    ints: Tensor,
-    longs: Tensor,
+    state: Tensor,
 ) -> Tensor:
     """out [T, H] in y's dtype: the (weighted) sum of each token's rows of y [N, H]."""
     rt = _runtime(runtime_id)
-    return _combine_with_handle(rt, y, weights, _handle(rt, topk_idx, ints, longs, y.shape[0]))
+    return _combine_with_handle(rt, y, weights, _handle(rt, topk_idx, state, y.shape[0]))
 
 
 def _combine_with_handle(
@@ -269,17 +266,17 @@ combine = torch.library.custom_op("hybrid_ep::combine", _combine, mutates_args=(
 
 
 @combine.register_fake
-def _(runtime_id, y, weights, topk_idx, ints, longs):
+def _(runtime_id, y, weights, topk_idx, state):
     return y.new_empty(topk_idx.shape[0], y.shape[1])
 
 
 def _slot_gradients_op(
-    runtime_id: int, grad_recv_weights: Tensor, topk_idx: Tensor, ints: Tensor, longs: Tensor
+    runtime_id: int, grad_recv_weights: Tensor, topk_idx: Tensor, state: Tensor
 ) -> Tensor:
     """grad topk_weights [T, K] float32 from grad recv_weights float32 ([N], with token rows
     [N, K])."""
     rt = _runtime(runtime_id)
-    handle = _handle(rt, topk_idx, ints, longs, grad_recv_weights.shape[0])
+    handle = _handle(rt, topk_idx, state, grad_recv_weights.shape[0])
     return _slot_gradients(rt, handle, grad_recv_weights)
 
 
@@ -289,7 +286,7 @@ slot_gradients = torch.library.custom_op(
 
 
 @slot_gradients.register_fake
-def _(runtime_id, grad_recv_weights, topk_idx, ints, longs):
+def _(runtime_id, grad_recv_weights, topk_idx, state):
     return grad_recv_weights.new_empty(topk_idx.shape)
 
 
@@ -330,11 +327,11 @@ def run_dispatch(
         return _dispatch_with_handle(
             rt, x, x_scales, topk_idx, topk_weights, pad_multiple, max_recv_tokens, quantize
         )
-    recv_x, recv_scales, recv_weights, recv_topk_idx, ints, longs = dispatch(
+    recv_x, recv_scales, recv_weights, recv_topk_idx, state = dispatch(
         runtime_id, x, x_scales, topk_idx, topk_weights, pad_multiple,
         -1 if max_recv_tokens is None else max_recv_tokens, quantize,
     )  # fmt: skip
-    handle = make_handle(rt.plan, topk_idx, ints, longs, recv_x.shape[0], max_recv_tokens)
+    handle = make_handle(rt.plan, topk_idx, state, recv_x.shape[0], max_recv_tokens)
     if rt.plan.token_rows:
         handle.recv_topk_idx = recv_topk_idx
     return (
@@ -357,7 +354,7 @@ def run_dispatch_cached(
     if not _through_torch(x, topk_weights):
         return _move_cached(rt, x, x_scales, topk_weights, handle, quantize)
     recv_x, recv_scales, recv_weights = dispatch_cached(
-        runtime_id, x, x_scales, topk_weights, handle.topk_idx, handle.ints, handle.longs,
+        runtime_id, x, x_scales, topk_weights, handle.topk_idx, handle.state,
         handle.num_recv_rows, quantize,
     )  # fmt: skip
     return (
@@ -372,7 +369,7 @@ def run_combine(
     """out [T, H]: the (weighted) sum of each token's rows of y [N, H]."""
     if not _through_torch(y, weights):
         return _combine_with_handle(rt, y, weights, handle)
-    return combine(runtime_id, y, weights, handle.topk_idx, handle.ints, handle.longs)
+    return combine(runtime_id, y, weights, handle.topk_idx, handle.state)
 
 
 def run_quantized_dispatch(
@@ -406,7 +403,7 @@ def _or_empty(recv: Tensor | None, rt: Runtime) -> Tensor:
 
 
 def _save_handle(ctx, runtime_id, x, num_recv_rows, *tensors) -> None:
-    """Keep what a backward needs: the handle's tensors (topk_idx, ints, longs) and others."""
+    """Keep what a backward needs: the handle's tensors (topk_idx, state) and others."""
     ctx.runtime_id, ctx.num_recv_rows = runtime_id, num_recv_rows
     ctx.dtype, ctx.hidden = x.dtype, x.shape[1]
     ctx.save_for_backward(*tensors)
@@ -414,27 +411,26 @@ def _save_handle(ctx, runtime_id, x, num_recv_rows, *tensors) -> None:
 
 def _dispatch_backward(ctx, grad_recv_x, grad_recv_weights, x_index: int, weights_index: int):
     """Gradients of a data move's inputs: combine for x, slot_gradients for topk_weights."""
-    topk_idx, ints, longs = ctx.saved_tensors
+    topk_idx, state = ctx.saved_tensors
     grads = [None] * ctx.num_inputs
     if ctx.needs_input_grad[x_index]:
         if grad_recv_x is None:  # still a collective: every rank takes part
             grad_recv_x = topk_idx.new_zeros(ctx.num_recv_rows, ctx.hidden, dtype=ctx.dtype)
         grad_rows = grad_recv_x.to(ctx.dtype).contiguous()
-        grads[x_index] = combine(ctx.runtime_id, grad_rows, None, topk_idx, ints, longs)
+        grads[x_index] = combine(ctx.runtime_id, grad_rows, None, topk_idx, state)
     if ctx.needs_input_grad[weights_index]:
         if grad_recv_weights is None:
             shape = _slots_shape(_runtime(ctx.runtime_id), ctx.num_recv_rows, topk_idx.shape[1])
             grad_recv_weights = topk_idx.new_zeros(shape, dtype=torch.float32)
         grads[weights_index] = slot_gradients(
-            ctx.runtime_id, grad_recv_weights.float().contiguous(), topk_idx, ints, longs
+            ctx.runtime_id, grad_recv_weights.float().contiguous(), topk_idx, state
         )
     return tuple(grads)
 
 
 def _dispatch_setup(ctx, inputs, output):
     runtime_id, x, _, topk_idx = inputs[:4]
-    ints, longs = output[4:]
-    _save_handle(ctx, runtime_id, x, output[0].shape[0], topk_idx, ints, longs)
+    _save_handle(ctx, runtime_id, x, output[0].shape[0], topk_idx, output[4])
     ctx.num_inputs = len(inputs)
 
 
@@ -443,8 +439,8 @@ def _dispatch_grads(ctx, grad_recv_x, _grad_scales, grad_recv_weights, *_grad_ha
 
 
 def _dispatch_cached_setup(ctx, inputs, output):
-    runtime_id, x, _, _, topk_idx, ints, longs, num_recv_rows, _ = inputs
-    _save_handle(ctx, runtime_id, x, num_recv_rows, topk_idx, ints, longs)
+    runtime_id, x, _, _, topk_idx, state, num_recv_rows, _ = inputs
+    _save_handle(ctx, runtime_id, x, num_recv_rows, topk_idx, state)
     ctx.num_inputs = len(inputs)
 
 
@@ -453,15 +449,15 @@ def _dispatch_cached_grads(ctx, grad_recv_x, _grad_scales, grad_recv_weights):
 
 
 def _combine_setup(ctx, inputs, output):
-    runtime_id, y, weights, topk_idx, ints, longs = inputs
-    _save_handle(ctx, runtime_id, y, y.shape[0], topk_idx, ints, longs, y, weights)
+    runtime_id, y, weights, topk_idx, state = inputs
+    _save_handle(ctx, runtime_id, y, y.shape[0], topk_idx, state, y, weights)
 
 
 def _combine_grads(ctx, grad_out):
-    topk_idx, ints, longs, y, weights = ctx.saved_tensors
+    topk_idx, state, y, weights = ctx.saved_tensors
     # Row r of grad_rows is grad_out of the token row r came from (zero on padding).
     grad_rows, _, _ = dispatch_cached(
-        ctx.runtime_id, grad_out.to(ctx.dtype).contiguous(), None, None, topk_idx, ints, longs,
+        ctx.runtime_id, grad_out.to(ctx.dtype).contiguous(), None, None, topk_idx, state,
         ctx.num_recv_rows, False,
     )  # fmt: skip
     grad_y = grad_weights = None
@@ -469,7 +465,7 @@ def _combine_grads(ctx, grad_out):
         grad_y = grad_rows if weights is None else grad_rows * weights[:, None].to(y.dtype)
     if ctx.needs_input_grad[2]:
         grad_weights = (y.float() * grad_rows.float()).sum(dim=1)
-    return None, grad_y, grad_weights, None, None, None
+    return None, grad_y, grad_weights, None, None
 
 
 class _QuantizedDispatch(torch.autograd.Function):
@@ -487,8 +483,7 @@ class _QuantizedDispatch(torch.autograd.Function):
             recv_values, recv_scales, recv_weights = _move_cached(
                 rt, x, None, topk_weights, handle, quantize=True
             )
-        _save_handle(ctx, runtime_id, x, handle.num_recv_rows, handle.topk_idx, handle.ints,
-                     handle.longs)  # fmt: skip
+        _save_handle(ctx, runtime_id, x, handle.num_recv_rows, handle.topk_idx, handle.state)
         ctx.num_inputs = len(ctx.needs_input_grad)
         # Unused outputs get None (_dispatch_backward makes the zeros it needs).
         ctx.set_materialize_grads(False)
