@@ -6,13 +6,14 @@ call:
 One rank per GPU (default: one rank; ``--ranks 0``: every local GPU); for S1 and S2 (8 SMs) in
 both layouts, the median of ``iters`` back-to-back calls of an exact-mode dispatch, a cached
 dispatch and a combine (events around each call on the calling stream, after a warm-up; the
-slowest rank's median, see tools.bench._median_us), device and host µs, one line each.
+slowest rank's median, see tools.bench._median_us), device and host µs, one line each; before
+and after them the host's speed (host_profile.host_speed).
 """
 
 import argparse
 
 import torch
-from host_profile import eager_calls  # bench/, beside this script
+from host_profile import eager_calls, host_speed  # bench/, beside this script
 
 import hybrid_ep_triton as hep
 from hybrid_ep_triton.tools.bench import SHAPES, _inputs, _median_us
@@ -20,7 +21,7 @@ from hybrid_ep_triton.tools.launcher import run_ranks
 
 
 def _rank(rank: int, world: int, args) -> list[str]:
-    lines = []
+    lines = [f"{args.label} before: {host_speed()}"]
     for name in ("S1", "S2"):
         shape = SHAPES[name]
         sets = [_inputs(shape, rank, seed) for seed in range(4)]
@@ -35,6 +36,7 @@ def _rank(rank: int, world: int, args) -> list[str]:
                 lines.append(f"{args.label} {name} {rows} {what}: {device_us:.1f} us device, "
                              f"{host_us:.1f} us host")  # fmt: skip
             buf.destroy()
+    lines.append(f"{args.label} after: {host_speed()}")
     return lines
 
 

@@ -284,6 +284,15 @@ def _torch_call_costs(iters: int) -> list[str]:
     return [f"{name}: {_host_median(fn, iters):.2f} µs" for name, fn in calls.items()]
 
 
+def host_speed(iters: int = 2000) -> str:
+    """This host's speed now, for runs to be compared: medians of µs of an empty Python call
+    and of torch.empty [128, 7168] bf16 on the GPU (the host's speed moves by about 1.5x between
+    and within runs on the lent machine)."""
+    call = _host_median(lambda: None, iters)
+    empty = _host_median(lambda: torch.empty(128, 7168, dtype=torch.bfloat16, device="cuda"), iters)
+    return f"host speed: an empty Python call {call:.3f} µs, torch.empty {empty:.2f} µs"
+
+
 def _host_median(fn, iters: int) -> float:
     for _ in range(10):
         fn()
