@@ -13,8 +13,8 @@ the total of the steps exceeds the unwrapped call's host time by that much.
 
 Last, the launch alone: each kind of data move's last launch replayed, and for kernels of 1 to
 64 integer arguments (one store each) Triton's compiled launcher beside the driver launch of a
-Relaunch (ops/launch.py), and the torch calls an eager call makes (an allocation, two
-events).
+Relaunch (ops/launch.py), made through cuda-python and through ctypes, and the torch calls an
+eager call makes (allocations, views, two events).
 """
 
 import argparse
@@ -203,66 +203,43 @@ def _launcher_costs(iters: int) -> list[str]:
         raw = _host_median(functools.partial(runner, *int_args, stream=stream), iters)
         device = torch.cuda.current_device()
         parameters = launch._driver_parameters(compiled)
-        direct = _host_median(launch._DriverLaunch(compiled, (1,), int_args, parameters, device),
-                              iters)  # fmt: skip
+        driver_launch = launch._DriverLaunch(compiled, (1,), int_args, parameters, device)
+        direct = _host_median(driver_launch, iters)
+        through_ctypes = _host_median(_ctypes_launch(driver_launch, device), iters)
         torch.cuda.synchronize()
         assert out.item() == sum(args[1:]), "the driver launch stored a wrong sum"
         lines.append(
             f"launch of a kernel with {count} int args: {jit:.1f} µs through kernel[grid], "
             f"{raw:.1f} µs by its compiled launcher (addresses as ints), {direct:.1f} µs by "
-            "cuLaunchKernel from a kept parameter array"
+            f"cuLaunchKernel from a kept parameter array ({through_ctypes:.1f} µs calling it "
+            "through ctypes instead of cuda-python)"
         )
-    lines += _ctypes_launches(iters)
     lines += _torch_call_costs(iters)
-    empty = _host_median(lambda: torch.empty(128, 7168, dtype=torch.bfloat16, device="cuda"), iters)
     events = _host_median(
         lambda: [torch.cuda.Event(enable_timing=True).record() for _ in range(2)], iters
     )
-    lines.append(f"torch.empty [128, 7168] bf16: {empty:.1f} µs; two events made and recorded: "
-                 f"{events:.1f} µs")  # fmt: skip
+    lines.append(f"{host_speed(iters)}; two events made and recorded: {events:.1f} µs")
     return lines
 
 
-def _ctypes_launches(iters: int) -> list[str]:
-    """Host µs of cuLaunchKernel called through ctypes (libcuda.so.1, argument types set once)
-    beside cuda-python's binding, the same parameter array: the binding's share of a launch."""
+def _ctypes_launch(driver_launch: launch._DriverLaunch, device: int):
+    """``driver_launch`` made through ctypes (libcuda.so.1, argument types set once) instead of
+    cuda-python's binding, the same parameter array: the binding's share of a launch."""
     import ctypes
 
-    libcuda = ctypes.CDLL("libcuda.so.1")
-    raw = libcuda.cuLaunchKernel
-    raw.argtypes = [ctypes.c_void_p, *[ctypes.c_uint] * 7, ctypes.c_void_p, ctypes.c_void_p,
-                    ctypes.c_void_p]  # fmt: skip
-    raw.restype = ctypes.c_int
-    lines = []
-    source = "import triton\n\n\n@triton.jit\ndef store_one(out_ptr, a):\n    out_ptr.store(a)\n"
-    folder = Path(tempfile.mkdtemp())
-    (folder / "store_one.py").write_text(source)
-    sys.path.insert(0, str(folder))
-    kernel = __import__("store_one").store_one
-    sys.path.pop(0)
-    out = torch.zeros(1, dtype=torch.int64, device="cuda")
-    compiled = kernel[(1,)](out, 5)
-    device = torch.cuda.current_device()
-    driver_launch = launch._DriverLaunch(
-        compiled, (1,), [out.data_ptr(), 7], launch._driver_parameters(compiled), device
-    )
-    binding = _host_median(driver_launch, iters)
+    cu_launch = ctypes.CDLL("libcuda.so.1").cuLaunchKernel
+    cu_launch.argtypes = [ctypes.c_void_p, *[ctypes.c_uint] * 7, ctypes.c_void_p,
+                          ctypes.c_void_p, ctypes.c_void_p]  # fmt: skip
+    cu_launch.restype = ctypes.c_int
     _, function, gx, gy, gz, threads, by, bz, shared, params = driver_launch._call
-    stream = triton.runtime.driver.active.get_current_stream
-    get_stream = functools.partial(stream, device)
+    stream = functools.partial(triton.runtime.driver.active.get_current_stream, device)
 
     def through_ctypes():
-        error = raw(function, gx, gy, gz, threads, by, bz, shared, get_stream(), params, None)
+        error = cu_launch(function, gx, gy, gz, threads, by, bz, shared, stream(), params, None)
         if error:
-            raise RuntimeError(error)
+            raise RuntimeError(f"cuLaunchKernel through ctypes failed: {error}")
 
-    direct = _host_median(through_ctypes, iters)
-    torch.cuda.synchronize()
-    assert out.item() == 7, "the ctypes launch did not store"
-    lines.append(f"cuLaunchKernel of a 2-argument kernel: {binding:.1f} µs through cuda-python, "
-                 f"{direct:.1f} µs through ctypes; the current stream alone "
-                 f"{_host_median(get_stream, iters):.2f} µs")  # fmt: skip
-    return lines
+    return through_ctypes
 
 
 def _torch_call_costs(iters: int) -> list[str]:
@@ -279,7 +256,6 @@ def _torch_call_costs(iters: int) -> list[str]:
         "t.contiguous()": t.contiguous,
         "torch.is_grad_enabled()": torch.is_grad_enabled,
         "torch.compiler.is_compiling()": torch.compiler.is_compiling,
-        "an empty Python call": lambda: None,
     }
     return [f"{name}: {_host_median(fn, iters):.2f} µs" for name, fn in calls.items()]
 

@@ -142,16 +142,12 @@ def _state_layout(plan: Plan, num_tokens: int, topk: int) -> tuple[int, dict]:
     part starts on a 16-byte boundary, as Triton's pointer specialisation expects. Cached:
     every call needs it, and a dispatch is latency-bound at small batches."""
     parts = {}
-    offset = 2 * _ceil_to(_INFO_LONGS + plan.experts_per_rank, 2)  # int32s after the int64s
+    offset = 2 * ceil_div(_INFO_LONGS + plan.experts_per_rank, 2) * 2  # int32s after int64s
     for name, shape in _int_parts(plan, num_tokens, topk).items():
         strides = tuple(math.prod(shape[i + 1 :]) for i in range(len(shape)))
         parts[name] = (shape, strides, offset)
-        offset += _ceil_to(math.prod(shape), 4)
+        offset += ceil_div(math.prod(shape), 4) * 4
     return offset // 2, parts
-
-
-def _ceil_to(n: int, multiple: int) -> int:
-    return ceil_div(n, multiple) * multiple
 
 
 def handle_size(plan: Plan, num_tokens: int, topk: int) -> int:
