@@ -32,6 +32,12 @@
 #          DP 2 x EP 2 on four), and examples/megatron_moe.py (GPTModel losses, both dispatchers)
 #   megatron-bench  bench/megatron_bench.py: one MoE layer's forward+backward at DeepSeek-V3 sizes
 #          per rank, alltoall against this library, one rank per GPU (JSON into $OUT)
+#   shared  the whole GPU test suite with every multi-rank case, ranks sharing the GPUs under CUDA
+#          MPS (started before the step, stopped after it): W2, W4, W8 in one node, 2x1, 2x2, 2x4,
+#          4x2 across simulated nodes, FP8, autograd, timeouts, validation, the fuzz. $SHARED_TESTS
+#          (default: tests/) picks files, to split the suite over two calls
+#   soak-shared  under MPS: 1000 soak rounds at 4 ranks in one node and at 2 nodes of 2, each with
+#          expert-major and token rows, then hybrid-ep demo with 8 ranks
 # megatron-core travels as a wheel in .whl-megatron/ (carry it too), installed beside nvshmem4py.
 # Usage there: OUT=... STEPS="tests bench" HEP_COMMIT=<hash> bash bench/device_run.sh
 set -uo pipefail
@@ -42,6 +48,17 @@ export PYTHONPATH=/tmp/site:$PWD/src PYTHONUNBUFFERED=1
 export NCCL_NVLS_ENABLE=0 NVSHMEM_DISABLE_NVLS=1 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
 : "${OUT:?set OUT}" "${STEPS:=tests}" "${STEP_TIMEOUT:=240}"
 nvidia-smi --query-gpu=name,driver_version --format=csv > "$OUT/gpus.txt" 2>&1
+MPS_DIRS=(CUDA_MPS_PIPE_DIRECTORY=/tmp/mps CUDA_MPS_LOG_DIRECTORY=/tmp/mpslog)
+mps() {  # start | stop the MPS control daemon (the compute mode is left as it is)
+    if [ "$1" = start ]; then
+        mkdir -p /tmp/mps /tmp/mpslog && env "${MPS_DIRS[@]}" setsid nvidia-cuda-mps-control -d
+    else
+        echo quit | env "${MPS_DIRS[@]}" timeout 60 nvidia-cuda-mps-control
+    fi
+}
+SOAK_SHARED='for nodes in "" "--ranks-per-node 2"; do for rows in "" --token-rows; do
+    python3 -m hybrid_ep_triton soak --device cuda --ranks 4 --rounds 1000 $nodes $rows || exit 1;
+    done; done; python3 -m hybrid_ep_triton demo --device cuda --ranks 8'
 status=0
 for step in $STEPS; do
     case $step in
@@ -90,11 +107,16 @@ for step in $STEPS; do
                        -q -rs -s -p no:warnings tests/test_megatron.py \
                        && python3 examples/megatron_moe.py --steps 10') ;;
         megatron-bench) cmd=(python3 bench/megatron_bench.py --out "$OUT") ;;
+        shared) cmd=(env "${MPS_DIRS[@]}" HEP_TEST_DEVICE=cuda HEP_TEST_TIMEOUT=300
+                     python3 -m pytest -rs --durations=30 ${SHARED_TESTS:-tests}) ;;
+        soak-shared) cmd=(env "${MPS_DIRS[@]}" bash -c "$SOAK_SHARED") ;;
         *) echo "unknown step $step" >&2; exit 2 ;;
     esac
     echo "== $step: ${cmd[*]}" | tee -a "$OUT/summary.txt"
+    case $step in shared|soak-shared) mps start ;; esac
     timeout "$STEP_TIMEOUT" "${cmd[@]}" > "$OUT/$step.log" 2>&1
     rc=$?
+    case $step in shared|soak-shared) mps stop ;; esac
     echo "== $step: exit $rc" | tee -a "$OUT/summary.txt"
     tail -3 "$OUT/$step.log" | tee -a "$OUT/summary.txt"
     [ $rc -ne 0 ] && status=$rc

@@ -1,19 +1,26 @@
 """Shared test setup: where multi-rank tests run.
 
 HEP_TEST_DEVICE=cpu (default): ranks are CPU processes (gloo) running Triton kernels under the
-interpreter. HEP_TEST_DEVICE=cuda: ranks use NCCL on the local GPUs, one GPU per rank; a test
-with more ranks than GPUs is skipped (NCCL and NVSHMEM want one GPU per rank).
+interpreter. HEP_TEST_DEVICE=cuda: ranks run on the local GPUs, rank r on GPU r % count; a test
+with more ranks than GPUs runs with ranks sharing GPUs when a CUDA MPS control daemon answers
+(or HEP_TEST_TIME_SLICED=1 allows them to share time-sliced), and is skipped otherwise.
 HEP_TEST_TIMEOUT (seconds, default 600) bounds each multi-rank launch.
+
+Multi-rank tests run through rank pools, one per world size, kept for the session (a test's
+failure or timeout ends its pool, and the next test of that size gets a fresh one): a call then
+costs no process start, CUDA or NVSHMEM initialisation.
 """
 
 from __future__ import annotations
 
+import collections
 import os
 
 import pytest
 
 DEVICE = os.environ.get("HEP_TEST_DEVICE", "cpu")
 TIMEOUT_S = float(os.environ.get("HEP_TEST_TIMEOUT", "600"))
+TIME_SLICED = os.environ.get("HEP_TEST_TIME_SLICED") == "1"
 
 if DEVICE not in ("cpu", "cuda"):
     raise pytest.UsageError(f"HEP_TEST_DEVICE must be 'cpu' or 'cuda', got {DEVICE!r}")
@@ -42,20 +49,59 @@ def device() -> str:
     return DEVICE
 
 
+# Pools kept alive at once (each rank holds a CUDA context and NVSHMEM's state, about 4 GiB of
+# device memory on an H200, or a few hundred MiB of host memory on CPU ranks): the least
+# recently used one ends first.
+MAX_POOLS = 3
+
+
+@pytest.fixture(scope="session")
+def rank_pools():
+    """The session's RankPools by world size, most recently used last; closed at the end."""
+    pools: collections.OrderedDict = collections.OrderedDict()
+    yield pools
+    for pool in pools.values():
+        pool.close()
+
+
+def ranks_fit(device: str, world_size: int) -> bool:
+    """Whether ``world_size`` ranks can run here: on CPU ranks always; on GPUs one per GPU, or
+    sharing GPUs where an MPS daemon answers (or HEP_TEST_TIME_SLICED=1)."""
+    if device != "cuda":
+        return True
+    from hybrid_ep_triton.tools import launcher
+
+    return launcher.ranks_per_gpu(world_size) == 1 or launcher.can_share_gpus(TIME_SLICED)
+
+
+def skip_unless_ranks_fit(device: str, world_size: int) -> None:
+    """Skip when ``world_size`` ranks would share GPUs and cannot (no MPS daemon)."""
+    if not ranks_fit(device, world_size):
+        from hybrid_ep_triton.tools import mps
+
+        pytest.skip(f"{world_size} ranks share GPUs here and no MPS daemon answers: {mps.HOW_TO}")
+
+
 @pytest.fixture
-def launch(device):
-    """``launch(fn, world_size, *args, timeout_s=None, **kwargs)``: run_ranks on the chosen
-    device (kwargs: run_ranks's other options, e.g. failure_grace_s)."""
-    from hybrid_ep_triton.tools.launcher import run_ranks
+def launch(device, rank_pools):
+    """``launch(fn, world_size, *args, timeout_s=None, fresh=False, **kwargs)``: ``fn`` on
+    ``world_size`` ranks of the chosen device, through the session's pool of that size (or, with
+    ``fresh``, through run_ranks's own new processes); kwargs: the launcher's other options,
+    e.g. failure_grace_s."""
+    from hybrid_ep_triton.tools.launcher import RankPool, run_ranks
 
-    def _launch(fn, world_size: int, *args, timeout_s: float | None = None, **kwargs) -> list:
-        if device == "cuda":
-            import torch
-
-            if world_size > torch.cuda.device_count():
-                # NCCL and NVSHMEM want one GPU per rank.
-                pytest.skip(f"{world_size} ranks need {world_size} GPUs")
+    def _launch(fn, world_size: int, *args, timeout_s=None, fresh=False, **kwargs) -> list:
+        skip_unless_ranks_fit(device, world_size)
         timeout = TIMEOUT_S if timeout_s is None else timeout_s
-        return run_ranks(fn, world_size, *args, device=device, timeout_s=timeout, **kwargs)
+        if fresh:
+            return run_ranks(fn, world_size, *args, device=device, timeout_s=timeout,
+                             allow_time_slicing=TIME_SLICED, **kwargs)  # fmt: skip
+        pool = rank_pools.pop(world_size, None)
+        if pool is None or not pool.usable:
+            while len(rank_pools) >= MAX_POOLS:
+                rank_pools.popitem(last=False)[1].close()
+            pool = RankPool(world_size, device, allow_time_slicing=TIME_SLICED)
+        rank_pools[world_size] = pool
+        return pool.run(fn, *args, timeout_s=timeout, **kwargs)
 
     return _launch

@@ -1,4 +1,5 @@
-"""Gradients through dispatch and combine against a single-process reference model (fp32).
+"""Gradients through dispatch and combine against a single-process reference model (fp32, on
+the CPU).
 
 Every rank builds every rank's inputs from the same seeds, routes its own tokens with a router
 (linear + softmax + top-k), dispatches them, applies one linear map per expert, combines with the
@@ -9,19 +10,11 @@ router weight gradient (summed over ranks) the reference's.
 
 from __future__ import annotations
 
-import os
-
-import pytest
 import torch
 import torch.distributed as dist
 
 from hybrid_ep_triton import Buffer
-
-# fp32 on CPU ranks; on GPUs, tests/test_streams.py checks backward passes (a CUDA-graph replay
-# of an MoE layer's forward and backward against eager).
-pytestmark = pytest.mark.skipif(
-    os.environ.get("HEP_TEST_DEVICE") == "cuda", reason="fp32 CPU ranks only"
-)
+from hybrid_ep_triton.tools.launcher import rank_device
 
 HIDDEN, EXPERTS_PER_RANK, TOPK, MAX_TOKENS = 6, 2, 3, 7
 TOL = 1e-4
@@ -58,7 +51,7 @@ def _expert_major_out(buf: Buffer, rank: int, x, idx, weights, maps, kw: dict):
     recv_x, recv_w, tokens_per_expert, handle = buf.dispatch(x, idx, weights, **kw)
     # Each row's local expert; rows past the segments (zero tail) take expert 0.
     local = torch.repeat_interleave(
-        torch.arange(EXPERTS_PER_RANK), tokens_per_expert, output_size=None
+        torch.arange(EXPERTS_PER_RANK, device=recv_x.device), tokens_per_expert
     )
     local = torch.cat([local, local.new_zeros(recv_x.shape[0] - local.numel())])
     y = torch.einsum("nh,nhj->nj", recv_x, maps[rank * EXPERTS_PER_RANK + local])
@@ -85,8 +78,10 @@ def _check_grads(
     rank: int, world: int, cases: list[dict], expand: bool, layer_out, ranks_per_node
 ) -> list[str]:
     failures = []
+    dev = rank_device()
     with Buffer(
         None,
+        device=dev,
         hidden_size=HIDDEN,
         max_tokens_per_rank=MAX_TOKENS,
         num_experts=world * EXPERTS_PER_RANK,
@@ -99,19 +94,20 @@ def _check_grads(
                 continue
             what = f"rank {rank}, expand={expand}, ranks_per_node={ranks_per_node}, {case}"
             xs, router_weight, maps, projections = _model(world, case["seed"])
-            x = xs[rank].clone().requires_grad_(True)
-            router = router_weight.clone().requires_grad_(True)
+            x = xs[rank].to(dev, copy=True).requires_grad_(True)
+            router = router_weight.to(dev, copy=True).requires_grad_(True)
             idx, weights = _route(x, router)
             kw = {k: v for k, v in case.items() if k != "seed"}
-            out = layer_out(buf, rank, x, idx, weights, maps, kw)
-            (out * projections[rank]).sum().backward()
+            out = layer_out(buf, rank, x, idx, weights, maps.to(dev), kw)
+            (out * projections[rank].to(dev)).sum().backward()
             router_grad = router.grad.clone()
             dist.all_reduce(router_grad)
+            x_grad, router_grad = x.grad.cpu(), router_grad.cpu()
             ref_x, ref_router = _reference_grads(xs, router_weight, maps, projections)
             start = sum(t.shape[0] for t in xs[:rank])
             ref_x = ref_x[start : start + x.shape[0]]
-            if not torch.allclose(x.grad, ref_x, atol=TOL, rtol=TOL):
-                failures.append(f"{what}: x grad off by {(x.grad - ref_x).abs().max():.2e}")
+            if not torch.allclose(x_grad, ref_x, atol=TOL, rtol=TOL):
+                failures.append(f"{what}: x grad off by {(x_grad - ref_x).abs().max():.2e}")
             if not torch.allclose(router_grad, ref_router, atol=TOL, rtol=TOL):
                 err = (router_grad - ref_router).abs().max()
                 failures.append(f"{what}: router grad off by {err:.2e}")

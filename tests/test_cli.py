@@ -10,8 +10,10 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
+from conftest import skip_unless_ranks_fit
 
-from hybrid_ep_triton.tools import launcher
+from hybrid_ep_triton.tools import launcher, mps
 from hybrid_ep_triton.tools.cli import build_parser, main, run_soak
 
 SRC = str(Path(__file__).resolve().parents[1] / "src")
@@ -26,11 +28,7 @@ def _run(args: list[str], timeout: float) -> subprocess.CompletedProcess:
 
 
 def test_demo_two_ranks_as_two_nodes(device):
-    if device == "cuda":
-        import torch
-
-        if torch.cuda.device_count() < 2:
-            pytest.skip("needs 2 GPUs")
+    skip_unless_ranks_fit(device, 2)
     cmd = [sys.executable, "-m", "hybrid_ep_triton", "demo", "--ranks", "2", "--device", device]
     r = _run(cmd + SMALL + ["--ranks-per-node", "1"], timeout=300)
     assert r.returncode == 0, f"stdout:\n{r.stdout}\nstderr:\n{r.stderr}"
@@ -123,3 +121,17 @@ def test_soak_reports_every_rank(monkeypatch, capsys, failures):
     assert ("  rank 1: round 3: recv_x differs" in out) == bool(failures), out
     assert "  rank 0 rounds with: exact 5" in out, out
     assert out.rstrip().splitlines()[-1].startswith("FAILED in " if failures else "OK in "), out
+
+
+def test_ranks_sharing_a_gpu_without_mps_are_refused_before_any_start(monkeypatch, capsys):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(mps, "daemon_answers", lambda: False)
+
+    def no_start(*args, **kwargs):
+        raise AssertionError("a rank was started")
+
+    monkeypatch.setattr(launcher.mp, "get_context", no_start)
+    assert main(["demo", "--device", "cuda", "--ranks", "4"]) == 2
+    err = capsys.readouterr().err
+    assert "4 ranks on 1 GPU(s) share GPUs" in err and mps.START in err and mps.STOP in err

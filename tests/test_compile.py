@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from hybrid_ep_triton import Buffer
+from hybrid_ep_triton.tools.launcher import rank_device
 
 HIDDEN, EXPERTS_PER_RANK, TOPK, MAX_TOKENS = 8, 2, 2, 6
 
@@ -55,6 +56,7 @@ def _compile_body(rank: int, world: int) -> list[str]:
         max_tokens_per_rank=MAX_TOKENS,
         num_experts=world * EXPERTS_PER_RANK,
         dtype=torch.float32,
+        device=rank_device(),
     ) as buf:
         for max_recv_tokens in (world * MAX_TOKENS * TOPK, None):
             failures += _compare(buf, world, rank, max_recv_tokens)
@@ -63,8 +65,8 @@ def _compile_body(rank: int, world: int) -> list[str]:
 
 def _compare(buf: Buffer, world: int, rank: int, max_recv_tokens: int | None) -> list[str]:
     failures = []
-    on_gpu = torch.cuda.is_available()
-    dev = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
+    dev = buf.device
+    on_gpu = dev.type == "cuda"
     step = _MoEStep(buf, world, rank, max_recv_tokens).to(dev)
     backend = "inductor" if on_gpu else "aot_eager"
     compiled = torch.compile(step, fullgraph=True, backend=backend, dynamic=False)

@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 
 from hybrid_ep_triton import Buffer, reference
+from hybrid_ep_triton.tools.launcher import rank_device
 
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
 I32, I64 = torch.int32, torch.int64
@@ -337,7 +338,7 @@ def _run_case(buf: Buffer, rank: int, world: int, grp: Group, index: int, case: 
     Inputs are drawn on the CPU, both implementations run on the test device, and the results
     are compared on the CPU.
     """
-    group, dev = dist.group.WORLD, _device()
+    group, dev = dist.group.WORLD, rank_device()
     hidden, dtype, num_experts = grp.hidden, grp.dtype, grp.num_experts
     gen = torch.Generator().manual_seed(grp.seed * 100_000 + index * 100 + rank)
     num_tokens = case.tokens[rank % len(case.tokens)]
@@ -428,12 +429,6 @@ def _token_node_pairs(idx: torch.Tensor, local: int, ranks_per_node: int, rank: 
     return sum(len(set(row[keep].tolist())) for row, keep in zip(nodes, others, strict=True))
 
 
-def _device() -> torch.device:
-    if dist.get_backend() == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
 def _rank_body(rank: int, world_size: int, grp: Group) -> list[str]:
     """Run the group's cases in order on one Buffer; return this rank's failure messages."""
     failures: list[str] = []
@@ -445,6 +440,7 @@ def _rank_body(rank: int, world_size: int, grp: Group) -> list[str]:
         dtype=grp.dtype,
         expand=grp.expand,
         ranks_per_node=grp.ranks_per_node,
+        device=rank_device(),
     )
     try:
         for index, case in enumerate(grp.cases):

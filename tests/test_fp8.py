@@ -23,6 +23,7 @@ from hypothesis import strategies as st
 from hybrid_ep_triton import Buffer, reference
 from hybrid_ep_triton.kernels.quantize import quantize_fp8_kernel
 from hybrid_ep_triton.ops.fp8_rows import Fp8Values
+from hybrid_ep_triton.tools.launcher import rank_device
 
 MAX_TOKENS = 9
 
@@ -153,11 +154,10 @@ def _rank_body(
 ) -> list[str]:
     failures: list[str] = []
     group = dist.group.WORLD
-    dev = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else (
-        torch.device("cpu"))  # fmt: skip
+    dev = rank_device()
     num_experts = 8
-    buf = Buffer(None, hidden_size=hidden, max_tokens_per_rank=MAX_TOKENS,
-                 num_experts=num_experts, expand=expand, ranks_per_node=ranks_per_node)  # fmt: skip
+    buf = Buffer(None, hidden_size=hidden, max_tokens_per_rank=MAX_TOKENS, num_experts=num_experts,
+                 expand=expand, ranks_per_node=ranks_per_node, device=dev)  # fmt: skip
     try:
         if world == 2 and expand:
             failures += _refused_calls(buf, dev, hidden)

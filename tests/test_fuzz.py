@@ -2,28 +2,33 @@
 calls with random token counts, routings (-1 slots, hot experts, empty ranks), pad multiples,
 max_recv_tokens values and weights, expert-major rows or token rows (expand), one node or
 simulated nodes of 1 or 2 ranks (ranks_per_node, where it divides the world) — and every call
-on CPU ranks is checked against the reference. One scenario is one launch of ranks (a launch
-costs seconds), its calls share one Buffer.
+is checked against the reference. One scenario is one call of the ranks, its calls share one
+Buffer. Sizes follow the device: a few tokens of a few channels on CPU ranks (the interpreter),
+up to hundreds of tokens of up to 7168 channels, 8 ranks and top-8 of 256 experts on GPUs.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+from conftest import DEVICE
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from hybrid_ep_triton import Buffer, reference
+from hybrid_ep_triton.tools.launcher import rank_device
 from hybrid_ep_triton.tools.soak import _row_weights
 
-MAX_TOKENS = 6
+ON_GPU = DEVICE == "cuda"
+MAX_TOKENS = 300 if ON_GPU else 6
+MAX_WORLD = 8 if ON_GPU else 4
 TOL = 2e-2  # bf16; combine sends bf16 partial sums per (token, rank)
 
 calls = st.fixed_dictionaries(
     {
         "seed": st.integers(0, 2**31 - 1),
-        "tokens": st.lists(st.integers(0, MAX_TOKENS), min_size=4, max_size=4),
-        "topk": st.integers(1, 3),
+        "tokens": st.lists(st.integers(0, MAX_TOKENS), min_size=MAX_WORLD, max_size=MAX_WORLD),
+        "topk": st.integers(1, 8 if ON_GPU else 3),
         "unused": st.sampled_from([0.0, 0.3, 1.0]),
         "hot": st.booleans(),
         "pad_multiple": st.sampled_from([1, 2, 5]),
@@ -33,9 +38,9 @@ calls = st.fixed_dictionaries(
 )
 scenarios = st.fixed_dictionaries(
     {
-        "world": st.integers(2, 4),
-        "hidden": st.sampled_from([3, 10, 33]),
-        "experts_per_rank": st.integers(1, 3),
+        "world": st.integers(2, MAX_WORLD),
+        "hidden": st.sampled_from([7, 1000, 7168] if ON_GPU else [3, 10, 33]),
+        "experts_per_rank": st.sampled_from([1, 3, 32] if ON_GPU else [1, 2, 3]),
         "expand": st.booleans(),
         "ranks_per_node": st.sampled_from([None, 1, 2]),
         "calls": st.lists(calls, min_size=3, max_size=5),
@@ -57,7 +62,8 @@ def _inputs(call: dict, rank: int, experts: int, hidden: int):
     idx[torch.rand(idx.shape, generator=g) < call["unused"]] = -1
     weights = torch.rand(idx.shape, generator=g) if call["weights"] else None
     x = torch.randn(num_tokens, hidden, generator=g).to(torch.bfloat16)
-    return x, idx, weights
+    dev = rank_device()
+    return x.to(dev), idx.to(dev), None if weights is None else weights.to(dev)
 
 
 def _scenario_body(rank: int, world: int, scenario: dict) -> list[str]:
@@ -72,7 +78,7 @@ def _scenario_body(rank: int, world: int, scenario: dict) -> list[str]:
         per_node = None
     with Buffer(
         None, hidden_size=scenario["hidden"], max_tokens_per_rank=MAX_TOKENS,
-        num_experts=experts, expand=expand, ranks_per_node=per_node,
+        num_experts=experts, expand=expand, ranks_per_node=per_node, device=rank_device(),
     ) as buf:  # fmt: skip
         for n, call in enumerate(scenario["calls"]):
             what = f"rank {rank}, expand={expand}, ranks_per_node={per_node}, call {n} {call}"
@@ -98,7 +104,7 @@ def _scenario_body(rank: int, world: int, scenario: dict) -> list[str]:
                 if not overflow:
                     failures.append(f"{what}: unexpected OverflowError")
             y = torch.randn(got[0].shape, generator=torch.Generator().manual_seed(n))
-            y = y.to(torch.bfloat16)
+            y = y.to(torch.bfloat16).to(buf.device)
             weighted = w is not None
             out = buf.combine(y, handle, weights=_row_weights(got, expand, weighted))
             ref_weights = _row_weights(want, expand, weighted)
@@ -111,7 +117,9 @@ def _scenario_body(rank: int, world: int, scenario: dict) -> list[str]:
 
 
 @settings(
-    max_examples=3, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+    max_examples=12 if ON_GPU else 3,
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture],
 )
 @given(scenario=scenarios)
 def test_random_scenarios_match_the_reference(launch, scenario):

@@ -36,7 +36,7 @@ from hybrid_ep_triton.kernels.primitives import (
 )
 from hybrid_ep_triton.runtime.heap import allocate_heap
 from hybrid_ep_triton.runtime.planner import MAX_PROGRAMS
-from hybrid_ep_triton.tools.launcher import RankFailure, RanksTimedOut
+from hybrid_ep_triton.tools.launcher import RankFailure, RanksTimedOut, rank_device
 
 SHM_PREFIX = "/dev/shm/hybrid_ep_triton-"
 FLAGS_OFF = 0  # int64 [W] flags: flag s = last round in which rank s finished writing here
@@ -118,12 +118,6 @@ def _compare_heap(what: str, got: torch.Tensor, want: torch.Tensor) -> list[str]
     ]
 
 
-def _device() -> torch.device:
-    if dist.get_backend() == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
 def _mapped_segments() -> list[str]:
     """Paths of the hybrid_ep_triton shared-memory segments mapped into this process."""
     paths = set()
@@ -153,7 +147,7 @@ def _skip_unless_cpu(device: str) -> None:
 
 def _exchange_body(rank: int, world_size: int) -> tuple[list[str], list[str]]:
     failures: list[str] = []
-    dev = _device()
+    dev = rank_device()
     heap = allocate_heap(dist.group.WORLD, _heap_bytes(world_size), dev)
     segments = _mapped_segments()
     failures += _compare_heap(
@@ -189,7 +183,7 @@ def test_every_rank_writes_every_peer(launch, device, world_size):
 
 def _missing_peer_body(rank: int, world_size: int) -> tuple[list[str], list[str]]:
     failures: list[str] = []
-    dev = _device()
+    dev = rank_device()
     heap = allocate_heap(dist.group.WORLD, _heap_bytes(world_size), dev)
     segments = _mapped_segments()
     if rank == 0:
@@ -259,12 +253,12 @@ def _skipped_call_body(
     """Rank 1 skips collective calls that rank 0 makes; rank 0 must time out, naming it (with
     ranks_per_node=1 rank 1 is on another node, reached by network puts only)."""
     failures: list[str] = []
-    dev = _device()
+    dev = rank_device()
     x = torch.randn(T, H).to(torch.bfloat16).to(dev)
     idx = torch.tensor([[0, 3], [1, -1], [2, 0], [3, 1]], device=dev)
     make = dict(
         hidden_size=H, max_tokens_per_rank=T, num_experts=4, timeout_s=3,
-        ranks_per_node=ranks_per_node,
+        ranks_per_node=ranks_per_node, device=dev,
     )  # fmt: skip
 
     # 1. Rank 1 skips a dispatch (exact mode).

@@ -10,23 +10,34 @@ import threading
 import pytest
 import torch
 import torch.distributed as dist
+from conftest import skip_unless_ranks_fit
 
-from hybrid_ep_triton.tools.launcher import RankFailure, RanksTimedOut, run_ranks
+from hybrid_ep_triton.tools import launcher, mps
+from hybrid_ep_triton.tools.launcher import (
+    GpuSharingUnavailable,
+    RankFailure,
+    RankPool,
+    RanksTimedOut,
+    launch_plan,
+    rank_device,
+    run_ranks,
+)
 
 # Rank bodies must be module-level functions: they are pickled by reference into spawned ranks.
-
-
-def _device() -> torch.device:
-    if dist.get_backend() == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
+ENV_KEYS = (
+    "TRITON_INTERPRET",
+    "NCCL_NVLS_ENABLE",
+    "HEP_TEST_PROBE",
+    "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE",
+)
 
 
 def _all_reduce_body(rank, world_size, tag):
-    t = torch.tensor([rank + 1.0, 10.0 * rank], device=_device())
+    t = torch.tensor([rank + 1.0, 10.0 * rank], device=rank_device())
     dist.all_reduce(t)
-    env = {k: os.environ.get(k) for k in ("TRITON_INTERPRET", "NCCL_NVLS_ENABLE")}
-    return {"rank": rank, "world_size": world_size, "tag": tag, "sum": t, "env": env}
+    env = {k: os.environ.get(k) for k in ENV_KEYS}
+    return {"rank": rank, "world_size": world_size, "tag": tag, "sum": t, "env": env,
+            "pid": os.getpid(), "backend": dist.get_backend()}  # fmt: skip
 
 
 def _raise_on_rank1(rank, world_size):
@@ -67,8 +78,6 @@ def _assert_gone(pid: int) -> None:
 
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_results_come_back_in_rank_order(launch, device, world_size):
-    if device == "cuda" and torch.cuda.device_count() < world_size:
-        pytest.skip("NCCL rejects two ranks of one communicator on one GPU")
     before = os.environ.get("MASTER_PORT")
     out = launch(_all_reduce_body, world_size, "tag")
     assert [r["rank"] for r in out] == list(range(world_size))
@@ -83,9 +92,10 @@ def test_results_come_back_in_rank_order(launch, device, world_size):
     assert os.environ.get("MASTER_PORT") == before  # parent environment restored
 
 
-def test_rank_exception_raises_rank_failure(launch):
+@pytest.mark.parametrize("fresh", [False, True], ids=["pool", "run_ranks"])
+def test_rank_exception_raises_rank_failure(launch, fresh):
     with pytest.raises(RankFailure) as info:
-        launch(_raise_on_rank1, 2)
+        launch(_raise_on_rank1, 2, fresh=fresh)
     exc = info.value
     assert not isinstance(exc, RanksTimedOut)
     assert set(exc.failures) == {1}
@@ -133,3 +143,118 @@ def test_hung_ranks_time_out_and_are_killed(launch, tmp_path):
         if pid_file.exists():  # the rank reached _hang: its stack must show it
             assert int(pid_file.read_text()) == exc.pids[rank]
             assert "_hang" in exc.failures[rank]
+
+
+# --- pools -------------------------------------------------------------------------------------
+
+
+def test_a_pool_keeps_its_ranks_and_gives_each_call_the_callers_environment(device, monkeypatch):
+    skip_unless_ranks_fit(device, 2)
+    with RankPool(2, device) as pool:
+        monkeypatch.setenv("HEP_TEST_PROBE", "first")
+        first = pool.run(_all_reduce_body, "a", timeout_s=300)
+        monkeypatch.setenv("HEP_TEST_PROBE", "second")
+        second = pool.run(_all_reduce_body, "b", timeout_s=300)
+        pids = pool.pids
+    assert [r["pid"] for r in first] == [r["pid"] for r in second] == list(pids.values())
+    assert [r["env"]["HEP_TEST_PROBE"] for r in first + second] == ["first"] * 2 + ["second"] * 2
+    assert [r["tag"] for r in second] == ["b", "b"]
+    for pid in pids.values():  # close() ended them in order
+        _assert_gone(pid)
+
+
+def test_a_failure_ends_the_pool_and_launch_starts_a_fresh_one(launch, device):
+    first = launch(_all_reduce_body, 2, "before")
+    with pytest.raises(RankFailure) as info:
+        launch(_raise_on_rank1, 2)
+    assert set(info.value.failures) == {1}
+    for pid in info.value.pids.values():
+        _assert_gone(pid)
+    again = launch(_all_reduce_body, 2, "after")
+    assert {r["pid"] for r in again}.isdisjoint(r["pid"] for r in first)
+    assert [r["tag"] for r in again] == ["after", "after"]
+
+
+def test_an_ended_pool_refuses_calls(device):
+    skip_unless_ranks_fit(device, 1)
+    pool = RankPool(1, device)
+    pool.close()
+    with pytest.raises(RuntimeError, match="has ended"):
+        pool.run(_all_reduce_body, "x")
+
+
+# --- ranks sharing GPUs (decided here without GPUs) --------------------------------------------
+
+
+@pytest.fixture
+def gpus(monkeypatch):
+    """``gpus(count, mps_answers)``: make the launcher see ``count`` GPUs and an MPS daemon that
+    answers or not; CUDA_MPS_ACTIVE_THREAD_PERCENTAGE unset."""
+    monkeypatch.delenv("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", raising=False)
+
+    def _set(count: int, mps_answers: bool) -> None:
+        monkeypatch.setattr(torch.cuda, "device_count", lambda: count)
+        monkeypatch.setattr(mps, "daemon_answers", lambda: mps_answers)
+
+    return _set
+
+
+def test_ranks_sharing_a_gpu_take_gloo_and_a_share_of_its_sms(gpus, monkeypatch):
+    gpus(2, mps_answers=True)
+    one_each = launch_plan(2, "cuda")
+    assert one_each.backend == "nccl" and not one_each.sharing
+    assert "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE" not in one_each.env
+    for world, share in ((3, "50"), (4, "50"), (8, "25"), (16, "12")):
+        plan = launch_plan(world, "cuda")  # GPU 0 holds ranks 0, 2, 4, ...
+        assert plan.backend == "gloo" and plan.sharing, world
+        assert plan.env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == share, world
+    monkeypatch.setenv("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", "30")  # the caller's own is kept
+    assert "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE" not in launch_plan(8, "cuda").env
+    assert launch_plan(4, "cpu").backend == "gloo"
+
+
+def test_ranks_sharing_a_gpu_without_mps_fail_before_any_start(gpus, monkeypatch):
+    gpus(1, mps_answers=False)
+
+    def no_start(*args, **kwargs):
+        raise AssertionError("a rank was started")
+
+    monkeypatch.setattr(launcher.mp, "get_context", no_start)
+    for start in (
+        lambda: RankPool(2, "cuda"),
+        lambda: run_ranks(_raise_on_rank1, 2, device="cuda"),
+    ):
+        with pytest.raises(GpuSharingUnavailable) as info:
+            start()
+        assert mps.START in str(info.value) and mps.STOP in str(info.value)
+    assert launch_plan(2, "cuda", allow_time_slicing=True).sharing
+    assert not launch_plan(1, "cuda").sharing  # one rank shares nothing: no daemon needed
+
+
+def test_daemon_answers_only_when_its_control_program_does(tmp_path, monkeypatch):
+    """A stand-in for nvidia-cuda-mps-control, answering as the real one does (exit 1 and
+    'Cannot find MPS control daemon process' without a daemon, as measured on an H200)."""
+    control = tmp_path / mps.CONTROL
+    monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+    absent = "echo 'Cannot find MPS control daemon process'; exit 1"
+    for body, answers in (("echo 521; exit 0", True), (absent, False)):
+        control.write_text(f"#!/bin/sh\ncat > /dev/null\n{body}\n")
+        control.chmod(0o755)
+        assert mps.daemon_answers() is answers, body
+    control.unlink()
+    assert mps.daemon_answers() is False  # not installed
+
+
+def test_a_killed_gpu_sharer_restarts_mps_after_every_pool_ends(monkeypatch):
+    class Pool:  # a live pool, as the launcher's registry holds it
+        def close(self) -> None:
+            launcher._POOLS.discard(self)
+
+    restarts = []
+    monkeypatch.setattr(mps, "restart_daemon", lambda: restarts.append(len(launcher._POOLS)))
+    monkeypatch.setattr(launcher, "_MPS_NEEDS_RESTART", True)
+    monkeypatch.setattr(launcher, "_POOLS", {Pool(), Pool()})
+    launcher._restart_mps_if_needed()
+    assert restarts == [0] and not launcher._MPS_NEEDS_RESTART
+    launcher._restart_mps_if_needed()
+    assert restarts == [0]  # once per kill

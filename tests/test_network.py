@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 import triton
 import triton.language as tl
+from conftest import ranks_fit
 
 from hybrid_ep_triton.kernels.primitives import (
     INTERPRETED,
@@ -24,6 +25,7 @@ from hybrid_ep_triton.kernels.primitives import (
 )
 from hybrid_ep_triton.ops.launch import KernelLauncher
 from hybrid_ep_triton.runtime.heap import allocate_heap
+from hybrid_ep_triton.tools.launcher import rank_device
 
 FLAG_OFF = 0  # int64: the round of the block that landed here
 SRC_OFF = 256  # what this rank puts
@@ -75,15 +77,9 @@ def _pattern(src: int, round_no: int) -> torch.Tensor:
     return ((src * 37 + round_no * 101 + pos * 7 + 1) % 251).to(torch.uint8)
 
 
-def _device() -> torch.device:
-    if dist.get_backend() == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
 def _put_body(rank: int, world: int) -> list[str]:
     failures = []
-    dev = _device()
+    dev = rank_device()
     # Every rank its own node: no peer pointers, only network puts.
     heap = allocate_heap(dist.group.WORLD, HEAP_BYTES, dev, ranks_per_node=1)
     others = [r for r, b in enumerate(heap.peer_bases.tolist()) if b and r != rank]
@@ -119,8 +115,8 @@ def _put_body(rank: int, world: int) -> list[str]:
 
 
 def test_put_with_signal_lands(launch, device):
-    world = torch.cuda.device_count() if device == "cuda" else 2
-    results = launch(_put_body, min(world, 2))
+    # Between two ranks (sharing a GPU where there is one), else one rank into its own heap.
+    results = launch(_put_body, 2 if ranks_fit(device, 2) else 1)
     failures = [msg for per_rank in results for msg in per_rank]
     assert not failures, "\n".join(failures)
 
@@ -166,7 +162,7 @@ def _load_body(rank: int, world: int) -> list[str]:
 
     from hybrid_ep_triton.runtime.nvshmem import init_module
 
-    heap = allocate_heap(dist.group.WORLD, HEAP_BYTES, _device())  # initialises NVSHMEM
+    heap = allocate_heap(dist.group.WORLD, HEAP_BYTES, rank_device())  # initialises NVSHMEM
     loaded = []
     for label, compiled in compile_all([(16, 8)]):
         compiled._init_handles()

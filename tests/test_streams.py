@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from hybrid_ep_triton import Buffer
+from hybrid_ep_triton.tools.launcher import rank_device
 
 HIDDEN, EXPERTS_PER_RANK, TOPK = 64, 4, 3
 
@@ -26,19 +27,12 @@ def _buffer(world: int, max_tokens: int, dtype=torch.bfloat16) -> Buffer:
         max_tokens_per_rank=max_tokens,
         num_experts=world * EXPERTS_PER_RANK,
         dtype=dtype,
-    )
-
-
-def _device() -> torch.device:
-    return (
-        torch.device("cuda", torch.cuda.current_device())
-        if torch.cuda.is_available()
-        else (torch.device("cpu"))
+        device=rank_device(),
     )
 
 
 def _async_body(rank: int, world: int) -> list[str]:
-    dev = _device()
+    dev = rank_device()
     g = torch.Generator().manual_seed(rank)
     failures = []
     with _buffer(world, 16) as buf:
@@ -119,7 +113,7 @@ def _graph_body(rank: int, world: int) -> list[str]:
     from hybrid_ep_triton.moe import MoELayer
 
     torch.manual_seed(0)  # the same router on every rank
-    dev = _device()
+    dev = rank_device()
     local = EXPERTS_PER_RANK
     max_recv = world * GRAPH_TOKENS * min(TOPK, local)
     failures = []
@@ -129,6 +123,7 @@ def _graph_body(rank: int, world: int) -> list[str]:
         max_tokens_per_rank=GRAPH_TOKENS,
         num_experts=world * local,
         dtype=torch.bfloat16,
+        device=dev,
     )
     layer = MoELayer(buf, GRAPH_FFN, TOPK, max_recv_tokens=max_recv)
     g = torch.Generator().manual_seed(10 + rank)

@@ -20,21 +20,16 @@ import torch.distributed as dist
 from hybrid_ep_triton import Buffer, reference
 from hybrid_ep_triton.buffer import ranks_per_host
 from hybrid_ep_triton.moe import TokenDispatcher
+from hybrid_ep_triton.tools.launcher import rank_device
 
 BF16 = torch.bfloat16
 TOL = {torch.bfloat16: 2e-2, torch.float16: 2e-3, torch.float32: 1e-5}
 
 
-def _device() -> torch.device:
-    if dist.get_backend() == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
 def _inputs(seed: int, num_tokens: int, hidden: int, num_experts: int, topk: int, dtype):
     """x [T, H], topk_idx [T, K] int64 (distinct ids, some -1), weights [T, K] on the device."""
     gen = torch.Generator().manual_seed(seed)
-    dev = _device()
+    dev = rank_device()
     x = torch.randn(num_tokens, hidden, generator=gen).to(dtype)
     idx = torch.rand(num_tokens, num_experts, generator=gen).topk(topk, dim=1).indices
     idx[torch.rand(num_tokens, topk, generator=gen) < 0.2] = -1
@@ -84,8 +79,9 @@ H, T_MAX, E, K = 5, 6, 4, 2  # W=2: 2 experts per rank
 
 def _bad_call_body(rank: int, world_size: int) -> list[str]:
     failures: list[str] = []
-    dev = _device()
-    buf = Buffer(None, hidden_size=H, max_tokens_per_rank=T_MAX, num_experts=E, dtype=BF16)
+    dev = rank_device()
+    buf = Buffer(None, hidden_size=H, max_tokens_per_rank=T_MAX, num_experts=E, dtype=BF16,
+                 device=dev)  # fmt: skip
     rt = buf._rt  # internals, only to prove that a refused call moved nothing
 
     def refused(what: str, call, match: str | None = None) -> None:
@@ -176,7 +172,8 @@ def test_bad_dispatch_and_combine_arguments(launch):
 
 def _constructor_body(rank: int, world_size: int) -> list[str]:
     failures: list[str] = []
-    good = dict(hidden_size=8, max_tokens_per_rank=4, num_experts=4, dtype=BF16)
+    good = dict(hidden_size=8, max_tokens_per_rank=4, num_experts=4, dtype=BF16,
+                device=rank_device())  # fmt: skip
     same_bad = [
         ("hidden_size 0", dict(hidden_size=0), "hidden_size"),
         ("hidden_size -3", dict(hidden_size=-3), "hidden_size"),
@@ -270,7 +267,8 @@ def _bad_routing(kind: str, idx: torch.Tensor) -> torch.Tensor:
 
 def _routing_body(rank: int, world_size: int, kinds: list[str]) -> list[str]:
     failures: list[str] = []
-    buf = Buffer(None, hidden_size=RT_H, max_tokens_per_rank=RT_T, num_experts=RT_E, dtype=BF16)
+    buf = Buffer(None, hidden_size=RT_H, max_tokens_per_rank=RT_T, num_experts=RT_E, dtype=BF16,
+                 device=rank_device())  # fmt: skip
     num_tokens = (4, RT_T, 5)[rank]
     for i, kind in enumerate(kinds):
         for mode, max_recv in (("exact", None), ("max_recv_tokens", 40)):

@@ -61,8 +61,12 @@ class Buffer:
     the same as within one node.
 
     Args:
-        group: torch.distributed group of the expert-parallel ranks: NCCL with CUDA tensors, or
-            gloo with CPU tensors under TRITON_INTERPRET=1. None means the default group.
+        group: torch.distributed group of the expert-parallel ranks (None: the default group),
+            through which the Buffer makes its host-side collectives (parameter check, host
+            names, heap set-up, NVSHMEM's unique id), all with CPU objects where the group is
+            gloo: NCCL with one GPU per rank; gloo for CPU ranks (TRITON_INTERPRET=1) and for
+            ranks that share GPUs (NCCL rejects two ranks of a group on one GPU; run them under
+            CUDA MPS, see the README's "Testing on one GPU").
         hidden_size: H, elements per token row.
         max_tokens_per_rank: most tokens any rank passes to one dispatch.
         num_experts: E, global experts, divisible by the group size.
@@ -82,6 +86,9 @@ class Buffer:
         ranks_per_node: R, consecutive ranks that reach each other over NVLink (a node); it must
             divide the group size. None (default): the ranks that share a host (they must be
             consecutive). A group of one node (R == group size) moves everything over NVLink.
+        device: where tokens live: None (default) the current CUDA device with an NCCL group,
+            the CPU with gloo; a CUDA device (it must be this process's current one) also with
+            a gloo group; the CPU only with gloo. The same kind on every rank.
         expand: True (default): dispatch expands every received token into one row per local
             expert it selected, grouped by expert, ready for a grouped GEMM. False: one row per
             received token, as DeepEP's dispatch returns it, with the token's local expert ids
@@ -89,8 +96,7 @@ class Buffer:
             quarter of the bytes at top-8 of 256 experts over 2 ranks (about 4 experts per
             token on each rank), and combine then sums one row per (token, rank).
 
-    Attributes: the arguments above, and ``device``, where tokens live: the current CUDA device
-    at construction with NCCL, the CPU with gloo.
+    Attributes: the arguments above (``device`` resolved: a torch.device with its index).
     """
 
     def __init__(
@@ -105,8 +111,10 @@ class Buffer:
         timeout_s: float = DEFAULT_TIMEOUT_S,
         expand: bool = True,
         ranks_per_node: int | None = None,
+        device: torch.device | str | None = None,
     ):
         group = group if group is not None else dist.group.WORLD
+        device = _token_device(device, group)
         world, rank = dist.get_world_size(group), dist.get_rank(group)
         if ranks_per_node is not None:
             check_int("ranks_per_node", ranks_per_node, 1, world)
@@ -135,12 +143,20 @@ class Buffer:
         dist.all_gather_object(hosts, socket.gethostname(), group=group)
         if ranks_per_node is None:
             ranks_per_node = ranks_per_host(hosts)
-        on_gpu = dist.get_backend(group) == "nccl"
-        device = (
-            torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
-        )
+        on_gpu = device.type == "cuda"
         key = cache_key(device, world, hidden_size, dtype, expand, ranks_per_node)
         config = select_config(key, hidden_size, max_tokens_per_rank, num_sms, on_gpu)
+        # The SMs this process's context may use: under an MPS share (ranks sharing a GPU) the
+        # context reports and gets that share alone (bench/results/*-mps-probe.log).
+        context_sms = (
+            torch.cuda.get_device_properties(device).multi_processor_count if on_gpu else None
+        )
+        if on_gpu and config.num_sms > context_sms:
+            raise ValueError(
+                f"num_sms={config.num_sms} is more than the {context_sms} SMs this process's "
+                f"CUDA context may use (an MPS share, CUDA_MPS_ACTIVE_THREAD_PERCENTAGE, gives "
+                "a context part of the GPU)"
+            )
         _check_same_on_all_ranks(
             group,
             hidden_size=hidden_size,
@@ -150,6 +166,7 @@ class Buffer:
             num_sms=config.num_sms,
             expand=expand,
             ranks_per_node=ranks_per_node,
+            device_type=device.type,
             kernel_config=config,  # from each rank's tuning cache: must agree too
         )
         plan = make_plan(
@@ -181,10 +198,7 @@ class Buffer:
             device=device,
             timeout_ns=int(timeout_s * 1e9),
             local_programs=(
-                torch.cuda.get_device_properties(device).multi_processor_count
-                * config.programs_per_sm
-                if on_gpu
-                else _CPU_LOCAL_PROGRAMS
+                context_sms * config.programs_per_sm if on_gpu else _CPU_LOCAL_PROGRAMS
             ),
             outbox=torch.empty(
                 world * max(max_tokens_per_rank, 1), hidden_size, dtype=dtype, device=device
@@ -639,6 +653,32 @@ def _readable_rows(rows: torch.Tensor) -> torch.Tensor:
     """``rows``, or for an Fp8Values (no storage of its own for a kernel to read) its
     dequantized rows, as every torch op sees them, with its gradient."""
     return rows.dequantize() if isinstance(rows, Fp8Values) else rows
+
+
+def _token_device(device: torch.device | str | None, group: dist.ProcessGroup) -> torch.device:
+    """Buffer's ``device`` resolved (see its docstring); ValueError before anything is made."""
+    nccl = dist.get_backend(group) == "nccl"
+    if device is None:
+        return torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
+    try:
+        device = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"device must be a torch.device, got {describe(device)}") from None
+    if device.type == "cpu":
+        if nccl:
+            raise ValueError("device is the CPU but the group is NCCL: CPU ranks use gloo")
+        return device
+    if device.type != "cuda":
+        raise ValueError(f"device must be a CUDA device or the CPU, got {device}")
+    if not torch.cuda.is_available():
+        raise ValueError(f"device is {device}, but torch sees no CUDA device")
+    current = torch.cuda.current_device()
+    if device.index is not None and device.index != current:
+        raise ValueError(
+            f"device {device} is not this process's CUDA device (cuda:{current}): call "
+            "torch.cuda.set_device first (one GPU per process, as NVSHMEM wants)"
+        )
+    return torch.device("cuda", current)
 
 
 def _check_same_on_all_ranks(group: dist.ProcessGroup, **params) -> None:

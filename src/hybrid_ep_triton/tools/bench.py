@@ -453,7 +453,12 @@ def run(args: argparse.Namespace) -> int:
     if not torch.cuda.is_available():
         print("hybrid-ep bench needs CUDA GPUs")
         return 2
-    world = args.ranks or torch.cuda.device_count()
+    gpus = torch.cuda.device_count()
+    world = args.ranks or gpus
+    if world > gpus:
+        print(f"hybrid-ep bench times one rank per GPU: {world} ranks would share {gpus} GPU(s), "
+              "and times under MPS are not speeds")  # fmt: skip
+        return 2
     opts = dict(
         sms=[int(s) for s in args.sms.split(",")],
         spot_sms=[int(s) for s in args.spot_sms.split(",")],

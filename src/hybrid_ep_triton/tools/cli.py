@@ -55,7 +55,8 @@ def _rank_arguments(
         "--device",
         choices=("auto", "cpu", "cuda"),
         default="auto",
-        help="cuda: NCCL, one process per GPU; cpu: gloo and the Triton interpreter "
+        help="cuda: one process per GPU (NCCL), or several sharing each GPU under CUDA MPS "
+        "(gloo) when --ranks is above the GPU count; cpu: gloo and the Triton interpreter "
         "(default: cuda when a GPU is visible)",
     )
     for name, what in {**SIZE_OPTIONS, "tokens": tokens_help}.items():
@@ -66,6 +67,12 @@ def _rank_arguments(
         type=int,
         help="nodes of this many consecutive ranks, the others reached over the network "
         "(default: the ranks of a host; on CPU ranks, nodes are simulated)",
+    )
+    p.add_argument(
+        "--allow-time-slicing",
+        action="store_true",
+        help="let ranks share GPUs without the CUDA MPS daemon (every wait between them then "
+        "takes milliseconds); by default --ranks above the GPU count needs MPS running",
     )
     p.add_argument("--seed", type=int, default=0, help="random seed (default: 0)")
     p.add_argument(
@@ -88,10 +95,8 @@ def _rank_plan(args: argparse.Namespace, sizes: dict, cpu_ranks: int) -> tuple[s
     if device == "cuda" and not gpus:
         raise CommandError("--device cuda, but torch sees no CUDA device")
     ranks = args.ranks if args.ranks is not None else (gpus if device == "cuda" else cpu_ranks)
-    if ranks < 1 or device == "cuda" and ranks > gpus:
-        raise CommandError(
-            f"--ranks must be in [1, {gpus if device == 'cuda' else 'any'}], got {ranks}"
-        )
+    if ranks < 1:
+        raise CommandError(f"--ranks must be at least 1, got {ranks}")
     given = {k: getattr(args, k) for k in SIZE_OPTIONS if getattr(args, k) is not None}
     chosen = {**sizes[device], **given}
     if chosen["experts"] % ranks:
@@ -106,17 +111,21 @@ def _rank_plan(args: argparse.Namespace, sizes: dict, cpu_ranks: int) -> tuple[s
     return device, ranks, chosen
 
 
-def _on_ranks(command: str, details: str, fn, cfg, device, ranks, timeout) -> tuple[list, float]:
+def _on_ranks(command: str, details: str, fn, cfg, device, ranks, args) -> tuple[list, float]:
     """Print what runs where, run ``fn(rank, ranks, cfg)`` on the ranks; returns (per-rank
-    results, seconds). CommandError if a rank fails."""
-    from .launcher import RankFailure, run_ranks
+    results, seconds). CommandError if a rank fails or ranks cannot share the GPUs."""
+    from .launcher import GpuSharingUnavailable, RankFailure, ranks_per_gpu, run_ranks
 
-    kind = "GPU ranks (NCCL)" if device == "cuda" else "CPU ranks (gloo, Triton interpreter)"
+    kind = "CPU ranks (gloo, Triton interpreter)"
+    if device == "cuda":
+        per_gpu = ranks_per_gpu(ranks)
+        kind = "GPU ranks (NCCL)" if per_gpu == 1 else f"GPU ranks, up to {per_gpu} per GPU (gloo)"
     print(f"hybrid-ep {command}: {ranks} {kind}; {details}", flush=True)
     start = time.perf_counter()
     try:
-        results = run_ranks(fn, ranks, cfg, device=device, timeout_s=timeout)
-    except RankFailure as e:
+        results = run_ranks(fn, ranks, cfg, device=device, timeout_s=args.timeout,
+                            allow_time_slicing=args.allow_time_slicing)  # fmt: skip
+    except (RankFailure, GpuSharingUnavailable) as e:
         raise CommandError(str(e)) from None
     return results, time.perf_counter() - start
 
@@ -135,7 +144,7 @@ def run_demo(args: argparse.Namespace) -> int:
         f"{cfg.tokens} tokens per rank, hidden {cfg.hidden}, {cfg.experts} experts, "
         f"top-{cfg.topk}, bf16{_nodes(args)}"
     )
-    ok, seconds = _on_ranks("demo", details, demo_rank, cfg, device, ranks, args.timeout)
+    ok, seconds = _on_ranks("demo", details, demo_rank, cfg, device, ranks, args)
     print(f"{'OK' if all(ok) else 'MISMATCH'} in {seconds:.1f} s", flush=True)
     return 0 if all(ok) else 1
 
@@ -199,7 +208,7 @@ def run_soak(args: argparse.Namespace) -> int:
         f"{cfg.experts} experts, top-{cfg.topk}, {cfg.dtype}"
         f"{', token rows' if args.token_rows else ''}{_nodes(args)}"
     )
-    summaries, seconds = _on_ranks("soak", details, soak_rank, cfg, device, ranks, args.timeout)
+    summaries, seconds = _on_ranks("soak", details, soak_rank, cfg, device, ranks, args)
     for s in summaries:
         print(format_summary(s))
         covered = ", ".join(f"{name} {n}" for name, n in sorted(s["coverage"].items()))

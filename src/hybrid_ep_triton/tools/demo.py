@@ -8,7 +8,8 @@ precision. Rank 0 gathers every rank's numbers and prints a table.
 
 ``demo_rank(rank, world_size, config)`` only needs an initialised default process group (NCCL
 with one GPU per rank, or gloo on CPU under ``TRITON_INTERPRET=1``), so it also runs under
-``torchrun``; the CLI starts it through ``hybrid_ep_triton.tools.launcher.run_ranks``.
+``torchrun``; the CLI starts it through ``hybrid_ep_triton.tools.launcher.run_ranks``, also with
+ranks sharing GPUs (gloo, under CUDA MPS): ``launcher.rank_device`` says where tokens live.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import torch.nn.functional as F
 
 from .. import reference
 from ..buffer import Buffer
+from .launcher import rank_device
 
 FFN_HIDDEN = 256  # inner width of each expert's MLP
 DTYPE = torch.bfloat16
@@ -40,8 +42,8 @@ class DemoConfig:
 
 def demo_rank(rank: int, world_size: int, cfg: DemoConfig) -> bool:
     """One MoE round on this rank; returns whether it matched the reference."""
-    on_gpu = dist.get_backend() == "nccl"
-    device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
+    device = rank_device()
+    on_gpu = device.type == "cuda"
     local_experts = cfg.experts // world_size
 
     # Tokens of this rank, and a router shared by all ranks (same seed).
@@ -73,6 +75,7 @@ def demo_rank(rank: int, world_size: int, cfg: DemoConfig) -> bool:
         num_experts=cfg.experts,
         dtype=DTYPE,
         ranks_per_node=cfg.ranks_per_node,
+        device=device,
     )
 
     if on_gpu:  # a warm-up round compiles the kernels

@@ -18,8 +18,8 @@ GPUs) and the memory in use afterwards: ``torch.cuda.memory_allocated()`` and
 during a warm-up (10% of the rounds); after it, growth beyond a small bound fails the soak. Time
 drift (median of the first vs the last 10% of rounds) is reported, never asserted.
 
-``soak_rank(rank, world_size, config)`` needs only an initialised default process group (NCCL
-with one GPU per rank, or gloo on CPU under ``TRITON_INTERPRET=1``), like ``demo_rank``.
+``soak_rank(rank, world_size, config)`` needs only an initialised default process group, like
+``demo_rank``.
 """
 
 from __future__ import annotations
@@ -38,6 +38,7 @@ import torch.distributed as dist
 from .. import reference
 from ..buffer import Buffer
 from .demo import _gen, _human_bytes
+from .launcher import rank_device
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 # |combine - reference| <= TOL * (1 + sum over the token's slots of |weight * y|): combine sends
@@ -92,10 +93,11 @@ class _Layout:
 
 def soak_rank(rank: int, world_size: int, cfg: SoakConfig) -> dict:
     """Run the soak on this rank; returns its summary (see ``format_summary``)."""
-    on_gpu = dist.get_backend() == "nccl"
-    device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
+    device = rank_device()
+    on_gpu = device.type == "cuda"
     buf = Buffer(
         None,
+        device=device,
         hidden_size=cfg.hidden,
         max_tokens_per_rank=cfg.tokens,
         num_experts=cfg.experts,

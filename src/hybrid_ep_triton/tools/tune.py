@@ -137,6 +137,10 @@ def run(args: argparse.Namespace) -> int:
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     on_gpu = args.device == "cuda" or (args.device == "auto" and gpus > 0)
     world = args.ranks or (gpus if on_gpu else 2)
+    if on_gpu and world > gpus:
+        print(f"hybrid-ep tune times one rank per GPU: {world} ranks would share {gpus} GPU(s), "
+              "and times under MPS are not speeds")  # fmt: skip
+        return 2
     candidates = _candidates(args, on_gpu)
     opts = dict(on_gpu=on_gpu, candidates=candidates)
     problem = ("tokens", "hidden", "experts", "topk", "dtype", "rows", "ranks_per_node")
