@@ -37,7 +37,7 @@
 #          4x2 across simulated nodes, FP8, autograd, timeouts, validation, the fuzz. $SHARED_TESTS
 #          (default: tests/) picks files, to split the suite over two calls
 #   soak-shared  under MPS: 1000 soak rounds at 4 ranks in one node and at 2 nodes of 2, each with
-#          expert-major and token rows, then hybrid-ep demo with 8 ranks
+#          expert-major and token rows, then hybrid-ep demo with 8 ranks (1024 tokens per rank)
 # megatron-core travels as a wheel in .whl-megatron/ (carry it too), installed beside nvshmem4py.
 # Usage there: OUT=... STEPS="tests bench" HEP_COMMIT=<hash> bash bench/device_run.sh
 set -uo pipefail
@@ -56,9 +56,12 @@ mps() {  # start | stop the MPS control daemon (the compute mode is left as it i
         echo quit | env "${MPS_DIRS[@]}" timeout 60 nvidia-cuda-mps-control
     fi
 }
+# Sizes where the reference (all_to_all through gloo, over the host) keeps up: 512 tokens of
+# 2048 channels, top-8 of 64 experts.
 SOAK_SHARED='for nodes in "" "--ranks-per-node 2"; do for rows in "" --token-rows; do
-    python3 -m hybrid_ep_triton soak --device cuda --ranks 4 --rounds 1000 $nodes $rows || exit 1;
-    done; done; python3 -m hybrid_ep_triton demo --device cuda --ranks 8'
+    python3 -m hybrid_ep_triton soak --device cuda --ranks 4 --rounds 1000 --tokens 512 \
+    --hidden 2048 --experts 64 --topk 8 $nodes $rows || exit 1; done; done;
+    python3 -m hybrid_ep_triton demo --device cuda --ranks 8 --tokens 1024'
 status=0
 for step in $STEPS; do
     case $step in

@@ -189,7 +189,21 @@ def _constructor_body(rank: int, world_size: int) -> list[str]:
         ("expand 1", dict(expand=1), "expand"),
         ("ranks_per_node 0", dict(ranks_per_node=0), "ranks_per_node"),
         ("ranks_per_node 3 of 2 ranks", dict(ranks_per_node=3), "ranks_per_node"),
+        ("device meta", dict(device="meta"), "device"),
+        ("device 'gpu'", dict(device="gpu"), "device"),
     ]
+    dev = good["device"]
+    if not torch.cuda.is_available():
+        same_bad.append(("a CUDA device without one", dict(device="cuda"), "no CUDA device"))
+    if dev.type == "cuda":
+        other = f"cuda:{dev.index + 1}"
+        same_bad.append(("another process's GPU", dict(device=other), "not this process's"))
+        context_sms = torch.cuda.get_device_properties(dev).multi_processor_count
+        if context_sms < 132:  # a share of the GPU (MPS)
+            too_many = dict(num_sms=context_sms + 1)
+            same_bad.append(("num_sms above the context's SMs", too_many, "SMs this process's"))
+    if dist.get_backend() == "nccl":
+        same_bad.append(("the CPU with an NCCL group", dict(device="cpu"), "NCCL"))
     for what, change, match in same_bad:
         kw = {**good, **change}
         _expect_value_error(
