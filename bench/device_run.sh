@@ -35,7 +35,12 @@
 #   shared  the whole GPU test suite with every multi-rank case, ranks sharing the GPUs under CUDA
 #          MPS (started before the step, stopped after it): W2, W4, W8 in one node, 2x1, 2x2, 2x4,
 #          4x2 across simulated nodes, FP8, autograd, timeouts, validation, the fuzz. $SHARED_TESTS
-#          (default: tests/) picks files, to split the suite over two calls
+#          (default: tests/) picks files; $SHARED_WORKERS pytest-xdist sessions (default 1) compile
+#          kernels side by side, each keeping one pool; $SHARED_BUDGET seconds (default 450) after
+#          which tests are skipped (the report is kept)
+# Triton's cache lives in /tmp/triton-cache: restored from .triton-cache/ where a call carries it
+# (the parts of $OUT/triton-cache.tgz.* from an earlier call), and saved into $OUT when
+# SAVE_TRITON_CACHE=1 (kernels compile in tens of seconds each; the source must be unchanged).
 #   soak-shared  under MPS: 1000 soak rounds at 4 ranks in one node and at 2 nodes of 2, each with
 #          expert-major and token rows, then hybrid-ep demo with 8 ranks (1024 tokens per rank)
 # megatron-core travels as a wheel in .whl-megatron/ (carry it too), installed beside nvshmem4py.
@@ -46,6 +51,11 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
     --target /tmp/site .whl/*.whl $(ls .whl-megatron/*.whl 2>/dev/null) || exit 1
 export PYTHONPATH=/tmp/site:$PWD/src PYTHONUNBUFFERED=1
 export NCCL_NVLS_ENABLE=0 NVSHMEM_DISABLE_NVLS=1 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
+export TRITON_CACHE_DIR=/tmp/triton-cache
+mkdir -p "$TRITON_CACHE_DIR"
+if ls .triton-cache/triton-cache.tgz.* > /dev/null 2>&1; then
+    cat .triton-cache/triton-cache.tgz.* | tar xzf - -C /tmp
+fi
 : "${OUT:?set OUT}" "${STEPS:=tests}" "${STEP_TIMEOUT:=240}"
 nvidia-smi --query-gpu=name,driver_version --format=csv > "$OUT/gpus.txt" 2>&1
 MPS_DIRS=(CUDA_MPS_PIPE_DIRECTORY=/tmp/mps CUDA_MPS_LOG_DIRECTORY=/tmp/mpslog)
@@ -111,7 +121,10 @@ for step in $STEPS; do
                        && python3 examples/megatron_moe.py --steps 10') ;;
         megatron-bench) cmd=(python3 bench/megatron_bench.py --out "$OUT") ;;
         shared) cmd=(env "${MPS_DIRS[@]}" HEP_TEST_DEVICE=cuda HEP_TEST_TIMEOUT=300
-                     python3 -m pytest -rs --durations=30 ${SHARED_TESTS:-tests}) ;;
+                     HEP_TEST_BUDGET_S="${SHARED_BUDGET:-450}"
+                     HEP_TEST_MAX_POOLS=$(( ${SHARED_WORKERS:-1} > 1 ? 1 : 3 ))
+                     python3 -m pytest -rs -v --durations=40 -p no:cacheprovider
+                     ${SHARED_WORKERS:+-n $SHARED_WORKERS --dist load} ${SHARED_TESTS:-tests}) ;;
         soak-shared) cmd=(env "${MPS_DIRS[@]}" bash -c "$SOAK_SHARED") ;;
         *) echo "unknown step $step" >&2; exit 2 ;;
     esac
@@ -124,4 +137,8 @@ for step in $STEPS; do
     tail -3 "$OUT/$step.log" | tee -a "$OUT/summary.txt"
     [ $rc -ne 0 ] && status=$rc
 done
+if [ "${SAVE_TRITON_CACHE:-0}" = 1 ]; then
+    tar czf - -C /tmp triton-cache | split -b 15m - "$OUT/triton-cache.tgz."
+    du -sh "$TRITON_CACHE_DIR" "$OUT"/triton-cache.tgz.* | tee -a "$OUT/summary.txt"
+fi
 exit $status

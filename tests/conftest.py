@@ -4,7 +4,9 @@ HEP_TEST_DEVICE=cpu (default): ranks are CPU processes (gloo) running Triton ker
 interpreter. HEP_TEST_DEVICE=cuda: ranks run on the local GPUs, rank r on GPU r % count; a test
 with more ranks than GPUs runs with ranks sharing GPUs when a CUDA MPS control daemon answers
 (or HEP_TEST_TIME_SLICED=1 allows them to share time-sliced), and is skipped otherwise.
-HEP_TEST_TIMEOUT (seconds, default 600) bounds each multi-rank launch.
+HEP_TEST_TIMEOUT (seconds, default 600) bounds each multi-rank launch. HEP_TEST_BUDGET_S (seconds,
+default none) skips the tests that would start after that long, so that a run inside a device
+call's time limit ends with its report instead of being killed.
 
 Multi-rank tests run through rank pools, one per world size, kept for the session (a test's
 failure or timeout ends its pool, and the next test of that size gets a fresh one): a call then
@@ -15,18 +17,26 @@ from __future__ import annotations
 
 import collections
 import os
+import time
 
 import pytest
 
 DEVICE = os.environ.get("HEP_TEST_DEVICE", "cpu")
 TIMEOUT_S = float(os.environ.get("HEP_TEST_TIMEOUT", "600"))
 TIME_SLICED = os.environ.get("HEP_TEST_TIME_SLICED") == "1"
+BUDGET_S = float(os.environ.get("HEP_TEST_BUDGET_S", "inf"))
+_SESSION_START = time.monotonic()
 
 if DEVICE not in ("cpu", "cuda"):
     raise pytest.UsageError(f"HEP_TEST_DEVICE must be 'cpu' or 'cuda', got {DEVICE!r}")
 if DEVICE == "cpu":
     # Before any test module imports triton, so in-process kernels run interpreted too.
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+def pytest_runtest_setup(item):
+    if time.monotonic() - _SESSION_START > BUDGET_S:
+        pytest.skip(f"HEP_TEST_BUDGET_S={BUDGET_S:g} spent before this test started")
 
 
 def pytest_collection_modifyitems(config, items):
@@ -51,8 +61,9 @@ def device() -> str:
 
 # Pools kept alive at once (each rank holds a CUDA context and NVSHMEM's state, about 4 GiB of
 # device memory on an H200, or a few hundred MiB of host memory on CPU ranks): the least
-# recently used one ends first.
-MAX_POOLS = 3
+# recently used one ends first. HEP_TEST_MAX_POOLS lowers it where pytest-xdist runs several
+# sessions on one GPU.
+MAX_POOLS = int(os.environ.get("HEP_TEST_MAX_POOLS", "3"))
 
 
 @pytest.fixture(scope="session")
