@@ -35,9 +35,10 @@
 #   shared  the whole GPU test suite with every multi-rank case, ranks sharing the GPUs under CUDA
 #          MPS (started before the step, stopped after it): W2, W4, W8 in one node, 2x1, 2x2, 2x4,
 #          4x2 across simulated nodes, FP8, autograd, timeouts, validation, the fuzz. $SHARED_TESTS
-#          (default: tests/) picks files; $SHARED_WORKERS pytest-xdist sessions (default 1) compile
-#          kernels side by side, each keeping one pool; $SHARED_BUDGET seconds (default 450) after
-#          which tests are skipped (the report is kept)
+#          (default: tests/) picks files or tests, in order; $SHARED_BUDGET seconds (default 450)
+#          after which tests are skipped (the report is kept). One session: MPS has one daemon per
+#          machine (sessions of pytest-xdist side by side broke it at 4d2f6c7). The MPS control
+#          log is copied into $OUT
 # Triton's cache lives in /tmp/triton-cache: restored from .triton-cache/ where a call carries it
 # (the parts of $OUT/triton-cache.tgz.* from an earlier call), and saved into $OUT when
 # SAVE_TRITON_CACHE=1 (kernels compile in tens of seconds each; the source must be unchanged).
@@ -121,10 +122,9 @@ for step in $STEPS; do
                        && python3 examples/megatron_moe.py --steps 10') ;;
         megatron-bench) cmd=(python3 bench/megatron_bench.py --out "$OUT") ;;
         shared) cmd=(env "${MPS_DIRS[@]}" HEP_TEST_DEVICE=cuda HEP_TEST_TIMEOUT=300
-                     HEP_TEST_BUDGET_S="${SHARED_BUDGET:-450}"
-                     HEP_TEST_MAX_POOLS=$(( ${SHARED_WORKERS:-1} > 1 ? 1 : 3 ))
+                     HEP_TEST_BUDGET_S="${SHARED_BUDGET:-450}" HEP_TEST_MAX_POOLS=6
                      python3 -m pytest -rs -v --durations=40 -p no:cacheprovider
-                     ${SHARED_WORKERS:+-n $SHARED_WORKERS --dist load} ${SHARED_TESTS:-tests}) ;;
+                     ${SHARED_TESTS:-tests}) ;;
         soak-shared) cmd=(env "${MPS_DIRS[@]}" bash -c "$SOAK_SHARED") ;;
         *) echo "unknown step $step" >&2; exit 2 ;;
     esac
@@ -132,7 +132,7 @@ for step in $STEPS; do
     case $step in shared|soak-shared) mps start ;; esac
     timeout "$STEP_TIMEOUT" "${cmd[@]}" > "$OUT/$step.log" 2>&1
     rc=$?
-    case $step in shared|soak-shared) mps stop ;; esac
+    case $step in shared|soak-shared) mps stop; cp /tmp/mpslog/control.log "$OUT/$step-mps.log" ;; esac
     echo "== $step: exit $rc" | tee -a "$OUT/summary.txt"
     tail -3 "$OUT/$step.log" | tee -a "$OUT/summary.txt"
     [ $rc -ne 0 ] && status=$rc

@@ -26,6 +26,7 @@ import os
 import pickle
 import signal
 import socket
+import sys
 import tempfile
 import time
 import traceback
@@ -481,19 +482,24 @@ def _rank_main(rank, world_size, device, backend, tasks, results, stack_path, pg
             except BaseException:
                 payload = _dumps(("error", traceback.format_exc()))
         results.send_bytes(payload)
-    if message != _LEAVE_IN_ORDER:
-        # Leave at once: the pool failed, and peers may be gone or stuck. Skips NVSHMEM's
-        # collective finalisation (atexit), which would wait for them.
-        stack_file.flush()
-        os._exit(0)
-    _store_barrier(store, "done", world_size)  # no rank tears down while others still talk
-    dist.destroy_process_group()
-    if world_size > 1:
-        # Rank 0 hosts the store: it leaves last, once every other rank is done with it.
-        if rank == 0:
-            store.wait(["hep/all_left"])
-        elif store.add("hep/left", 1) == world_size - 1:
-            store.set("hep/all_left", "1")
+    if message == _LEAVE_IN_ORDER:
+        _store_barrier(store, "done", world_size)  # no rank tears down while others still talk
+        dist.destroy_process_group()
+        if world_size > 1:
+            # Rank 0 hosts the store: it leaves last, once every other rank is done with it.
+            if rank == 0:
+                store.wait(["hep/all_left"])
+            elif store.add("hep/left", 1) == world_size - 1:
+                store.set("hep/all_left", "1")
+        if device == "cuda":
+            torch.cuda.synchronize()  # no kernel of this rank runs as its context goes
+    # Exit without the atexit handlers, NVSHMEM's collective finalisation among them: after a
+    # failure peers may be gone or stuck, and with several PEs on one GPU it can hang (a pool's
+    # ranks did not leave within a minute on an H200 under MPS,
+    # bench/results/2026-12-02-1xH200-shared-4d2f6c7.log). The process's exit frees its memory.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def _store_barrier(store, name: str, world_size: int) -> None:

@@ -3,11 +3,12 @@
 Without MPS, processes on one GPU are time-sliced: a flag round trip between two ranks takes
 milliseconds (4.5 ms on an H200 in the probe of issue 30), so the ranks' kernels wait on each
 other for most of their time. Under MPS they run at the same time, each on its share of the SMs
-(2.3-2.7 µs per round trip there). A process connects to the daemon when CUDA starts in it, through the pipe
-directory ``CUDA_MPS_PIPE_DIRECTORY`` (default /tmp/nvidia-mps); under
+(2.3-2.7 µs per round trip there). A process connects to the daemon when CUDA starts in it,
+through the pipe directory ``CUDA_MPS_PIPE_DIRECTORY`` (default /tmp/nvidia-mps); under
 ``CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=p`` its context reports and uses p% of the SMs, rounded
 down to an even count (measured on an H200: 66, 32 and 14 of its 132 SMs at 50, 25 and 12%;
-bench/results/2026-12-02-1xH200-mps-probe.log).
+bench/results/2026-12-02-1xH200-mps-probe.log). One daemon serves every process of the machine:
+run one test session on it at a time (a restart after a killed rank ends the others' clients).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ CONTROL = "nvidia-cuda-mps-control"
 _DEFAULT_PIPE_DIRECTORY = "/tmp/nvidia-mps"
 _DEFAULT_LOG_DIRECTORY = "/var/log/nvidia-mps"
 _ANSWER_TIMEOUT_S = 10.0
-_QUIT_TIMEOUT_S = 60.0
+_QUIT_TIMEOUT_S = 30.0
 
 START = (
     "mkdir -p /tmp/mps /tmp/mpslog && export CUDA_MPS_PIPE_DIRECTORY=/tmp/mps "
@@ -57,18 +58,25 @@ def daemon_answers() -> bool:
 
 
 def restart_daemon() -> None:
-    """Quit the control daemon (it waits for its clients to end: call this once no rank of
-    ours is left) and start a new one with the same directories. After a client was killed
-    while MPS held its context, the server can refuse new clients (Error 807, 'MPS server is
-    not ready to accept new MPS client requests'); a new daemon starts a new server."""
+    """Quit the control daemon and start a new one with the same directories; call this once no
+    rank of ours is left. After a client was killed while MPS held its context, the server can
+    refuse new clients (Error 807, 'MPS server is not ready to accept new MPS client
+    requests'); a new daemon starts a new server. RuntimeError, with the commands to do it by
+    hand, where the daemon does not quit in time (it waits for its clients to end)."""
     print(
         "hybrid_ep_triton: a rank sharing a GPU was killed while MPS held its context; "
         "restarting the MPS control daemon before the next ranks start",
         file=sys.stderr,
         flush=True,
     )
-    subprocess.run([CONTROL], input="quit\n", text=True, capture_output=True,
-                   timeout=_QUIT_TIMEOUT_S, check=False)  # fmt: skip
+    try:
+        subprocess.run([CONTROL], input="quit\n", text=True, capture_output=True,
+                       timeout=_QUIT_TIMEOUT_S, check=False)  # fmt: skip
+    except subprocess.TimeoutExpired:
+        raise RuntimeError(
+            f"the MPS control daemon did not quit within {_QUIT_TIMEOUT_S:g} s (clients of it "
+            f"are still running): end them, then `{STOP}` and `{START}`"
+        ) from None
     for variable, default in (
         ("CUDA_MPS_PIPE_DIRECTORY", _DEFAULT_PIPE_DIRECTORY),
         ("CUDA_MPS_LOG_DIRECTORY", _DEFAULT_LOG_DIRECTORY),
