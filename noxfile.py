@@ -21,7 +21,9 @@ LINT_PATHS = ["src", "tests", "bench", "examples", "noxfile.py"]
 def tests(session: nox.Session) -> None:
     """Run the test suite with CPU ranks under the Triton interpreter."""
     session.install(CPU_TORCH)
-    session.install("-e", ".[test]")
+    # [cu13] too, for NVSHMEM's device bitcode: the kernels of the path across nodes are
+    # compiled for sm_90 with it linked (tests/test_sm90_compile.py). No CUDA torch comes with it.
+    session.install("-e", ".[test,cu13]")
     session.install("--no-deps", "--ignore-requires-python", MEGATRON, "packaging>=24.2")
     session.run("pytest", "-q", *session.posargs, env={"TRITON_INTERPRET": "1"})
 
@@ -37,8 +39,12 @@ def lint(session: nox.Session) -> None:
 
 @nox.session
 def bench(session: nox.Session) -> None:
-    """Benchmark on GPUs (needs a CUDA build of torch)."""
+    """Benchmark on GPUs: torch from PyPI (a CUDA build), then the extra of its CUDA major."""
     session.install("-e", ".[bench]")
+    cuda = session.run("python", "-c", "import torch; print(torch.version.cuda)", silent=True)
+    if cuda.strip() == "None":
+        session.error("the benchmark needs a CUDA build of torch")
+    session.install("-e", f".[bench,cu{cuda.split('.')[0].strip()}]")
     session.run("python", "-m", "hybrid_ep_triton", "bench", *session.posargs)
 
 
