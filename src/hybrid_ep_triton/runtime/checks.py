@@ -2,6 +2,8 @@
 expected and the actual value."""
 
 import torch
+import torch.distributed as dist
+import triton
 
 
 def describe(value) -> str:
@@ -39,3 +41,18 @@ def check_contiguous_rows(name: str, t: torch.Tensor) -> None:
     one-column tensors with another stride there)."""
     if t.stride(1) != 1 and t.shape[1] > 1 and t.shape[0] > 0:
         raise ValueError(f"{name} must have contiguous rows (stride(1) == 1)")
+
+
+def check_backend(group: dist.ProcessGroup) -> None:
+    """The ranks of ``group`` can run the kernels: an NCCL group's (GPUs) always; those of
+    another (CPU ranks, CPU tensors) only in Triton's interpreter. Without it, Triton's first
+    launch would fail with "0 active drivers". Triton builds each kernel, interpreted or
+    compiled, as the module defining it is imported: the variable must be set before."""
+    backend = dist.get_backend(group)
+    if backend != "nccl" and not triton.knobs.runtime.interpret:
+        raise ValueError(
+            f"a Buffer on CPU ranks (a {backend} group) runs its kernels in Triton's "
+            "interpreter: set TRITON_INTERPRET=1 in the environment before triton or "
+            "hybrid_ep_triton is imported (e.g. TRITON_INTERPRET=1 torchrun ...); GPU ranks take "
+            "an NCCL group"
+        )
