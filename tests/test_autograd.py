@@ -126,6 +126,7 @@ CASES = [
 ]
 
 
+@pytest.mark.slow
 def test_gradients_match_a_single_process_model(launch):
     # 2 ranks as 2 nodes (every transfer a network put), 3 ranks in one node.
     for world, ranks_per_node in ((2, 1), (3, None)):

@@ -35,6 +35,7 @@ def _run(args: list[str], timeout: float) -> subprocess.CompletedProcess:
     return subprocess.run(args, capture_output=True, text=True, env=env, timeout=timeout)
 
 
+@pytest.mark.slow
 def test_demo_two_ranks_as_two_nodes(device):
     if device == "cuda":
         import torch

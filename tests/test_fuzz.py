@@ -8,6 +8,7 @@ costs seconds), its calls share one Buffer.
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.distributed as dist
 from hypothesis import HealthCheck, given, settings
@@ -110,6 +111,7 @@ def _scenario_body(rank: int, world: int, scenario: dict) -> list[str]:
     return failures
 
 
+@pytest.mark.slow
 @settings(
     max_examples=3, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
 )

@@ -307,6 +307,7 @@ def _routing_body(rank: int, world_size: int, kinds: list[str]) -> list[str]:
     return failures
 
 
+@pytest.mark.slow
 def test_invalid_routing_values_raise_on_every_rank(launch):
     # int64 ids past the int32 range must not be narrowed into valid-looking ones.
     kinds = ["too_large", "below_minus_one", "duplicate", "huge_int64", "huge_negative_int64"]
