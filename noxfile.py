@@ -1,4 +1,12 @@
-"""Developer tasks: `nox -s tests` (CPU, Triton interpreter), `lint`, `bench` (GPU), `demo`."""
+"""Developer tasks (arguments after `--` go to the command, e.g. `nox -s quick -- -k cli`):
+
+- `nox -s tests`: the whole test suite on CPU ranks (Triton interpreter), about 15 minutes on 2
+  cores; it names each test as it runs, lists the skipped ones with their reasons at the end,
+  then the 15 slowest. `.ci/run` runs this.
+- `nox -s quick`: the tests not marked slow (`pytest -m "not slow"`), in about 3 minutes.
+- `nox -s lint`: ruff. `nox -s bench`: the benchmark (GPUs). `nox -s demo`: one MoE layer on
+  CPU ranks.
+"""
 
 from pathlib import Path
 
@@ -17,13 +25,32 @@ MEGATRON = "megatron-core==0.19.2"
 LINT_PATHS = ["src", "tests", "bench", "examples", "noxfile.py"]
 
 
+# Each test's name as it runs (-v), why tests were skipped (-ra), the slowest 15.
+PYTEST_REPORT = ["-v", "-ra", "--durations=15"]
+
+
+def _install_for_tests(session: nox.Session) -> None:
+    session.install(CPU_TORCH)
+    # [cu13] too, for NVSHMEM's device bitcode: the kernels of the path across nodes are
+    # compiled for sm_90 with it linked (tests/test_sm90_compile.py). No CUDA torch comes with it.
+    session.install("-e", ".[test,cu13]")
+    session.install("--no-deps", "--ignore-requires-python", MEGATRON, "packaging>=24.2")
+
+
 @nox.session
 def tests(session: nox.Session) -> None:
-    """Run the test suite with CPU ranks under the Triton interpreter."""
-    session.install(CPU_TORCH)
-    session.install("-e", ".[test]")
-    session.install("--no-deps", "--ignore-requires-python", MEGATRON, "packaging>=24.2")
-    session.run("pytest", "-q", *session.posargs, env={"TRITON_INTERPRET": "1"})
+    """Run the whole test suite with CPU ranks under the Triton interpreter."""
+    _install_for_tests(session)
+    session.run("pytest", *PYTEST_REPORT, *session.posargs, env={"TRITON_INTERPRET": "1"})
+
+
+@nox.session
+def quick(session: nox.Session) -> None:
+    """Run the tests not marked slow, as `tests` does."""
+    _install_for_tests(session)
+    session.run(
+        "pytest", "-m", "not slow", *PYTEST_REPORT, *session.posargs, env={"TRITON_INTERPRET": "1"}
+    )
 
 
 @nox.session
@@ -37,8 +64,12 @@ def lint(session: nox.Session) -> None:
 
 @nox.session
 def bench(session: nox.Session) -> None:
-    """Benchmark on GPUs (needs a CUDA build of torch)."""
+    """Benchmark on GPUs: torch from PyPI (a CUDA build), then the extra of its CUDA major."""
     session.install("-e", ".[bench]")
+    cuda = session.run("python", "-c", "import torch; print(torch.version.cuda)", silent=True)
+    if cuda.strip() == "None":
+        session.error("the benchmark needs a CUDA build of torch")
+    session.install("-e", f".[bench,cu{cuda.split('.')[0].strip()}]")
     session.run("python", "-m", "hybrid_ep_triton", "bench", *session.posargs)
 
 

@@ -3,12 +3,9 @@
 See ``hybrid_ep_triton.tools.bench`` for what is measured; results land in bench/results/.
 """
 
-import argparse
 import sys
 
-from hybrid_ep_triton.tools import bench
+from hybrid_ep_triton.tools.cli import main
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description=__doc__)
-    bench.add_arguments(parser)
-    sys.exit(bench.run(parser.parse_args()))
+    sys.exit(main(["bench", *sys.argv[1:]]))

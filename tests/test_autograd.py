@@ -10,6 +10,7 @@ router weight gradient (summed over ranks) the reference's.
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -122,6 +123,7 @@ CASES = [
 ]
 
 
+@pytest.mark.slow
 def test_gradients_match_a_single_process_model(launch):
     # 2 ranks as 2 nodes (every transfer a network put), 3 ranks in one node.
     for world, ranks_per_node in ((2, 1), (3, None)):

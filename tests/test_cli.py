@@ -1,8 +1,10 @@
-"""Tests of the command line (hybrid_ep_triton.tools.cli): ``hybrid-ep demo`` end to end, and how
-``hybrid-ep soak`` parses its options and reports (its rank body is tested in test_soak)."""
+"""Tests of the command line (hybrid_ep_triton.tools.cli): ``hybrid-ep demo`` end to end, how
+``hybrid-ep soak`` parses its options and reports (its rank body is tested in test_soak), what
+``tune`` takes by default, and ``--help``: every option explained, parsing without torch."""
 
 from __future__ import annotations
 
+import argparse
 import os
 import shutil
 import subprocess
@@ -14,7 +16,15 @@ import torch
 from conftest import skip_unless_ranks_fit
 
 from hybrid_ep_triton.tools import launcher, mps
-from hybrid_ep_triton.tools.cli import build_parser, main, run_soak
+from hybrid_ep_triton.tools.cli import (
+    COMMANDS,
+    SOAK_DTYPES,
+    TUNE_DTYPES,
+    build_parser,
+    help_with_default,
+    main,
+    run_soak,
+)
 
 SRC = str(Path(__file__).resolve().parents[1] / "src")
 # Small enough for two interpreted CPU ranks to finish well within a minute.
@@ -27,6 +37,7 @@ def _run(args: list[str], timeout: float) -> subprocess.CompletedProcess:
     return subprocess.run(args, capture_output=True, text=True, env=env, timeout=timeout)
 
 
+@pytest.mark.slow
 def test_demo_two_ranks_as_two_nodes(device):
     skip_unless_ranks_fit(device, 2)
     cmd = [sys.executable, "-m", "hybrid_ep_triton", "demo", "--ranks", "2", "--device", device]
@@ -71,6 +82,77 @@ def test_console_script_help_lists_demo():
 def test_demo_rejects_bad_sizes(argv, capsys):
     assert main(argv) == 2  # before any rank starts
     assert "hybrid-ep: error:" in capsys.readouterr().err
+
+
+def test_parsing_and_help_import_neither_torch_nor_triton():
+    # In a fresh interpreter: this test process has imported torch long ago.
+    script = """
+import sys
+from hybrid_ep_triton.tools.cli import COMMANDS, build_parser
+argvs = [["--help"], *([name] for name in COMMANDS), *([name, "--help"] for name in COMMANDS)]
+for argv in argvs:
+    try:
+        build_parser().parse_args(argv)
+    except SystemExit:
+        pass
+print("imported:", sorted(m for m in ("torch", "triton") if m in sys.modules))
+"""
+    r = _run([sys.executable, "-c", script], timeout=120)
+    assert r.returncode == 0, r.stderr
+    for name in COMMANDS:
+        assert f"usage: hybrid-ep {name}" in r.stdout, r.stdout
+    assert r.stdout.rstrip().splitlines()[-1] == "imported: []", r.stdout
+
+
+def _options(parser: argparse.ArgumentParser) -> list[argparse.Action]:
+    return [a for a in parser._actions if not isinstance(a, argparse._HelpAction)]
+
+
+def test_every_option_says_what_it_does_and_its_default():
+    for name, command in COMMANDS.items():
+        parser = argparse.ArgumentParser()
+        command.add_arguments(parser)
+        for action in _options(parser):
+            option = f"{name} {action.option_strings[0]}"
+            assert action.help and action.help.strip(), f"{option} has no help"
+            if action.nargs != 0:  # a flag's default is its absence
+                assert "default" in help_with_default(action), f"{option} shows no default"
+
+
+def test_dtype_names_are_those_of_the_rank_bodies():
+    from hybrid_ep_triton.buffer import SUPPORTED_DTYPES
+    from hybrid_ep_triton.tools.soak import DTYPES
+
+    assert SOAK_DTYPES == tuple(DTYPES)
+    assert TUNE_DTYPES == tuple(str(dtype).removeprefix("torch.") for dtype in SUPPORTED_DTYPES)
+
+
+def test_tune_help_says_where_the_cache_is(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("HEP_CACHE_DIR", str(tmp_path / "configs"))
+    monkeypatch.setenv("COLUMNS", "1000")  # argparse wraps lines at hyphens too
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["tune", "--help"])
+    out = capsys.readouterr().out
+    assert f"stored in {tmp_path / 'configs' / 'kernel_configs.json'}" in out, out
+
+
+def test_tune_takes_the_devices_defaults_and_the_options_given(monkeypatch):
+    from hybrid_ep_triton.tools import tune
+
+    taken = []
+    monkeypatch.setattr(tune, "run", lambda args: taken.append(args) or 0)
+    assert main(["tune", "--device", "cpu", "--chunks", "4", "--hidden", "32"]) == 0
+    (args,) = taken
+    assert (args.device, args.ranks, args.tokens, args.hidden, args.experts) == (
+        "cpu",
+        2,
+        16,
+        32,
+        16,
+    )
+    assert (args.topk, args.sms, args.warmup, args.iters) == (4, 2, 1, 3)
+    assert (args.chunks, args.block_h, args.slices, args.warps) == ([4], [32, 64], [1, 2], [4])
+    assert (args.dtype, args.rows, args.seed) == ("bfloat16", "expert", 0)
 
 
 def test_no_command_prints_help(capsys):

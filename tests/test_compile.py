@@ -90,7 +90,9 @@ def _compare(buf: Buffer, world: int, rank: int, max_recv_tokens: int | None) ->
 
 
 # One rank on GPUs only: on CPU ranks two cover the same code and compiling costs minutes.
-@pytest.mark.parametrize("world", [pytest.param(1, marks=pytest.mark.gpu), 2])
+@pytest.mark.parametrize(
+    "world", [pytest.param(1, marks=pytest.mark.gpu), pytest.param(2, marks=pytest.mark.slow)]
+)
 def test_compiled_moe_step_matches_eager(launch, world):
     results = launch(_compile_body, world)
     failures = [msg for per_rank in results for msg in per_rank]

@@ -461,9 +461,20 @@ def _rank_body(rank: int, world_size: int, grp: Group) -> list[str]:
     return failures
 
 
+def _quick(g: Group) -> bool:
+    """In ``nox -s quick``: the bf16 groups of two ranks (expert rows, token rows, two nodes)."""
+    return g.world_size <= 2 and g.dtype == BF16
+
+
 @pytest.mark.parametrize(
     "grp",
-    [*GROUPS, *NODE_GROUPS, *(pytest.param(g, marks=pytest.mark.gpu) for g in ONE_RANK_GROUPS)],
+    [
+        *(
+            g if _quick(g) else pytest.param(g, marks=pytest.mark.slow)
+            for g in GROUPS + NODE_GROUPS
+        ),
+        *(pytest.param(g, marks=pytest.mark.gpu) for g in ONE_RANK_GROUPS),
+    ],
     ids=lambda g: g.id,
 )
 def test_dispatch_combine_match_reference(launch, grp):

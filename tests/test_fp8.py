@@ -438,8 +438,8 @@ ALL = tuple(range(len(CASES)))
 @pytest.mark.parametrize(
     "world,expand,ranks_per_node,hidden,cases",
     [
-        (2, True, None, 256, ALL),
-        (4, False, None, 256, (1, 2)),
+        pytest.param(2, True, None, 256, ALL, marks=pytest.mark.slow),
+        pytest.param(4, False, None, 256, (1, 2), marks=pytest.mark.slow),
         (2, False, 1, 256, (0, 1, 3)),
         pytest.param(1, True, None, 7168, ALL, marks=pytest.mark.gpu),
         pytest.param(1, False, None, 7168, ALL, marks=pytest.mark.gpu),

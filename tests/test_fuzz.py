@@ -9,6 +9,7 @@ up to hundreds of tokens of up to 7168 channels, 8 ranks and top-8 of 256 expert
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.distributed as dist
 from conftest import DEVICE
@@ -116,6 +117,7 @@ def _scenario_body(rank: int, world: int, scenario: dict) -> list[str]:
     return failures
 
 
+@pytest.mark.slow
 @settings(
     max_examples=12 if ON_GPU else 3,
     deadline=None,

@@ -169,7 +169,9 @@ def _exchange_body(rank: int, world_size: int) -> tuple[list[str], list[str]]:
     return failures, segments
 
 
-@pytest.mark.parametrize("world_size", [2, 4, 8])
+@pytest.mark.parametrize(
+    "world_size", [2, *(pytest.param(w, marks=pytest.mark.slow) for w in (4, 8))]
+)
 def test_every_rank_writes_every_peer(launch, device, world_size):
     results = launch(_exchange_body, world_size)
     failures = [msg for per_rank, _ in results for msg in per_rank]
@@ -335,7 +337,9 @@ def _skipped_call_body(
     return failures, sorted(segments)
 
 
-@pytest.mark.parametrize("ranks_per_node", [None, 1], ids=["one_node", "two_nodes"])
+@pytest.mark.parametrize(
+    "ranks_per_node", [None, pytest.param(1, marks=pytest.mark.slow)], ids=["one_node", "two_nodes"]
+)
 def test_buffer_times_out_on_a_skipped_call(launch, device, ranks_per_node):
     results = launch(_skipped_call_body, 2, ranks_per_node, timeout_s=300)
     failures = [msg for per_rank, _ in results for msg in per_rank]
@@ -467,6 +471,7 @@ def _killed_mid_dispatch_body(rank: int, world_size: int, out_dir: str) -> None:
     raise AssertionError("dispatch returned although rank 2 died")
 
 
+@pytest.mark.slow
 def test_rank_killed_mid_dispatch(launch, device, tmp_path):
     """A rank SIGKILLed inside a dispatch's data move: both survivors raise TimeoutError naming
     it and the stage, timeout_s after its death; the launcher reports the death; no shm."""

@@ -76,7 +76,7 @@ def _assert_gone(pid: int) -> None:
         os.waitpid(pid, os.WNOHANG)
 
 
-@pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.parametrize("world_size", [2, pytest.param(4, marks=pytest.mark.slow)])
 def test_results_come_back_in_rank_order(launch, device, world_size):
     before = os.environ.get("MASTER_PORT")
     out = launch(_all_reduce_body, world_size, "tag")
@@ -129,6 +129,7 @@ def test_unpicklable_fn_fails_in_parent():
         run_ranks(lambda rank, world_size: rank, 2)
 
 
+@pytest.mark.slow
 def test_hung_ranks_time_out_and_are_killed(launch, tmp_path):
     with pytest.raises(RanksTimedOut) as info:
         launch(_hang, 2, str(tmp_path), timeout_s=8)

@@ -32,6 +32,7 @@ import pytest
 import torch
 
 pytest.importorskip("megatron.core", reason="megatron-core is not installed (extra 'megatron')")
+pytestmark = pytest.mark.slow
 
 ON_GPU = os.environ.get("HEP_TEST_DEVICE") == "cuda"
 EXPERTS_PER_RANK, TOPK = 4, 2

@@ -332,19 +332,19 @@ def _failures(launch, world: int, part: str) -> str:
     return "\n".join(_RESULTS[world][part])
 
 
-@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("world", [2, pytest.param(3, marks=pytest.mark.slow)])
 def test_dispatcher_matches_the_reference(launch, world):
     failures = _failures(launch, world, "dispatcher")
     assert not failures, failures
 
 
-@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("world", [2, pytest.param(3, marks=pytest.mark.slow)])
 def test_bad_arguments_raise_value_errors(launch, world):
     failures = _failures(launch, world, "errors")
     assert not failures, failures
 
 
-@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("world", [2, pytest.param(3, marks=pytest.mark.slow)])
 def test_moe_layer_trains_like_a_single_process_model(launch, world):
     failures = _failures(launch, world, "layer")
     assert not failures, failures

@@ -149,6 +149,7 @@ def _outside_body(rank: int, world: int) -> list[str]:
 
 
 @pytest.mark.skipif(not INTERPRETED, reason="the CPU put checks its source")
+@pytest.mark.slow
 def test_put_from_outside_the_heap_fails_loudly(launch):
     results = launch(_outside_body, 2)
     failures = [msg for per_rank in results for msg in per_rank]

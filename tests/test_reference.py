@@ -302,6 +302,7 @@ def _rank_body(rank: int, world_size: int, device: str, cases: list[Case]) -> li
     return failures
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_reference_matches_oracle(launch, device, world_size):
     failures = launch(_rank_body, world_size, device, CASES)

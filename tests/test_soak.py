@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import dataclasses
 
+import pytest
+
 from hybrid_ep_triton.tools.soak import (
     MEMORY_BOUND,
     SoakConfig,
@@ -25,6 +27,7 @@ FEATURES = {
 }  # fmt: skip
 
 
+@pytest.mark.slow
 def test_short_soak_on_two_ranks(launch):
     summaries = launch(soak_rank, 2, CONFIG)
     for rank, s in enumerate(summaries):
@@ -38,6 +41,7 @@ def test_short_soak_on_two_ranks(launch):
         assert sum(s["coverage"][m] for m in ("exact", "cached", "max_recv")) == ROUNDS
 
 
+@pytest.mark.slow
 def test_short_soak_with_token_rows_across_nodes(launch):
     """Rounds on a Buffer with one row per token (expand=False): no pad multiples; the two ranks
     are two nodes, reached by network puts only; hidden 128, so rows are bf16 or FP8 (a given

@@ -8,6 +8,7 @@ import json
 import subprocess
 import sys
 
+import pytest
 import torch
 
 from hybrid_ep_triton import Buffer
@@ -36,6 +37,7 @@ def _configs_body(rank: int, world_size: int) -> dict:
     return configs
 
 
+@pytest.mark.slow
 def test_tune_caches_the_best_configuration_and_buffer_uses_it(launch, tmp_path, monkeypatch):
     monkeypatch.setenv("HEP_CACHE_DIR", str(tmp_path))
     result = subprocess.run(

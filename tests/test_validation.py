@@ -7,11 +7,15 @@ symmetric heap are unchanged), and at the end that a correct dispatch + combine 
 ``hybrid_ep_triton.reference``. Routing VALUE errors (ids out of range, duplicates) are found on
 the device during the collective layout step: only one rank passes bad ids, and every rank
 must raise ValueError, the bad rank naming its first bad row and the others naming the bad rank.
+A Buffer on CPU ranks without Triton's interpreter raises ValueError saying to turn it on.
 """
 
 from __future__ import annotations
 
+import os
 import socket
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -315,6 +319,7 @@ def _routing_body(rank: int, world_size: int, kinds: list[str]) -> list[str]:
     return failures
 
 
+@pytest.mark.slow
 def test_invalid_routing_values_raise_on_every_rank(launch):
     # int64 ids past the int32 range must not be narrowed into valid-looking ones.
     kinds = ["too_large", "below_minus_one", "duplicate", "huge_int64", "huge_negative_int64"]
@@ -351,6 +356,27 @@ def _single_rank_body(rank: int, world_size: int) -> list[str]:
 def test_group_of_one_rank(launch):
     (failures,) = launch(_single_rank_body, 1)
     assert not failures, "\n".join(failures)
+
+
+def test_cpu_ranks_without_the_interpreter_are_told_to_turn_it_on(tmp_path):
+    # A fresh process without TRITON_INTERPRET: Triton compiles the kernels for a GPU there is
+    # none of, and its own error would come at the first launch.
+    script = f"""
+import torch.distributed as dist
+dist.init_process_group("gloo", init_method="file://{tmp_path}/store", rank=0, world_size=1)
+from hybrid_ep_triton import Buffer
+try:
+    Buffer(None, hidden_size=8, max_tokens_per_rank=4, num_experts=2)
+except ValueError as e:
+    print(f"ValueError: {{e}}")
+"""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    r = subprocess.run(
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert r.stdout.startswith("ValueError: a Buffer on CPU ranks (a gloo group)"), r.stdout
+    assert "set TRITON_INTERPRET=1 in the environment before" in r.stdout, r.stdout
 
 
 @pytest.mark.parametrize(

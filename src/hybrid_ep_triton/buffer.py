@@ -18,7 +18,13 @@ from .kernels.route import STAGE_LAYOUT
 from .ops import Runtime, library
 from .ops.dispatch import DispatchHandle
 from .ops.fp8_rows import Fp8Values
-from .runtime.checks import check_contiguous_rows, check_int, check_tensor, describe
+from .runtime.checks import (
+    check_contiguous_rows,
+    check_int,
+    check_interpreted_on_cpu,
+    check_tensor,
+    describe,
+)
 from .runtime.heap import allocate_heap
 from .runtime.planner import FP8_GROUP, MAX_SMS, MAX_TOPK, make_plan
 from .runtime.tuning import cache_key, select_config
@@ -137,6 +143,7 @@ class Buffer:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
         if not isinstance(expand, bool):
             raise ValueError(f"expand must be True or False, got {describe(expand)}")
+        check_interpreted_on_cpu(device)
         # Every rank gathers the host names, so that ranks passing and not passing
         # ranks_per_node still make the same collectives (and fail on the check below).
         hosts = [None] * world

@@ -2,6 +2,7 @@
 expected and the actual value."""
 
 import torch
+import triton
 
 
 def describe(value) -> str:
@@ -39,3 +40,16 @@ def check_contiguous_rows(name: str, t: torch.Tensor) -> None:
     one-column tensors with another stride there)."""
     if t.stride(1) != 1 and t.shape[1] > 1 and t.shape[0] > 0:
         raise ValueError(f"{name} must have contiguous rows (stride(1) == 1)")
+
+
+def check_interpreted_on_cpu(device: torch.device) -> None:
+    """Kernels for tokens on the CPU (CPU ranks) run only in Triton's interpreter; without it,
+    Triton's first launch would fail with "0 active drivers". Triton builds each kernel,
+    interpreted or compiled, as the module defining it is imported: the variable must be set
+    before."""
+    if device.type == "cpu" and not triton.knobs.runtime.interpret:
+        raise ValueError(
+            "a Buffer on CPU ranks (tokens on the CPU) runs its kernels in Triton's interpreter: "
+            "set TRITON_INTERPRET=1 in the environment before triton or hybrid_ep_triton is "
+            "imported (e.g. TRITON_INTERPRET=1 torchrun ...); GPU ranks take a CUDA device"
+        )

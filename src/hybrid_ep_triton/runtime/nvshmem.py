@@ -1,4 +1,5 @@
-"""GPU side of the symmetric heap: NVSHMEM through nvshmem4py (``nvshmem4py-cu13`` 0.4.1).
+"""GPU side of the symmetric heap: NVSHMEM through nvshmem4py (``nvshmem4py-cu12`` or ``-cu13``
+0.4.1, the one of torch's CUDA major: ``cuda_packages`` checks it before NVSHMEM is imported).
 
 One NVSHMEM world per process, bootstrapped with the unique-id (UID) method over an existing
 ``torch.distributed`` group: NVSHMEM PE number == rank in that group. Each
@@ -35,6 +36,8 @@ from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
+
+from .cuda_packages import check_cuda_packages
 
 __all__ = [
     "NvshmemAllocation",
@@ -116,6 +119,8 @@ def ensure_initialized(
     Raises:
         RuntimeError: if NVSHMEM was already initialised in this process for a group with
             other ranks or for another device (one NVSHMEM world per process).
+        ImportError: on the first call, if nvshmem4py is not installed or a CUDA package is
+            not for torch's CUDA major (``cuda_packages.check_cuda_packages``).
     """
     global _WORLD, _ATEXIT_REGISTERED
     if _FINALIZED:
@@ -133,6 +138,8 @@ def ensure_initialized(
             )
         return
 
+    # Before NVSHMEM is first imported: a package of another CUDA major would fail inside it.
+    check_cuda_packages(torch.__version__, torch.version.cuda)
     rank, nranks = dist.get_rank(group), dist.get_world_size(group)
     torch.cuda.set_device(device)
     # NVSHMEM reads its options when the library first initialises: set them before any call.

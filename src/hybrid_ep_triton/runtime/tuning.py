@@ -1,32 +1,22 @@
 """Kernel configurations of a Buffer: the per-machine cache that ``hybrid-ep tune`` writes, with
 the planner's heuristic as the fallback. Tuning never runs implicitly: a Buffer only reads.
 
-The cache is one JSON file, ``$HEP_CACHE_DIR`` or ``$XDG_CACHE_HOME/hybrid_ep_triton`` (default
-``~/.cache/hybrid_ep_triton``) ``/kernel_configs.json``, keyed by GPU name, Triton version,
-world size, hidden size, dtype and output layout (expert-major rows or token rows: their kernels
-move different bytes, so their best configurations differ).
+The cache is one JSON file (where: ``cache_location.cache_path``), keyed by GPU name, Triton
+version, world size, hidden size, dtype and output layout (expert-major rows or token rows: their
+kernels move different bytes, so their best configurations differ).
 """
 
 import contextlib
 import dataclasses
 import json
-import os
-from pathlib import Path
 
 import torch
 import triton
 
+from .cache_location import cache_path
 from .planner import KernelConfig, default_config
 
 _FORCED: list[KernelConfig] = []  # set by ``forced`` while a tuner measures a candidate
-
-
-def cache_path() -> Path:
-    root = os.environ.get("HEP_CACHE_DIR")
-    if root is None:
-        xdg = os.environ.get("XDG_CACHE_HOME") or os.path.join(Path.home(), ".cache")
-        root = os.path.join(xdg, "hybrid_ep_triton")
-    return Path(root) / "kernel_configs.json"
 
 
 def cache_key(

@@ -432,23 +432,6 @@ def _commit() -> str:
         return "unknown"
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--ranks", type=int, default=None, help="default: every local GPU")
-    parser.add_argument("--sms", default="4,8,16,24,32", help="SM counts for S1 and S2")
-    parser.add_argument("--spot-sms", default="8,24", help="SM counts for the hidden spot checks")
-    parser.add_argument("--shapes", default="S1,S2,H2880,H4096")
-    parser.add_argument(
-        "--ranks-per-node",
-        type=int,
-        default=None,
-        help="also run S1 and S2 with the GPUs split into nodes of this many (at the spot SMs)",
-    )
-    parser.add_argument("--warmup", type=int, default=10)
-    parser.add_argument("--iters", type=int, default=50)
-    parser.add_argument("--out", default="bench/results")
-    parser.add_argument("--timeout", type=float, default=1800, help="seconds for the whole run")
-
-
 def run(args: argparse.Namespace) -> int:
     if not torch.cuda.is_available():
         print("hybrid-ep bench needs CUDA GPUs")

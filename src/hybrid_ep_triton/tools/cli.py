@@ -1,7 +1,9 @@
 """Command line: ``hybrid-ep <command>`` (or ``python -m hybrid_ep_triton <command>``).
 
 Each command is a function taking the parsed arguments and returning an exit code, registered
-in ``COMMANDS`` with a function that adds its options to its subparser.
+in ``COMMANDS`` with a function that adds its options to its subparser. The options of every
+command are defined here, and parsing them imports neither torch nor any module that does (the
+commands import what they need when they run): ``hybrid-ep <command> --help`` answers at once.
 """
 
 from __future__ import annotations
@@ -12,18 +14,55 @@ import time
 from collections.abc import Callable
 from typing import NamedTuple
 
-import torch
-
 from .. import __version__
+from ..runtime.cache_location import cache_path
 
 
 class Command(NamedTuple):
     help: str
     add_arguments: Callable[[argparse.ArgumentParser], None]
     run: Callable[[argparse.Namespace], int]
+    epilog: Callable[[], str] | None = None  # text after the options in --help, made then
 
 
-# -- demo and soak: one process per rank on this machine ----------------------------------
+def help_with_default(action: argparse.Action) -> str:
+    """An option's help as --help shows it: with its default, unless the help already says it
+    (defaults chosen per device when the command runs) or the option is a flag."""
+    if action.nargs == 0 or action.default is None or "default" in action.help:
+        return action.help
+    return f"{action.help} (default: %(default)s)"
+
+
+class _HelpFormatter(argparse.HelpFormatter):
+    def _get_help_string(self, action: argparse.Action) -> str:
+        return help_with_default(action)
+
+
+def _per_device_arguments(
+    p: argparse.ArgumentParser, helps: dict[str, str], defaults: dict, kind: Callable = int
+) -> None:
+    """An option per entry of ``helps`` (name: help), whose default the command takes when it
+    runs from ``defaults["cpu"]`` or ``defaults["cuda"]``, by the device it runs on."""
+    for name, what in helps.items():
+        cpu, gpu = (_shown(defaults[device][name]) for device in ("cpu", "cuda"))
+        p.add_argument(
+            f"--{name.replace('_', '-')}",
+            type=kind,
+            help=f"{what} (default: {cpu} on CPU ranks; {gpu} on GPUs)",
+        )
+
+
+def _shown(value) -> str:
+    """A default as it is written on the command line (lists comma-separated)."""
+    return ",".join(map(str, value)) if isinstance(value, list) else str(value)
+
+
+def _per_device_values(args: argparse.Namespace, defaults: dict) -> dict:
+    """``defaults`` (one device's), each replaced by its option where the command line gave it."""
+    return {k: v if getattr(args, k) is None else getattr(args, k) for k, v in defaults.items()}
+
+
+# -- demo, soak and tune: one process per rank on this machine ---------------------------
 
 SIZE_OPTIONS = {
     "tokens": "tokens per rank",
@@ -56,12 +95,10 @@ def _rank_arguments(
         choices=("auto", "cpu", "cuda"),
         default="auto",
         help="cuda: one process per GPU (NCCL), or several sharing each GPU under CUDA MPS "
-        "(gloo) when --ranks is above the GPU count; cpu: gloo and the Triton interpreter "
-        "(default: cuda when a GPU is visible)",
+        "(gloo) when --ranks is above the GPU count; cpu: gloo and the Triton interpreter; "
+        "auto: cuda when torch sees a GPU",
     )
-    for name, what in {**SIZE_OPTIONS, "tokens": tokens_help}.items():
-        cpu, gpu = sizes["cpu"][name], sizes["cuda"][name]
-        p.add_argument(f"--{name}", type=int, help=f"{what} (default: {cpu} on CPU, {gpu} on GPU)")
+    _per_device_arguments(p, {**SIZE_OPTIONS, "tokens": tokens_help}, sizes)
     p.add_argument(
         "--ranks-per-node",
         type=int,
@@ -74,12 +111,9 @@ def _rank_arguments(
         help="let ranks share GPUs without the CUDA MPS daemon (every wait between them then "
         "takes milliseconds); by default --ranks above the GPU count needs MPS running",
     )
-    p.add_argument("--seed", type=int, default=0, help="random seed (default: 0)")
+    p.add_argument("--seed", type=int, default=0, help="random seed of the inputs")
     p.add_argument(
-        "--timeout",
-        type=float,
-        default=timeout,
-        help=f"seconds before giving up on the whole run (default: {timeout:g})",
+        "--timeout", type=float, default=timeout, help="seconds before giving up on the whole run"
     )
 
 
@@ -90,6 +124,8 @@ def _nodes(args: argparse.Namespace) -> str:
 
 def _rank_plan(args: argparse.Namespace, sizes: dict, cpu_ranks: int) -> tuple[str, int, dict]:
     """(device, ranks, sizes) from the options of ``_rank_arguments``; CommandError if invalid."""
+    import torch
+
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     device = args.device if args.device != "auto" else ("cuda" if gpus else "cpu")
     if device == "cuda" and not gpus:
@@ -97,8 +133,7 @@ def _rank_plan(args: argparse.Namespace, sizes: dict, cpu_ranks: int) -> tuple[s
     ranks = args.ranks if args.ranks is not None else (gpus if device == "cuda" else cpu_ranks)
     if ranks < 1:
         raise CommandError(f"--ranks must be at least 1, got {ranks}")
-    given = {k: getattr(args, k) for k in SIZE_OPTIONS if getattr(args, k) is not None}
-    chosen = {**sizes[device], **given}
+    chosen = _per_device_values(args, sizes[device])
     if chosen["experts"] % ranks:
         raise CommandError(
             f"--experts ({chosen['experts']}) must be a multiple of --ranks ({ranks})"
@@ -154,26 +189,22 @@ SOAK_SIZES = {
     "cpu": {"tokens": 8, "hidden": 16, "experts": 8, "topk": 2},
     "cuda": DEMO_SIZES["cuda"],
 }
-SOAK_ROUNDS = {"cpu": 20, "cuda": 10_000}
+SOAK_ROUNDS = {"cpu": {"rounds": 20}, "cuda": {"rounds": 10_000}}
 SOAK_CPU_RANKS = 2
+SOAK_DTYPES = ("bf16", "fp16", "fp32")  # soak.DTYPES: their torch dtypes
 
 
 def _soak_arguments(p: argparse.ArgumentParser) -> None:
-    from .soak import DTYPES
-
     _rank_arguments(
         p, SOAK_SIZES, SOAK_CPU_RANKS, 3600.0, "most tokens per rank (each round draws 0..this)"
     )
-    cpu, gpu = SOAK_ROUNDS["cpu"], SOAK_ROUNDS["cuda"]
-    p.add_argument("--rounds", type=int, help=f"rounds (default: {cpu} on CPU, {gpu} on GPU)")
-    p.add_argument(
-        "--dtype", choices=tuple(DTYPES), default="bf16", help="token element type (default: bf16)"
-    )
+    _per_device_arguments(p, {"rounds": "rounds"}, SOAK_ROUNDS)
+    p.add_argument("--dtype", choices=SOAK_DTYPES, default="bf16", help="token element type")
     p.add_argument(
         "--op-timeout",
         type=float,
         default=60.0,
-        help="the Buffer's timeout_s: seconds a wait on another rank may last (default: 60)",
+        help="the Buffer's timeout_s: seconds a wait on another rank may last",
     )
     p.add_argument(
         "--progress-every",
@@ -194,7 +225,7 @@ def run_soak(args: argparse.Namespace) -> int:
     from .soak import SoakConfig, format_summary, soak_rank
 
     device, ranks, sizes = _rank_plan(args, SOAK_SIZES, SOAK_CPU_RANKS)
-    rounds = args.rounds if args.rounds is not None else SOAK_ROUNDS[device]
+    rounds = _per_device_values(args, SOAK_ROUNDS[device])["rounds"]
     if rounds < 1 or args.op_timeout <= 0:
         raise CommandError(
             f"need --rounds >= 1 and --op-timeout > 0, got {rounds}, {args.op_timeout}"
@@ -221,9 +252,25 @@ def run_soak(args: argparse.Namespace) -> int:
 
 
 def _bench_arguments(p: argparse.ArgumentParser) -> None:
-    from .bench import add_arguments
-
-    add_arguments(p)
+    p.add_argument("--ranks", type=int, help="ranks, one per GPU (default: every local GPU)")
+    p.add_argument("--sms", default="4,8,16,24,32", help="SM budgets (num_sms) for S1 and S2")
+    p.add_argument("--spot-sms", default="8,24", help="SM budgets for the hidden-size spot checks")
+    p.add_argument(
+        "--shapes",
+        default="S1,S2,H2880,H4096",
+        help="shapes, of S1 (4096 tokens per rank, hidden 7168, top-8 of 256 experts), S2 (128 "
+        "tokens, same model), H2880 and H4096 (S1 at hidden 2880, 4096: spot checks)",
+    )
+    p.add_argument(
+        "--ranks-per-node",
+        type=int,
+        help="also run S1 and S2 with the GPUs split into nodes of this many, at the spot SMs "
+        "(default: one node only)",
+    )
+    p.add_argument("--warmup", type=int, default=10, help="untimed calls before each measurement")
+    p.add_argument("--iters", type=int, default=50, help="timed calls (the median counts)")
+    p.add_argument("--out", default="bench/results", help="folder of the .json, .md and .png")
+    p.add_argument("--timeout", type=float, default=1800, help="seconds for the whole run")
 
 
 def run_bench(args: argparse.Namespace) -> int:
@@ -233,17 +280,78 @@ def run_bench(args: argparse.Namespace) -> int:
     return run(args)
 
 
-def _tune_arguments(p: argparse.ArgumentParser) -> None:
-    from .tune import add_arguments
+# The demo's sizes; the CPU ranks' grid is a few candidates of a small shape, to try the tool
+# (the interpreter's times say nothing about a GPU's).
+TUNE_SIZES = DEMO_SIZES
+TUNE_CPU_RANKS = 2
+TUNE_GRID_OPTIONS = {
+    "chunks": "tokens per chunk",
+    "block_h": "dispatch tile widths (combine uses half)",
+    "warps": "warps per program",
+    "slices": "column slices per chunk",
+    "unroll": "expert rows combine gathers at once",
+    "stages": "tile loads in flight in the streaming copies",
+}
+# The interpreter takes 2 gathers and 1 stage whatever is asked (planner.make_config).
+TUNE_GRID = {
+    "cpu": {"chunks": [8, 16], "block_h": [32, 64], "warps": [4], "slices": [1, 2],
+            "unroll": [2], "stages": [1]},
+    "cuda": {"chunks": [16, 32], "block_h": [256, 512, 1024], "warps": [4, 8, 16],
+             "slices": [1, 2, 4], "unroll": [4, 8], "stages": [4]},
+}  # fmt: skip
+TUNE_RUNS = {
+    "cpu": {"sms": 2, "warmup": 1, "iters": 3},
+    "cuda": {"sms": 8, "warmup": 5, "iters": 20},
+}
+TUNE_DTYPES = ("bfloat16", "float16", "float32")  # Buffer's SUPPORTED_DTYPES, by torch's names
 
-    add_arguments(p)
+
+def _ints(text: str) -> list[int]:
+    return [int(v) for v in text.split(",")]
+
+
+def _tune_arguments(p: argparse.ArgumentParser) -> None:
+    _rank_arguments(p, TUNE_SIZES, TUNE_CPU_RANKS, 3600.0, SIZE_OPTIONS["tokens"])
+    p.add_argument("--dtype", choices=TUNE_DTYPES, default="bfloat16", help="token element type")
+    p.add_argument(
+        "--rows",
+        choices=("expert", "token"),
+        default="expert",
+        help="output layout: expert-major rows, or token rows (Buffer(expand=False))",
+    )
+    helps = {"sms": "SM budget of the senders (num_sms)", "warmup": "untimed calls per candidate",
+             "iters": "timed calls per candidate (the median counts)"}  # fmt: skip
+    _per_device_arguments(p, helps, TUNE_RUNS)
+    grid_helps = {k: f"{v}, comma-separated" for k, v in TUNE_GRID_OPTIONS.items()}
+    _per_device_arguments(p, grid_helps, TUNE_GRID, kind=_ints)
+
+
+def _tune_epilog() -> str:
+    return (
+        f"The fastest candidate is stored in {cache_path()} (the folder: $HEP_CACHE_DIR, else "
+        "$XDG_CACHE_HOME/hybrid_ep_triton, else ~/.cache/hybrid_ep_triton), under a key of the "
+        "GPU, Triton version, ranks, hidden size, dtype, rows and nodes; a Buffer built with "
+        "the same reads it."
+    )
 
 
 def run_tune(args: argparse.Namespace) -> int:
-    """Sweep the kernels' parameters for one shape and cache the fastest for this machine."""
+    """Sweep the kernels' parameters for one shape and cache the fastest for this machine: every
+    combination of the grid's values is a candidate, timed on its own Buffer (a cached-handle
+    dispatch plus a combine, the slowest rank's median)."""
     from .tune import run
 
-    return run(args)
+    device, ranks, sizes = _rank_plan(args, TUNE_SIZES, TUNE_CPU_RANKS)
+    if device == "cuda":
+        from .launcher import ranks_per_gpu
+
+        if ranks_per_gpu(ranks) > 1:
+            raise CommandError(
+                f"tune times one rank per GPU: {ranks} ranks would share the GPUs, and times "
+                "under MPS are not speeds"
+            )
+    chosen = {**sizes, **_per_device_values(args, {**TUNE_RUNS[device], **TUNE_GRID[device]})}
+    return run(argparse.Namespace(**{**vars(args), **chosen, "device": device, "ranks": ranks}))
 
 
 COMMANDS: dict[str, Command] = {
@@ -251,7 +359,9 @@ COMMANDS: dict[str, Command] = {
     "bench": Command(
         "benchmark on the local GPUs (writes bench/results/)", _bench_arguments, run_bench
     ),
-    "tune": Command("tune kernel parameters, cache the best", _tune_arguments, run_tune),
+    "tune": Command(
+        "tune kernel parameters, cache the best", _tune_arguments, run_tune, _tune_epilog
+    ),
     "soak": Command(
         "many checked dispatch/combine rounds: failures, memory growth, drift",
         _soak_arguments,
@@ -267,12 +377,20 @@ def _fail(message: str) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="hybrid-ep", description="Expert-parallel MoE dispatch/combine in Triton."
+        prog="hybrid-ep",
+        description="Expert-parallel MoE dispatch/combine in Triton. "
+        "`hybrid-ep COMMAND --help` lists a command's options.",
     )
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, cmd in COMMANDS.items():
-        p = sub.add_parser(name, help=cmd.help, description=cmd.run.__doc__)
+        p = sub.add_parser(
+            name,
+            help=cmd.help,
+            description=cmd.run.__doc__,
+            epilog=cmd.epilog() if cmd.epilog else None,
+            formatter_class=_HelpFormatter,
+        )
         cmd.add_arguments(p)
         p.set_defaults(run=cmd.run)
     return parser

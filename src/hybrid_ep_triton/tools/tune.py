@@ -18,47 +18,13 @@ import itertools
 import torch
 
 from ..buffer import SUPPORTED_DTYPES, Buffer
+from ..runtime.cache_location import cache_path
 from ..runtime.planner import KernelConfig, make_config
-from ..runtime.tuning import cache_key, cache_path, forced, store
+from ..runtime.tuning import cache_key, forced, store
 from .bench import _median_us
 from .launcher import run_ranks
 
 _DTYPES = {str(dtype).removeprefix("torch."): dtype for dtype in SUPPORTED_DTYPES}
-
-
-def _ints(text: str) -> list[int]:
-    return [int(v) for v in text.split(",")]
-
-
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--ranks", type=int, help="default: every local GPU (2 CPU ranks without)")
-    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
-    p.add_argument("--tokens", type=int, default=4096, help="tokens per rank (default 4096)")
-    p.add_argument("--hidden", type=int, default=7168)
-    p.add_argument("--experts", type=int, default=256)
-    p.add_argument("--topk", type=int, default=8)
-    p.add_argument("--dtype", choices=_DTYPES, default="bfloat16")
-    p.add_argument(
-        "--rows",
-        choices=("expert", "token"),
-        default="expert",
-        help="output layout: expert-major rows (default) or token rows (expand=False)",
-    )
-    p.add_argument(
-        "--ranks-per-node",
-        type=int,
-        help="nodes of this many ranks, cached under keys of their own (default: the hosts)",
-    )
-    p.add_argument("--sms", type=int, default=8, help="SM budget of the senders, default 8")
-    p.add_argument("--chunks", type=_ints, default=[16, 32], help="tokens per chunk")
-    p.add_argument("--block-h", type=_ints, default=[256, 512, 1024], help="dispatch tile width")
-    p.add_argument("--warps", type=_ints, default=[4, 8, 16])
-    p.add_argument("--slices", type=_ints, default=[1, 2, 4], help="column slices per chunk")
-    p.add_argument("--unroll", type=_ints, default=[4, 8], help="rows combine gathers at once")
-    p.add_argument("--stages", type=_ints, default=[4], help="tile loads in flight in copies")
-    p.add_argument("--warmup", type=int, default=5)
-    p.add_argument("--iters", type=int, default=20)
-    p.add_argument("--timeout", type=float, default=3600)
 
 
 def _candidates(args: argparse.Namespace, on_gpu: bool) -> list[KernelConfig]:
@@ -75,7 +41,7 @@ def _tune_rank(rank: int, world: int, opts: dict) -> tuple[str, list[tuple[float
     device = torch.device("cuda", torch.cuda.current_device()) if opts["on_gpu"] else None
     device = device or torch.device("cpu")
     dtype, expand = _DTYPES[opts["dtype"]], opts["rows"] == "expert"
-    g = torch.Generator().manual_seed(rank)
+    g = torch.Generator().manual_seed(opts["seed"] * 1000 + rank)
     x = torch.randn(opts["tokens"], opts["hidden"], generator=g).to(dtype).to(device)
     scores = torch.rand(opts["tokens"], opts["experts"], generator=g)
     idx = scores.topk(opts["topk"], dim=1).indices.to(device)
@@ -134,21 +100,15 @@ def _progress(total: int):
 
 
 def run(args: argparse.Namespace) -> int:
-    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    on_gpu = args.device == "cuda" or (args.device == "auto" and gpus > 0)
-    world = args.ranks or (gpus if on_gpu else 2)
-    if on_gpu and world > gpus:
-        print(f"hybrid-ep tune times one rank per GPU: {world} ranks would share {gpus} GPU(s), "
-              "and times under MPS are not speeds")  # fmt: skip
-        return 2
+    """Tune on ``args.ranks`` ranks of ``args.device`` ("cpu" or "cuda"), every option given
+    (``hybrid-ep tune`` fills in the defaults of the device)."""
+    on_gpu = args.device == "cuda"
     candidates = _candidates(args, on_gpu)
     opts = dict(on_gpu=on_gpu, candidates=candidates)
-    problem = ("tokens", "hidden", "experts", "topk", "dtype", "rows", "ranks_per_node")
+    problem = ("tokens", "hidden", "experts", "topk", "dtype", "rows", "ranks_per_node", "seed")
     opts.update({k: getattr(args, k) for k in problem})
     opts.update(warmup=args.warmup, iters=args.iters)
-    per_rank = run_ranks(
-        _tune_rank, world, opts, device="cuda" if on_gpu else "cpu", timeout_s=args.timeout
-    )
+    per_rank = run_ranks(_tune_rank, args.ranks, opts, device=args.device, timeout_s=args.timeout)
     key = per_rank[0][0]
     # Per candidate, the slowest rank's: (dispatch + combine, dispatch, combine) µs.
     scores = [
