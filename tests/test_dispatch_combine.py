@@ -372,10 +372,22 @@ def _run_case(buf: Buffer, rank: int, world: int, grp: Group, index: int, case: 
     num_valid = min(needed, num_rows)
 
     sent_before = buf.network_rows
+    local = num_experts // world
+    stats = torch.full((local,), index, dtype=torch.int64, device=dev)  # dispatch adds into it
     got, handle = buf_dispatch(
-        x, w, topk_idx=_to(idx, dev), pad_multiple=case.pad_multiple, max_recv_tokens=max_recv
-    )
+        x, w, topk_idx=_to(idx, dev), pad_multiple=case.pad_multiple, max_recv_tokens=max_recv,
+        expert_recv_stats=stats,
+    )  # fmt: skip
     _check_dispatch(fail, "dispatch", got, want, num_valid)
+    # expert_recv_stats: every rank's valid slots on this rank's experts, counted here from the
+    # routings themselves (dropped rows included).
+    routings = [None] * world
+    dist.all_gather_object(routings, idx)
+    ids = torch.cat([r.flatten().long() for r in routings])
+    mine = ids[(ids >= rank * local) & (ids < (rank + 1) * local)] - rank * local
+    expected = index + torch.bincount(mine, minlength=local)
+    if not torch.equal(stats.cpu(), expected):
+        fail(f"expert_recv_stats {stats.tolist()}, expected {expected.tolist()}")
     # Each token crosses the network once per other node that holds one of its experts.
     pairs = _token_node_pairs(idx, num_experts // world, buf.ranks_per_node, rank)
     if buf.network_rows - sent_before != pairs:

@@ -6,7 +6,8 @@
 - CUDA graphs (GPU only): a whole forward and backward of router -> dispatch -> experts ->
   combine in max_recv_tokens mode, captured once (a host synchronisation would fail the
   capture), replayed with new tokens and therefore new routing: outputs and gradients equal
-  eager mode's, and replays allocate nothing.
+  eager mode's, and replays allocate nothing; and a captured dispatch adds its tokens per local
+  expert into expert_recv_stats at each replay.
 """
 
 from __future__ import annotations
@@ -180,5 +181,52 @@ def _graph_body(rank: int, world: int) -> list[str]:
 @pytest.mark.parametrize("world", [1, 2])
 def test_graph_replay_of_forward_and_backward_matches_eager(launch, world):
     results = launch(_graph_body, world)
+    failures = [msg for per_rank in results for msg in per_rank]
+    assert not failures, "\n".join(failures)
+
+
+def _stats_graph_body(rank: int, world: int) -> list[str]:
+    """expert_recv_stats in a captured max_recv_tokens dispatch: each replay adds once."""
+    import torch.distributed as dist
+
+    dev, local, replays = rank_device(), EXPERTS_PER_RANK, 3
+    buf = _buffer(world, GRAPH_TOKENS)
+    g = torch.Generator().manual_seed(20 + rank)
+    idx = torch.rand(GRAPH_TOKENS, world * local, generator=g).argsort(dim=1)[:, :TOPK]
+    x = torch.randn(GRAPH_TOKENS, HIDDEN, generator=g).to(torch.bfloat16).to(dev)
+    stats = torch.zeros(local, dtype=torch.int64, device=dev)
+    max_recv = world * GRAPH_TOKENS * min(TOPK, local)
+
+    def dispatch():
+        return buf.dispatch(x, idx.to(dev), max_recv_tokens=max_recv, expert_recv_stats=stats)
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up: Triton compiles
+        dispatch()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        dispatch()
+    stats.zero_()
+    for _ in range(replays):
+        graph.replay()
+    torch.cuda.synchronize()
+    routings = [None] * world
+    dist.all_gather_object(routings, idx)
+    ids = torch.cat([r.flatten() for r in routings])
+    mine = ids[(ids >= rank * local) & (ids < (rank + 1) * local)] - rank * local
+    expected = replays * torch.bincount(mine, minlength=local)
+    buf.destroy()
+    if torch.equal(stats.cpu(), expected):
+        return []
+    return [f"rank {rank}: expert_recv_stats {stats.tolist()} after {replays} replays, "
+            f"expected {expected.tolist()}"]  # fmt: skip
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("world", [1, 2])
+def test_expert_recv_stats_add_up_in_graph_replays(launch, world):
+    results = launch(_stats_graph_body, world)
     failures = [msg for per_rank in results for msg in per_rank]
     assert not failures, "\n".join(failures)

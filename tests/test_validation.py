@@ -126,6 +126,11 @@ def _bad_call_body(rank: int, world_size: int) -> list[str]:
     refused("max_recv_tokens -1", lambda: buf.dispatch(x, idx, w, max_recv_tokens=-1))
     refused("handle of another type", lambda: buf.dispatch(x, handle=object()), "handle")
     refused("previous_event of another type", lambda: buf.dispatch(x, idx, previous_event=object()))
+    stats = torch.zeros(E // world_size, dtype=torch.int64, **z)
+    for what, bad in (("int32", stats.int()), ("[L + 1]", torch.zeros(E // world_size + 1, **z)),
+                      ("a list", stats.tolist())):  # fmt: skip
+        refused(f"expert_recv_stats {what}", lambda bad=bad: buf.dispatch(x, idx, w,
+                expert_recv_stats=bad), "expert_recv_stats")  # fmt: skip
 
     # A correct dispatch gives a handle for the bad cached dispatches and combines.
     failures += _check_round_trip(buf, 200 + rank, 3 + rank, K, "dispatch between bad calls")
@@ -135,6 +140,10 @@ def _bad_call_body(rank: int, world_size: int) -> list[str]:
     refused("cached dispatch with fewer tokens", lambda: buf.dispatch(x[:3], handle=h), "handle")
     w_wide = torch.cat([w, w[:, :1]], 1)
     refused("cached dispatch, weights [T, K+1]", lambda: buf.dispatch(x, None, w_wide, handle=h))
+    cached_counted = lambda: buf.dispatch(x, handle=h, expert_recv_stats=stats)  # noqa: E731
+    refused("cached dispatch with expert_recv_stats", cached_counted, "without a handle")
+    if stats.any():
+        failures.append(f"rank {rank}: refused calls added into expert_recv_stats: {stats}")
     refused("y with a row too many", lambda: buf.combine(torch.cat([y, y[:1]]), h), "y must")
     refused("y with the wrong hidden size", lambda: buf.combine(y[:, :4], h), "y must")
     refused("y float32", lambda: buf.combine(y.float(), h), "y must be torch.bfloat16")

@@ -235,6 +235,7 @@ class Buffer:
         max_recv_tokens: int | None = None,
         handle: DispatchHandle | None = None,
         quantize: bool = False,
+        expert_recv_stats: torch.Tensor | None = None,
         previous_event: torch.cuda.Event | None = None,
         async_finish: bool = False,
     ):
@@ -281,6 +282,12 @@ class Buffer:
                 rows add nothing), as for a dispatch of x itself; topk_weights' gradient is as
                 without quantize; the scales carry none. Also along a handle, in both layouts;
                 eager mode only (torch.compile is not covered with x requiring grad).
+            expert_recv_stats: int64 [L] on the Buffer's device, or None: a dispatch that
+                computes a layout (no ``handle``) adds into it, on the device and in the call's
+                stream order (no host synchronisation, CUDA-graph capturable), the tokens routed
+                to each local expert by every rank: (token, expert) pairs, padding not counted,
+                rows dropped past max_recv_tokens counted. Load balancers read it (DeepEP's
+                cumulative_local_expert_recv_stats).
             previous_event: a CUDA event the call waits for before it starts (instead of the
                 calling stream's work so far, with async_finish).
             async_finish: run on the Buffer's communication stream and also return an event
@@ -321,7 +328,8 @@ class Buffer:
                 self._check_fp8_hidden()
             x = _readable_rows(x)
         num_tokens = x.shape[0]
-        if handle is None:
+        new_layout = handle is None
+        if new_layout:
             topk = self._check_routing(topk_idx, num_tokens)
             check_int("pad_multiple", pad_multiple, 1)
             if not self.expand and pad_multiple != 1:
@@ -340,26 +348,30 @@ class Buffer:
             topk = handle.topk
         if topk_weights is not None:
             check_tensor("topk_weights", topk_weights, (num_tokens, topk), torch.float32, rt.device)
+        if expert_recv_stats is not None:
+            if not new_layout:
+                raise ValueError("expert_recv_stats counts routing: pass it without a handle")
+            check_tensor("expert_recv_stats", expert_recv_stats, (rt.plan.experts_per_rank,),
+                         torch.int64, rt.device)  # fmt: skip
 
         self._check_event(previous_event)
 
-        new_layout = handle is None
         if new_layout:
             topk_idx = topk_idx.contiguous()
         if quantize and x.requires_grad and torch.is_grad_enabled():
             # Straight through the quantization: the values are an Fp8Values.
             (recv_x, recv_scales, recv_weights, handle), event = self._launch(
-                lambda: library.run_quantized_dispatch(
+                lambda: _counted(library.run_quantized_dispatch(
                     rt, self._id, x, topk_weights, topk_idx, pad_multiple, max_recv_tokens, handle
-                ),
+                ), expert_recv_stats),
                 (x, topk_idx, topk_weights), previous_event, async_finish,
             )  # fmt: skip
         elif new_layout:
             (recv_x, recv_scales, recv_weights, handle), event = self._launch(
-                lambda: library.run_dispatch(
+                lambda: _counted(library.run_dispatch(
                     rt, self._id, x, x_scales, topk_idx, topk_weights, pad_multiple,
                     max_recv_tokens, quantize,
-                ),
+                ), expert_recv_stats),
                 (x, x_scales, topk_idx, topk_weights), previous_event, async_finish,
             )  # fmt: skip
         else:
@@ -654,6 +666,14 @@ def ranks_per_host(hosts: list[str]) -> int:
 
 def _on_gpus_later() -> None:
     """Runtime.check_status on GPUs, where launches are asynchronous: nothing to read yet."""
+
+
+def _counted(outputs: tuple, expert_recv_stats: torch.Tensor | None) -> tuple:
+    """A new-layout dispatch's outputs (their last item the handle), after adding its tokens
+    routed to each local expert (the handle's valid rows per expert) into the statistics."""
+    if expert_recv_stats is not None:
+        expert_recv_stats.add_(outputs[-1].expert_layout[1])
+    return outputs
 
 
 def _readable_rows(rows: torch.Tensor) -> torch.Tensor:
