@@ -89,6 +89,8 @@ def _bad_call_body(rank: int, world_size: int) -> list[str]:
     rt = buf._rt  # internals, only to prove that a refused call moved nothing
 
     def refused(what: str, call, match: str | None = None) -> None:
+        """A call that every rank's host refuses before it launches anything: the heap and
+        control words are unchanged."""
         dist.barrier()  # no peer is still inside an earlier launch writing into our heap
         control, heap = rt.control.clone(), rt.heap.local.clone()
         _expect_value_error(failures, f"rank {rank}: {what}", call, match)
@@ -97,40 +99,57 @@ def _bad_call_body(rank: int, world_size: int) -> list[str]:
         if not torch.equal(rt.heap.local, heap):
             failures.append(f"rank {rank}: {what}: the symmetric heap changed")
 
+    def refused_by_all(what: str, call, match: str | None = None) -> None:
+        """A new-layout dispatch whose input every rank's host refuses: the ranks still make
+        the layout exchange, to learn whether any peer refused (see
+        test_a_bad_input_on_one_rank_is_an_error_on_every_rank), and each raises its own."""
+        _expect_value_error(failures, f"rank {rank}: {what}", call, match)
+
     x, idx, w = _inputs(100 + rank, 4, H, E, K, BF16)
     z = dict(device=dev)
-    refused("x with the wrong hidden size", lambda: buf.dispatch(x[:, :4], idx, w), "x must")
-    refused("1-D x", lambda: buf.dispatch(x.flatten(), idx, w), "x must")
-    refused("x as a list", lambda: buf.dispatch(x.tolist(), idx, w), "x must")
-    refused("x float32", lambda: buf.dispatch(x.float(), idx, w), "x must be torch.bfloat16")
-    refused(f"FP8 rows at hidden {H}", lambda: buf.dispatch((x, x), idx, w), "multiple of 128")
-    refused(f"quantize at hidden {H}", lambda: buf.dispatch(x, idx, w, quantize=True),
+    refused_by_all("x with the wrong hidden size", lambda: buf.dispatch(x[:, :4], idx, w), "x must")
+    refused_by_all("1-D x", lambda: buf.dispatch(x.flatten(), idx, w), "x must")
+    refused_by_all("x as a list", lambda: buf.dispatch(x.tolist(), idx, w), "x must")
+    refused_by_all("x float32", lambda: buf.dispatch(x.float(), idx, w), "x must be torch.bfloat16")
+    refused_by_all(
+        f"FP8 rows at hidden {H}", lambda: buf.dispatch((x, x), idx, w), "multiple of 128"
+    )
+    refused_by_all(f"quantize at hidden {H}", lambda: buf.dispatch(x, idx, w, quantize=True),
             "multiple of 128")  # fmt: skip
     big = torch.zeros(T_MAX + 1, H, dtype=BF16, **z)
     big_idx = torch.zeros(T_MAX + 1, K, dtype=torch.int64, **z)
-    refused("too many tokens", lambda: buf.dispatch(big, big_idx), "max_tokens_per_rank")
+    refused_by_all("too many tokens", lambda: buf.dispatch(big, big_idx), "max_tokens_per_rank")
     cols = torch.zeros(H, 4, dtype=BF16, **z).t()  # [4, H] with stride(1) != 1
-    refused("x with non-contiguous rows", lambda: buf.dispatch(cols, idx, w), "contiguous")
-    refused("topk_idx float", lambda: buf.dispatch(x, idx.float(), w), "int32 or int64")
-    refused("topk_idx int16", lambda: buf.dispatch(x, idx.to(torch.int16), w), "int32 or int64")
-    refused("topk_idx with a row too many", lambda: buf.dispatch(x, torch.cat([idx, idx[:1]])))
-    refused("1-D topk_idx", lambda: buf.dispatch(x, idx[:, 0], None), "topk_idx")
-    refused("topk_idx with K=0", lambda: buf.dispatch(x, idx[:, :0], None), "K >= 1")
-    refused("no topk_idx and no handle", lambda: buf.dispatch(x), "topk_idx")
-    refused("topk_weights [T, K+1]", lambda: buf.dispatch(x, idx, torch.cat([w, w[:, :1]], 1)))
-    refused("topk_weights [T+1, K]", lambda: buf.dispatch(x, idx, torch.cat([w, w[:1]])))
-    refused("topk_weights float64", lambda: buf.dispatch(x, idx, w.double()), "float32")
-    refused("topk_weights bf16", lambda: buf.dispatch(x, idx, w.to(BF16)), "float32")
-    refused("pad_multiple 0", lambda: buf.dispatch(x, idx, w, pad_multiple=0), "pad_multiple")
-    refused("pad_multiple 2.0", lambda: buf.dispatch(x, idx, w, pad_multiple=2.0))
-    refused("max_recv_tokens -1", lambda: buf.dispatch(x, idx, w, max_recv_tokens=-1))
+    refused_by_all("x with non-contiguous rows", lambda: buf.dispatch(cols, idx, w), "contiguous")
+    refused_by_all("topk_idx float", lambda: buf.dispatch(x, idx.float(), w), "int32 or int64")
+    refused_by_all(
+        "topk_idx int16", lambda: buf.dispatch(x, idx.to(torch.int16), w), "int32 or int64"
+    )
+    refused_by_all(
+        "topk_idx with a row too many", lambda: buf.dispatch(x, torch.cat([idx, idx[:1]]))
+    )
+    refused_by_all("1-D topk_idx", lambda: buf.dispatch(x, idx[:, 0], None), "topk_idx")
+    refused_by_all("topk_idx with K=0", lambda: buf.dispatch(x, idx[:, :0], None), "K >= 1")
+    refused_by_all("no topk_idx and no handle", lambda: buf.dispatch(x), "topk_idx")
+    refused_by_all(
+        "topk_weights [T, K+1]", lambda: buf.dispatch(x, idx, torch.cat([w, w[:, :1]], 1))
+    )
+    refused_by_all("topk_weights [T+1, K]", lambda: buf.dispatch(x, idx, torch.cat([w, w[:1]])))
+    refused_by_all("topk_weights float64", lambda: buf.dispatch(x, idx, w.double()), "float32")
+    refused_by_all("topk_weights bf16", lambda: buf.dispatch(x, idx, w.to(BF16)), "float32")
+    refused_by_all(
+        "pad_multiple 0", lambda: buf.dispatch(x, idx, w, pad_multiple=0), "pad_multiple"
+    )
+    refused_by_all("pad_multiple 2.0", lambda: buf.dispatch(x, idx, w, pad_multiple=2.0))
+    refused_by_all("max_recv_tokens -1", lambda: buf.dispatch(x, idx, w, max_recv_tokens=-1))
     refused("handle of another type", lambda: buf.dispatch(x, handle=object()), "handle")
-    refused("previous_event of another type", lambda: buf.dispatch(x, idx, previous_event=object()))
+    refused_by_all("previous_event of another type",
+                   lambda: buf.dispatch(x, idx, previous_event=object()))  # fmt: skip
     stats = torch.zeros(E // world_size, dtype=torch.int64, **z)
     for what, bad in (("int32", stats.int()), ("[L + 1]", torch.zeros(E // world_size + 1, **z)),
                       ("a list", stats.tolist())):  # fmt: skip
-        refused(f"expert_recv_stats {what}", lambda bad=bad: buf.dispatch(x, idx, w,
-                expert_recv_stats=bad), "expert_recv_stats")  # fmt: skip
+        refused_by_all(f"expert_recv_stats {what}", lambda bad=bad: buf.dispatch(x, idx, w,
+                       expert_recv_stats=bad), "expert_recv_stats")  # fmt: skip
 
     # A correct dispatch gives a handle for the bad cached dispatches and combines.
     failures += _check_round_trip(buf, 200 + rank, 3 + rank, K, "dispatch between bad calls")
@@ -176,6 +195,89 @@ def _bad_call_body(rank: int, world_size: int) -> list[str]:
 
 def test_bad_dispatch_and_combine_arguments(launch):
     results = launch(_bad_call_body, 2)
+    failures = [msg for per_rank in results for msg in per_rank]
+    assert not failures, "\n".join(failures)
+
+
+# --- a bad input on one rank ------------------------------------------------------------------
+#
+# Rank BAD of the group passes one bad argument to a new-layout dispatch, the others good ones:
+# every rank raises ValueError in that call (the bad rank its own message, the others naming
+# the bad rank and the argument; not a TimeoutError, which would also leave the Buffer
+# unusable), in exact and max_recv_tokens mode, and the next call succeeds on every rank.
+
+
+def _bad_input(kind: str, x, idx, w):
+    """(dispatch's arguments with the ``kind`` of bad input, the refused argument, what the bad
+    rank's own ValueError mentions)."""
+    z = dict(device=x.device)
+    bad = {
+        "x float32": (dict(x=x.float()), "x", "x must be torch.bfloat16"),
+        "x [T, H-1]": (dict(x=x[:, :-1]), "x", "x must"),
+        "x of too many tokens": (
+            dict(x=torch.zeros(T_MAX + 1, H, dtype=BF16, **z),
+                 topk_idx=torch.zeros(T_MAX + 1, K, dtype=torch.int64, **z)),
+            "x", "max_tokens_per_rank",
+        ),
+        "x with non-contiguous rows": (
+            dict(x=torch.zeros(H, x.shape[0], dtype=BF16, **z).t()), "x", "contiguous"
+        ),
+        "quantize at a hidden size not a multiple of 128": (
+            dict(quantize=True), "x", "multiple of 128"
+        ),
+        "topk_idx float": (dict(topk_idx=idx.float()), "topk_idx", "int32 or int64"),
+        "topk_idx with a row too many": (
+            dict(topk_idx=torch.cat([idx, idx[:1]])), "topk_idx", "topk_idx"
+        ),
+        "topk_weights bf16": (dict(topk_weights=w.to(BF16)), "topk_weights", "float32"),
+        "pad_multiple 0": (dict(pad_multiple=0), "pad_multiple", "pad_multiple"),
+        "max_recv_tokens -1": (dict(max_recv_tokens=-1), "max_recv_tokens", "max_recv_tokens"),
+        "expert_recv_stats int32": (
+            dict(expert_recv_stats=torch.zeros(E // 2, dtype=torch.int32, **z)),
+            "expert_recv_stats", "expert_recv_stats",
+        ),
+    }  # fmt: skip
+    return bad[kind]
+
+
+def _one_bad_rank_body(rank: int, world_size: int, kinds: list[str]) -> list[str]:
+    failures: list[str] = []
+    bad_rank = world_size - 1
+    buf = Buffer(None, hidden_size=H, max_tokens_per_rank=T_MAX, num_experts=E * world_size // 2,
+                 dtype=BF16, timeout_s=120, device=rank_device())  # fmt: skip
+    for i, kind in enumerate(kinds):
+        for mode in (None, 40):
+            what = f"rank {rank}, {kind} on rank {bad_rank}, max_recv_tokens={mode}"
+            x, idx, w = _inputs(10 * i + rank, 3 + rank % 2, H, buf.num_experts, K, BF16)
+            args = dict(x=x, topk_idx=idx, topk_weights=w, max_recv_tokens=mode)
+            if rank == bad_rank:
+                change, argument, match = _bad_input(kind, x, idx, w)
+                args.update(change)
+            else:
+                argument = _bad_input(kind, x, idx, w)[1]
+                match = f"rank {bad_rank} refused its {argument}"
+            # max_recv_tokens mode on GPUs: a peer's refusal is raised by check(), as invalid
+            # routing is (CPU ranks raise it in the call).
+            call = lambda args=args: buf.check(buf.dispatch(**args)[-1])  # noqa: E731
+            _expect_value_error(failures, what, call, match)
+            failures += _check_round_trip(buf, 500 + 10 * i + rank, 2 + rank, K,
+                                          f"{what}: the next call")  # fmt: skip
+    buf.destroy()
+    return failures
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_a_bad_input_on_one_rank_is_an_error_on_every_rank(launch, world):
+    kinds = [
+        "x float32", "x [T, H-1]", "x of too many tokens", "x with non-contiguous rows",
+        "quantize at a hidden size not a multiple of 128", "topk_idx float",
+        "topk_idx with a row too many", "topk_weights bf16", "pad_multiple 0",
+        "max_recv_tokens -1", "expert_recv_stats int32",
+    ]  # fmt: skip
+    if world == 4:  # one of each argument
+        kinds = ["x float32", "topk_idx float", "topk_weights bf16", "pad_multiple 0",
+                 "max_recv_tokens -1", "expert_recv_stats int32"]  # fmt: skip
+    results = launch(_one_bad_rank_body, world, kinds)
     failures = [msg for per_rank in results for msg in per_rank]
     assert not failures, "\n".join(failures)
 

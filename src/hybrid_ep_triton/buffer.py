@@ -1,5 +1,6 @@
 """``Buffer``: the library's one public class, expert-parallel dispatch and combine."""
 
+import contextlib
 import socket
 import time
 
@@ -16,7 +17,7 @@ from .kernels.dispatch import (
 )
 from .kernels.route import STAGE_LAYOUT
 from .ops import Runtime, library
-from .ops.dispatch import DispatchHandle
+from .ops.dispatch import INVALID_ROUTING, DispatchHandle, refused_argument
 from .ops.fp8_rows import Fp8Values
 from .runtime.checks import (
     check_contiguous_rows,
@@ -214,7 +215,7 @@ class Buffer:
             # On GPUs a timed-out wait is read where the host synchronises (read_report, check).
             check_status=_on_gpus_later if on_gpu else self._raise_if_timed_out,
             read_report=self._read_report,
-            report=torch.zeros(7, dtype=torch.int64, pin_memory=on_gpu),
+            report=torch.zeros(8, dtype=torch.int64, pin_memory=on_gpu),
             outputs_record=torch.zeros(8, dtype=torch.int64, pin_memory=on_gpu),
             # Kernels that call NVSHMEM link its device library and initialise their modules.
             compile_options={"extern_libs": device_library()} if across_gpus else {},
@@ -317,44 +318,17 @@ class Buffer:
         """
         self._check_usable()
         rt = self._rt
-        x_scales = None
-        if isinstance(x, tuple):
-            if quantize:
-                raise ValueError("quantize=True takes rows of the Buffer's dtype, not FP8 rows")
-            x, x_scales = self._check_fp8_rows(x)
-        else:
-            self._check_tokens("x", x)
-            if quantize:
-                self._check_fp8_hidden()
-            x = _readable_rows(x)
-        num_tokens = x.shape[0]
         new_layout = handle is None
-        if new_layout:
-            topk = self._check_routing(topk_idx, num_tokens)
-            check_int("pad_multiple", pad_multiple, 1)
-            if not self.expand and pad_multiple != 1:
-                raise ValueError(
-                    f"pad_multiple must be 1 with expand=False (rows are tokens, not grouped by "
-                    f"expert), got {pad_multiple}"
-                )
-            if max_recv_tokens is not None:
-                check_int("max_recv_tokens", max_recv_tokens, 0)
-        else:
-            self._check_handle(handle)
-            if x.shape[0] != handle.num_tokens:
-                raise ValueError(
-                    f"x must have the handle's {handle.num_tokens} tokens, got {x.shape[0]}"
-                )
-            topk = handle.topk
-        if topk_weights is not None:
-            check_tensor("topk_weights", topk_weights, (num_tokens, topk), torch.float32, rt.device)
-        if expert_recv_stats is not None:
-            if not new_layout:
-                raise ValueError("expert_recv_stats counts routing: pass it without a handle")
-            check_tensor("expert_recv_stats", expert_recv_stats, (rt.plan.experts_per_rank,),
-                         torch.int64, rt.device)  # fmt: skip
-
-        self._check_event(previous_event)
+        try:
+            x, x_scales = self._checked_dispatch_inputs(
+                x, topk_idx, topk_weights, pad_multiple, max_recv_tokens, handle, quantize,
+                expert_recv_stats, previous_event,
+            )  # fmt: skip
+        except _Refused as refused:
+            if new_layout:  # no peer may wait for this rank, and every one must hear why
+                mode = max_recv_tokens if _is_count(max_recv_tokens) else None
+                library.run_refused_dispatch(rt, refused.argument, mode)
+            raise refused.error from None
 
         if new_layout:
             topk_idx = topk_idx.contiguous()
@@ -390,6 +364,68 @@ class Buffer:
         else:
             outputs = recv_x, handle.recv_topk_idx, recv_weights, handle.tokens_per_expert, handle
         return (*outputs, event) if async_finish else outputs
+
+    def _checked_dispatch_inputs(
+        self,
+        x,
+        topk_idx,
+        topk_weights,
+        pad_multiple,
+        max_recv_tokens,
+        handle,
+        quantize,
+        expert_recv_stats,
+        previous_event,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """dispatch's checks: _Refused naming the argument that fails; returns the rows as the
+        kernels read them and the FP8 scales (or None)."""
+        rt = self._rt
+        x_scales = None
+        with _refusing("x"):
+            if isinstance(x, tuple):
+                if quantize:
+                    raise ValueError("quantize=True takes rows of the Buffer's dtype, not FP8 rows")
+                x, x_scales = self._check_fp8_rows(x)
+            else:
+                self._check_tokens("x", x)
+                if quantize:
+                    self._check_fp8_hidden()
+                x = _readable_rows(x)
+        num_tokens = x.shape[0]
+        if handle is None:
+            with _refusing("topk_idx"):
+                topk = self._check_routing(topk_idx, num_tokens)
+            with _refusing("pad_multiple"):
+                check_int("pad_multiple", pad_multiple, 1)
+                if not self.expand and pad_multiple != 1:
+                    raise ValueError(
+                        f"pad_multiple must be 1 with expand=False (rows are tokens, not grouped "
+                        f"by expert), got {pad_multiple}"
+                    )
+            if max_recv_tokens is not None:
+                with _refusing("max_recv_tokens"):
+                    check_int("max_recv_tokens", max_recv_tokens, 0)
+        else:
+            with _refusing("handle"):
+                self._check_handle(handle)
+                if x.shape[0] != handle.num_tokens:
+                    raise ValueError(
+                        f"x must have the handle's {handle.num_tokens} tokens, got {x.shape[0]}"
+                    )
+            topk = handle.topk
+        if topk_weights is not None:
+            with _refusing("topk_weights"):
+                check_tensor("topk_weights", topk_weights, (num_tokens, topk), torch.float32,
+                             rt.device)  # fmt: skip
+        if expert_recv_stats is not None:
+            with _refusing("expert_recv_stats"):
+                if handle is not None:
+                    raise ValueError("expert_recv_stats counts routing: pass it without a handle")
+                check_tensor("expert_recv_stats", expert_recv_stats, (rt.plan.experts_per_rank,),
+                             torch.int64, rt.device)  # fmt: skip
+        with _refusing("previous_event"):
+            self._check_event(previous_event)
+        return x, x_scales
 
     def combine(
         self,
@@ -624,28 +660,34 @@ class Buffer:
 
     def _read_report(self, handle: DispatchHandle, tag: int = 0) -> int:
         """What the device recorded for ``handle``'s dispatch: raises TimeoutError (a wait timed
-        out) or ValueError (invalid routing on some rank); returns the rows the output needs
-        (expert-major or token rows). With the ``tag`` its layout launch was given, from the
-        report the layout kernel writes into host memory (the host polls it: no stream
-        synchronisation, no copy); else one device-to-host read."""
+        out) or ValueError (invalid routing, or an input a rank's host refused, on some rank);
+        returns the rows the output needs (expert-major or token rows). With the ``tag`` its
+        layout launch was given, from the report the layout kernel writes into host memory (the
+        host polls it: no stream synchronisation, no copy); else one device-to-host read."""
         report = self._rt.report_words
         deadline = time.monotonic() + 2 * self.timeout_s
         while tag and report[0] != tag and time.monotonic() < deadline:
             pass
         if tag and report[0] == tag:
-            needed, src, row, code, peer, stage = report[1:].tolist()
+            needed, src, row, code, peer, stage, cause = report[1:].tolist()
         else:  # no tag, or the device did not get there: its error surfaces here
-            needed, src, row, code, peer, stage = torch.cat(
-                [handle.state[:3], self._rt.control[3:6]]
+            state = handle.state
+            needed, src, row, code, peer, stage, cause = torch.cat(
+                [state[:3], self._rt.control[3:6], state[3:4]]
             ).tolist()
         self._raise_on_status(code, peer, stage)
-        if src >= 0:
-            if src == self._rt.rank:
-                detail = f"row {row} has an id outside [-1, {self.num_experts}) or a repeated id"
-            else:
-                detail = f"rank {src} passed an invalid topk_idx"
-            raise ValueError(f"topk_idx: {detail}; nothing was dispatched")
-        return needed
+        if src < 0:
+            return needed
+        if cause != INVALID_ROUTING:
+            raise ValueError(
+                f"rank {src} refused its {refused_argument(cause)} (its own ValueError says "
+                "why); nothing was dispatched"
+            )
+        if src == self._rt.rank:
+            detail = f"row {row} has an id outside [-1, {self.num_experts}) or a repeated id"
+        else:
+            detail = f"rank {src} passed an invalid topk_idx"
+        raise ValueError(f"topk_idx: {detail}; nothing was dispatched")
 
 
 def ranks_per_host(hosts: list[str]) -> int:
@@ -666,6 +708,27 @@ def ranks_per_host(hosts: list[str]) -> int:
 
 def _on_gpus_later() -> None:
     """Runtime.check_status on GPUs, where launches are asynchronous: nothing to read yet."""
+
+
+class _Refused(Exception):
+    """The host refused a dispatch ``argument``: ``error`` is the ValueError that says why."""
+
+    def __init__(self, argument: str, error: ValueError):
+        super().__init__(argument)
+        self.argument, self.error = argument, error
+
+
+@contextlib.contextmanager
+def _refusing(argument: str):
+    """Checks of ``argument``: their ValueError becomes a _Refused naming it."""
+    try:
+        yield
+    except ValueError as error:
+        raise _Refused(argument, error) from None
+
+
+def _is_count(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
 def _counted(outputs: tuple, expert_recv_stats: torch.Tensor | None) -> tuple:

@@ -184,6 +184,7 @@ def _exchange(
     heap_bytes,
     report_addr,
     report_tag,
+    refused,
     W_P2: tl.constexpr,
     E_P2: tl.constexpr,
     L_P2: tl.constexpr,
@@ -219,11 +220,12 @@ def _exchange(
         totals += tl.sum(cnt, axis=0)
 
     # 2. To every peer, its layout row `rank` (at the parity of seq): the totals (per-expert
-    # totals, then tokens, invalid routing, pad_multiple), the offsets of this rank's chunks in
+    # totals, then tokens, why this rank's dispatch cannot go ahead (0: it can; 1: invalid
+    # routing; above: the host's refusal code), pad_multiple), the offsets of this rank's chunks in
     # the stream to it (and column `peer` of send_chunk_start, in place) and, across nodes, in
     # the stream to its node. Peers of this node get the row by peer stores; the others by a
     # network put from this rank's layout_out.
-    invalid = (bad > 0).to(tl.int32)
+    invalid = tl.maximum(refused, (bad > 0).to(tl.int32))
     node_first = node_first_rank(rank, R, NODES)
     if NODES > 1:
         for node in range(0, NODES):
@@ -283,9 +285,11 @@ def _exchange(
     smask = srcs < world_size
     extra = counts + srcs * LR + num_experts
     tl.store(recv_src_tokens_ptr + srcs, tl.load(extra + 0, mask=smask), mask=smask)
-    invalid_src = tl.where(tl.load(extra + 1, mask=smask, other=0) != 0, srcs, W_P2)
-    first_invalid = tl.min(invalid_src, axis=0)
+    causes = tl.load(extra + 1, mask=smask, other=0)
+    first_invalid = tl.min(tl.where(causes != 0, srcs, W_P2), axis=0)
+    first_cause = tl.sum(tl.where(srcs == first_invalid, causes, 0), axis=0).to(tl.int64)
     tl.store(info_ptr + 1, tl.where(first_invalid < W_P2, first_invalid, -1).to(tl.int64))
+    tl.store(info_ptr + 3, first_cause)
     for c0 in range(0, NC_MAX + 1, TABLE_BLOCK):
         chunks = c0 + tl.arange(0, TABLE_BLOCK)
         m = smask[:, None] & (chunks[None, :] <= NC_MAX)
@@ -350,6 +354,7 @@ def _exchange(
         tl.store(report + 3, tl.where(bad > 0, 4611686018427387904 - bad, 4611686018427387904))
         for i in tl.static_range(3):  # status: code, peer, stage
             tl.store(report + 4 + i, tl.load(status_ptr + i, volatile=True))
+        tl.store(report + 7, first_cause)
         fence_system()
         tl.store(report, report_tag + tl.zeros([], tl.int64))
 
@@ -376,8 +381,9 @@ def layout_kernel(
     expert_layout_ptr,  # out [3, L] int32: segment start, valid rows, padded rows
     tokens_per_expert_ptr,  # out [L] int64: padded rows per local expert inside the output;
     # with TOKEN_ROWS the (token, expert) pairs per local expert, of all received tokens
-    info_ptr,  # out int64 [4]: rows needed, first invalid source (or -1), first invalid row of
-    # this rank (or 2**62), -
+    info_ptr,  # out int64 [4]: rows needed, first source whose dispatch cannot go ahead (or -1),
+    # first invalid row of this rank (or 2**62), that source's cause (1: invalid routing; above:
+    # the host's refusal code)
     peer_bases_ptr,
     control_ptr,  # int64 [11]: [2] layout sequence number, [3:6] status, [8] ticket, [9] bad row
     count_flags_off,
@@ -391,8 +397,11 @@ def layout_kernel(
     net_bases_ptr,  # int64 [W]: addresses for network puts (see primitives)
     layout_out_off,
     heap_bytes,
-    report_addr,  # int64 [7] in the host's pinned memory, as an address: see report_tag
-    report_tag,  # 0, or: write [tag, rows needed, info[1], info[2], status] there, tag last
+    report_addr,  # int64 [8] in the host's pinned memory, as an address: see report_tag
+    report_tag,  # 0, or: write [tag, rows needed, info[1], info[2], status, info[3]] there, tag
+    # last
+    refused,  # int32: 0, or the code of this rank's refused argument (no tokens then): every
+    # rank's layout reports it as invalid routing is reported
     CHUNK: tl.constexpr,
     K_P2: tl.constexpr,
     W_P2: tl.constexpr,
@@ -432,6 +441,6 @@ def layout_kernel(
             recv_chunk_start_ptr, recv_src_tokens_ptr, expert_layout_ptr, tokens_per_expert_ptr,
             info_ptr, peer_bases_ptr, control_ptr, count_flags_off, layout_in_off, timeout_ns,
             send_chunk_node_start_ptr, recv_net_chunk_start_ptr, net_bases_ptr, layout_out_off,
-            heap_bytes, report_addr, report_tag, W_P2, E_P2, L_P2, NC_MAX, ROW, LR, C_BLOCK,
-            TABLE_BLOCK, CHUNK, TOKEN_ROWS, R, NODES, N_P2,
+            heap_bytes, report_addr, report_tag, refused, W_P2, E_P2, L_P2, NC_MAX, ROW, LR,
+            C_BLOCK, TABLE_BLOCK, CHUNK, TOKEN_ROWS, R, NODES, N_P2,
         )  # fmt: skip

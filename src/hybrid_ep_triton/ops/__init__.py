@@ -35,7 +35,7 @@ class Runtime:
     read_report: reads what the device recorded for a handle's layout (``read_report(handle,
         tag)``: with a report tag, from ``report``; else one device-to-host read), raises
         TimeoutError or ValueError (invalid routing), returns the rows needed.
-    report: int64 [7] in host memory (pinned on GPUs, which the device writes through its
+    report: int64 [8] in host memory (pinned on GPUs, which the device writes through its
         mapping): what an exact-mode layout writes for the host, see kernels/route.py;
         ``report_words`` is a memoryview of it.
     outputs_record: int64 [8] in host memory (pinned on GPUs, which the device reads through

@@ -21,6 +21,23 @@ _INFO_LONGS = 4
 # Most elements of one tile of the layout exchange's prefix sums: each tile is a round trip to
 # memory, in a single program.
 _EXCHANGE_TILE = 8192
+# Why a rank's dispatch cannot go ahead, as its layout publishes it to every rank (0: it can):
+# the device found its topk_idx invalid, or its host refused one of REFUSABLE.
+INVALID_ROUTING = 1
+REFUSABLE = (
+    "x", "topk_idx", "topk_weights", "pad_multiple", "max_recv_tokens", "previous_event",
+    "expert_recv_stats",
+)  # fmt: skip
+
+
+def refusal_code(argument: str) -> int:
+    """The code a rank's layout publishes when its host refused ``argument`` (in REFUSABLE)."""
+    return INVALID_ROUTING + 1 + REFUSABLE.index(argument)
+
+
+def refused_argument(cause: int) -> str:
+    """The argument behind a published refusal code."""
+    return REFUSABLE[cause - INVALID_ROUTING - 1]
 
 
 class _Part:
@@ -75,8 +92,9 @@ class DispatchHandle:
         forwards), fwd_rows [N, T_MAX, R] int32 (each forwarded row's row at every node rank,
         filled by the data move).
     Info: [0] rows the output needs (expert-major: padding included; token rows: the tokens
-        received; even past max_recv_tokens), [1] first rank whose topk_idx was invalid or -1,
-        [2] first invalid row of this rank's topk_idx (or a large value).
+        received; even past max_recv_tokens), [1] first rank whose dispatch could not go
+        ahead or -1, [2] first invalid row of this rank's topk_idx (or a large value), [3] why
+        rank [1]'s could not (INVALID_ROUTING, or the code of an argument its host refused).
     num_recv_rows: N, the rows of recv_x.
     parts: (shape, strides, offset) of each int32 part in ``ints``, by name.
     """
@@ -184,12 +202,14 @@ def compute_layout(
     pad_multiple: int,
     max_recv_tokens: int | None,
     report_tag: int = 0,
+    refused: int = 0,
 ) -> DispatchHandle:
     """Launch the layout kernel for ``topk_idx`` [T, K] (contiguous); collective.
 
     With ``max_recv_tokens`` the handle's ``num_recv_rows`` is set to it; without, it is left
     at -1 for the caller to set once it has read the row count (with ``report_tag``, the kernel
-    writes it into ``rt.report`` under that tag).
+    writes it into ``rt.report`` under that tag). ``refused``: 0, or the refusal code of this
+    rank's input (``refusal_code``; no tokens then), which every rank's layout reports.
     """
     plan = rt.plan
     num_tokens, topk = topk_idx.shape
@@ -202,7 +222,7 @@ def compute_layout(
         max_recv_tokens, parts,
     )  # fmt: skip
     # A repeated call changes these arguments only (the others are fixed by the key).
-    key = ("layout", num_tokens, topk, pad_multiple, max_recv_tokens)
+    key = ("layout", num_tokens, topk, pad_multiple, max_recv_tokens, refused)
     address = state.data_ptr()
     relaunch = rt.relaunches.get(key)
     if relaunch is not None and relaunch(
@@ -214,7 +234,7 @@ def compute_layout(
         (max(num_chunks, 1),),
         specialized=dict(
             topk_idx_ptr=topk_idx, num_tokens=num_tokens, num_chunks=num_chunks, topk=topk,
-            pad_multiple=pad_multiple, report_tag=report_tag,
+            pad_multiple=pad_multiple, report_tag=report_tag, refused=refused,
             max_rows=2**31 - 1 if max_recv_tokens is None else max_recv_tokens,
             K_P2=next_power_of_2(topk),
             PAIRS=min(plan.config.chunk_tokens * next_power_of_2(topk), _PAIRS),

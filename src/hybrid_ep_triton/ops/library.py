@@ -39,6 +39,7 @@ from .dispatch import (
     compute_layout,
     handle_size,
     make_handle,
+    refusal_code,
 )
 from .fp8_rows import Fp8Values
 
@@ -81,11 +82,12 @@ def _dispatch_with_handle(
     pad_multiple: int,
     max_recv_tokens: int | None,
     quantize: bool = False,
+    refused: int = 0,
 ) -> tuple[Tensor, Tensor | None, Tensor | None, DispatchHandle]:
     """Layout and data move; max_recv_tokens None: exact mode (the host waits for the count);
-    ``quantize``: x of the Buffer's dtype is sent as FP8 rows (see PreparedMove). Returns
-    recv_x [N, H], recv_scales ([N, H / 128] float32 with FP8 rows, else None), recv_weights
-    [N] float32 (None without topk_weights), the handle."""
+    ``quantize``: x of the Buffer's dtype is sent as FP8 rows (see PreparedMove); ``refused``:
+    see compute_layout. Returns recv_x [N, H], recv_scales ([N, H / 128] float32 with FP8 rows,
+    else None), recv_weights [N] float32 (None without topk_weights), the handle."""
     if max_recv_tokens is None and rt.on_gpu:
         # The host waits for the row count, which a capture never produces: say so at once.
         if torch.cuda.is_current_stream_capturing():
@@ -94,7 +96,7 @@ def _dispatch_with_handle(
                 "host and cannot be captured in a CUDA graph: pass max_recv_tokens"
             )
     tag = rt.next_report_tag() if max_recv_tokens is None else 0
-    handle = compute_layout(rt, topk_idx, pad_multiple, max_recv_tokens, tag)
+    handle = compute_layout(rt, topk_idx, pad_multiple, max_recv_tokens, tag, refused)
     move = PreparedMove(rt, x, x_scales, topk_weights, handle, False, quantize)  # while it runs
     if max_recv_tokens is None:
         recv_x, recv_scales, recv_weights = _exact_move(rt, handle, move, tag)
@@ -106,6 +108,23 @@ def _dispatch_with_handle(
     return recv_x, recv_scales, recv_weights, handle
 
 
+def run_refused_dispatch(rt: Runtime, argument: str, max_recv_tokens: int | None) -> None:
+    """This rank's part of a dispatch whose ``argument`` its host refused, so that no peer
+    waits for it and every rank learns why: a layout of no tokens that publishes the refusal
+    code, which every rank's layout then reports (an exact-mode dispatch raises it at once,
+    check() in max_recv_tokens mode), and the data move, which moves nothing on any rank, as
+    for invalid routing. ``max_recv_tokens``: the call's mode (None: exact). The report of this
+    rank's own refusal is left to the caller, which raises the host's message instead."""
+    x = torch.empty(0, rt.plan.hidden, dtype=rt.outbox.dtype, device=rt.device)
+    no_routing = torch.empty(0, 1, dtype=torch.int64, device=rt.device)
+    try:
+        _dispatch_with_handle(
+            rt, x, None, no_routing, None, 1, max_recv_tokens, refused=refusal_code(argument)
+        )
+    except ValueError:  # the layout's report of this refusal (or of a peer's at the same time)
+        pass
+
+
 def _exact_move(rt: Runtime, handle: DispatchHandle, move: PreparedMove, tag: int):
     """The data move of an exact-mode dispatch, whose layout launch wrote its row count into
     the host report under ``tag``; sets handle.num_recv_rows. On GPUs it is launched before
@@ -113,7 +132,12 @@ def _exact_move(rt: Runtime, handle: DispatchHandle, move: PreparedMove, tag: in
     neither the launch nor the host's wait comes between the layout kernel and the senders.
     CPU ranks, whose launches are synchronous, read the count and deliver first."""
     if not rt.on_gpu:
-        handle.num_recv_rows = rt.read_report(handle, tag)
+        try:
+            handle.num_recv_rows = rt.read_report(handle, tag)
+        except ValueError:  # the layout aborted the dispatch on every rank: its move, which
+            move.cancel(tag)  # moves nothing, still runs, as on GPUs and in max_recv_tokens
+            move.launch_awaiting_outputs(tag)  # mode (the ranks' modes may differ)
+            raise
         moved = move.deliver(handle.num_recv_rows, tag)
         move.launch_awaiting_outputs(tag)
         return moved
