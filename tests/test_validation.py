@@ -324,6 +324,13 @@ def _constructor_body(rank: int, world_size: int) -> list[str]:
         _expect_value_error(
             failures, f"rank {rank}: {what}", lambda kw=kw: Buffer(None, **kw), match
         )
+    # A bad parameter on the last rank only: every rank raises, the others naming that rank.
+    for what, change, match in same_bad[::3]:
+        bad_here = rank == world_size - 1
+        kw = {**good, **change} if bad_here else good
+        reason = match if bad_here else f"rank {world_size - 1} refused the Buffer's parameters"
+        _expect_value_error(failures, f"rank {rank}: {what} on the last rank",
+                            lambda kw=kw: Buffer(None, **kw), reason)  # fmt: skip
     # Parameters that differ between ranks: every rank raises, naming the parameter.
     differing = [
         ("hidden_size", dict(hidden_size=8 + rank)),

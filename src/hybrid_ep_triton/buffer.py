@@ -121,34 +121,18 @@ class Buffer:
         device: torch.device | str | None = None,
     ):
         group = group if group is not None else dist.group.WORLD
-        device = _token_device(device, group)
         world, rank = dist.get_world_size(group), dist.get_rank(group)
-        if ranks_per_node is not None:
-            check_int("ranks_per_node", ranks_per_node, 1, world)
-            if world % ranks_per_node:
-                raise ValueError(
-                    f"ranks_per_node must divide the group size {world}, got {ranks_per_node}"
-                )
-        check_int("hidden_size", hidden_size, 1)
-        check_int("max_tokens_per_rank", max_tokens_per_rank, 0)
-        check_int("num_experts", num_experts, 1)
-        if num_experts % world:
-            raise ValueError(
-                f"num_experts must be divisible by the group size {world}, got {num_experts}"
-            )
-        if dtype not in SUPPORTED_DTYPES:
-            raise ValueError(f"dtype must be one of {SUPPORTED_DTYPES}, got {dtype}")
-        if num_sms is not None:
-            check_int("num_sms", num_sms, 1, MAX_SMS)
-        if not timeout_s > 0:
-            raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
-        if not isinstance(expand, bool):
-            raise ValueError(f"expand must be True or False, got {describe(expand)}")
-        check_interpreted_on_cpu(device)
-        # Every rank gathers the host names, so that ranks passing and not passing
-        # ranks_per_node still make the same collectives (and fail on the check below).
-        hosts = [None] * world
-        dist.all_gather_object(hosts, socket.gethostname(), group=group)
+        try:
+            device = _token_device(device, group)
+            _check_parameters(world, hidden_size, max_tokens_per_rank, num_experts, dtype,
+                              num_sms, timeout_s, expand, ranks_per_node, device)  # fmt: skip
+            refused = None
+        except ValueError as error:
+            refused = error
+        # Every rank gathers the host names (so that ranks passing and not passing
+        # ranks_per_node still make the same collectives) and whether it refused its
+        # parameters: a refusal on any rank is a ValueError on every rank.
+        hosts = _gather_or_refuse(group, socket.gethostname(), refused)
         if ranks_per_node is None:
             ranks_per_node = ranks_per_host(hosts)
         on_gpu = device.type == "cuda"
@@ -160,13 +144,14 @@ class Buffer:
             torch.cuda.get_device_properties(device).multi_processor_count if on_gpu else None
         )
         if on_gpu and config.num_sms > context_sms:
-            raise ValueError(
+            refused = ValueError(
                 f"num_sms={config.num_sms} is more than the {context_sms} SMs this process's "
                 f"CUDA context may use (an MPS share, CUDA_MPS_ACTIVE_THREAD_PERCENTAGE, gives "
                 "a context part of the GPU)"
             )
         _check_same_on_all_ranks(
             group,
+            refused,
             hidden_size=hidden_size,
             max_tokens_per_rank=max_tokens_per_rank,
             num_experts=num_experts,
@@ -771,9 +756,53 @@ def _token_device(device: torch.device | str | None, group: dist.ProcessGroup) -
     return torch.device("cuda", current)
 
 
-def _check_same_on_all_ranks(group: dist.ProcessGroup, **params) -> None:
+def _check_parameters(world, hidden_size, max_tokens_per_rank, num_experts, dtype, num_sms,
+                      timeout_s, expand, ranks_per_node, device) -> None:  # fmt: skip
+    """Buffer's parameters as this rank sees them alone: ValueError naming the first bad one."""
+    if ranks_per_node is not None:
+        check_int("ranks_per_node", ranks_per_node, 1, world)
+        if world % ranks_per_node:
+            raise ValueError(
+                f"ranks_per_node must divide the group size {world}, got {ranks_per_node}"
+            )
+    check_int("hidden_size", hidden_size, 1)
+    check_int("max_tokens_per_rank", max_tokens_per_rank, 0)
+    check_int("num_experts", num_experts, 1)
+    if num_experts % world:
+        raise ValueError(
+            f"num_experts must be divisible by the group size {world}, got {num_experts}"
+        )
+    if dtype not in SUPPORTED_DTYPES:
+        raise ValueError(f"dtype must be one of {SUPPORTED_DTYPES}, got {dtype}")
+    if num_sms is not None:
+        check_int("num_sms", num_sms, 1, MAX_SMS)
+    if not timeout_s > 0:
+        raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
+    if not isinstance(expand, bool):
+        raise ValueError(f"expand must be True or False, got {describe(expand)}")
+    check_interpreted_on_cpu(device)
+
+
+def _gather_or_refuse(group: dist.ProcessGroup, value, refused: ValueError | None) -> list:
+    """Every rank's ``value`` (collective), unless some rank's host refused its parameters
+    (``refused``): then a ValueError on every rank, the refusing rank's own, the others naming
+    the first refusing rank and its reason."""
     everyone = [None] * dist.get_world_size(group)
-    dist.all_gather_object(everyone, params, group=group)
+    dist.all_gather_object(
+        everyone, (value, None if refused is None else str(refused)), group=group
+    )
+    if refused is not None:
+        raise refused
+    for r, (_, reason) in enumerate(everyone):
+        if reason is not None:
+            raise ValueError(f"rank {r} refused the Buffer's parameters: {reason}")
+    return [v for v, _ in everyone]
+
+
+def _check_same_on_all_ranks(
+    group: dist.ProcessGroup, refused: ValueError | None, **params
+) -> None:
+    everyone = _gather_or_refuse(group, params, refused)
     for key, value in params.items():
         values = [p[key] for p in everyone]
         if any(v != value for v in values):
