@@ -105,8 +105,14 @@ def _wrap_library(timer: StepTimer, buf: hep.Buffer) -> None:
         if hasattr(dispatch.PreparedMove, name):
             timer.wrap(dispatch.PreparedMove, name, f"PreparedMove.{name}")
     timer.wrap(torch.cuda, "is_current_stream_capturing")
-    timer.wrap(rt, "read_report", "read_report (wait for the row count)")
-    timer.wrap(rt, "check_status")
+    if hasattr(rt, "read_report"):  # trees before ops/status.py: callbacks of the runtime
+        timer.wrap(rt, "read_report", "read_report (wait for the row count)")
+        timer.wrap(rt, "check_status")
+    else:
+        from hybrid_ep_triton.ops import status
+
+        timer.wrap(status, "read_report", "read_report (wait for the row count)")
+        timer.wrap(status, "check_after_launch")
     timer.wrap(launch.KernelLauncher, "__call__", "KernelLauncher (key, arguments)")
     timer.wrap(launch.Relaunch, "__call__", "Relaunch (checks, arguments)")
     for launcher in rt.launchers.values():

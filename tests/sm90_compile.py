@@ -6,10 +6,13 @@ and of EP16 as 2 nodes of 8, whose kernels link NVSHMEM's sm_90 device bitcode a
 it, and prints one line per kernel (dispatch and its layout also with one row per token,
 expand=False; dispatch of FP8 rows at EP8, with token rows at EP16; quantizing, and an exact-mode
 move whose outputs come from the host, at EP2) with ptxas' resource usage
-(registers, and STACK: bytes spilled); any compile or link error fails. Integer arguments that
+(registers, and STACK: bytes spilled) and a digest of its machine code (identical digests:
+identical code, e.g. before and after a change that should not change it); any compile or link
+error fails. Integer arguments that
 the JIT would specialise as multiples of 16 (pointers, hidden sizes, strides) are marked so.
 """
 
+import hashlib
 import inspect
 import os
 import subprocess
@@ -61,6 +64,17 @@ def _resource_usage(cubin: bytes) -> str:
             [tool, "--dump-resource-usage", f.name], capture_output=True, text=True
         )
     return " ".join(line.strip() for line in out.stdout.splitlines() if "REG:" in line)
+
+
+def _sass_digest(cubin: bytes) -> str:
+    """A digest of the kernel's machine code (cuobjdump -sass: instructions, no line tables), so
+    that two builds of the same kernel can be told identical or not."""
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        out = subprocess.run([tool, "-sass", f.name], capture_output=True, text=True)
+    return hashlib.sha256(out.stdout.encode()).hexdigest()[:16]
 
 
 TOPOLOGIES = ((2, 2), (8, 8), (16, 8))  # (world, ranks per node)
@@ -170,7 +184,9 @@ def compile_all(topologies=TOPOLOGIES):
 def main() -> int:
     for label, compiled in compile_all():
         usage = _resource_usage(compiled.asm["cubin"])
-        print(f"{label}: {usage} cp.async:{compiled.asm['ptx'].count('cp.async.cg')}")
+        cubin = compiled.asm["cubin"]
+        print(f"{label}: {usage} cp.async:{compiled.asm['ptx'].count('cp.async.cg')} "
+              f"sass:{_sass_digest(cubin)}")  # fmt: skip
     return 0
 
 

@@ -27,13 +27,8 @@ import triton
 import triton.language as tl
 
 from hybrid_ep_triton import Buffer
-from hybrid_ep_triton.kernels.primitives import (
-    STATUS_OK,
-    STATUS_TIMED_OUT,
-    region,
-    signal,
-    wait_at_least,
-)
+from hybrid_ep_triton.kernels.control import STATUS_OK, STATUS_TIMED_OUT
+from hybrid_ep_triton.kernels.primitives import region, signal, wait_at_least
 from hybrid_ep_triton.runtime.heap import allocate_heap
 from hybrid_ep_triton.runtime.planner import MAX_PROGRAMS
 from hybrid_ep_triton.tools.launcher import RankFailure, RanksTimedOut, rank_device
@@ -158,7 +153,7 @@ def _exchange_body(rank: int, world_size: int) -> tuple[list[str], list[str]]:
     status = torch.zeros(3, dtype=torch.int64, device=dev)
     for round_no in (1, 2):  # round 2 overwrites round 1: a stale flag must not satisfy it
         _exchange(heap, rank, world_size, round_no, status, NEVER_NS)
-        if status.tolist() != [STATUS_OK, 0, 0]:
+        if status.tolist() != [int(STATUS_OK), 0, 0]:
             failures.append(f"rank {rank}, round {round_no}: status words {status.tolist()}")
         want = _expected_heap(rank, world_size, [round_no] * world_size, [round_no] * world_size)
         failures += _compare_heap(f"rank {rank}, round {round_no}", heap.local, want)
@@ -191,12 +186,12 @@ def _missing_peer_body(rank: int, world_size: int) -> tuple[list[str], list[str]
     if rank == 0:
         status = torch.zeros(3, dtype=torch.int64, device=dev)
         _exchange(heap, rank, world_size, 1, status, 2 * 10**9)  # rank 1 never signals
-        if status.tolist() != [STATUS_TIMED_OUT, 1, STAGE]:
+        if status.tolist() != [int(STATUS_TIMED_OUT), 1, STAGE]:
             failures.append(f"status after the timeout: {status.tolist()}, expected "
                             f"[{STATUS_TIMED_OUT}, 1, {STAGE}] (code, peer, stage)")  # fmt: skip
         # A recorded status makes every later wait return at once, however long its timeout.
         _exchange(heap, rank, world_size, 2, status, NEVER_NS)
-        if status.tolist() != [STATUS_TIMED_OUT, 1, STAGE]:
+        if status.tolist() != [int(STATUS_TIMED_OUT), 1, STAGE]:
             failures.append(f"status after a second launch: {status.tolist()}")
         want = _expected_heap(rank, world_size, [2, 0], [2, 0])  # rank 0 wrote its own slot
         failures += _compare_heap("rank 0", heap.local, want)

@@ -17,12 +17,8 @@ import triton
 import triton.language as tl
 from conftest import ranks_fit
 
-from hybrid_ep_triton.kernels.primitives import (
-    INTERPRETED,
-    STATUS_OK,
-    net_put_signal,
-    wait_at_least,
-)
+from hybrid_ep_triton.kernels.control import STATUS_OK
+from hybrid_ep_triton.kernels.primitives import INTERPRETED, net_put_signal, wait_at_least
 from hybrid_ep_triton.ops.launch import KernelLauncher
 from hybrid_ep_triton.runtime.heap import allocate_heap
 from hybrid_ep_triton.tools.launcher import rank_device
@@ -99,7 +95,7 @@ def _put_body(rank: int, world: int) -> list[str]:
         if dev.type == "cuda":
             torch.cuda.synchronize()
         what = f"rank {rank}, round {round_no}"
-        if status.tolist() != [STATUS_OK, 0, 0]:
+        if status.tolist() != [int(STATUS_OK), 0, 0]:
             failures.append(f"{what}: the wait for the flag timed out: {status.tolist()}")
         flag = int(heap.local[FLAG_OFF : FLAG_OFF + 8].cpu().view(torch.int64))
         if flag != round_no:

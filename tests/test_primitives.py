@@ -6,12 +6,8 @@ import torch
 import triton
 import triton.language as tl
 
-from hybrid_ep_triton.kernels.primitives import (
-    HOST_RECORD_WORDS,
-    STATUS_TIMED_OUT,
-    interleaved,
-    wait_host_record,
-)
+from hybrid_ep_triton.kernels.control import STATUS_TIMED_OUT
+from hybrid_ep_triton.kernels.primitives import HOST_RECORD_WORDS, interleaved, wait_host_record
 from hybrid_ep_triton.ops.dispatch import write_host_record
 
 BLOCK = 256
@@ -73,4 +69,4 @@ def test_wait_host_record_takes_only_a_complete_record_of_its_tag(device, record
         assert status.tolist() == [0, 0, 0]
         assert out.tolist() == words.tolist() and out[1:6].tolist() == list(values)
     else:
-        assert status.tolist() == [STATUS_TIMED_OUT, 7, 9]
+        assert status.tolist() == [int(STATUS_TIMED_OUT), 7, 9]

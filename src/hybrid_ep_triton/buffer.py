@@ -2,22 +2,12 @@
 
 import contextlib
 import socket
-import time
 
 import torch
 import torch.distributed as dist
 
-from .kernels.combine import STAGE_COMBINE_DATA, STAGE_COMBINE_NET, STAGE_COMBINE_READY
-from .kernels.dispatch import (
-    STAGE_DISPATCH_DATA,
-    STAGE_DISPATCH_NET,
-    STAGE_DISPATCH_OUTPUTS,
-    STAGE_DISPATCH_QUANTIZED,
-    STAGE_DISPATCH_READY,
-)
-from .kernels.route import STAGE_LAYOUT
-from .ops import Runtime, library
-from .ops.dispatch import INVALID_ROUTING, DispatchHandle, refused_argument
+from .ops import library, make_runtime, status
+from .ops.dispatch import DispatchHandle
 from .ops.fp8_rows import Fp8Values
 from .runtime.checks import (
     check_contiguous_rows,
@@ -26,7 +16,6 @@ from .runtime.checks import (
     check_tensor,
     describe,
 )
-from .runtime.heap import allocate_heap
 from .runtime.planner import FP8_GROUP, MAX_SMS, MAX_TOPK, make_plan
 from .runtime.tuning import cache_key, select_config
 
@@ -34,20 +23,6 @@ DEFAULT_TIMEOUT_S = 60.0
 # Unchecked max_recv_tokens dispatches remembered for the next exact-mode call.
 _MAX_UNCHECKED = 1024
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-# Programs of the local kernels on CPU ranks (on GPUs: one per SM).
-_CPU_LOCAL_PROGRAMS = 2
-
-_STAGES = {
-    STAGE_LAYOUT: "the dispatch layout exchange",
-    STAGE_DISPATCH_READY: "the start of dispatch (peer not ready)",
-    STAGE_DISPATCH_DATA: "dispatch token chunks",
-    STAGE_COMBINE_READY: "the start of combine (peer not ready)",
-    STAGE_COMBINE_DATA: "combine partial sums",
-    STAGE_DISPATCH_NET: "dispatch token chunks over the network",
-    STAGE_COMBINE_NET: "combine partial sums over the network",
-    STAGE_DISPATCH_QUANTIZED: "dispatch's quantization of this rank's rows",
-    STAGE_DISPATCH_OUTPUTS: "the host's outputs of an exact-mode dispatch",
-}
 
 
 class Buffer:
@@ -121,7 +96,7 @@ class Buffer:
         device: torch.device | str | None = None,
     ):
         group = group if group is not None else dist.group.WORLD
-        world, rank = dist.get_world_size(group), dist.get_rank(group)
+        world = dist.get_world_size(group)
         try:
             device = _token_device(device, group)
             _check_parameters(world, hidden_size, max_tokens_per_rank, num_experts, dtype,
@@ -175,37 +150,10 @@ class Buffer:
         self.ranks_per_node = ranks_per_node
         self.device = device
         self.timeout_s = float(timeout_s)
-        self._broken: str | None = None
         # max_recv_tokens dispatches whose overflow nobody has checked yet: (the handle's state,
         # whose [0] is the rows it needed, M).
         self._unchecked: list[tuple[torch.Tensor, int]] = []
-        across_gpus = on_gpu and plan.nodes > 1
-        if across_gpus:
-            from .runtime.nvshmem import device_library, init_module
-        self._rt = Runtime(
-            plan=plan,
-            heap=allocate_heap(group, plan.heap.total_bytes, device, ranks_per_node),
-            control=torch.zeros(17, dtype=torch.int64, device=device),
-            rank=rank,
-            world_size=world,
-            device=device,
-            timeout_ns=int(timeout_s * 1e9),
-            local_programs=(
-                context_sms * config.programs_per_sm if on_gpu else _CPU_LOCAL_PROGRAMS
-            ),
-            outbox=torch.empty(
-                world * max(max_tokens_per_rank, 1), hidden_size, dtype=dtype, device=device
-            ),
-            group=group,
-            # On GPUs a timed-out wait is read where the host synchronises (read_report, check).
-            check_status=_on_gpus_later if on_gpu else self._raise_if_timed_out,
-            read_report=self._read_report,
-            report=torch.zeros(8, dtype=torch.int64, pin_memory=on_gpu),
-            outputs_record=torch.zeros(8, dtype=torch.int64, pin_memory=on_gpu),
-            # Kernels that call NVSHMEM link its device library and initialise their modules.
-            compile_options={"extern_libs": device_library()} if across_gpus else {},
-            on_compile=init_module if across_gpus else None,
-        )
+        self._rt = make_runtime(plan, group, device, timeout_s, context_sms)
         self._id = library.register(self._rt)
         self._comm_stream: torch.cuda.Stream | None = None
 
@@ -460,7 +408,7 @@ class Buffer:
         OverflowError: more rows were needed than max_recv_tokens (the excess was dropped).
         """
         self._check_handle(handle)
-        self._read_report(handle)
+        status.read_report(self._rt, handle)
         self._unchecked = [entry for entry in self._unchecked if entry[0] is not handle.state]
         if handle.max_recv_tokens is not None:
             self._raise_on_overflow([(handle.state, handle.max_recv_tokens)])
@@ -470,7 +418,7 @@ class Buffer:
         """Token rows this rank has put over the network in its dispatches so far (one per
         (token, other node that holds one of its experts) and dispatch; 0 within one node).
         Synchronises."""
-        return int(self._rt.control[10])
+        return self._rt.network_rows
 
     def destroy(self) -> None:
         """Free the symmetric buffers (collective; idempotent)."""
@@ -542,8 +490,8 @@ class Buffer:
     def _check_usable(self) -> None:
         if self._rt is None:
             raise RuntimeError("this Buffer was destroyed")
-        if self._broken is not None:
-            raise RuntimeError(f"this Buffer is unusable after an earlier error: {self._broken}")
+        if self._rt.broken is not None:
+            raise RuntimeError(f"this Buffer is unusable after an earlier error: {self._rt.broken}")
 
     def _check_tokens(self, name: str, x: torch.Tensor, dtype: torch.dtype | None = None) -> None:
         """x: [T, H] rows of ``dtype`` (default: the Buffer's), T <= max_tokens_per_rank."""
@@ -618,18 +566,6 @@ class Buffer:
                 f"handle must be a DispatchHandle of this Buffer, got {describe(handle)}"
             )
 
-    def _raise_if_timed_out(self) -> None:
-        """CPU ranks' launches are synchronous: report a timed-out wait now."""
-        self._raise_on_status(*self._rt.control[3:6].tolist())
-
-    def _raise_on_status(self, code: int, peer: int, stage: int) -> None:
-        if code:
-            self._broken = (
-                f"rank {self._rt.rank}: rank {peer} did not answer within {self.timeout_s:g} s "
-                f"at {_STAGES.get(stage, f'stage {stage}')}"
-            )
-            raise TimeoutError(self._broken)
-
     def _raise_on_overflow(self, dispatches: list[tuple[torch.Tensor, int]]) -> None:
         """Raise OverflowError for the first of ``dispatches`` (a handle's state, M) that needed
         more than M rows."""
@@ -642,37 +578,6 @@ class Buffer:
                     "world * max_tokens_per_rank * min(K, L) + L * (pad_multiple - 1) to never "
                     "drop a row"
                 )
-
-    def _read_report(self, handle: DispatchHandle, tag: int = 0) -> int:
-        """What the device recorded for ``handle``'s dispatch: raises TimeoutError (a wait timed
-        out) or ValueError (invalid routing, or an input a rank's host refused, on some rank);
-        returns the rows the output needs (expert-major or token rows). With the ``tag`` its
-        layout launch was given, from the report the layout kernel writes into host memory (the
-        host polls it: no stream synchronisation, no copy); else one device-to-host read."""
-        report = self._rt.report_words
-        deadline = time.monotonic() + 2 * self.timeout_s
-        while tag and report[0] != tag and time.monotonic() < deadline:
-            pass
-        if tag and report[0] == tag:
-            needed, src, row, code, peer, stage, cause = report[1:].tolist()
-        else:  # no tag, or the device did not get there: its error surfaces here
-            state = handle.state
-            needed, src, row, code, peer, stage, cause = torch.cat(
-                [state[:3], self._rt.control[3:6], state[3:4]]
-            ).tolist()
-        self._raise_on_status(code, peer, stage)
-        if src < 0:
-            return needed
-        if cause != INVALID_ROUTING:
-            raise ValueError(
-                f"rank {src} refused its {refused_argument(cause)} (its own ValueError says "
-                "why); nothing was dispatched"
-            )
-        if src == self._rt.rank:
-            detail = f"row {row} has an id outside [-1, {self.num_experts}) or a repeated id"
-        else:
-            detail = f"rank {src} passed an invalid topk_idx"
-        raise ValueError(f"topk_idx: {detail}; nothing was dispatched")
 
 
 def ranks_per_host(hosts: list[str]) -> int:
@@ -689,10 +594,6 @@ def ranks_per_host(hosts: list[str]) -> int:
             f"rank order: {hosts}); pass ranks_per_node to say what a node is"
         )
     return per_host
-
-
-def _on_gpus_later() -> None:
-    """Runtime.check_status on GPUs, where launches are asynchronous: nothing to read yet."""
 
 
 class _Refused(Exception):

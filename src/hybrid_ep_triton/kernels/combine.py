@@ -34,6 +34,15 @@ so the launch finishes whichever of its programs run first.
 import triton
 import triton.language as tl
 
+from .control import (
+    DATA_SEQ,
+    FIRST_QUEUE,
+    SECOND_QUEUE,
+    STAGE_COMBINE_DATA,
+    STAGE_COMBINE_NET,
+    STAGE_COMBINE_READY,
+    STATUS,
+)
 from .dispatch import column, part_columns, remote_entries, remote_item
 from .primitives import (
     finish_launch,
@@ -46,10 +55,6 @@ from .primitives import (
     wait_at_least,
     wait_item,
 )
-
-STAGE_COMBINE_READY = 4
-STAGE_COMBINE_DATA = 5
-STAGE_COMBINE_NET = 7
 
 
 @triton.jit
@@ -430,8 +435,8 @@ def combine_kernel(
 ):
     pid = tl.program_id(0)
     num_programs = tl.num_programs(0)
-    seq = tl.load(control_ptr) + 1
-    status_ptr = control_ptr + 3
+    seq = tl.load(control_ptr + DATA_SEQ) + 1
+    status_ptr = control_ptr + STATUS
     dtype = out_ptr.dtype.element_ty
     staging = region(peer_bases_ptr, rank, staging_off, dtype)
     my_flags = region(peer_bases_ptr, rank, chunk_flags_off, tl.int64)
@@ -457,7 +462,7 @@ def combine_kernel(
     if pid < num_reducers:
         # One work queue: item w of every other source, then item w + 1, as senders send them.
         remote = remote_entries(recv_src_tokens_ptr, rank, W, T_MAX, CHUNK, H_SLICES)
-        item = take_work(control_ptr + 6)
+        item = take_work(control_ptr + FIRST_QUEUE)
         while item < remote * local_parts:
             part = item % local_parts
             w, src = remote_item(item // local_parts, rank, W)
@@ -473,13 +478,12 @@ def combine_kernel(
                     outbox_ptr, MS, MS_P2, CHUNK, BLOCK_H, HAS_WEIGHTS, COPY_UNROLL,
                 )  # fmt: skip
                 signal(reduced_flags + (src * items_of_src + w) * LP_MAX + part, seq)
-            item = take_work(control_ptr + 6)
+            item = take_work(control_ptr + FIRST_QUEUE)
     elif pid < num_reducers + num_senders:
         sender = pid - num_reducers
-        stage = 4  # STAGE_COMBINE_READY
         handshake(
-            peer_bases_ptr, net_bases_ptr, ready_off, rank, seq, timeout_ns, status_ptr, stage,
-            P_MAX, sender, R, NODES,
+            peer_bases_ptr, net_bases_ptr, ready_off, rank, seq, timeout_ns, status_ptr,
+            STAGE_COMBINE_READY, P_MAX, sender, R, NODES,
         )  # fmt: skip
         for src in range(0, W):
             # The partial rows go to src; across nodes, those of a source on another node go to
@@ -496,7 +500,7 @@ def combine_kernel(
                 # Reducers of this launch: they never wait, so this rank names itself.
                 for part in range(0, local_parts):
                     reduced = reduced_flags + (src * items_of_src + w) * LP_MAX + part
-                    wait_at_least(reduced, seq, timeout_ns, status_ptr, rank, 5)
+                    wait_at_least(reduced, seq, timeout_ns, status_ptr, rank, STAGE_COMBINE_DATA)
                 start = tl.load(table + w // H_SLICES)
                 h_first = (w % H_SLICES) * slice_cols
                 _copy_rows(
@@ -522,8 +526,8 @@ def combine_kernel(
                         block = node * R + peer - node_first
                         wait_item(
                             my_ready, peer, w % num_senders,
-                            my_flags + block * items_of_src + w, seq, timeout_ns, status_ptr, 4,
-                            5, P_MAX,  # COMBINE_READY, COMBINE_DATA
+                            my_flags + block * items_of_src + w, seq, timeout_ns, status_ptr,
+                            STAGE_COMBINE_READY, STAGE_COMBINE_DATA, P_MAX,
                         )  # fmt: skip
                     c = w // H_SLICES
                     first = tl.load(table + c)
@@ -539,7 +543,7 @@ def combine_kernel(
                     )  # fmt: skip
                     # src started this launch: its inbox is free.
                     wait_at_least(my_ready + src * P_MAX + sender, seq, timeout_ns, status_ptr,
-                                  src, 4)  # fmt: skip
+                                  src, STAGE_COMBINE_READY)  # fmt: skip
                     there = my_node * items_of_src + w
                     net_put_signal(
                         net_bases_ptr, rank, src, net_inbox_off + there * SLOT_BYTES + DATA_OFF,
@@ -552,7 +556,7 @@ def combine_kernel(
         # rows land, their sum into the same out rows; only those light additions are left
         # when the last partial rows land.
         own_items = tl.cdiv(num_tokens, CHUNK) * H_SLICES * local_parts
-        item = take_work(control_ptr + 7)
+        item = take_work(control_ptr + SECOND_QUEUE)
         while item < own_items * tl.minimum(W, 2):
             w = (item % own_items) // local_parts
             part = item % local_parts
@@ -570,12 +574,13 @@ def combine_kernel(
                 signal(summed, seq)
             else:
                 # A program that took the item earlier and waits for nothing: this rank.
-                wait_at_least(summed, seq, timeout_ns, status_ptr, rank, 5)
+                wait_at_least(summed, seq, timeout_ns, status_ptr, rank, STAGE_COMBINE_DATA)
                 for peer in range(node_first, node_first + R):
                     if peer != rank:
                         wait_item(
                             my_ready, peer, w % num_senders, my_flags + peer * items_of_src + w,
-                            seq, timeout_ns, status_ptr, 4, 5, P_MAX,  # COMBINE_READY, _DATA
+                            seq, timeout_ns, status_ptr, STAGE_COMBINE_READY, STAGE_COMBINE_DATA,
+                            P_MAX,
                         )  # fmt: skip
                 if NODES > 1:
                     for node in range(0, NODES):
@@ -583,7 +588,7 @@ def combine_kernel(
                             wait_item(
                                 my_ready, node * R + rank % R, w % num_senders,
                                 net_flags + node * items_of_src + w, seq, timeout_ns, status_ptr,
-                                4, 7, P_MAX,  # COMBINE_READY, COMBINE_NET
+                                STAGE_COMBINE_READY, STAGE_COMBINE_NET, P_MAX,
                             )  # fmt: skip
                 _add_partial_rows(
                     w // H_SLICES, h_first, h_last, num_tokens, hidden, rank, W,
@@ -592,6 +597,6 @@ def combine_kernel(
                     (w % H_SLICES) * slice_cols, T_MAX, W_P2, CHUNK, BLOCK_H, R, NODES, N_P2,
                     NET_COLS, items_of_src * SLOT_ELEMS,
                 )  # fmt: skip
-            item = take_work(control_ptr + 7)
+            item = take_work(control_ptr + SECOND_QUEUE)
 
     finish_launch(control_ptr, seq, num_programs)

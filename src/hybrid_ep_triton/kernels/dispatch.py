@@ -49,6 +49,22 @@ words; only the copies from x and into recv_x see two parts (row_part, out_part)
 import triton
 import triton.language as tl
 
+from .control import (
+    DATA_SEQ,
+    FIRST_QUEUE,
+    HOST_RECORD,
+    HOST_RECORD_SEQ,
+    INFO_ROWS,
+    INFO_SOURCE,
+    NET_ROWS,
+    SECOND_QUEUE,
+    STAGE_DISPATCH_DATA,
+    STAGE_DISPATCH_NET,
+    STAGE_DISPATCH_OUTPUTS,
+    STAGE_DISPATCH_QUANTIZED,
+    STAGE_DISPATCH_READY,
+    STATUS,
+)
 from .primitives import (
     HOST_RECORD_VALUES,
     finish_launch,
@@ -66,11 +82,6 @@ from .primitives import (
 )
 from .quantize import quantize_block
 
-STAGE_DISPATCH_READY = 2
-STAGE_DISPATCH_DATA = 3
-STAGE_DISPATCH_NET = 6
-STAGE_DISPATCH_QUANTIZED = 8
-STAGE_DISPATCH_OUTPUTS = 9
 QUANT_GROUPS = tl.constexpr(8)  # 128-channel groups of a quantizer's work item
 
 
@@ -740,7 +751,7 @@ def _wait_quantized(flags_ptr, c, seq, timeout_ns, status_ptr, rank, QUANT_SLICE
     """Wait until the quantizers have put chunk ``c`` into x, all its items."""
     for s in tl.static_range(QUANT_SLICES):
         flag = flags_ptr + c * QUANT_SLICES + s
-        wait_at_least(flag, seq, timeout_ns, status_ptr, rank, 8)  # STAGE_DISPATCH_QUANTIZED
+        wait_at_least(flag, seq, timeout_ns, status_ptr, rank, STAGE_DISPATCH_QUANTIZED)
 
 
 @triton.jit
@@ -836,11 +847,11 @@ def dispatch_kernel(
     num_programs = tl.num_programs(0)
     QUANT_SLICES: tl.constexpr = (SCALE_WORDS + QUANT_GROUPS - 1) // QUANT_GROUPS
     ROW_WEIGHTS: tl.constexpr = False if TOKEN_ROWS else HAS_WEIGHTS  # recv_weights is [N]
-    seq = tl.load(control_ptr) + 1
-    status_ptr = control_ptr + 3
+    seq = tl.load(control_ptr + DATA_SEQ) + 1
+    status_ptr = control_ptr + STATUS
     dtype = recv_x_ptr.dtype.element_ty
     # Invalid routing on any rank: every rank saw it in the layout exchange and moves nothing.
-    aborted = tl.load(info_ptr + 1) >= 0
+    aborted = tl.load(info_ptr + INFO_SOURCE) >= 0
     # Work item w of a source = (chunk c, column slice s) of its tokens: sender program p takes
     # w = p, p + P, ... and raises the item's flag on the destination.
     send_cols = tl.cdiv(tl.cdiv(hidden, H_SLICES), BLOCK_H) * BLOCK_H
@@ -858,7 +869,7 @@ def dispatch_kernel(
     if pid < 0:
         if QUANTIZE:
             items = tl.where(aborted, 0, tl.cdiv(num_tokens, CHUNK) * QUANT_SLICES)
-            item = take_work(control_ptr + 7)
+            item = take_work(control_ptr + SECOND_QUEUE)
             while item < items:
                 first_group = (item % QUANT_SLICES) * QUANT_GROUPS
                 quantize_block(
@@ -868,12 +879,11 @@ def dispatch_kernel(
                     tl.minimum(first_group + QUANT_GROUPS, SCALE_WORDS), CHUNK,
                 )  # fmt: skip
                 signal(quantized_flags_ptr + item, seq)
-                item = take_work(control_ptr + 7)
+                item = take_work(control_ptr + SECOND_QUEUE)
     elif pid < num_senders:
-        stage = 2  # STAGE_DISPATCH_READY
         handshake(
-            peer_bases_ptr, net_bases_ptr, ready_off, rank, seq, timeout_ns, status_ptr, stage,
-            P_MAX, pid, R, NODES,
+            peer_bases_ptr, net_bases_ptr, ready_off, rank, seq, timeout_ns, status_ptr,
+            STAGE_DISPATCH_READY, P_MAX, pid, R, NODES,
         )  # fmt: skip
         items = tl.where(aborted, 0, tl.cdiv(num_tokens, CHUNK) * H_SLICES)
         if W == 1:  # no other rank: a sender would read x for nothing
@@ -915,7 +925,7 @@ def dispatch_kernel(
                             net_flags_off + there * 8, seq, heap_bytes,
                         )  # fmt: skip
                         if w % H_SLICES == 0:  # rows that crossed the network, for the stats
-                            tl.atomic_add(control_ptr + 10, num_rows.to(tl.int64))
+                            tl.atomic_add(control_ptr + NET_ROWS, num_rows.to(tl.int64))
             _send_chunk(
                 c, h_first, h_last, x_ptr, x_stride, x_scales_ptr, x_scales_stride, topk_idx_ptr,
                 topk_weights_ptr, num_tokens, topk, hidden, data_cols, num_experts,
@@ -933,7 +943,8 @@ def dispatch_kernel(
         # This node's ranks started this launch (their earlier launches are done with their
         # staging areas): their sender `fwd` said so.
         for peer in range(node_first, node_first + R):
-            wait_at_least(my_ready + peer * P_MAX + fwd, seq, timeout_ns, status_ptr, peer, 2)
+            wait_at_least(my_ready + peer * P_MAX + fwd, seq, timeout_ns, status_ptr, peer,
+                          STAGE_DISPATCH_READY)  # fmt: skip
         my_node = rank // R
         net_flags = region(peer_bases_ptr, rank, net_flags_off, tl.int64)
         for node in range(0, NODES):
@@ -945,7 +956,7 @@ def dispatch_kernel(
                 for w in range(fwd, items, num_senders):
                     wait_item(
                         my_ready, src, w % num_senders, net_flags + node * ITEMS + w, seq,
-                        timeout_ns, status_ptr, 2, 6, P_MAX,  # DISPATCH_READY, DISPATCH_NET
+                        timeout_ns, status_ptr, STAGE_DISPATCH_READY, STAGE_DISPATCH_NET, P_MAX,
                     )  # fmt: skip
                     c = w // H_SLICES
                     first = tl.load(table + c)
@@ -977,20 +988,22 @@ def dispatch_kernel(
             if lid == 0:
                 record = wait_host_record(
                     outputs_addr.to(tl.pointer_type(tl.int64)), outputs_tag, timeout_ns,
-                    status_ptr, rank, 9,  # STAGE_DISPATCH_OUTPUTS
+                    status_ptr, rank, STAGE_DISPATCH_OUTPUTS,
                 )  # fmt: skip
                 for i in tl.static_range(HOST_RECORD_VALUES):
-                    tl.store(control_ptr + 11 + i, record_word(record, 1 + i))
-                signal(control_ptr + 16, seq)
-            wait_at_least(control_ptr + 16, seq, timeout_ns, status_ptr, rank, 9)
-            num_out_rows = tl.load(control_ptr + 11, volatile=True).to(tl.int32)
+                    tl.store(control_ptr + HOST_RECORD + i, record_word(record, 1 + i))
+                signal(control_ptr + HOST_RECORD_SEQ, seq)
+            wait_at_least(control_ptr + HOST_RECORD_SEQ, seq, timeout_ns, status_ptr, rank,
+                          STAGE_DISPATCH_OUTPUTS)  # fmt: skip
+            num_out_rows = tl.load(control_ptr + HOST_RECORD, volatile=True).to(tl.int32)
             if tl.load(status_ptr, volatile=True) != 0:
                 num_out_rows = -1
             aborted = aborted | (num_out_rows < 0)
-            recv_x_ptr = _output_pointer(control_ptr + 12, recv_x_ptr)
-            recv_scales_ptr = _output_pointer(control_ptr + 13, recv_scales_ptr)
-            recv_weights_ptr = _output_pointer(control_ptr + 14, recv_weights_ptr)
-            recv_topk_idx_ptr = _output_pointer(control_ptr + 15, recv_topk_idx_ptr)
+            # The record's values: N, then the outputs' addresses in this order.
+            recv_x_ptr = _output_pointer(control_ptr + HOST_RECORD + 1, recv_x_ptr)
+            recv_scales_ptr = _output_pointer(control_ptr + HOST_RECORD + 2, recv_scales_ptr)
+            recv_weights_ptr = _output_pointer(control_ptr + HOST_RECORD + 3, recv_weights_ptr)
+            recv_topk_idx_ptr = _output_pointer(control_ptr + HOST_RECORD + 4, recv_topk_idx_ptr)
         # One work queue of two kinds of items, spread evenly among each other: own tokens
         # (straight from x, nothing to wait for, in finer column slices), and every other
         # rank's items, each as soon as its flag says it has landed, in the order senders send
@@ -1010,7 +1023,7 @@ def dispatch_kernel(
             own_token_rows_first = token_rows_first(
                 recv_chunk_start_ptr, recv_src_tokens_ptr, rank, T_MAX, NC_MAX, CHUNK
             )
-        item = take_work(control_ptr + 6)
+        item = take_work(control_ptr + FIRST_QUEUE)
         while item < own_items + remote_items:
             is_own, k = interleaved(item, own_items, remote_items)
             if is_own:
@@ -1042,7 +1055,7 @@ def dispatch_kernel(
                         carrier = tl.where(src // R == rank // R, src, node_first + src % R)
                     wait_item(
                         my_ready, carrier, w % num_senders, my_flags + src * ITEMS + w, seq,
-                        timeout_ns, status_ptr, 2, 3, P_MAX,  # DISPATCH_READY, DISPATCH_DATA
+                        timeout_ns, status_ptr, STAGE_DISPATCH_READY, STAGE_DISPATCH_DATA, P_MAX,
                     )  # fmt: skip
                     table = recv_chunk_start_ptr + src * (NC_MAX + 1)
                     c = w // H_SLICES
@@ -1066,7 +1079,7 @@ def dispatch_kernel(
                         MS_P2, K_P2, CHUNK, BLOCK_H, HAS_WEIGHTS, WRITE_ROWS, TOKEN_ROWS,
                         SCALE_WORDS,
                     )  # fmt: skip
-            item = take_work(control_ptr + 6)
+            item = take_work(control_ptr + FIRST_QUEUE)
 
         # Zero padding rows and the rows past the valid count (max_recv_tokens mode).
         for e in range(lid, tl.where(aborted, 0, experts_per_rank), num_expanders):
@@ -1079,7 +1092,9 @@ def dispatch_kernel(
                 recv_x_ptr, recv_scales_ptr, recv_weights_ptr, first, last, data_cols,
                 SCALE_WORDS, ROW_WEIGHTS, CHUNK, BLOCK_H,
             )  # fmt: skip
-        valid_rows = tl.where(aborted, 0, tl.minimum(tl.load(info_ptr), num_out_rows)).to(tl.int32)
+        valid_rows = tl.where(
+            aborted, 0, tl.minimum(tl.load(info_ptr + INFO_ROWS), num_out_rows)
+        ).to(tl.int32)
         for b in range(lid, tl.cdiv(num_out_rows - valid_rows, CHUNK), num_expanders):
             first = valid_rows + b * CHUNK
             last = tl.minimum(first + CHUNK, num_out_rows)

@@ -32,11 +32,18 @@ import triton
 import triton.language as tl
 from triton.language import core
 
-INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
+from .control import (
+    DATA_SEQ,
+    DATA_TICKET,
+    FIRST_QUEUE,
+    SECOND_QUEUE,
+    STATUS_CODE,
+    STATUS_PEER,
+    STATUS_STAGE,
+    STATUS_TIMED_OUT,
+)
 
-# Status words (int64, rank-local): [code, peer, stage].
-STATUS_OK = 0
-STATUS_TIMED_OUT = 1
+INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 if INTERPRETED:
 
@@ -215,9 +222,10 @@ def _time_out_after(start, timeout_ns, status_ptr, peer, stage):
     """Inside a wait that began at ``start``: past ``timeout_ns``, the first waiter to time out
     records (STATUS_TIMED_OUT, peer, stage)."""
     if clock_ns() - start > timeout_ns:
-        if tl.atomic_cas(status_ptr, tl.zeros([], tl.int64), tl.full([], 1, tl.int64)) == 0:
-            tl.store(status_ptr + 1, peer)
-            tl.store(status_ptr + 2, stage)
+        timed_out = tl.full([], STATUS_TIMED_OUT, tl.int64)
+        if tl.atomic_cas(status_ptr + STATUS_CODE, tl.zeros([], tl.int64), timed_out) == 0:
+            tl.store(status_ptr + STATUS_PEER, peer)
+            tl.store(status_ptr + STATUS_STAGE, stage)
 
 
 # Words of a host record (wait_host_record): the tag, HOST_RECORD_VALUES values, the check, 0.
@@ -356,15 +364,15 @@ def interleaved(item, count_a, count_b):
 @triton.jit
 def finish_launch(control_ptr, seq, num_programs):
     """Publish ``seq`` as the last completed sequence number once every program got here, and
-    reset the work queues (control words 6 and 7) for the next launch.
+    reset the work queues (FIRST_QUEUE, SECOND_QUEUE) for the next launch.
 
     A ticket, not a barrier: each program takes one and leaves; the last one stores the new
     sequence number for the next launch on the stream. Nobody waits, so programs need not be
     co-resident.
     """
-    ticket = tl.atomic_add(control_ptr + 1, 1)
+    ticket = tl.atomic_add(control_ptr + DATA_TICKET, 1)
     if ticket == num_programs - 1:
-        tl.store(control_ptr + 6, 0)
-        tl.store(control_ptr + 7, 0)
-        tl.store(control_ptr + 1, 0)
-        tl.store(control_ptr, seq)
+        tl.store(control_ptr + FIRST_QUEUE, 0)
+        tl.store(control_ptr + SECOND_QUEUE, 0)
+        tl.store(control_ptr + DATA_TICKET, 0)
+        tl.store(control_ptr + DATA_SEQ, seq)

@@ -21,6 +21,24 @@ A sender's slot of chunk c then lands on row
 import triton
 import triton.language as tl
 
+from .control import (
+    BAD_ROW,
+    INFO_BAD_ROW,
+    INFO_CAUSE,
+    INFO_ROWS,
+    INFO_SOURCE,
+    LAYOUT_SEQ,
+    LAYOUT_TICKET,
+    REPORT_BAD_ROW,
+    REPORT_CAUSE,
+    REPORT_ROWS,
+    REPORT_SOURCE,
+    REPORT_STATUS,
+    REPORT_TAG,
+    STAGE_LAYOUT,
+    STATUS,
+    STATUS_WORDS,
+)
 from .primitives import (
     fence_system,
     net_put_signal,
@@ -30,7 +48,6 @@ from .primitives import (
     wait_at_least,
 )
 
-STAGE_LAYOUT = 1  # stage number a timed-out wait records (literal inside the kernels)
 # The first invalid row of a launch is recorded in a control word as 2**62 - row (an atomic max
 # keeps the first; 0, the word's resting value, means none) and reported in info[2] as the row,
 # or 2**62 when none. The kernels write 2**62 as the literal 4611686018427387904.
@@ -200,12 +217,13 @@ def _exchange(
     N_P2: tl.constexpr,
 ):
     """The layout exchange, run by the launch's last program once every chunk is counted."""
-    seq = tl.load(control_ptr + 2) + 1
-    status_ptr = control_ptr + 3
+    seq = tl.load(control_ptr + LAYOUT_SEQ) + 1
+    status_ptr = control_ptr + STATUS
     # Written by the launch's other programs: loads bypass L1.
-    bad = tl.load(control_ptr + 9, volatile=True)
-    tl.store(control_ptr + 9, 0)
-    tl.store(info_ptr + 2, tl.where(bad > 0, 4611686018427387904 - bad, 4611686018427387904))
+    bad = tl.load(control_ptr + BAD_ROW, volatile=True)
+    tl.store(control_ptr + BAD_ROW, 0)
+    tl.store(info_ptr + INFO_BAD_ROW,
+             tl.where(bad > 0, 4611686018427387904 - bad, 4611686018427387904))  # fmt: skip
 
     # 1. Per expert, exclusive prefix over chunks of the counts (in place), and the totals.
     experts = tl.arange(0, E_P2)
@@ -276,7 +294,7 @@ def _exchange(
     # 3. Wait for every peer's row.
     my_flags = region(peer_bases_ptr, rank, count_flags_off, tl.int64)
     for peer in range(0, world_size):
-        wait_at_least(my_flags + peer, seq, timeout_ns, status_ptr, peer, 1)  # STAGE_LAYOUT
+        wait_at_least(my_flags + peer, seq, timeout_ns, status_ptr, peer, STAGE_LAYOUT)
     counts = region(peer_bases_ptr, rank, layout_in_off, tl.int32) + (seq % 2) * world_size * LR
     table = counts + ROW
 
@@ -288,8 +306,9 @@ def _exchange(
     causes = tl.load(extra + 1, mask=smask, other=0)
     first_invalid = tl.min(tl.where(causes != 0, srcs, W_P2), axis=0)
     first_cause = tl.sum(tl.where(srcs == first_invalid, causes, 0), axis=0).to(tl.int64)
-    tl.store(info_ptr + 1, tl.where(first_invalid < W_P2, first_invalid, -1).to(tl.int64))
-    tl.store(info_ptr + 3, first_cause)
+    tl.store(info_ptr + INFO_SOURCE,
+             tl.where(first_invalid < W_P2, first_invalid, -1).to(tl.int64))  # fmt: skip
+    tl.store(info_ptr + INFO_CAUSE, first_cause)
     for c0 in range(0, NC_MAX + 1, TABLE_BLOCK):
         chunks = c0 + tl.arange(0, TABLE_BLOCK)
         m = smask[:, None] & (chunks[None, :] <= NC_MAX)
@@ -343,20 +362,22 @@ def _exchange(
         present = tl.minimum(my_start + my_padded, max_rows) - my_start
         tl.store(tokens_per_expert_ptr + local, tl.maximum(present, 0).to(tl.int64), mask=lmask)
         needed = tl.sum(my_padded, axis=0).to(tl.int64)
-    tl.store(info_ptr, needed)
-    tl.store(control_ptr + 2, seq)
+    tl.store(info_ptr + INFO_ROWS, needed)
+    tl.store(control_ptr + LAYOUT_SEQ, seq)
     if report_tag != 0:
         # Exact mode: what the host waits for, straight into its pinned memory, the tag last,
         # so that the host polls host memory instead of synchronising with the stream.
         report = report_addr.to(tl.pointer_type(tl.int64))
-        tl.store(report + 1, needed)
-        tl.store(report + 2, tl.where(first_invalid < W_P2, first_invalid, -1).to(tl.int64))
-        tl.store(report + 3, tl.where(bad > 0, 4611686018427387904 - bad, 4611686018427387904))
-        for i in tl.static_range(3):  # status: code, peer, stage
-            tl.store(report + 4 + i, tl.load(status_ptr + i, volatile=True))
-        tl.store(report + 7, first_cause)
+        tl.store(report + REPORT_ROWS, needed)
+        tl.store(report + REPORT_SOURCE,
+                 tl.where(first_invalid < W_P2, first_invalid, -1).to(tl.int64))  # fmt: skip
+        tl.store(report + REPORT_BAD_ROW,
+                 tl.where(bad > 0, 4611686018427387904 - bad, 4611686018427387904))  # fmt: skip
+        for i in tl.static_range(STATUS_WORDS):
+            tl.store(report + REPORT_STATUS + i, tl.load(status_ptr + i, volatile=True))
+        tl.store(report + REPORT_CAUSE, first_cause)
         fence_system()
-        tl.store(report, report_tag + tl.zeros([], tl.int64))
+        tl.store(report + REPORT_TAG, report_tag + tl.zeros([], tl.int64))
 
 
 @triton.jit
@@ -385,7 +406,8 @@ def layout_kernel(
     # first invalid row of this rank (or 2**62), that source's cause (1: invalid routing; above:
     # the host's refusal code)
     peer_bases_ptr,
-    control_ptr,  # int64 [11]: [2] layout sequence number, [3:6] status, [8] ticket, [9] bad row
+    control_ptr,  # int64 [CONTROL_WORDS] (kernels/control.py): LAYOUT_SEQ, STATUS, LAYOUT_TICKET,
+    # BAD_ROW
     count_flags_off,
     layout_in_off,
     timeout_ns,
@@ -397,9 +419,8 @@ def layout_kernel(
     net_bases_ptr,  # int64 [W]: addresses for network puts (see primitives)
     layout_out_off,
     heap_bytes,
-    report_addr,  # int64 [8] in the host's pinned memory, as an address: see report_tag
-    report_tag,  # 0, or: write [tag, rows needed, info[1], info[2], status, info[3]] there, tag
-    # last
+    report_addr,  # int64 [REPORT_WORDS] in the host's pinned memory, as an address
+    report_tag,  # 0, or: write the REPORT_* words (kernels/control.py) there, REPORT_TAG last
     refused,  # int32: 0, or the code of this rank's refused argument (no tokens then): every
     # rank's layout reports it as invalid routing is reported
     CHUNK: tl.constexpr,
@@ -419,7 +440,7 @@ def layout_kernel(
     N_P2: tl.constexpr,
 ):
     chunk = tl.program_id(0)
-    bad_row_ptr = control_ptr + 9
+    bad_row_ptr = control_ptr + BAD_ROW
     # Counts land where their prefix sums will be: rows c + 1 of chunk_expert_base, rows c of
     # send_chunk_start.
     if chunk < num_chunks:
@@ -431,10 +452,10 @@ def layout_kernel(
             R, NODES, N_P2,
         )  # fmt: skip
     tl.debug_barrier()
-    ticket = tl.atomic_add(control_ptr + 8, 1, sem="acq_rel", scope="gpu")
+    ticket = tl.atomic_add(control_ptr + LAYOUT_TICKET, 1, sem="acq_rel", scope="gpu")
     if ticket == tl.num_programs(0) - 1:
         tl.debug_barrier()
-        tl.store(control_ptr + 8, 0)
+        tl.store(control_ptr + LAYOUT_TICKET, 0)
         _exchange(
             rank, world_size, num_tokens, num_chunks, num_experts, experts_per_rank,
             pad_multiple, max_rows, chunk_expert_base_ptr, send_chunk_start_ptr,

@@ -7,8 +7,14 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from ..kernels.control import CONTROL_WORDS, NET_ROWS, REPORT_WORDS
+from ..kernels.primitives import HOST_RECORD_WORDS
+from ..runtime.heap import allocate_heap
 from ..runtime.planner import LOCAL_PARTS, Plan, ceil_div
 from .launch import KernelLauncher
+
+# Programs of the local kernels on CPU ranks (on GPUs: the config's programs_per_sm per SM).
+_CPU_LOCAL_PROGRAMS = 2
 
 
 @dataclass
@@ -17,27 +23,18 @@ class Runtime:
 
     heap: the symmetric heap (``local`` uint8 tensor, ``peer_bases`` int64 [world]: 0 for the
         ranks of other nodes, ``net_bases`` int64 [world]: addresses for network puts).
-    control: int64 [17] on the device: [0] last data-launch sequence number, [1] ticket of the
-        running launch, [2] last layout-exchange sequence number, [3:6] status (code, peer,
-        stage), [6:8] work queues of the running launch's local roles, [8] ticket of the
-        running layout launch, [9] its first invalid row (encoded as kernels/route.py says),
-        [10] token rows this rank has put over the network in dispatches so far, [11:16] the
-        host record of the running exact-mode data move (N and the outputs' addresses, see
-        ops/dispatch.PreparedMove) and [16] the launch's sequence number once it is there.
+    control: int64 [CONTROL_WORDS] on the device, the control block: its words are named in
+        kernels/control.py.
     on_gpu: whether ``device`` is a CUDA device (else the CPU, under the interpreter).
     timeout_ns: bound of every wait on a peer, in nanoseconds.
     local_programs: programs of a launch for the work that stays on this GPU (expansion,
         reduction, finish): the config's programs_per_sm per SM; the senders are taken from it.
     outbox: [W * T_MAX, H] of the Buffer's dtype: combine's partial rows for the other ranks,
         laid out like the heap's staging area.
-    check_status: called after every launch; raises TimeoutError where launches are synchronous
-        (CPU ranks), as soon as a wait timed out.
-    read_report: reads what the device recorded for a handle's layout (``read_report(handle,
-        tag)``: with a report tag, from ``report``; else one device-to-host read), raises
-        TimeoutError or ValueError (invalid routing), returns the rows needed.
-    report: int64 [8] in host memory (pinned on GPUs, which the device writes through its
-        mapping): what an exact-mode layout writes for the host, see kernels/route.py;
-        ``report_words`` is a memoryview of it.
+    report: int64 [REPORT_WORDS] in host memory (pinned on GPUs, which the device writes
+        through its mapping): what an exact-mode layout writes for the host, the REPORT_* words
+        of kernels/control.py; ``report_words`` is a memoryview of it (ops/status.py reads it).
+    broken: why the Buffer is unusable (a wait timed out: ops/status.py), or None.
     outputs_record: int64 [8] in host memory (pinned on GPUs, which the device reads through
         its mapping): the row count and output addresses of an exact-mode dispatch's data move,
         written by the host once it knows them (ops/dispatch.PreparedMove);
@@ -63,13 +60,12 @@ class Runtime:
     local_programs: int
     outbox: torch.Tensor
     group: dist.ProcessGroup
-    check_status: Callable[[], None]
-    read_report: Callable[..., int]
     report: torch.Tensor
     outputs_record: torch.Tensor
     compile_options: dict = field(default_factory=dict)
     on_compile: Callable | None = None
     launchers: dict = field(default_factory=dict)
+    broken: str | None = None
     relaunches: dict = field(default_factory=dict)
     _report_calls: Iterator[int] = field(default_factory=itertools.count)
 
@@ -95,12 +91,47 @@ class Runtime:
         """The tag of this Buffer's next exact-mode layout report (see ``report_tag``)."""
         return report_tag(next(self._report_calls))
 
+    @property
+    def network_rows(self) -> int:
+        """Token rows this rank has put over the network in its dispatches (synchronises)."""
+        return int(self.control[int(NET_ROWS)])
+
     def launcher(self, make: Callable[["Runtime"], KernelLauncher]) -> KernelLauncher:
         """The launcher ``make(self)`` returns, made on first use."""
         found = self.launchers.get(make)
         if found is None:
             found = self.launchers[make] = make(self)
         return found
+
+
+def make_runtime(
+    plan: Plan, group: dist.ProcessGroup, device: torch.device, timeout_s: float, sms: int | None
+) -> Runtime:
+    """A Buffer's runtime: its symmetric heap (collective over ``group``), control block, report,
+    host record and outbox, on ``device``; ``sms``: the SMs this process's context may use on a
+    GPU (None on CPU ranks)."""
+    on_gpu = device.type == "cuda"
+    across_gpus = on_gpu and plan.nodes > 1
+    if across_gpus:  # kernels that call NVSHMEM link its device library, and set up each module
+        from ..runtime.nvshmem import device_library, init_module
+    return Runtime(
+        plan=plan,
+        heap=allocate_heap(group, plan.heap.total_bytes, device, plan.ranks_per_node),
+        control=torch.zeros(CONTROL_WORDS, dtype=torch.int64, device=device),
+        rank=dist.get_rank(group),
+        world_size=plan.world_size,
+        device=device,
+        timeout_ns=int(timeout_s * 1e9),
+        local_programs=sms * plan.config.programs_per_sm if on_gpu else _CPU_LOCAL_PROGRAMS,
+        outbox=torch.empty(
+            plan.world_size * max(plan.max_tokens, 1), plan.hidden, dtype=plan.dtype, device=device
+        ),  # fmt: skip
+        group=group,
+        report=torch.zeros(REPORT_WORDS, dtype=torch.int64, pin_memory=on_gpu),
+        outputs_record=torch.zeros(int(HOST_RECORD_WORDS), dtype=torch.int64, pin_memory=on_gpu),
+        compile_options={"extern_libs": device_library()} if across_gpus else {},
+        on_compile=init_module if across_gpus else None,
+    )
 
 
 def report_tag(call: int) -> int:

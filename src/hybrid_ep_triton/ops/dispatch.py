@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..kernels.control import INFO_WORDS
 from ..kernels.dispatch import QUANT_GROUPS, dispatch_kernel
 from ..kernels.route import layout_kernel
 from ..runtime.planner import MAX_PROGRAMS, MAX_REGISTERS, Plan, ceil_div, next_power_of_2
@@ -16,8 +17,6 @@ from .launch import KernelLauncher, TensorView
 
 # Slots per side of the layout kernel's [PAIRS, PAIRS] tiles of slot pairs.
 _PAIRS = 128
-# int64 elements of a handle's info (its ``state`` starts with it, then tokens_per_expert).
-_INFO_LONGS = 4
 # Most elements of one tile of the layout exchange's prefix sums: each tile is a round trip to
 # memory, in a single program.
 _EXCHANGE_TILE = 8192
@@ -160,7 +159,7 @@ def _state_layout(plan: Plan, num_tokens: int, topk: int) -> tuple[int, dict]:
     part starts on a 16-byte boundary, as Triton's pointer specialisation expects. Cached:
     every call needs it, and a dispatch is latency-bound at small batches."""
     parts = {}
-    offset = 2 * ceil_div(_INFO_LONGS + plan.experts_per_rank, 2) * 2  # int32s after int64s
+    offset = 2 * ceil_div(INFO_WORDS + plan.experts_per_rank, 2) * 2  # int32s after int64s
     for name, shape in _int_parts(plan, num_tokens, topk).items():
         strides = tuple(math.prod(shape[i + 1 :]) for i in range(len(shape)))
         parts[name] = (shape, strides, offset)
@@ -191,7 +190,7 @@ def make_handle(
         max_recv_tokens=max_recv_tokens,
         topk_idx=topk_idx,
         state=state,
-        tokens_per_expert=state[_INFO_LONGS : _INFO_LONGS + plan.experts_per_rank],
+        tokens_per_expert=state[INFO_WORDS : INFO_WORDS + plan.experts_per_rank],
         parts=parts if parts is not None else _state_layout(plan, num_tokens, topk)[1],
     )
 
@@ -226,7 +225,7 @@ def compute_layout(
     address = state.data_ptr()
     relaunch = rt.relaunches.get(key)
     if relaunch is not None and relaunch(
-        topk_idx, report_tag, address + 8 * _INFO_LONGS, address, address
+        topk_idx, report_tag, address + 8 * INFO_WORDS, address, address
     ):
         return handle
     num_chunks = ceil_div(num_tokens, plan.config.chunk_tokens)

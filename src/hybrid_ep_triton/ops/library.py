@@ -31,7 +31,7 @@ import torch._dynamo  # noqa: F401
 import torch.distributed as dist
 from torch import Tensor
 
-from . import Runtime
+from . import Runtime, status
 from .combine import reduce_tokens
 from .dispatch import (
     DispatchHandle,
@@ -102,9 +102,9 @@ def _dispatch_with_handle(
         recv_x, recv_scales, recv_weights = _exact_move(rt, handle, move, tag)
     else:
         recv_x, recv_scales, recv_weights = move(max_recv_tokens)
-    rt.check_status()
+    status.check_after_launch(rt)
     if not rt.on_gpu:  # launches are synchronous: report routing errors now
-        rt.read_report(handle)
+        status.read_report(rt, handle)
     return recv_x, recv_scales, recv_weights, handle
 
 
@@ -133,7 +133,7 @@ def _exact_move(rt: Runtime, handle: DispatchHandle, move: PreparedMove, tag: in
     CPU ranks, whose launches are synchronous, read the count and deliver first."""
     if not rt.on_gpu:
         try:
-            handle.num_recv_rows = rt.read_report(handle, tag)
+            handle.num_recv_rows = status.read_report(rt, handle, tag)
         except ValueError:  # the layout aborted the dispatch on every rank: its move, which
             move.cancel(tag)  # moves nothing, still runs, as on GPUs and in max_recv_tokens
             move.launch_awaiting_outputs(tag)  # mode (the ranks' modes may differ)
@@ -143,7 +143,7 @@ def _exact_move(rt: Runtime, handle: DispatchHandle, move: PreparedMove, tag: in
         return moved
     move.launch_awaiting_outputs(tag)
     try:
-        handle.num_recv_rows = rt.read_report(handle, tag)
+        handle.num_recv_rows = status.read_report(rt, handle, tag)
         return move.deliver(handle.num_recv_rows, tag)
     except BaseException:  # its expansion waits for the record: say there is none
         move.cancel(tag)
@@ -249,7 +249,7 @@ def _move_cached(
     moved = PreparedMove(rt, x, x_scales, topk_weights, handle, True, quantize)(
         handle.num_recv_rows
     )
-    rt.check_status()
+    status.check_after_launch(rt)
     return moved
 
 
@@ -282,7 +282,7 @@ def _combine_with_handle(
     rt: Runtime, y: Tensor, weights: Tensor | None, handle: DispatchHandle
 ) -> Tensor:
     out = reduce_tokens(rt, y, handle, weights)
-    rt.check_status()
+    status.check_after_launch(rt)
     return out
 
 

@@ -1,0 +1,63 @@
+"""Names of the words a Buffer's launches share with each other and with the host.
+
+The control block is int64 [CONTROL_WORDS] in device memory, one per Buffer; the report is
+int64 [REPORT_WORDS] in the host's pinned memory, written by an exact-mode layout launch; a
+wait that times out records its stage code. Kernels, ops and Buffer name them from here: they
+are tl.constexpr, so the kernels compile them as the literals they stand for, and the host
+reads them as int(NAME).
+"""
+
+import triton.language as tl
+
+# -- the control block ---------------------------------------------------------------------
+DATA_SEQ = tl.constexpr(0)  # sequence number of the last finished data launch (dispatch, combine)
+DATA_TICKET = tl.constexpr(1)  # tickets of the running data launch's programs (finish_launch)
+LAYOUT_SEQ = tl.constexpr(2)  # sequence number of the last layout exchange
+STATUS = tl.constexpr(3)  # STATUS_WORDS: a timed-out wait's code, peer and stage, at
+STATUS_WORDS = tl.constexpr(3)  # these offsets from STATUS:
+STATUS_CODE = tl.constexpr(0)  # 0 while no wait has timed out, then STATUS_TIMED_OUT
+STATUS_PEER = tl.constexpr(1)
+STATUS_STAGE = tl.constexpr(2)
+# Work queues of a data launch's local roles, reset by its last program: [6] dispatch's
+# expanders and combine's reducers, [7] dispatch's quantizers and combine's finishers.
+FIRST_QUEUE = tl.constexpr(6)
+SECOND_QUEUE = tl.constexpr(7)
+LAYOUT_TICKET = tl.constexpr(8)  # tickets of the running layout launch's programs
+BAD_ROW = tl.constexpr(9)  # the launch's first invalid row, as kernels/route.py encodes it
+NET_ROWS = tl.constexpr(10)  # token rows this rank has put over the network in dispatches
+# The host record of the running exact-mode data move (HOST_RECORD_VALUES words: N and the
+# outputs' addresses), copied there by one program for the others, and the launch's sequence
+# number once it is (ops/dispatch.PreparedMove).
+HOST_RECORD = tl.constexpr(11)
+HOST_RECORD_SEQ = tl.constexpr(16)
+CONTROL_WORDS = 17
+
+STATUS_OK = tl.constexpr(0)
+STATUS_TIMED_OUT = tl.constexpr(1)
+
+# -- the report of an exact-mode layout (host memory) --------------------------------------
+REPORT_TAG = tl.constexpr(0)  # written last: the report of the launch given this tag
+REPORT_ROWS = tl.constexpr(1)  # rows the output needs
+REPORT_SOURCE = tl.constexpr(2)  # first rank whose dispatch could not go ahead, or -1
+REPORT_BAD_ROW = tl.constexpr(3)  # first invalid row of this rank (as the handle's info[2])
+REPORT_STATUS = tl.constexpr(4)  # STATUS_WORDS: the control block's status
+REPORT_CAUSE = tl.constexpr(7)  # why REPORT_SOURCE's could not (ops/dispatch.REFUSABLE)
+REPORT_WORDS = 8
+
+# -- a dispatch handle's info: int64 [INFO_WORDS], where the handle's state starts ---------
+INFO_ROWS = tl.constexpr(0)  # rows the output needs (also past max_recv_tokens)
+INFO_SOURCE = tl.constexpr(1)  # first rank whose dispatch could not go ahead, or -1
+INFO_BAD_ROW = tl.constexpr(2)  # 2**62 - (first invalid row of this rank's topk_idx), or 2**62
+INFO_CAUSE = tl.constexpr(3)  # why INFO_SOURCE's could not (ops/dispatch.REFUSABLE)
+INFO_WORDS = 4
+
+# -- stage codes: what a timed-out wait was waiting for ------------------------------------
+STAGE_LAYOUT = tl.constexpr(1)  # the layout exchange
+STAGE_DISPATCH_READY = tl.constexpr(2)  # the start of a peer's dispatch
+STAGE_DISPATCH_DATA = tl.constexpr(3)  # dispatch token chunks
+STAGE_COMBINE_READY = tl.constexpr(4)  # the start of a peer's combine
+STAGE_COMBINE_DATA = tl.constexpr(5)  # combine partial sums
+STAGE_DISPATCH_NET = tl.constexpr(6)  # dispatch token chunks over the network
+STAGE_COMBINE_NET = tl.constexpr(7)  # combine partial sums over the network
+STAGE_DISPATCH_QUANTIZED = tl.constexpr(8)  # dispatch's quantization of this rank's rows
+STAGE_DISPATCH_OUTPUTS = tl.constexpr(9)  # the host's outputs of an exact-mode dispatch

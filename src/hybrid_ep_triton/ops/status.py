@@ -1,0 +1,103 @@
+"""What the device recorded for the host, as exceptions: a timed-out wait's status (control
+block STATUS words) and an exact-mode layout's report (REPORT_* words in pinned host memory).
+
+A timed-out wait leaves the Buffer unusable (``Runtime.broken``): a peer did not answer, and the
+ranks' sequence numbers no longer agree. Invalid routing and refused inputs do not: every rank
+saw them in the same layout exchange.
+"""
+
+import time
+
+import torch
+
+from ..kernels.control import (
+    INFO_BAD_ROW,
+    INFO_CAUSE,
+    INFO_ROWS,
+    INFO_SOURCE,
+    REPORT_CAUSE,
+    REPORT_ROWS,
+    REPORT_TAG,
+    STAGE_COMBINE_DATA,
+    STAGE_COMBINE_NET,
+    STAGE_COMBINE_READY,
+    STAGE_DISPATCH_DATA,
+    STAGE_DISPATCH_NET,
+    STAGE_DISPATCH_OUTPUTS,
+    STAGE_DISPATCH_QUANTIZED,
+    STAGE_DISPATCH_READY,
+    STAGE_LAYOUT,
+    STATUS,
+    STATUS_WORDS,
+)
+from . import Runtime
+from .dispatch import INVALID_ROUTING, DispatchHandle, refused_argument
+
+_STAGES = {
+    int(STAGE_LAYOUT): "the dispatch layout exchange",
+    int(STAGE_DISPATCH_READY): "the start of dispatch (peer not ready)",
+    int(STAGE_DISPATCH_DATA): "dispatch token chunks",
+    int(STAGE_COMBINE_READY): "the start of combine (peer not ready)",
+    int(STAGE_COMBINE_DATA): "combine partial sums",
+    int(STAGE_DISPATCH_NET): "dispatch token chunks over the network",
+    int(STAGE_COMBINE_NET): "combine partial sums over the network",
+    int(STAGE_DISPATCH_QUANTIZED): "dispatch's quantization of this rank's rows",
+    int(STAGE_DISPATCH_OUTPUTS): "the host's outputs of an exact-mode dispatch",
+}
+_STATUS = slice(int(STATUS), int(STATUS) + int(STATUS_WORDS))
+# The report's words read, one slice of host memory: REPORT_ROWS, REPORT_SOURCE, REPORT_BAD_ROW,
+# the REPORT_STATUS words, REPORT_CAUSE, in this order (kernels/control.py).
+_REPORT_VALUES = slice(int(REPORT_ROWS), int(REPORT_CAUSE) + 1)
+# The same from the handle's info and the control block, read from the device.
+_INFO_VALUES = (int(INFO_ROWS), int(INFO_SOURCE), int(INFO_BAD_ROW))
+
+
+def check_after_launch(rt: Runtime) -> None:
+    """After every launch: CPU ranks' launches are synchronous, so a timed-out wait is raised
+    now; on GPUs, where launches are asynchronous, it is read where the host synchronises
+    (``read_report``)."""
+    if not rt.on_gpu:
+        raise_on_status(rt, *rt.control[_STATUS].tolist())
+
+
+def raise_on_status(rt: Runtime, code: int, peer: int, stage: int) -> None:
+    """TimeoutError naming the peer and the stage if a wait timed out (``code``), after which
+    the Buffer is unusable."""
+    if code:
+        rt.broken = (
+            f"rank {rt.rank}: rank {peer} did not answer within {rt.timeout_ns / 1e9:g} s at "
+            f"{_STAGES.get(stage, f'stage {stage}')}"
+        )
+        raise TimeoutError(rt.broken)
+
+
+def read_report(rt: Runtime, handle: DispatchHandle, tag: int = 0) -> int:
+    """What the device recorded for ``handle``'s dispatch: raises TimeoutError (a wait timed
+    out) or ValueError (invalid routing, or an input a rank's host refused, on some rank);
+    returns the rows the output needs (expert-major or token rows). With the ``tag`` its
+    layout launch was given, from the report the layout kernel writes into host memory (the
+    host polls it: no stream synchronisation, no copy); else one device-to-host read."""
+    report = rt.report_words
+    deadline = time.monotonic() + 2 * rt.timeout_ns / 1e9
+    while tag and report[REPORT_TAG] != tag and time.monotonic() < deadline:
+        pass
+    if tag and report[REPORT_TAG] == tag:
+        needed, src, row, code, peer, stage, cause = report[_REPORT_VALUES].tolist()
+    else:  # no tag, or the device did not get there: its error surfaces here
+        info = handle.state
+        needed, src, row, code, peer, stage, cause = torch.cat(
+            [info[list(_INFO_VALUES)], rt.control[_STATUS], info[int(INFO_CAUSE)][None]]
+        ).tolist()
+    raise_on_status(rt, code, peer, stage)
+    if src < 0:
+        return needed
+    if cause != INVALID_ROUTING:
+        raise ValueError(
+            f"rank {src} refused its {refused_argument(cause)} (its own ValueError says why); "
+            "nothing was dispatched"
+        )
+    if src == rt.rank:
+        detail = f"row {row} has an id outside [-1, {rt.plan.num_experts}) or a repeated id"
+    else:
+        detail = f"rank {src} passed an invalid topk_idx"
+    raise ValueError(f"topk_idx: {detail}; nothing was dispatched")
