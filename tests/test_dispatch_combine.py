@@ -379,13 +379,8 @@ def _run_case(buf: Buffer, rank: int, world: int, grp: Group, index: int, case: 
         expert_recv_stats=stats,
     )  # fmt: skip
     _check_dispatch(fail, "dispatch", got, want, num_valid)
-    # expert_recv_stats: every rank's valid slots on this rank's experts, counted here from the
-    # routings themselves (dropped rows included).
-    routings = [None] * world
-    dist.all_gather_object(routings, idx)
-    ids = torch.cat([r.flatten().long() for r in routings])
-    mine = ids[(ids >= rank * local) & (ids < (rank + 1) * local)] - rank * local
-    expected = index + torch.bincount(mine, minlength=local)
+    # expert_recv_stats: every rank's valid slots on this rank's experts (dropped rows too).
+    expected = index + reference.tokens_routed_per_local_expert(group, idx, num_experts)
     if not torch.equal(stats.cpu(), expected):
         fail(f"expert_recv_stats {stats.tolist()}, expected {expected.tolist()}")
     # Each token crosses the network once per other node that holds one of its experts.

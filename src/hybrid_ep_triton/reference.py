@@ -32,7 +32,14 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-__all__ = ["ReferenceHandle", "combine", "dequantize_fp8", "dispatch", "quantize_fp8"]
+__all__ = [
+    "ReferenceHandle",
+    "combine",
+    "dequantize_fp8",
+    "dispatch",
+    "quantize_fp8",
+    "tokens_routed_per_local_expert",
+]
 
 
 @dataclass
@@ -304,6 +311,20 @@ def combine(
 FP8_GROUP = 128  # channels per scale
 E4M3_MAX = 448.0  # largest float8_e4m3fn value
 AMAX_FLOOR = 2.0**-119  # the smallest power of two whose 448 / amax is finite in float32
+
+
+def tokens_routed_per_local_expert(
+    group: dist.ProcessGroup | None, topk_idx: torch.Tensor, num_experts: int
+) -> torch.Tensor:
+    """Collective: int64 [L] on the CPU, the (token, expert) slots of every rank's ``topk_idx``
+    ([T, K], -1 for none) that name each of this rank's L = num_experts / world experts: what a
+    dispatch adds into ``expert_recv_stats``."""
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    ids = topk_idx.flatten().long().cpu()
+    counts = torch.bincount(ids[ids >= 0], minlength=num_experts)
+    dist.all_reduce(counts, group=group)
+    local = num_experts // world
+    return counts[rank * local : (rank + 1) * local]
 
 
 def quantize_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
