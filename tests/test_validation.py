@@ -91,7 +91,9 @@ def _bad_call_body(rank: int, world_size: int) -> list[str]:
     def refused(what: str, call, match: str | None = None) -> None:
         """A call that every rank's host refuses before it launches anything: the heap and
         control words are unchanged."""
-        dist.barrier()  # no peer is still inside an earlier launch writing into our heap
+        if dev.type == "cuda":  # this rank's earlier launches are done (they are asynchronous)
+            torch.cuda.synchronize()
+        dist.barrier()  # ... and every peer's: none is still writing into our heap
         control, heap = rt.control.clone(), rt.heap.local.clone()
         _expect_value_error(failures, f"rank {rank}: {what}", call, match)
         if not torch.equal(rt.control, control):

@@ -547,6 +547,13 @@ def _slot_gradients(rt: Runtime, handle: DispatchHandle, grad_weights: Tensor) -
     flat = grad_weights.flatten()
     back = torch.cat([flat, flat.new_zeros(1)])[rows]
     returned = torch.empty_like(back)
+    if rt.on_gpu and torch.cuda.is_current_stream_capturing():
+        if dist.get_backend(rt.group) != "nccl":  # (gloo waits for the tensor on the host)
+            raise RuntimeError(
+                "topk_weights' gradient goes back through an all_to_all of the Buffer's group, "
+                f"which a {dist.get_backend(rt.group)} group cannot run in a CUDA graph capture: "
+                "capture with an NCCL group, or with topk_weights that need no gradient"
+            )
     dist.all_to_all_single(returned, back, group=rt.group)  # block d: what rank d looked up
     # Source: slot (t, k) went to rank d as staged token j, entry i = its rank among t's slots
     # on d (the sender packs them in slot order).

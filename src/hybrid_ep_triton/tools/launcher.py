@@ -409,7 +409,12 @@ class RankPool:
         for conn in self._tasks:
             _send(conn, _LEAVE_AT_ONCE if abort else _LEAVE_IN_ORDER)
         _stop([self._procs[r] for r in hung])
-        _wait_all(self._procs, _TERMINATE_GRACE_S if abort else _EXIT_TIMEOUT_S)
+        # Ranks sharing a GPU get the whole exit time even when told to leave at once: a CUDA
+        # context with NVSHMEM's heap took more than _TERMINATE_GRACE_S to go under MPS (after
+        # a failed test on an H200, bench/results/2026-12-03-1xH200-shared-963cf6c.log), and
+        # killing it there costs a restart of the MPS daemon.
+        quick = abort and not self.sharing
+        _wait_all(self._procs, _TERMINATE_GRACE_S if quick else _EXIT_TIMEOUT_S)
         if self.sharing and (hung or any(p.is_alive() for p in self._procs)):
             _MPS_NEEDS_RESTART = True
         _stop(self._procs)
@@ -432,6 +437,14 @@ def _restart_mps_if_needed() -> None:
         return
     for pool in list(_POOLS):
         pool.close()
+    if torch.cuda.is_initialized():
+        # This process is a client of the daemon too: it would wait for itself.
+        raise RuntimeError(
+            "a rank sharing a GPU was killed while MPS held its context, and the MPS daemon "
+            "cannot be restarted from this process, which has a CUDA context of its own (the "
+            f"daemon waits for its clients to end): end this process, then `{mps.STOP}` and "
+            f"`{mps.START}`"
+        )
     mps.restart_daemon()
     _MPS_NEEDS_RESTART = False
 
