@@ -54,7 +54,10 @@ def device() -> str:
     if DEVICE == "cuda":
         import torch
 
-        if not torch.cuda.is_available():
+        # device_count asks NVML; is_available would initialise CUDA in this process, which
+        # makes it a client of the MPS daemon that ranks sharing a GPU use: the daemon could
+        # then not be restarted while the tests run (tools/launcher._restart_mps_if_needed).
+        if torch.cuda.device_count() == 0:
             pytest.fail("HEP_TEST_DEVICE=cuda but torch sees no CUDA device")
     return DEVICE
 

@@ -99,7 +99,14 @@ def _bad_call_body(rank: int, world_size: int) -> list[str]:
         if not torch.equal(rt.control, control):
             failures.append(f"rank {rank}: {what}: control words {control} -> {rt.control}")
         if not torch.equal(rt.heap.local, heap):
-            failures.append(f"rank {rank}: {what}: the symmetric heap changed")
+            changed = (rt.heap.local != heap).nonzero().flatten()
+            regions = {n: o for n, o in vars(rt.plan.heap).items() if n != "total_bytes"}
+            first = int(changed[0])
+            region = max((o, n) for n, o in regions.items() if o <= first)[1]
+            failures.append(
+                f"rank {rank}: {what}: the symmetric heap changed ({len(changed)} bytes, the "
+                f"first at {first}, in {region})"
+            )
 
     def refused_by_all(what: str, call, match: str | None = None) -> None:
         """A new-layout dispatch whose input every rank's host refuses: the ranks still make

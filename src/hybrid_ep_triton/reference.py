@@ -317,14 +317,14 @@ def tokens_routed_per_local_expert(
     group: dist.ProcessGroup | None, topk_idx: torch.Tensor, num_experts: int
 ) -> torch.Tensor:
     """Collective: int64 [L] on the CPU, the (token, expert) slots of every rank's ``topk_idx``
-    ([T, K], -1 for none) that name each of this rank's L = num_experts / world experts: what a
-    dispatch adds into ``expert_recv_stats``."""
+    ([T, K], -1 for none, on a device the group reduces on) that name each of this rank's
+    L = num_experts / world experts: what a dispatch adds into ``expert_recv_stats``."""
     world, rank = dist.get_world_size(group), dist.get_rank(group)
-    ids = topk_idx.flatten().long().cpu()
+    ids = topk_idx.flatten().long()
     counts = torch.bincount(ids[ids >= 0], minlength=num_experts)
     dist.all_reduce(counts, group=group)
     local = num_experts // world
-    return counts[rank * local : (rank + 1) * local]
+    return counts[rank * local : (rank + 1) * local].cpu()
 
 
 def quantize_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
