@@ -258,9 +258,19 @@ def _skipped_call_body(
         ranks_per_node=ranks_per_node, device=dev,
     )  # fmt: skip
 
-    # 1. Rank 1 skips a dispatch (exact mode).
+    # 0. Every rank dispatches and combines once, so that each has built and loaded the kernels:
+    # on GPUs a rank's first call does (tens of seconds under MPS), and a peer's kernel waiting
+    # for it meanwhile would time out after this Buffer's 3 s.
     buf = Buffer(None, **make)
     segments = set(_mapped_segments())
+    recv_x, _, _, handle = buf.dispatch(x, idx)
+    buf.combine(recv_x, handle)
+    dist.barrier()
+    buf.destroy()
+
+    # 1. Rank 1 skips a dispatch (exact mode).
+    buf = Buffer(None, **make)
+    segments.update(_mapped_segments())
     if rank == 0:
         what = "dispatch skipped by rank 1"
         _expect_timeout(failures, what, lambda: buf.dispatch(x, idx), "layout exchange")
