@@ -29,7 +29,13 @@ node sums from the inbox with the partial rows of their own node.
 
 Programs wait only for programs that come earlier in the launch order or belong to another rank,
 so the launch finishes whichever of its programs run first.
+
+In the code each role is a function, with what it waits for and what it releases in its
+docstring: _reduce_role, _send_role, _net_send_role and _finish_role; combine_kernel bundles its
+arguments (Rows, CombineHeap, CombineSync, CombineConsts) and _roles picks each program's role.
 """
+
+from collections import namedtuple
 
 import triton
 import triton.language as tl
@@ -46,14 +52,14 @@ from .control import (
 from .dispatch import column, part_columns, remote_entries, remote_item
 from .primitives import (
     finish_launch,
-    handshake,
     net_put_signal,
     node_first_rank,
     region,
     signal,
+    start_channel,
     take_work,
     wait_at_least,
-    wait_item,
+    wait_landed,
 )
 
 
@@ -376,6 +382,350 @@ def _copy_rows(
         tl.store(dst_ptr + offs + cols[None, :], tile, mask=mask)
 
 
+# Each program of a launch has one role (module docstring); a role is a function that takes the
+# kernel's arguments in bundles by keyword, as in dispatch: namedtuples of runtime values, and
+# CombineConsts, built in the call that passes it (assigned to a name in a jit function, a
+# namedtuple's constexpr fields would become tensors). The roles are inlined.
+Rows = namedtuple(
+    "Rows",
+    "rank y_ptr y_stride weights_ptr outbox_ptr out_ptr num_tokens hidden token_rank_pos_ptr "
+    "send_chunk_start_ptr recv_chunk_start_ptr recv_src_tokens_ptr staged_rows_ptr "
+    "token_node_pos_ptr recv_net_chunk_start_ptr fwd_rows_ptr",
+)
+CombineHeap = namedtuple(
+    "CombineHeap",
+    "peer_bases_ptr ready_off chunk_flags_off reduced_flags_off staging_off net_bases_ptr "
+    "net_flags_off net_inbox_off net_outbox_off heap_bytes",
+)
+CombineSync = namedtuple(
+    "CombineSync",
+    "control_ptr status_ptr seq timeout_ns num_reducers num_senders local_parts",
+)
+# This rank's regions of the heap and the work items' columns, the same for every role.
+Here = namedtuple("Here", "staging my_flags my_ready reduced_flags slice_cols part_cols net_flags")
+CombineConsts = namedtuple(
+    "CombineConsts",
+    "W T_MAX NC_MAX H_SLICES P_MAX MS MS_P2 W_P2 CHUNK BLOCK_H COPY_BLOCK_H HAS_WEIGHTS "
+    "COPY_UNROLL LP_MAX STAGES R R_P2 NODES N_P2 NET_COLS DATA_OFF SLOT_BYTES",
+)
+
+
+@triton.jit
+def _reduce_role(rows, here, sync, k):
+    """Reducers (programs [0, R)). Wait for nothing. Take the other ranks' work items from the
+    first queue, item w of every other source, then item w + 1, as senders send them, each in
+    ``local_parts`` column parts: each staged row's expert-major rows of y (times the weights)
+    reduced into one partial row of the outbox, laid out like the staging area (same row
+    numbers). Release each part by its flag in reduced_flags, for this rank's senders."""
+    items_of_src = k.NC_MAX * k.H_SLICES
+    rank = rows.rank
+    remote = remote_entries(rows.recv_src_tokens_ptr, rank, k.W, k.T_MAX, k.CHUNK, k.H_SLICES)
+    item = take_work(sync.control_ptr + FIRST_QUEUE)
+    while item < remote * sync.local_parts:
+        part = item % sync.local_parts
+        w, src = remote_item(item // sync.local_parts, rank, k.W)
+        # Clamped: a garbage handle must not turn into an endless loop.
+        src_tokens = tl.minimum(tl.load(rows.recv_src_tokens_ptr + src), k.T_MAX)
+        if w < tl.cdiv(src_tokens, k.CHUNK) * k.H_SLICES:
+            table = rows.recv_chunk_start_ptr + src * (k.NC_MAX + 1)
+            c = w // k.H_SLICES
+            h_first, h_last = part_columns(w, part, here.slice_cols, here.part_cols, rows.hidden,
+                                           k.H_SLICES)  # fmt: skip
+            _reduce_chunk(
+                staged_first=src * k.T_MAX + tl.load(table + c),
+                staged_end=src * k.T_MAX + tl.load(table + c + 1),
+                h_first=h_first,
+                h_last=h_last,
+                hidden=rows.hidden,
+                y_ptr=rows.y_ptr,
+                y_stride=rows.y_stride,
+                weights_ptr=rows.weights_ptr,
+                staged_rows_ptr=rows.staged_rows_ptr,
+                partial_ptr=rows.outbox_ptr,
+                MS=k.MS,
+                MS_P2=k.MS_P2,
+                CHUNK=k.CHUNK,
+                BLOCK_H=k.BLOCK_H,
+                HAS_WEIGHTS=k.HAS_WEIGHTS,
+                COPY_UNROLL=k.COPY_UNROLL,
+            )
+            signal(here.reduced_flags + (src * items_of_src + w) * k.LP_MAX + part, sync.seq)
+        item = take_work(sync.control_ptr + FIRST_QUEUE)
+
+
+@triton.jit
+def _send_role(sender, node_first, rows, heap, here, sync, k):
+    """Sender ``sender`` (< P), an independent channel. Waits for program ``sender`` of every
+    peer to have started this launch (handshake), then for each of its work items (chunk
+    c = sender, sender + P, ... of every other rank's stream) for this rank's reducers, which
+    never wait. Copies the item's partial rows from the outbox into the staging area of the
+    stream's source (across nodes, of a source on another node: of the rank of the source's
+    local index on this node, into the block of the source's node and this rank's local index)
+    and releases the item by its flag there, for that rank's finishers (or network senders)."""
+    items_of_src = k.NC_MAX * k.H_SLICES
+    rank = rows.rank
+    dtype = rows.out_ptr.dtype.element_ty
+    start_channel(channel=sender, rank=rank, stage=STAGE_COMBINE_READY, heap=heap, sync=sync, k=k)
+    for src in range(0, k.W):
+        # The partial rows go to src; across nodes, those of a source on another node go to
+        # the rank of src's local index on this node, which sums the node's and puts them.
+        dst = src
+        block = rank
+        if k.NODES > 1:
+            dst = node_first + src % k.R
+            block = src // k.R * k.R + rank % k.R
+        table = rows.recv_chunk_start_ptr + src * (k.NC_MAX + 1)
+        src_tokens = tl.minimum(tl.load(rows.recv_src_tokens_ptr + src), k.T_MAX)
+        src_items = tl.where(src == rank, 0, tl.cdiv(src_tokens, k.CHUNK) * k.H_SLICES)
+        for w in range(sender, src_items, sync.num_senders):
+            # Reducers of this launch: they never wait, so this rank names itself.
+            for part in range(0, sync.local_parts):
+                reduced = here.reduced_flags + (src * items_of_src + w) * k.LP_MAX + part
+                wait_at_least(reduced, sync.seq, sync.timeout_ns, sync.status_ptr, rank,
+                              STAGE_COMBINE_DATA)  # fmt: skip
+            start = tl.load(table + w // k.H_SLICES)
+            h_first = (w % k.H_SLICES) * here.slice_cols
+            _copy_rows(
+                src_ptr=rows.outbox_ptr + (src * k.T_MAX + start).to(tl.int64) * rows.hidden,
+                dst_ptr=region(heap.peer_bases_ptr, dst, heap.staging_off, dtype)
+                + (block * k.T_MAX + start).to(tl.int64) * rows.hidden,
+                num_rows=tl.load(table + w // k.H_SLICES + 1) - start,
+                h_first=h_first,
+                h_last=tl.minimum(h_first + here.slice_cols, rows.hidden),
+                hidden=rows.hidden,
+                CHUNK=k.CHUNK,
+                BLOCK_H=k.COPY_BLOCK_H,
+                STAGES=k.STAGES,
+            )
+            flags = region(heap.peer_bases_ptr, dst, heap.chunk_flags_off, tl.int64)
+            signal(flags + block * items_of_src + w, sync.seq)
+
+
+@triton.jit
+def _net_send_role(sender, node_first, rows, heap, here, sync, k):
+    """Network sender ``sender`` (across nodes: the P programs after the senders). For each work
+    item w = sender, sender + P, ... of the rank of this rank's local index on every other node,
+    waits for the partial rows of every rank of this node (their senders' flags here), sums
+    them in fp32 for every row that rank forwarded in dispatch, into a slot of the network
+    outbox; then waits for that rank to have started this launch (its inbox is free) and puts
+    the slot with its flag into its inbox, for its finishers. A (token, node) pair crosses the
+    network once."""
+    items_of_src = k.NC_MAX * k.H_SLICES
+    rank = rows.rank
+    dtype = rows.out_ptr.dtype.element_ty
+    DATA_ELEM: tl.constexpr = k.DATA_OFF * 8 // dtype.primitive_bitwidth
+    my_node = rank // k.R
+    for node in range(0, k.NODES):
+        if node != my_node:
+            src = node * k.R + rank % k.R
+            src_tokens = tl.minimum(tl.load(rows.recv_src_tokens_ptr + src), k.T_MAX)
+            table = rows.recv_net_chunk_start_ptr + node * (k.NC_MAX + 1)
+            for w in range(sender, tl.cdiv(src_tokens, k.CHUNK) * k.H_SLICES, sync.num_senders):
+                # Every rank of this node sent its partial rows of the item here.
+                for peer in range(node_first, node_first + k.R):
+                    block = node * k.R + peer - node_first
+                    wait_landed(
+                        my_ready=here.my_ready,
+                        carrier=peer,
+                        channel=w % sync.num_senders,
+                        flag_ptr=here.my_flags + block * items_of_src + w,
+                        ready_stage=STAGE_COMBINE_READY,
+                        data_stage=STAGE_COMBINE_DATA,
+                        sync=sync,
+                        k=k,
+                    )
+                c = w // k.H_SLICES
+                first = tl.load(table + c)
+                num_rows = tl.load(table + c + 1) - first
+                h_first = (w % k.H_SLICES) * here.slice_cols
+                slot_off = heap.net_outbox_off + (node * items_of_src + w) * k.SLOT_BYTES
+                slot = region(heap.peer_bases_ptr, rank, slot_off, dtype)
+                h_last = tl.minimum(h_first + here.slice_cols, rows.hidden)
+                _sum_node_partials(
+                    data_ptr=slot + DATA_ELEM,
+                    num_rows=num_rows,
+                    h_first=h_first,
+                    h_last=h_last,
+                    hidden=rows.hidden,
+                    staging_ptr=here.staging,
+                    first_block=node * k.R,
+                    fwd_rows_ptr=rows.fwd_rows_ptr + (node * k.T_MAX + first) * k.R,
+                    T_MAX=k.T_MAX,
+                    R=k.R,
+                    R_P2=k.R_P2,
+                    CHUNK=k.CHUNK,
+                    BLOCK_H=k.BLOCK_H,
+                    NET_COLS=k.NET_COLS,
+                )
+                # src started this launch: its inbox is free.
+                wait_at_least(here.my_ready + src * k.P_MAX + sender, sync.seq, sync.timeout_ns,
+                              sync.status_ptr, src, STAGE_COMBINE_READY)  # fmt: skip
+                there = my_node * items_of_src + w
+                net_put_signal(
+                    net_bases_ptr=heap.net_bases_ptr,
+                    rank=rank,
+                    pe=src,
+                    dst_off=heap.net_inbox_off + there * k.SLOT_BYTES + k.DATA_OFF,
+                    src=slot + DATA_ELEM,
+                    nbytes=num_rows * (k.NET_COLS * dtype.primitive_bitwidth // 8),
+                    flag_off=heap.net_flags_off + there * 8,
+                    value=sync.seq,
+                    heap_bytes=heap.heap_bytes,
+                )
+
+
+@triton.jit
+def _finish_role(node_first, rows, heap, here, sync, k):
+    """Finishers (the other programs). Take this rank's own work items from the second queue,
+    each in ``local_parts`` column parts, twice: first each token's sum of its own expert rows
+    here, rounded into ``out`` (_sum_own_rows: nothing to wait for, so this overlaps the
+    reduction and the transfer), releasing the part by its flag in this rank's block of
+    reduced_flags, which the reducers do not use; then, waiting for that flag (a finisher that
+    took the item earlier and waits for nothing), for the partial rows of every other rank of
+    this node and, across nodes, for every other node's sums in the inbox, their sum with the
+    own sums into the same out rows (_add_partial_rows). Only those light additions are left
+    when the last partial rows land."""
+    items_of_src = k.NC_MAX * k.H_SLICES
+    rank = rows.rank
+    dtype = rows.out_ptr.dtype.element_ty
+    SLOT_ELEMS: tl.constexpr = k.SLOT_BYTES * 8 // dtype.primitive_bitwidth
+    DATA_ELEM: tl.constexpr = k.DATA_OFF * 8 // dtype.primitive_bitwidth
+    own_items = tl.cdiv(rows.num_tokens, k.CHUNK) * k.H_SLICES * sync.local_parts
+    item = take_work(sync.control_ptr + SECOND_QUEUE)
+    while item < own_items * tl.minimum(k.W, 2):
+        w = (item % own_items) // sync.local_parts
+        part = item % sync.local_parts
+        h_first, h_last = part_columns(w, part, here.slice_cols, here.part_cols, rows.hidden,
+                                       k.H_SLICES)  # fmt: skip
+        summed = here.reduced_flags + (rank * items_of_src + w) * k.LP_MAX + part
+        if item < own_items:
+            _sum_own_rows(
+                c=w // k.H_SLICES,
+                h_first=h_first,
+                h_last=h_last,
+                num_tokens=rows.num_tokens,
+                hidden=rows.hidden,
+                rank=rank,
+                world_size=k.W,
+                token_rank_pos_ptr=rows.token_rank_pos_ptr,
+                send_chunk_start_ptr=rows.send_chunk_start_ptr,
+                staged_rows_ptr=rows.staged_rows_ptr,
+                y_ptr=rows.y_ptr,
+                y_stride=rows.y_stride,
+                weights_ptr=rows.weights_ptr,
+                out_ptr=rows.out_ptr,
+                T_MAX=k.T_MAX,
+                MS=k.MS,
+                MS_P2=k.MS_P2,
+                W_P2=k.W_P2,
+                CHUNK=k.CHUNK,
+                BLOCK_H=k.BLOCK_H,
+                HAS_WEIGHTS=k.HAS_WEIGHTS,
+                COPY_UNROLL=k.COPY_UNROLL,
+            )
+            signal(summed, sync.seq)
+        else:
+            wait_at_least(summed, sync.seq, sync.timeout_ns, sync.status_ptr, rank,
+                          STAGE_COMBINE_DATA)  # fmt: skip
+            _wait_partials(w=w, node_first=node_first, rank=rank, here=here, sync=sync, k=k)
+            _add_partial_rows(
+                c=w // k.H_SLICES,
+                h_first=h_first,
+                h_last=h_last,
+                num_tokens=rows.num_tokens,
+                hidden=rows.hidden,
+                rank=rank,
+                world_size=k.W,
+                token_rank_pos_ptr=rows.token_rank_pos_ptr,
+                send_chunk_start_ptr=rows.send_chunk_start_ptr,
+                partial_ptr=here.staging,
+                out_ptr=rows.out_ptr,
+                token_node_pos_ptr=rows.token_node_pos_ptr,
+                node_slots_ptr=region(
+                    heap.peer_bases_ptr, rank, heap.net_inbox_off + w * k.SLOT_BYTES, dtype
+                )
+                + DATA_ELEM,
+                slice_first=(w % k.H_SLICES) * here.slice_cols,
+                T_MAX=k.T_MAX,
+                W_P2=k.W_P2,
+                CHUNK=k.CHUNK,
+                BLOCK_H=k.BLOCK_H,
+                R=k.R,
+                NODES=k.NODES,
+                N_P2=k.N_P2,
+                NET_COLS=k.NET_COLS,
+                NODE_STRIDE=items_of_src * SLOT_ELEMS,
+            )
+        item = take_work(sync.control_ptr + SECOND_QUEUE)
+
+
+@triton.jit
+def _wait_partials(w, node_first, rank, here, sync, k):
+    """A finisher's wait for own work item ``w``'s partial rows: from every other rank of this
+    node (their senders' flags here) and, across nodes, every other node's sums (the flags of
+    this rank's inbox, set by the network senders there)."""
+    items_of_src = k.NC_MAX * k.H_SLICES
+    for peer in range(node_first, node_first + k.R):
+        if peer != rank:
+            wait_landed(
+                my_ready=here.my_ready,
+                carrier=peer,
+                channel=w % sync.num_senders,
+                flag_ptr=here.my_flags + peer * items_of_src + w,
+                ready_stage=STAGE_COMBINE_READY,
+                data_stage=STAGE_COMBINE_DATA,
+                sync=sync,
+                k=k,
+            )
+    if k.NODES > 1:
+        for node in range(0, k.NODES):
+            if node * k.R != node_first:
+                wait_landed(
+                    my_ready=here.my_ready,
+                    carrier=node * k.R + rank % k.R,
+                    channel=w % sync.num_senders,
+                    flag_ptr=here.net_flags + node * items_of_src + w,
+                    ready_stage=STAGE_COMBINE_READY,
+                    data_stage=STAGE_COMBINE_NET,
+                    sync=sync,
+                    k=k,
+                )
+
+
+@triton.jit
+def _roles(pid, rows, heap, sync, k):
+    """Program ``pid``'s role: reducer, sender, network sender (across nodes) or finisher."""
+    dtype = rows.out_ptr.dtype.element_ty
+    staging = region(heap.peer_bases_ptr, rows.rank, heap.staging_off, dtype)
+    my_flags = region(heap.peer_bases_ptr, rows.rank, heap.chunk_flags_off, tl.int64)
+    my_ready = region(heap.peer_bases_ptr, rows.rank, heap.ready_off, tl.int64)
+    reduced_flags = region(heap.peer_bases_ptr, rows.rank, heap.reduced_flags_off, tl.int64)
+    # Work item w of a stream = (chunk c, column slice s) of its source's tokens, as in dispatch.
+    slice_cols = tl.cdiv(tl.cdiv(rows.hidden, k.H_SLICES), k.BLOCK_H) * k.BLOCK_H
+    # Reducers and finishers split each item into column parts, so that the first items to be
+    # sent and the last to land are each worked on by several programs at once.
+    part_cols = tl.cdiv(tl.cdiv(slice_cols, sync.local_parts), k.BLOCK_H) * k.BLOCK_H
+    node_first = node_first_rank(rows.rank, k.R, k.NODES)
+    net_flags = region(heap.peer_bases_ptr, rows.rank, heap.net_flags_off, tl.int64)
+    here = Here(staging, my_flags, my_ready, reduced_flags, slice_cols, part_cols, net_flags)
+    # Across nodes the P programs after the senders sum this node's partial rows of the tokens of
+    # the ranks of this rank's local index on other nodes and put them there.
+    is_net_sender = False
+    if k.NODES > 1:
+        first_net_sender = sync.num_reducers + sync.num_senders
+        is_net_sender = (pid >= first_net_sender) & (pid < first_net_sender + sync.num_senders)
+    if pid < sync.num_reducers:
+        _reduce_role(rows=rows, here=here, sync=sync, k=k)
+    elif pid < sync.num_reducers + sync.num_senders:
+        _send_role(sender=pid - sync.num_reducers, node_first=node_first, rows=rows, heap=heap,
+                   here=here, sync=sync, k=k)  # fmt: skip
+    elif is_net_sender:
+        _net_send_role(sender=pid - sync.num_reducers - sync.num_senders, node_first=node_first,
+                       rows=rows, heap=heap, here=here, sync=sync, k=k)  # fmt: skip
+    else:
+        _finish_role(node_first=node_first, rows=rows, heap=heap, here=here, sync=sync, k=k)
+
+
 @triton.jit
 def combine_kernel(
     y_ptr,  # [N, H], row stride y_stride
@@ -437,166 +787,21 @@ def combine_kernel(
     num_programs = tl.num_programs(0)
     seq = tl.load(control_ptr + DATA_SEQ) + 1
     status_ptr = control_ptr + STATUS
-    dtype = out_ptr.dtype.element_ty
-    staging = region(peer_bases_ptr, rank, staging_off, dtype)
-    my_flags = region(peer_bases_ptr, rank, chunk_flags_off, tl.int64)
-    my_ready = region(peer_bases_ptr, rank, ready_off, tl.int64)
-    reduced_flags = region(peer_bases_ptr, rank, reduced_flags_off, tl.int64)
-    # Work item w of a stream = (chunk c, column slice s) of its source's tokens, as in dispatch.
-    slice_cols = tl.cdiv(tl.cdiv(hidden, H_SLICES), BLOCK_H) * BLOCK_H
-    items_of_src = NC_MAX * H_SLICES
-    # Reducers and finishers split each item into column parts, so that the first items to be
-    # sent and the last to land are each worked on by several programs at once.
-    part_cols = tl.cdiv(tl.cdiv(slice_cols, local_parts), BLOCK_H) * BLOCK_H
-    node_first = node_first_rank(rank, R, NODES)
-    net_flags = region(peer_bases_ptr, rank, net_flags_off, tl.int64)
-    # Across nodes the P programs after the senders sum this node's partial rows of the tokens of
-    # the ranks of this rank's local index on other nodes and put them there.
-    is_net_sender = False
-    if NODES > 1:
-        first_net_sender = num_reducers + num_senders
-        is_net_sender = (pid >= first_net_sender) & (pid < first_net_sender + num_senders)
-    SLOT_ELEMS: tl.constexpr = SLOT_BYTES * 8 // dtype.primitive_bitwidth
-    DATA_ELEM: tl.constexpr = DATA_OFF * 8 // dtype.primitive_bitwidth
-
-    if pid < num_reducers:
-        # One work queue: item w of every other source, then item w + 1, as senders send them.
-        remote = remote_entries(recv_src_tokens_ptr, rank, W, T_MAX, CHUNK, H_SLICES)
-        item = take_work(control_ptr + FIRST_QUEUE)
-        while item < remote * local_parts:
-            part = item % local_parts
-            w, src = remote_item(item // local_parts, rank, W)
-            src_tokens = tl.minimum(tl.load(recv_src_tokens_ptr + src), T_MAX)  # clamped as above
-            if w < tl.cdiv(src_tokens, CHUNK) * H_SLICES:
-                table = recv_chunk_start_ptr + src * (NC_MAX + 1)
-                c = w // H_SLICES
-                h_first, h_last = part_columns(w, part, slice_cols, part_cols, hidden, H_SLICES)
-                # The outbox is laid out like the staging area: same row numbers.
-                _reduce_chunk(
-                    src * T_MAX + tl.load(table + c), src * T_MAX + tl.load(table + c + 1),
-                    h_first, h_last, hidden, y_ptr, y_stride, weights_ptr, staged_rows_ptr,
-                    outbox_ptr, MS, MS_P2, CHUNK, BLOCK_H, HAS_WEIGHTS, COPY_UNROLL,
-                )  # fmt: skip
-                signal(reduced_flags + (src * items_of_src + w) * LP_MAX + part, seq)
-            item = take_work(control_ptr + FIRST_QUEUE)
-    elif pid < num_reducers + num_senders:
-        sender = pid - num_reducers
-        handshake(
-            peer_bases_ptr, net_bases_ptr, ready_off, rank, seq, timeout_ns, status_ptr,
-            STAGE_COMBINE_READY, P_MAX, sender, R, NODES,
-        )  # fmt: skip
-        for src in range(0, W):
-            # The partial rows go to src; across nodes, those of a source on another node go to
-            # the rank of src's local index on this node, which sums the node's and puts them.
-            dst = src
-            block = rank
-            if NODES > 1:
-                dst = node_first + src % R
-                block = src // R * R + rank % R
-            table = recv_chunk_start_ptr + src * (NC_MAX + 1)
-            src_tokens = tl.minimum(tl.load(recv_src_tokens_ptr + src), T_MAX)
-            src_items = tl.where(src == rank, 0, tl.cdiv(src_tokens, CHUNK) * H_SLICES)
-            for w in range(sender, src_items, num_senders):
-                # Reducers of this launch: they never wait, so this rank names itself.
-                for part in range(0, local_parts):
-                    reduced = reduced_flags + (src * items_of_src + w) * LP_MAX + part
-                    wait_at_least(reduced, seq, timeout_ns, status_ptr, rank, STAGE_COMBINE_DATA)
-                start = tl.load(table + w // H_SLICES)
-                h_first = (w % H_SLICES) * slice_cols
-                _copy_rows(
-                    outbox_ptr + (src * T_MAX + start).to(tl.int64) * hidden,
-                    region(peer_bases_ptr, dst, staging_off, dtype)
-                    + (block * T_MAX + start).to(tl.int64) * hidden,
-                    tl.load(table + w // H_SLICES + 1) - start, h_first,
-                    tl.minimum(h_first + slice_cols, hidden), hidden, CHUNK, COPY_BLOCK_H, STAGES,
-                )  # fmt: skip
-                flags = region(peer_bases_ptr, dst, chunk_flags_off, tl.int64)
-                signal(flags + block * items_of_src + w, seq)
-    elif is_net_sender:
-        sender = pid - num_reducers - num_senders
-        my_node = rank // R
-        for node in range(0, NODES):
-            if node != my_node:
-                src = node * R + rank % R
-                src_tokens = tl.minimum(tl.load(recv_src_tokens_ptr + src), T_MAX)
-                table = recv_net_chunk_start_ptr + node * (NC_MAX + 1)
-                for w in range(sender, tl.cdiv(src_tokens, CHUNK) * H_SLICES, num_senders):
-                    # Every rank of this node sent its partial rows of the item here.
-                    for peer in range(node_first, node_first + R):
-                        block = node * R + peer - node_first
-                        wait_item(
-                            my_ready, peer, w % num_senders,
-                            my_flags + block * items_of_src + w, seq, timeout_ns, status_ptr,
-                            STAGE_COMBINE_READY, STAGE_COMBINE_DATA, P_MAX,
-                        )  # fmt: skip
-                    c = w // H_SLICES
-                    first = tl.load(table + c)
-                    num_rows = tl.load(table + c + 1) - first
-                    h_first = (w % H_SLICES) * slice_cols
-                    slot_off = net_outbox_off + (node * items_of_src + w) * SLOT_BYTES
-                    slot = region(peer_bases_ptr, rank, slot_off, dtype)
-                    h_last = tl.minimum(h_first + slice_cols, hidden)
-                    _sum_node_partials(
-                        slot + DATA_ELEM, num_rows, h_first, h_last, hidden, staging, node * R,
-                        fwd_rows_ptr + (node * T_MAX + first) * R,
-                        T_MAX, R, R_P2, CHUNK, BLOCK_H, NET_COLS,
-                    )  # fmt: skip
-                    # src started this launch: its inbox is free.
-                    wait_at_least(my_ready + src * P_MAX + sender, seq, timeout_ns, status_ptr,
-                                  src, STAGE_COMBINE_READY)  # fmt: skip
-                    there = my_node * items_of_src + w
-                    net_put_signal(
-                        net_bases_ptr, rank, src, net_inbox_off + there * SLOT_BYTES + DATA_OFF,
-                        slot + DATA_ELEM, num_rows * (NET_COLS * dtype.primitive_bitwidth // 8),
-                        net_flags_off + there * 8, seq, heap_bytes,
-                    )  # fmt: skip
-    else:
-        # Finishers' queue: first every own item's sum of its expert rows here (nothing to wait
-        # for, so this overlaps the reduction and the transfer), then, as each item's partial
-        # rows land, their sum into the same out rows; only those light additions are left
-        # when the last partial rows land.
-        own_items = tl.cdiv(num_tokens, CHUNK) * H_SLICES * local_parts
-        item = take_work(control_ptr + SECOND_QUEUE)
-        while item < own_items * tl.minimum(W, 2):
-            w = (item % own_items) // local_parts
-            part = item % local_parts
-            h_first, h_last = part_columns(w, part, slice_cols, part_cols, hidden, H_SLICES)
-            # The own rank's block of reduced_flags, unused by the reducers: this part's own
-            # sum is in out.
-            summed = reduced_flags + (rank * items_of_src + w) * LP_MAX + part
-            if item < own_items:
-                _sum_own_rows(
-                    w // H_SLICES, h_first, h_last, num_tokens, hidden, rank, W,
-                    token_rank_pos_ptr, send_chunk_start_ptr, staged_rows_ptr, y_ptr, y_stride,
-                    weights_ptr, out_ptr, T_MAX, MS, MS_P2, W_P2, CHUNK, BLOCK_H, HAS_WEIGHTS,
-                    COPY_UNROLL,
-                )  # fmt: skip
-                signal(summed, seq)
-            else:
-                # A program that took the item earlier and waits for nothing: this rank.
-                wait_at_least(summed, seq, timeout_ns, status_ptr, rank, STAGE_COMBINE_DATA)
-                for peer in range(node_first, node_first + R):
-                    if peer != rank:
-                        wait_item(
-                            my_ready, peer, w % num_senders, my_flags + peer * items_of_src + w,
-                            seq, timeout_ns, status_ptr, STAGE_COMBINE_READY, STAGE_COMBINE_DATA,
-                            P_MAX,
-                        )  # fmt: skip
-                if NODES > 1:
-                    for node in range(0, NODES):
-                        if node * R != node_first:
-                            wait_item(
-                                my_ready, node * R + rank % R, w % num_senders,
-                                net_flags + node * items_of_src + w, seq, timeout_ns, status_ptr,
-                                STAGE_COMBINE_READY, STAGE_COMBINE_NET, P_MAX,
-                            )  # fmt: skip
-                _add_partial_rows(
-                    w // H_SLICES, h_first, h_last, num_tokens, hidden, rank, W,
-                    token_rank_pos_ptr, send_chunk_start_ptr, staging, out_ptr, token_node_pos_ptr,
-                    region(peer_bases_ptr, rank, net_inbox_off + w * SLOT_BYTES, dtype) + DATA_ELEM,
-                    (w % H_SLICES) * slice_cols, T_MAX, W_P2, CHUNK, BLOCK_H, R, NODES, N_P2,
-                    NET_COLS, items_of_src * SLOT_ELEMS,
-                )  # fmt: skip
-            item = take_work(control_ptr + SECOND_QUEUE)
-
+    # The arguments in bundles for the roles (positional: in the order of the bundles' fields).
+    rows = Rows(rank, y_ptr, y_stride, weights_ptr, outbox_ptr, out_ptr, num_tokens, hidden,
+                token_rank_pos_ptr, send_chunk_start_ptr, recv_chunk_start_ptr,
+                recv_src_tokens_ptr, staged_rows_ptr, token_node_pos_ptr,
+                recv_net_chunk_start_ptr, fwd_rows_ptr)  # fmt: skip
+    heap = CombineHeap(peer_bases_ptr, ready_off, chunk_flags_off, reduced_flags_off, staging_off,
+                       net_bases_ptr, net_flags_off, net_inbox_off, net_outbox_off,
+                       heap_bytes)  # fmt: skip
+    sync = CombineSync(control_ptr, status_ptr, seq, timeout_ns, num_reducers, num_senders,
+                       local_parts)  # fmt: skip
+    # Built in the call: assigned to a name, its constexpr fields would become tensors.
+    _roles(
+        pid=pid, rows=rows, heap=heap, sync=sync,
+        k=CombineConsts(W, T_MAX, NC_MAX, H_SLICES, P_MAX, MS, MS_P2, W_P2, CHUNK, BLOCK_H,
+                        COPY_BLOCK_H, HAS_WEIGHTS, COPY_UNROLL, LP_MAX, STAGES, R, R_P2, NODES,
+                        N_P2, NET_COLS, DATA_OFF, SLOT_BYTES),
+    )  # fmt: skip
     finish_launch(control_ptr, seq, num_programs)

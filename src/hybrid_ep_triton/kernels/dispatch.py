@@ -44,7 +44,14 @@ quantizers are done before any sender starts).
 FP8 rows (SCALE_WORDS > 0) are moved bit for bit as int32 words: a staged row is its e4m3
 values (data_cols words) then its float32 scales (SCALE_WORDS words), padded to ``hidden``
 words; only the copies from x and into recv_x see two parts (row_part, out_part).
+
+In the code each role is a function, with what it waits for and what it releases in its
+docstring: _quantize_role, _send_role (its network part _send_to_nodes), _forward_role and
+_expand_role; dispatch_kernel bundles its arguments (Tokens, Layout, Outputs, Heap, Sync,
+DispatchConsts) and _roles picks each program's role. All of them are inlined.
 """
+
+from collections import namedtuple
 
 import triton
 import triton.language as tl
@@ -68,17 +75,17 @@ from .control import (
 from .primitives import (
     HOST_RECORD_VALUES,
     finish_launch,
-    handshake,
     interleaved,
     net_put_signal,
     node_first_rank,
     record_word,
     region,
     signal,
+    start_channel,
     take_work,
     wait_at_least,
     wait_host_record,
-    wait_item,
+    wait_landed,
 )
 from .quantize import quantize_block
 
@@ -761,6 +768,558 @@ def _output_pointer(word_ptr, like):
     return tl.multiple_of(tl.load(word_ptr, volatile=True).to(like.dtype), 16)
 
 
+# Each program of a launch has one role (module docstring); a role is a function that takes the
+# kernel's arguments in bundles by keyword: the runtime values (namedtuples of tensors, passed
+# field by field) and the compile-time ones (DispatchConsts, built in the call that passes it: a
+# namedtuple assigned to a name in a jit function has its constexpr fields turned into tensors).
+# The roles are inlined: the machine code is that of one kernel body.
+Tokens = namedtuple(
+    "Tokens",
+    "rank x_ptr x_stride x_scales_ptr x_scales_stride topk_idx_ptr topk_weights_ptr num_tokens "
+    "topk hidden data_cols num_experts experts_per_rank source_ptr source_stride",
+)
+Layout = namedtuple(
+    "Layout",
+    "slot_pos_ptr token_rank_pos_ptr send_chunk_start_ptr chunk_expert_base_ptr "
+    "recv_chunk_start_ptr recv_src_tokens_ptr expert_layout_ptr info_ptr token_node_pos_ptr "
+    "send_chunk_node_start_ptr recv_net_chunk_start_ptr",
+)
+Outputs = namedtuple(
+    "Outputs",
+    "num_out_rows staged_rows_ptr recv_x_ptr recv_scales_ptr recv_weights_ptr recv_topk_idx_ptr "
+    "fwd_rows_ptr",
+)
+Heap = namedtuple(
+    "Heap",
+    "peer_bases_ptr ready_off chunk_flags_off meta_rows_off meta_weights_off staging_off "
+    "net_bases_ptr net_flags_off net_inbox_off net_outbox_off heap_bytes",
+)
+Sync = namedtuple(
+    "Sync",
+    "control_ptr status_ptr seq timeout_ns aborted num_quantizers num_senders expand_slices "
+    "staged_parts quantized_flags_ptr outputs_addr outputs_tag",
+)
+DispatchConsts = namedtuple(
+    "DispatchConsts",
+    "W T_MAX NC_MAX H_SLICES P_MAX MS MS_P2 K_P2 CHUNK BLOCK_H HAS_WEIGHTS WRITE_ROWS TOKEN_ROWS "
+    "STAGES R R_P2 NODES META_INTS META_FLOATS NET_COLS DATA_OFF SLOT_BYTES SCALE_WORDS QUANTIZE "
+    "OUTPUTS_FROM_HOST",
+)
+
+
+@triton.jit
+def _quantize_role(tok, sync, k):
+    """Quantizers (QUANTIZE: the programs before the senders). Wait for nothing. Take work items
+    (chunk, QUANT_GROUPS channel groups) of ``source`` from the second queue, quantize each into
+    x / x_scales and release it by its flag in quantized_flags, for the senders and the
+    expansion of own rows, which read x."""
+    if k.QUANTIZE:
+        QUANT_SLICES: tl.constexpr = (k.SCALE_WORDS + QUANT_GROUPS - 1) // QUANT_GROUPS
+        items = tl.where(sync.aborted, 0, tl.cdiv(tok.num_tokens, k.CHUNK) * QUANT_SLICES)
+        item = take_work(sync.control_ptr + SECOND_QUEUE)
+        while item < items:
+            first_group = (item % QUANT_SLICES) * QUANT_GROUPS
+            quantize_block(
+                src_ptr=tok.source_ptr,
+                src_stride=tok.source_stride,
+                values_ptr=tok.x_ptr.to(tl.pointer_type(tl.uint8)),
+                values_stride=tok.x_stride * 4,
+                scales_ptr=tok.x_scales_ptr.to(tl.pointer_type(tl.float32)),
+                scales_stride=tok.x_scales_stride,
+                first_row=item // QUANT_SLICES * k.CHUNK,
+                num_rows=tok.num_tokens,
+                first_group=first_group,
+                last_group=tl.minimum(first_group + QUANT_GROUPS, k.SCALE_WORDS),
+                ROWS=k.CHUNK,
+            )
+            signal(sync.quantized_flags_ptr + item, sync.seq)
+            item = take_work(sync.control_ptr + SECOND_QUEUE)
+
+
+@triton.jit
+def _send_role(sender, send_cols, node_first, tok, lay, heap, sync, k):
+    """Sender ``sender`` (< P), an independent channel. Waits for program ``sender`` of every
+    peer to have started this launch (handshake: their earlier launches are done with the staging
+    areas this one writes), and with QUANTIZE for the quantizers' flags of each chunk. Sends its
+    work items w = sender, sender + P, ...: across nodes first into the network (_send_to_nodes),
+    then to the other ranks of its node, and releases each item by its flag in every peer's
+    chunk flags, for their expanders (and forwarders)."""
+    QUANT_SLICES: tl.constexpr = (k.SCALE_WORDS + QUANT_GROUPS - 1) // QUANT_GROUPS
+    ITEMS: tl.constexpr = k.NC_MAX * k.H_SLICES
+    rank = tok.rank
+    start_channel(channel=sender, rank=rank, stage=STAGE_DISPATCH_READY, heap=heap, sync=sync, k=k)
+    items = tl.where(sync.aborted, 0, tl.cdiv(tok.num_tokens, k.CHUNK) * k.H_SLICES)
+    if k.W == 1:  # no other rank: a sender would read x for nothing
+        items = 0
+    for w in range(sender, items, sync.num_senders):
+        c = w // k.H_SLICES
+        h_first = (w % k.H_SLICES) * send_cols
+        h_last = tl.minimum(h_first + send_cols, tok.hidden)
+        if k.QUANTIZE:
+            _wait_quantized(
+                sync.quantized_flags_ptr, c, sync.seq, sync.timeout_ns, sync.status_ptr, rank,
+                QUANT_SLICES,
+            )  # fmt: skip
+        if k.NODES > 1:
+            _send_to_nodes(w=w, c=c, h_first=h_first, h_last=h_last, tok=tok, lay=lay, heap=heap,
+                           sync=sync, k=k)  # fmt: skip
+        _send_chunk(
+            c=c,
+            h_first=h_first,
+            h_last=h_last,
+            x_ptr=tok.x_ptr,
+            x_stride=tok.x_stride,
+            x_scales_ptr=tok.x_scales_ptr,
+            x_scales_stride=tok.x_scales_stride,
+            topk_idx_ptr=tok.topk_idx_ptr,
+            topk_weights_ptr=tok.topk_weights_ptr,
+            num_tokens=tok.num_tokens,
+            topk=tok.topk,
+            hidden=tok.hidden,
+            data_cols=tok.data_cols,
+            num_experts=tok.num_experts,
+            experts_per_rank=tok.experts_per_rank,
+            world_size=k.W,
+            rank=rank,
+            slot_pos_ptr=lay.slot_pos_ptr,
+            token_rank_pos_ptr=lay.token_rank_pos_ptr,
+            send_chunk_start_ptr=lay.send_chunk_start_ptr,
+            chunk_expert_base_ptr=lay.chunk_expert_base_ptr,
+            peer_bases_ptr=heap.peer_bases_ptr,
+            meta_rows_off=heap.meta_rows_off,
+            meta_weights_off=heap.meta_weights_off,
+            staging_off=heap.staging_off,
+            node_first=node_first,
+            T_MAX=k.T_MAX,
+            MS=k.MS,
+            MS_P2=k.MS_P2,
+            K_P2=k.K_P2,
+            R=k.R,
+            R_P2=k.R_P2,
+            CHUNK=k.CHUNK,
+            BLOCK_H=k.BLOCK_H,
+            HAS_WEIGHTS=k.HAS_WEIGHTS,
+            TOKEN_ROWS=k.TOKEN_ROWS,
+            STAGES=k.STAGES,
+            SCALE_WORDS=k.SCALE_WORDS,
+        )
+        for peer in range(node_first, node_first + k.R):
+            if peer != rank:
+                flags = region(heap.peer_bases_ptr, peer, heap.chunk_flags_off, tl.int64)
+                signal(flags + rank * ITEMS + w, sync.seq)
+
+
+@triton.jit
+def _send_to_nodes(w, c, h_first, h_last, tok, lay, heap, sync, k):
+    """A sender's work item ``w`` (chunk ``c``, columns [h_first, h_last)) to every other node
+    that holds one of its tokens' experts, first: the network is the slower path. Packs the
+    item's rows to that node into a slot of this rank's outbox and puts it, with its flag, into
+    the inbox of the rank of this rank's local index there, whose forwarder waits for it. Each
+    token crosses the network at most once per node."""
+    ITEMS: tl.constexpr = k.NC_MAX * k.H_SLICES
+    rank = tok.rank
+    dtype = tok.x_ptr.dtype.element_ty
+    my_node = rank // k.R
+    for node in range(0, k.NODES):
+        if node != my_node:
+            first = tl.load(lay.send_chunk_node_start_ptr + c * k.NODES + node)
+            num_rows = tl.load(lay.send_chunk_node_start_ptr + (c + 1) * k.NODES + node) - first
+            slot_off = heap.net_outbox_off + (node * ITEMS + w) * k.SLOT_BYTES
+            slot = region(heap.peer_bases_ptr, rank, slot_off, tl.uint8)
+            _pack_node_slot(
+                c=c,
+                node=node,
+                h_first=h_first,
+                h_last=h_last,
+                num_rows=num_rows,
+                slot_ptr=slot,
+                x_ptr=tok.x_ptr,
+                x_stride=tok.x_stride,
+                x_scales_ptr=tok.x_scales_ptr,
+                x_scales_stride=tok.x_scales_stride,
+                data_cols=tok.data_cols,
+                topk_idx_ptr=tok.topk_idx_ptr,
+                topk_weights_ptr=tok.topk_weights_ptr,
+                num_tokens=tok.num_tokens,
+                topk=tok.topk,
+                num_experts=tok.num_experts,
+                experts_per_rank=tok.experts_per_rank,
+                world_size=k.W,
+                slot_pos_ptr=lay.slot_pos_ptr,
+                token_rank_pos_ptr=lay.token_rank_pos_ptr,
+                token_node_pos_ptr=lay.token_node_pos_ptr,
+                send_chunk_start_ptr=lay.send_chunk_start_ptr,
+                chunk_expert_base_ptr=lay.chunk_expert_base_ptr,
+                MS=k.MS,
+                MS_P2=k.MS_P2,
+                K_P2=k.K_P2,
+                R=k.R,
+                R_P2=k.R_P2,
+                NODES=k.NODES,
+                CHUNK=k.CHUNK,
+                BLOCK_H=k.BLOCK_H,
+                HAS_WEIGHTS=k.HAS_WEIGHTS,
+                TOKEN_ROWS=k.TOKEN_ROWS,
+                STAGES=k.STAGES,
+                META_INTS=k.META_INTS,
+                META_FLOATS=k.META_FLOATS,
+                NET_COLS=k.NET_COLS,
+                DATA_OFF=k.DATA_OFF,
+                SCALE_WORDS=k.SCALE_WORDS,
+            )
+            there = my_node * ITEMS + w
+            net_put_signal(
+                net_bases_ptr=heap.net_bases_ptr,
+                rank=rank,
+                pe=node * k.R + rank % k.R,
+                dst_off=heap.net_inbox_off + there * k.SLOT_BYTES,
+                src=slot,
+                nbytes=k.DATA_OFF + num_rows * (k.NET_COLS * dtype.primitive_bitwidth // 8),
+                flag_off=heap.net_flags_off + there * 8,
+                value=sync.seq,
+                heap_bytes=heap.heap_bytes,
+            )
+            if w % k.H_SLICES == 0:  # rows that crossed the network, for the stats
+                tl.atomic_add(sync.control_ptr + NET_ROWS, num_rows.to(tl.int64))
+
+
+@triton.jit
+def _forward_role(forwarder, send_cols, node_first, my_ready, tok, lay, out, heap, sync, k):
+    """Forwarder ``forwarder`` (across nodes: the P programs after the senders). Waits for
+    program ``forwarder`` of every rank of its node to have started this launch (their earlier
+    launches are done with their staging areas), then for each network slot that the rank of
+    its local index on another node put here (work items w = forwarder, forwarder + P, ...).
+    Copies each slot's rows into the staging area of every rank of this node that needs them, as
+    a direct send would have left them, and releases the item by its flag in each of those
+    ranks' chunk flags, for their expanders."""
+    ITEMS: tl.constexpr = k.NC_MAX * k.H_SLICES
+    rank = tok.rank
+    # This node's ranks started this launch (their earlier launches are done with their
+    # staging areas): their sender `forwarder` said so.
+    for peer in range(node_first, node_first + k.R):
+        wait_at_least(my_ready + peer * k.P_MAX + forwarder, sync.seq, sync.timeout_ns,
+                      sync.status_ptr, peer, STAGE_DISPATCH_READY)  # fmt: skip
+    my_node = rank // k.R
+    net_flags = region(heap.peer_bases_ptr, rank, heap.net_flags_off, tl.int64)
+    for node in range(0, k.NODES):
+        if node != my_node:
+            src = node * k.R + rank % k.R
+            src_tokens = tl.minimum(tl.load(lay.recv_src_tokens_ptr + src), k.T_MAX)
+            items = tl.where(sync.aborted, 0, tl.cdiv(src_tokens, k.CHUNK) * k.H_SLICES)
+            table = lay.recv_net_chunk_start_ptr + node * (k.NC_MAX + 1)
+            for w in range(forwarder, items, sync.num_senders):
+                wait_landed(
+                    my_ready=my_ready,
+                    carrier=src,
+                    channel=w % sync.num_senders,
+                    flag_ptr=net_flags + node * ITEMS + w,
+                    ready_stage=STAGE_DISPATCH_READY,
+                    data_stage=STAGE_DISPATCH_NET,
+                    sync=sync,
+                    k=k,
+                )
+                c = w // k.H_SLICES
+                first = tl.load(table + c)
+                h_first = (w % k.H_SLICES) * send_cols
+                _forward_slot(
+                    slot_ptr=region(
+                        heap.peer_bases_ptr,
+                        rank,
+                        heap.net_inbox_off + (node * ITEMS + w) * k.SLOT_BYTES,
+                        tl.uint8,
+                    ),  # fmt: skip
+                    num_rows=tl.load(table + c + 1) - first,
+                    src=src,
+                    h_first=h_first,
+                    h_last=tl.minimum(h_first + send_cols, tok.hidden),
+                    hidden=tok.hidden,
+                    node_first=node_first,
+                    peer_bases_ptr=heap.peer_bases_ptr,
+                    meta_rows_off=heap.meta_rows_off,
+                    meta_weights_off=heap.meta_weights_off,
+                    staging_off=heap.staging_off,
+                    fwd_rows_ptr=out.fwd_rows_ptr + (node * k.T_MAX + first).to(tl.int64) * k.R,
+                    record=w % k.H_SLICES == 0,
+                    T_MAX=k.T_MAX,
+                    MS=k.MS,
+                    MS_P2=k.MS_P2,
+                    R=k.R,
+                    R_P2=k.R_P2,
+                    CHUNK=k.CHUNK,
+                    BLOCK_H=k.BLOCK_H,
+                    HAS_WEIGHTS=k.HAS_WEIGHTS,
+                    WRITE_ROWS=k.WRITE_ROWS,
+                    META_INTS=k.META_INTS,
+                    META_FLOATS=k.META_FLOATS,
+                    NET_COLS=k.NET_COLS,
+                    DATA_OFF=k.DATA_OFF,
+                    dtype=out.recv_x_ptr.dtype.element_ty,
+                )
+                for peer in range(node_first, node_first + k.R):
+                    flags = region(heap.peer_bases_ptr, peer, heap.chunk_flags_off, tl.int64)
+                    signal(flags + src * ITEMS + w, sync.seq)
+
+
+@triton.jit
+def _outputs_from_host(expander, out, sync, aborted, rank):
+    """Exact mode (OUTPUTS_FROM_HOST): the launch came before the host knew the row count, which
+    it then writes with the outputs it allocated into its record [tag, N, recv_x, recv_scales,
+    recv_weights, recv_topk_idx, check] (N < 0: no outputs, an error on the host); meanwhile the
+    senders are sending already. Expander 0 waits for the record and copies it into
+    control[HOST_RECORD:], releasing the other expanders by control[HOST_RECORD_SEQ] = seq,
+    which every expander waits for. Returns N, aborted (also when N < 0 or the launch failed)
+    and the outputs, typed as the pointer arguments."""
+    if expander == 0:
+        record = wait_host_record(
+            record_ptr=sync.outputs_addr.to(tl.pointer_type(tl.int64)),
+            tag=sync.outputs_tag,
+            timeout_ns=sync.timeout_ns,
+            status_ptr=sync.status_ptr,
+            peer=rank,
+            stage=STAGE_DISPATCH_OUTPUTS,
+        )
+        for i in tl.static_range(HOST_RECORD_VALUES):
+            tl.store(sync.control_ptr + HOST_RECORD + i, record_word(record, 1 + i))
+        signal(sync.control_ptr + HOST_RECORD_SEQ, sync.seq)
+    wait_at_least(sync.control_ptr + HOST_RECORD_SEQ, sync.seq, sync.timeout_ns, sync.status_ptr,
+                  rank, STAGE_DISPATCH_OUTPUTS)  # fmt: skip
+    num_out_rows = tl.load(sync.control_ptr + HOST_RECORD, volatile=True).to(tl.int32)
+    if tl.load(sync.status_ptr, volatile=True) != 0:
+        num_out_rows = -1
+    aborted = aborted | (num_out_rows < 0)
+    # The record's values: N, then the outputs' addresses in this order.
+    control = sync.control_ptr
+    recv_x_ptr = _output_pointer(control + HOST_RECORD + 1, out.recv_x_ptr)
+    recv_scales_ptr = _output_pointer(control + HOST_RECORD + 2, out.recv_scales_ptr)
+    recv_weights_ptr = _output_pointer(control + HOST_RECORD + 3, out.recv_weights_ptr)
+    recv_topk_idx_ptr = _output_pointer(control + HOST_RECORD + 4, out.recv_topk_idx_ptr)
+    outputs = Outputs(num_out_rows, out.staged_rows_ptr, recv_x_ptr, recv_scales_ptr,
+                      recv_weights_ptr, recv_topk_idx_ptr, out.fwd_rows_ptr)  # fmt: skip
+    return outputs, aborted
+
+
+@triton.jit
+def _expand_role(expander, num_expanders, send_cols, node_first, my_ready, tok, lay, out, heap,
+                 sync, k):  # fmt: skip
+    """Expander ``expander`` of ``num_expanders`` (the programs after the senders and
+    forwarders). Waits only for senders and forwarders, which come first in the launch order:
+    for each other rank's work item, its flag in this rank's chunk flags (and first for its
+    carrier's program to have started the launch), and with QUANTIZE for the quantizers' flags
+    of an own chunk. Takes from the first queue, spread evenly among each other, own work items
+    (_expand_own_chunk: straight from x, in finer column slices) and every other rank's
+    (_expand_chunk: from the staging area, in `staged_parts` column parts, in the order senders
+    send them, so that the last items to land are each expanded by several programs at once).
+    Own items all first would fill HBM at the start, and the senders' stores landing on the peer
+    (busy likewise) would slow down by half until they are done. Then zeroes the padding rows
+    and the rows past the valid count (_zero_tail). Releases nothing: the launch's end does."""
+    QUANT_SLICES: tl.constexpr = (k.SCALE_WORDS + QUANT_GROUPS - 1) // QUANT_GROUPS
+    ITEMS: tl.constexpr = k.NC_MAX * k.H_SLICES
+    rank = tok.rank
+    aborted = sync.aborted
+    if k.OUTPUTS_FROM_HOST:
+        out, aborted = _outputs_from_host(expander, out, sync, aborted, rank)
+    own_cols = tl.cdiv(tl.cdiv(tok.hidden, sync.expand_slices), k.BLOCK_H) * k.BLOCK_H
+    own_items = tl.where(aborted, 0, tl.cdiv(tok.num_tokens, k.CHUNK) * sync.expand_slices)
+    remote = remote_entries(lay.recv_src_tokens_ptr, rank, k.W, k.T_MAX, k.CHUNK, k.H_SLICES)
+    remote = tl.where(aborted, 0, remote)
+    my_flags = region(heap.peer_bases_ptr, rank, heap.chunk_flags_off, tl.int64)
+    part_cols = tl.cdiv(tl.cdiv(send_cols, sync.staged_parts), k.BLOCK_H) * k.BLOCK_H
+    remote_items = remote * sync.staged_parts
+    own_token_rows_first = 0
+    if k.TOKEN_ROWS:
+        own_token_rows_first = token_rows_first(lay.recv_chunk_start_ptr, lay.recv_src_tokens_ptr,
+                                                rank, k.T_MAX, k.NC_MAX, k.CHUNK)  # fmt: skip
+    item = take_work(sync.control_ptr + FIRST_QUEUE)
+    while item < own_items + remote_items:
+        is_own, index = interleaved(item, own_items, remote_items)
+        if is_own:
+            c = index // sync.expand_slices
+            h_first = (index % sync.expand_slices) * own_cols
+            if k.QUANTIZE:
+                _wait_quantized(sync.quantized_flags_ptr, c, sync.seq, sync.timeout_ns,
+                                sync.status_ptr, rank, QUANT_SLICES)  # fmt: skip
+            _expand_own(c=c, h_first=h_first, h_last=tl.minimum(h_first + own_cols, tok.hidden),
+                        own_token_rows_first=own_token_rows_first, tok=tok, lay=lay, out=out,
+                        k=k)  # fmt: skip
+        else:
+            part = index % sync.staged_parts
+            w, src = remote_item(index // sync.staged_parts, rank, k.W)
+            src_tokens = tl.minimum(tl.load(lay.recv_src_tokens_ptr + src), k.T_MAX)
+            if w < tl.cdiv(src_tokens, k.CHUNK) * k.H_SLICES:
+                # From another node: its rank of src's local index here forwarded it.
+                carrier = src
+                if k.NODES > 1:
+                    carrier = tl.where(src // k.R == rank // k.R, src, node_first + src % k.R)
+                wait_landed(
+                    my_ready=my_ready,
+                    carrier=carrier,
+                    channel=w % sync.num_senders,
+                    flag_ptr=my_flags + src * ITEMS + w,
+                    ready_stage=STAGE_DISPATCH_READY,
+                    data_stage=STAGE_DISPATCH_DATA,
+                    sync=sync,
+                    k=k,
+                )
+                table = lay.recv_chunk_start_ptr + src * (k.NC_MAX + 1)
+                c = w // k.H_SLICES
+                h_first, h_last = part_columns(w, part, send_cols, part_cols, tok.hidden,
+                                               k.H_SLICES)  # fmt: skip
+                _expand_staged(table=table, c=c, src=src, h_first=h_first, h_last=h_last,
+                               part=part, tok=tok, lay=lay, out=out, heap=heap, k=k)  # fmt: skip
+        item = take_work(sync.control_ptr + FIRST_QUEUE)
+    _zero_tail(expander=expander, num_expanders=num_expanders, aborted=aborted, tok=tok, lay=lay,
+               out=out, k=k)  # fmt: skip
+
+
+@triton.jit
+def _expand_own(c, h_first, h_last, own_token_rows_first, tok, lay, out, k):
+    """An expander's own work item: columns [h_first, h_last) of this rank's chunk ``c``."""
+    rank = tok.rank
+    _expand_own_chunk(
+        c=c,
+        h_first=h_first,
+        h_last=h_last,
+        x_ptr=tok.x_ptr,
+        x_stride=tok.x_stride,
+        topk_idx_ptr=tok.topk_idx_ptr,
+        topk_weights_ptr=tok.topk_weights_ptr,
+        num_tokens=tok.num_tokens,
+        topk=tok.topk,
+        data_cols=tok.data_cols,
+        num_experts=tok.num_experts,
+        experts_per_rank=tok.experts_per_rank,
+        rank=rank,
+        num_out_rows=out.num_out_rows,
+        slot_pos_ptr=lay.slot_pos_ptr,
+        token_rank_pos_ptr=lay.token_rank_pos_ptr,
+        own_stream_first=rank * k.T_MAX + tl.load(lay.send_chunk_start_ptr + c * k.W + rank),
+        own_token_rows_first=own_token_rows_first
+        + tl.load(lay.send_chunk_start_ptr + c * k.W + rank),
+        chunk_expert_base_ptr=lay.chunk_expert_base_ptr,
+        staged_rows_ptr=out.staged_rows_ptr,
+        recv_x_ptr=out.recv_x_ptr,
+        recv_scales_ptr=out.recv_scales_ptr,
+        recv_weights_ptr=out.recv_weights_ptr,
+        recv_topk_idx_ptr=out.recv_topk_idx_ptr,
+        x_scales_ptr=tok.x_scales_ptr,
+        x_scales_stride=tok.x_scales_stride,
+        W=k.W,
+        MS=k.MS,
+        MS_P2=k.MS_P2,
+        K_P2=k.K_P2,
+        CHUNK=k.CHUNK,
+        BLOCK_H=k.BLOCK_H,
+        HAS_WEIGHTS=k.HAS_WEIGHTS,
+        WRITE_ROWS=k.WRITE_ROWS,
+        TOKEN_ROWS=k.TOKEN_ROWS,
+        STAGES=k.STAGES,
+        SCALE_WORDS=k.SCALE_WORDS,
+    )
+
+
+@triton.jit
+def _expand_staged(table, c, src, h_first, h_last, part, tok, lay, out, heap, k):
+    """An expander's remote work item: columns [h_first, h_last) (column part ``part``) of chunk
+    ``c`` of source ``src``, whose stream's chunk table is ``table``, from this rank's staging
+    area."""
+    rank = tok.rank
+    dtype = out.recv_x_ptr.dtype.element_ty
+    token_row_offset = 0
+    if k.TOKEN_ROWS:
+        token_row_offset = (
+            token_rows_first(lay.recv_chunk_start_ptr, lay.recv_src_tokens_ptr, src, k.T_MAX,
+                             k.NC_MAX, k.CHUNK) - src * k.T_MAX
+        )  # fmt: skip
+    _expand_chunk(
+        staged_first=src * k.T_MAX + tl.load(table + c),
+        staged_end=src * k.T_MAX + tl.load(table + c + 1),
+        h_first=h_first,
+        h_last=h_last,
+        part=part,
+        hidden=tok.hidden,
+        data_cols=tok.data_cols,
+        topk=tok.topk,
+        num_out_rows=out.num_out_rows,
+        token_row_offset=token_row_offset,
+        meta_rows_ptr=region(heap.peer_bases_ptr, rank, heap.meta_rows_off, tl.int32),
+        meta_weights_ptr=region(heap.peer_bases_ptr, rank, heap.meta_weights_off, tl.float32),
+        staging_ptr=region(heap.peer_bases_ptr, rank, heap.staging_off, dtype),
+        staged_rows_ptr=out.staged_rows_ptr,
+        recv_x_ptr=out.recv_x_ptr,
+        recv_scales_ptr=out.recv_scales_ptr,
+        recv_weights_ptr=out.recv_weights_ptr,
+        recv_topk_idx_ptr=out.recv_topk_idx_ptr,
+        MS=k.MS,
+        MS_P2=k.MS_P2,
+        K_P2=k.K_P2,
+        CHUNK=k.CHUNK,
+        BLOCK_H=k.BLOCK_H,
+        HAS_WEIGHTS=k.HAS_WEIGHTS,
+        WRITE_ROWS=k.WRITE_ROWS,
+        TOKEN_ROWS=k.TOKEN_ROWS,
+        SCALE_WORDS=k.SCALE_WORDS,
+    )
+
+
+@triton.jit
+def _zero_tail(expander, num_expanders, aborted, tok, lay, out, k):
+    """The expanders' last step: zero the padding rows of each local expert's segment and the
+    rows past the valid count (max_recv_tokens mode), with TOKEN_ROWS also those rows' slots."""
+    ROW_WEIGHTS: tl.constexpr = False if k.TOKEN_ROWS else k.HAS_WEIGHTS  # recv_weights is [N]
+    epr = tok.experts_per_rank
+    num_out_rows = out.num_out_rows
+    for e in range(expander, tl.where(aborted, 0, epr), num_expanders):
+        seg = tl.load(lay.expert_layout_ptr + e)
+        first = seg + tl.load(lay.expert_layout_ptr + epr + e)
+        last = tl.minimum(seg + tl.load(lay.expert_layout_ptr + 2 * epr + e), num_out_rows)
+        _zero_rows(out.recv_x_ptr, out.recv_scales_ptr, out.recv_weights_ptr, first, last,
+                   tok.data_cols, k.SCALE_WORDS, ROW_WEIGHTS, k.CHUNK, k.BLOCK_H)  # fmt: skip
+    valid_rows = tl.where(
+        aborted, 0, tl.minimum(tl.load(lay.info_ptr + INFO_ROWS), num_out_rows)
+    ).to(tl.int32)
+    for b in range(expander, tl.cdiv(num_out_rows - valid_rows, k.CHUNK), num_expanders):
+        first = valid_rows + b * k.CHUNK
+        last = tl.minimum(first + k.CHUNK, num_out_rows)
+        _zero_rows(out.recv_x_ptr, out.recv_scales_ptr, out.recv_weights_ptr, first, last,
+                   tok.data_cols, k.SCALE_WORDS, ROW_WEIGHTS, k.CHUNK, k.BLOCK_H)  # fmt: skip
+        if k.TOKEN_ROWS:
+            _clear_slots(out.recv_topk_idx_ptr, out.recv_weights_ptr, first, last, tok.topk,
+                         k.HAS_WEIGHTS, k.WRITE_ROWS, k.CHUNK, k.K_P2)  # fmt: skip
+
+
+@triton.jit
+def _roles(pid, tok, lay, out, heap, sync, num_programs, k):
+    """Program ``pid``'s role (``pid`` counts from the first sender: quantizers are < 0)."""
+    # Work item w of a source = (chunk c, column slice s) of its tokens: sender program p takes
+    # w = p, p + P, ... and raises the item's flag on the destination.
+    send_cols = tl.cdiv(tl.cdiv(tok.hidden, k.H_SLICES), k.BLOCK_H) * k.BLOCK_H
+    node_first = node_first_rank(tok.rank, k.R, k.NODES)
+    my_ready = region(heap.peer_bases_ptr, tok.rank, heap.ready_off, tl.int64)
+    # Across nodes the programs after the senders forward what the ranks of this rank's local
+    # index on other nodes put here.
+    num_forwarders = 0
+    is_forwarder = False
+    if k.NODES > 1:
+        num_forwarders = sync.num_senders
+        is_forwarder = (pid >= sync.num_senders) & (pid < 2 * sync.num_senders)
+    if pid < 0:
+        _quantize_role(tok=tok, sync=sync, k=k)
+    elif pid < sync.num_senders:
+        _send_role(sender=pid, send_cols=send_cols, node_first=node_first, tok=tok, lay=lay,
+                   heap=heap, sync=sync, k=k)  # fmt: skip
+    elif is_forwarder:
+        _forward_role(forwarder=pid - sync.num_senders, send_cols=send_cols,
+                      node_first=node_first, my_ready=my_ready, tok=tok, lay=lay, out=out,
+                      heap=heap, sync=sync, k=k)  # fmt: skip
+    else:
+        _expand_role(
+            expander=pid - sync.num_senders - num_forwarders,
+            num_expanders=num_programs - sync.num_quantizers - sync.num_senders - num_forwarders,
+            send_cols=send_cols, node_first=node_first, my_ready=my_ready, tok=tok, lay=lay,
+            out=out, heap=heap, sync=sync, k=k,
+        )  # fmt: skip
+
+
 @triton.jit
 def dispatch_kernel(
     x_ptr,  # [T, H], row stride x_stride; FP8 rows: [T, H / 4] int32 words of e4m3 values
@@ -845,267 +1404,32 @@ def dispatch_kernel(
 ):
     pid = tl.program_id(0) - num_quantizers  # quantizers < 0 <= senders
     num_programs = tl.num_programs(0)
-    QUANT_SLICES: tl.constexpr = (SCALE_WORDS + QUANT_GROUPS - 1) // QUANT_GROUPS
-    ROW_WEIGHTS: tl.constexpr = False if TOKEN_ROWS else HAS_WEIGHTS  # recv_weights is [N]
     seq = tl.load(control_ptr + DATA_SEQ) + 1
     status_ptr = control_ptr + STATUS
-    dtype = recv_x_ptr.dtype.element_ty
     # Invalid routing on any rank: every rank saw it in the layout exchange and moves nothing.
     aborted = tl.load(info_ptr + INFO_SOURCE) >= 0
-    # Work item w of a source = (chunk c, column slice s) of its tokens: sender program p takes
-    # w = p, p + P, ... and raises the item's flag on the destination.
-    send_cols = tl.cdiv(tl.cdiv(hidden, H_SLICES), BLOCK_H) * BLOCK_H
-    ITEMS: tl.constexpr = NC_MAX * H_SLICES
-    node_first = node_first_rank(rank, R, NODES)
-    my_ready = region(peer_bases_ptr, rank, ready_off, tl.int64)
-    # Across nodes the programs after the senders forward what the ranks of this rank's local
-    # index on other nodes put here.
-    num_forwarders = 0
-    is_forwarder = False
-    if NODES > 1:
-        num_forwarders = num_senders
-        is_forwarder = (pid >= num_senders) & (pid < 2 * num_senders)
-
-    if pid < 0:
-        if QUANTIZE:
-            items = tl.where(aborted, 0, tl.cdiv(num_tokens, CHUNK) * QUANT_SLICES)
-            item = take_work(control_ptr + SECOND_QUEUE)
-            while item < items:
-                first_group = (item % QUANT_SLICES) * QUANT_GROUPS
-                quantize_block(
-                    source_ptr, source_stride, x_ptr.to(tl.pointer_type(tl.uint8)), x_stride * 4,
-                    x_scales_ptr.to(tl.pointer_type(tl.float32)), x_scales_stride,
-                    item // QUANT_SLICES * CHUNK, num_tokens, first_group,
-                    tl.minimum(first_group + QUANT_GROUPS, SCALE_WORDS), CHUNK,
-                )  # fmt: skip
-                signal(quantized_flags_ptr + item, seq)
-                item = take_work(control_ptr + SECOND_QUEUE)
-    elif pid < num_senders:
-        handshake(
-            peer_bases_ptr, net_bases_ptr, ready_off, rank, seq, timeout_ns, status_ptr,
-            STAGE_DISPATCH_READY, P_MAX, pid, R, NODES,
-        )  # fmt: skip
-        items = tl.where(aborted, 0, tl.cdiv(num_tokens, CHUNK) * H_SLICES)
-        if W == 1:  # no other rank: a sender would read x for nothing
-            items = 0
-        for w in range(pid, items, num_senders):
-            c = w // H_SLICES
-            h_first = (w % H_SLICES) * send_cols
-            h_last = tl.minimum(h_first + send_cols, hidden)
-            if QUANTIZE:
-                _wait_quantized(
-                    quantized_flags_ptr, c, seq, timeout_ns, status_ptr, rank, QUANT_SLICES
-                )
-            if NODES > 1:
-                # Each token once to every other node that holds one of its experts, to the rank
-                # of this rank's local index there, first: the network is the slower path.
-                my_node = rank // R
-                for node in range(0, NODES):
-                    if node != my_node:
-                        first = tl.load(send_chunk_node_start_ptr + c * NODES + node)
-                        num_rows = (
-                            tl.load(send_chunk_node_start_ptr + (c + 1) * NODES + node) - first
-                        )
-                        slot_off = net_outbox_off + (node * ITEMS + w) * SLOT_BYTES
-                        slot = region(peer_bases_ptr, rank, slot_off, tl.uint8)
-                        _pack_node_slot(
-                            c, node, h_first, h_last, num_rows, slot, x_ptr, x_stride,
-                            x_scales_ptr, x_scales_stride, data_cols, topk_idx_ptr,
-                            topk_weights_ptr, num_tokens, topk, num_experts, experts_per_rank, W,
-                            slot_pos_ptr, token_rank_pos_ptr,
-                            token_node_pos_ptr, send_chunk_start_ptr, chunk_expert_base_ptr, MS,
-                            MS_P2, K_P2, R, R_P2, NODES, CHUNK, BLOCK_H, HAS_WEIGHTS, TOKEN_ROWS,
-                            STAGES, META_INTS, META_FLOATS, NET_COLS, DATA_OFF, SCALE_WORDS,
-                        )  # fmt: skip
-                        there = my_node * ITEMS + w
-                        net_put_signal(
-                            net_bases_ptr, rank, node * R + rank % R,
-                            net_inbox_off + there * SLOT_BYTES, slot,
-                            DATA_OFF + num_rows * (NET_COLS * dtype.primitive_bitwidth // 8),
-                            net_flags_off + there * 8, seq, heap_bytes,
-                        )  # fmt: skip
-                        if w % H_SLICES == 0:  # rows that crossed the network, for the stats
-                            tl.atomic_add(control_ptr + NET_ROWS, num_rows.to(tl.int64))
-            _send_chunk(
-                c, h_first, h_last, x_ptr, x_stride, x_scales_ptr, x_scales_stride, topk_idx_ptr,
-                topk_weights_ptr, num_tokens, topk, hidden, data_cols, num_experts,
-                experts_per_rank, W, rank, slot_pos_ptr, token_rank_pos_ptr, send_chunk_start_ptr,
-                chunk_expert_base_ptr, peer_bases_ptr, meta_rows_off, meta_weights_off,
-                staging_off, node_first, T_MAX, MS, MS_P2, K_P2, R, R_P2, CHUNK, BLOCK_H,
-                HAS_WEIGHTS, TOKEN_ROWS, STAGES, SCALE_WORDS,
-            )  # fmt: skip
-            for peer in range(node_first, node_first + R):
-                if peer != rank:
-                    flags = region(peer_bases_ptr, peer, chunk_flags_off, tl.int64)
-                    signal(flags + rank * ITEMS + w, seq)
-    elif is_forwarder:
-        fwd = pid - num_senders
-        # This node's ranks started this launch (their earlier launches are done with their
-        # staging areas): their sender `fwd` said so.
-        for peer in range(node_first, node_first + R):
-            wait_at_least(my_ready + peer * P_MAX + fwd, seq, timeout_ns, status_ptr, peer,
-                          STAGE_DISPATCH_READY)  # fmt: skip
-        my_node = rank // R
-        net_flags = region(peer_bases_ptr, rank, net_flags_off, tl.int64)
-        for node in range(0, NODES):
-            if node != my_node:
-                src = node * R + rank % R
-                src_tokens = tl.minimum(tl.load(recv_src_tokens_ptr + src), T_MAX)
-                items = tl.where(aborted, 0, tl.cdiv(src_tokens, CHUNK) * H_SLICES)
-                table = recv_net_chunk_start_ptr + node * (NC_MAX + 1)
-                for w in range(fwd, items, num_senders):
-                    wait_item(
-                        my_ready, src, w % num_senders, net_flags + node * ITEMS + w, seq,
-                        timeout_ns, status_ptr, STAGE_DISPATCH_READY, STAGE_DISPATCH_NET, P_MAX,
-                    )  # fmt: skip
-                    c = w // H_SLICES
-                    first = tl.load(table + c)
-                    h_first = (w % H_SLICES) * send_cols
-                    _forward_slot(
-                        region(peer_bases_ptr, rank, net_inbox_off + (node * ITEMS + w)
-                               * SLOT_BYTES, tl.uint8),
-                        tl.load(table + c + 1) - first, src, h_first,
-                        tl.minimum(h_first + send_cols, hidden), hidden, node_first,
-                        peer_bases_ptr, meta_rows_off, meta_weights_off, staging_off,
-                        fwd_rows_ptr + (node * T_MAX + first).to(tl.int64) * R,
-                        w % H_SLICES == 0, T_MAX, MS, MS_P2, R, R_P2, CHUNK, BLOCK_H, HAS_WEIGHTS,
-                        WRITE_ROWS, META_INTS, META_FLOATS, NET_COLS, DATA_OFF, dtype,
-                    )  # fmt: skip
-                    for peer in range(node_first, node_first + R):
-                        flags = region(peer_bases_ptr, peer, chunk_flags_off, tl.int64)
-                        signal(flags + src * ITEMS + w, seq)
-    else:
-        lid = pid - num_senders - num_forwarders
-        num_expanders = num_programs - num_quantizers - num_senders - num_forwarders
-        if OUTPUTS_FROM_HOST:
-            # Exact mode: launched before the host knew the row count, which it then writes
-            # with the outputs it allocated into its record [tag, N, recv_x, recv_scales,
-            # recv_weights, recv_topk_idx, check] (N < 0: no outputs, an error on the host);
-            # meanwhile the senders are sending already. The first expander waits for it and
-            # copies it into control[11:16] (its flag: control[16] = seq) for the others. The
-            # pointer arguments give the types. A constexpr: as a runtime branch it cost the
-            # other launches registers and spills, ~5 µs of an S1 expert-row move (H200).
-            if lid == 0:
-                record = wait_host_record(
-                    outputs_addr.to(tl.pointer_type(tl.int64)), outputs_tag, timeout_ns,
-                    status_ptr, rank, STAGE_DISPATCH_OUTPUTS,
-                )  # fmt: skip
-                for i in tl.static_range(HOST_RECORD_VALUES):
-                    tl.store(control_ptr + HOST_RECORD + i, record_word(record, 1 + i))
-                signal(control_ptr + HOST_RECORD_SEQ, seq)
-            wait_at_least(control_ptr + HOST_RECORD_SEQ, seq, timeout_ns, status_ptr, rank,
-                          STAGE_DISPATCH_OUTPUTS)  # fmt: skip
-            num_out_rows = tl.load(control_ptr + HOST_RECORD, volatile=True).to(tl.int32)
-            if tl.load(status_ptr, volatile=True) != 0:
-                num_out_rows = -1
-            aborted = aborted | (num_out_rows < 0)
-            # The record's values: N, then the outputs' addresses in this order.
-            recv_x_ptr = _output_pointer(control_ptr + HOST_RECORD + 1, recv_x_ptr)
-            recv_scales_ptr = _output_pointer(control_ptr + HOST_RECORD + 2, recv_scales_ptr)
-            recv_weights_ptr = _output_pointer(control_ptr + HOST_RECORD + 3, recv_weights_ptr)
-            recv_topk_idx_ptr = _output_pointer(control_ptr + HOST_RECORD + 4, recv_topk_idx_ptr)
-        # One work queue of two kinds of items, spread evenly among each other: own tokens
-        # (straight from x, nothing to wait for, in finer column slices), and every other
-        # rank's items, each as soon as its flag says it has landed, in the order senders send
-        # them (item w of every source, then item w + 1), each in `staged_parts` column parts so
-        # that the last items to land are each expanded by several programs at once. Own items
-        # all first would fill HBM at the start, and the senders' stores landing on the peer
-        # (busy likewise) would slow down by half until they are done.
-        own_cols = tl.cdiv(tl.cdiv(hidden, expand_slices), BLOCK_H) * BLOCK_H
-        own_items = tl.where(aborted, 0, tl.cdiv(num_tokens, CHUNK) * expand_slices)
-        remote = remote_entries(recv_src_tokens_ptr, rank, W, T_MAX, CHUNK, H_SLICES)
-        remote = tl.where(aborted, 0, remote)
-        my_flags = region(peer_bases_ptr, rank, chunk_flags_off, tl.int64)
-        part_cols = tl.cdiv(tl.cdiv(send_cols, staged_parts), BLOCK_H) * BLOCK_H
-        remote_items = remote * staged_parts
-        own_token_rows_first = 0
-        if TOKEN_ROWS:
-            own_token_rows_first = token_rows_first(
-                recv_chunk_start_ptr, recv_src_tokens_ptr, rank, T_MAX, NC_MAX, CHUNK
-            )
-        item = take_work(control_ptr + FIRST_QUEUE)
-        while item < own_items + remote_items:
-            is_own, k = interleaved(item, own_items, remote_items)
-            if is_own:
-                c = k // expand_slices
-                h_first = (k % expand_slices) * own_cols
-                if QUANTIZE:
-                    _wait_quantized(
-                        quantized_flags_ptr, c, seq, timeout_ns, status_ptr, rank, QUANT_SLICES
-                    )
-                _expand_own_chunk(
-                    c, h_first, tl.minimum(h_first + own_cols, hidden), x_ptr, x_stride,
-                    topk_idx_ptr, topk_weights_ptr, num_tokens, topk, data_cols, num_experts,
-                    experts_per_rank, rank, num_out_rows, slot_pos_ptr, token_rank_pos_ptr,
-                    rank * T_MAX + tl.load(send_chunk_start_ptr + c * W + rank),
-                    own_token_rows_first + tl.load(send_chunk_start_ptr + c * W + rank),
-                    chunk_expert_base_ptr, staged_rows_ptr, recv_x_ptr, recv_scales_ptr,
-                    recv_weights_ptr, recv_topk_idx_ptr, x_scales_ptr, x_scales_stride, W, MS,
-                    MS_P2, K_P2, CHUNK, BLOCK_H, HAS_WEIGHTS, WRITE_ROWS, TOKEN_ROWS, STAGES,
-                    SCALE_WORDS,
-                )  # fmt: skip
-            else:
-                part = k % staged_parts
-                w, src = remote_item(k // staged_parts, rank, W)
-                src_tokens = tl.minimum(tl.load(recv_src_tokens_ptr + src), T_MAX)
-                if w < tl.cdiv(src_tokens, CHUNK) * H_SLICES:
-                    # From another node: its rank of src's local index here forwarded it.
-                    carrier = src
-                    if NODES > 1:
-                        carrier = tl.where(src // R == rank // R, src, node_first + src % R)
-                    wait_item(
-                        my_ready, carrier, w % num_senders, my_flags + src * ITEMS + w, seq,
-                        timeout_ns, status_ptr, STAGE_DISPATCH_READY, STAGE_DISPATCH_DATA, P_MAX,
-                    )  # fmt: skip
-                    table = recv_chunk_start_ptr + src * (NC_MAX + 1)
-                    c = w // H_SLICES
-                    h_first, h_last = part_columns(w, part, send_cols, part_cols, hidden, H_SLICES)
-                    token_row_offset = 0
-                    if TOKEN_ROWS:
-                        token_row_offset = (
-                            token_rows_first(
-                                recv_chunk_start_ptr, recv_src_tokens_ptr, src, T_MAX, NC_MAX,
-                                CHUNK,
-                            ) - src * T_MAX
-                        )  # fmt: skip
-                    _expand_chunk(
-                        src * T_MAX + tl.load(table + c), src * T_MAX + tl.load(table + c + 1),
-                        h_first, h_last, part, hidden, data_cols, topk, num_out_rows,
-                        token_row_offset,
-                        region(peer_bases_ptr, rank, meta_rows_off, tl.int32),
-                        region(peer_bases_ptr, rank, meta_weights_off, tl.float32),
-                        region(peer_bases_ptr, rank, staging_off, dtype), staged_rows_ptr,
-                        recv_x_ptr, recv_scales_ptr, recv_weights_ptr, recv_topk_idx_ptr, MS,
-                        MS_P2, K_P2, CHUNK, BLOCK_H, HAS_WEIGHTS, WRITE_ROWS, TOKEN_ROWS,
-                        SCALE_WORDS,
-                    )  # fmt: skip
-            item = take_work(control_ptr + FIRST_QUEUE)
-
-        # Zero padding rows and the rows past the valid count (max_recv_tokens mode).
-        for e in range(lid, tl.where(aborted, 0, experts_per_rank), num_expanders):
-            seg = tl.load(expert_layout_ptr + e)
-            first = seg + tl.load(expert_layout_ptr + experts_per_rank + e)
-            last = tl.minimum(
-                seg + tl.load(expert_layout_ptr + 2 * experts_per_rank + e), num_out_rows
-            )
-            _zero_rows(
-                recv_x_ptr, recv_scales_ptr, recv_weights_ptr, first, last, data_cols,
-                SCALE_WORDS, ROW_WEIGHTS, CHUNK, BLOCK_H,
-            )  # fmt: skip
-        valid_rows = tl.where(
-            aborted, 0, tl.minimum(tl.load(info_ptr + INFO_ROWS), num_out_rows)
-        ).to(tl.int32)
-        for b in range(lid, tl.cdiv(num_out_rows - valid_rows, CHUNK), num_expanders):
-            first = valid_rows + b * CHUNK
-            last = tl.minimum(first + CHUNK, num_out_rows)
-            _zero_rows(
-                recv_x_ptr, recv_scales_ptr, recv_weights_ptr, first, last, data_cols,
-                SCALE_WORDS, ROW_WEIGHTS, CHUNK, BLOCK_H,
-            )  # fmt: skip
-            if TOKEN_ROWS:
-                _clear_slots(
-                    recv_topk_idx_ptr, recv_weights_ptr, first, last, topk, HAS_WEIGHTS,
-                    WRITE_ROWS, CHUNK, K_P2,
-                )  # fmt: skip
-
+    # The arguments in bundles for the roles (positional: in the order of the bundles' fields).
+    tok = Tokens(rank, x_ptr, x_stride, x_scales_ptr, x_scales_stride, topk_idx_ptr,
+                 topk_weights_ptr, num_tokens, topk, hidden, data_cols, num_experts,
+                 experts_per_rank, source_ptr, source_stride)  # fmt: skip
+    lay = Layout(slot_pos_ptr, token_rank_pos_ptr, send_chunk_start_ptr, chunk_expert_base_ptr,
+                 recv_chunk_start_ptr, recv_src_tokens_ptr, expert_layout_ptr, info_ptr,
+                 token_node_pos_ptr, send_chunk_node_start_ptr,
+                 recv_net_chunk_start_ptr)  # fmt: skip
+    out = Outputs(num_out_rows, staged_rows_ptr, recv_x_ptr, recv_scales_ptr, recv_weights_ptr,
+                  recv_topk_idx_ptr, fwd_rows_ptr)  # fmt: skip
+    heap = Heap(peer_bases_ptr, ready_off, chunk_flags_off, meta_rows_off, meta_weights_off,
+                staging_off, net_bases_ptr, net_flags_off, net_inbox_off, net_outbox_off,
+                heap_bytes)  # fmt: skip
+    sync = Sync(control_ptr, status_ptr, seq, timeout_ns, aborted, num_quantizers, num_senders,
+                expand_slices, staged_parts, quantized_flags_ptr, outputs_addr,
+                outputs_tag)  # fmt: skip
+    # Built in the call: assigned to a name, its constexpr fields would become tensors.
+    _roles(
+        pid=pid, tok=tok, lay=lay, out=out, heap=heap, sync=sync, num_programs=num_programs,
+        k=DispatchConsts(W, T_MAX, NC_MAX, H_SLICES, P_MAX, MS, MS_P2, K_P2, CHUNK, BLOCK_H,
+                         HAS_WEIGHTS, WRITE_ROWS, TOKEN_ROWS, STAGES, R, R_P2, NODES, META_INTS,
+                         META_FLOATS, NET_COLS, DATA_OFF, SLOT_BYTES, SCALE_WORDS, QUANTIZE,
+                         OUTPUTS_FROM_HOST),
+    )  # fmt: skip
     finish_launch(control_ptr, seq, num_programs)

@@ -376,3 +376,24 @@ def finish_launch(control_ptr, seq, num_programs):
         tl.store(control_ptr + SECOND_QUEUE, 0)
         tl.store(control_ptr + DATA_TICKET, 0)
         tl.store(control_ptr + DATA_SEQ, seq)
+
+
+# A role's bundles (kernels/dispatch.py, kernels/combine.py): ``heap`` with peer_bases_ptr,
+# net_bases_ptr and ready_off, ``sync`` with seq, timeout_ns and status_ptr, ``k`` with P_MAX, R
+# and NODES; each role calls these instead of spelling the same arguments out again.
+@triton.jit
+def start_channel(channel, rank, stage, heap, sync, k):
+    """handshake() for program ``channel`` of a role (its ready flags, then its peers')."""
+    handshake(
+        heap.peer_bases_ptr, heap.net_bases_ptr, heap.ready_off, rank, sync.seq, sync.timeout_ns,
+        sync.status_ptr, stage, k.P_MAX, channel, k.R, k.NODES,
+    )  # fmt: skip
+
+
+@triton.jit
+def wait_landed(my_ready, carrier, channel, flag_ptr, ready_stage, data_stage, sync, k):
+    """wait_item() with a role's bundles."""
+    wait_item(
+        my_ready, carrier, channel, flag_ptr, sync.seq, sync.timeout_ns, sync.status_ptr,
+        ready_stage, data_stage, k.P_MAX,
+    )  # fmt: skip
