@@ -22,6 +22,10 @@ CPU_TORCH = "torch==2.13.0"  # installed first so that the CPU wheel is the one 
 # here on 3.11: --ignore-requires-python for that, --no-deps so that pip leaves the CPU torch
 # alone (it would otherwise resolve torch again and may fetch the CUDA wheels).
 MEGATRON = "megatron-core==0.19.2"
+# tests/test_block_scaled.py checks the MXFP8 / NVFP4 reference against torchao's own quantizers
+# (its prototype API: an exact version). --no-deps: torchao needs nothing else to import, and pip
+# must leave the CPU torch alone.
+TORCHAO = "torchao==0.18.0"
 LINT_PATHS = ["src", "tests", "bench", "examples", "noxfile.py"]
 
 
@@ -35,6 +39,7 @@ def _install_for_tests(session: nox.Session) -> None:
     # compiled for sm_90 with it linked (tests/test_sm90_compile.py). No CUDA torch comes with it.
     session.install("-e", ".[test,cu13]")
     session.install("--no-deps", "--ignore-requires-python", MEGATRON, "packaging>=24.2")
+    session.install("--no-deps", TORCHAO)
 
 
 @nox.session

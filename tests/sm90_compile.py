@@ -5,7 +5,8 @@ interpreter replaces ``triton.jit``. Compiles the launch shapes of EP2 and EP8 w
 and of EP16 as 2 nodes of 8, whose kernels link NVSHMEM's sm_90 device bitcode as pip installs
 it, and prints one line per kernel (dispatch and its layout also with one row per token,
 expand=False; dispatch of FP8 rows at EP8, with token rows at EP16; quantizing, and an exact-mode
-move whose outputs come from the host, at EP2) with ptxas' resource usage
+move whose outputs come from the host, at EP2; the MXFP8 / NVFP4 quantizer once per format) with
+ptxas' resource usage
 (registers, and STACK: bytes spilled) and a digest of its machine code (identical digests:
 identical code, e.g. before and after a change that should not change it); any compile or link
 error fails. Integer arguments that
@@ -26,6 +27,7 @@ from triton.compiler import ASTSource
 
 from hybrid_ep_triton.kernels.combine import combine_kernel
 from hybrid_ep_triton.kernels.dispatch import dispatch_kernel
+from hybrid_ep_triton.kernels.quantize import quantize_block_scaled_kernel
 from hybrid_ep_triton.kernels.route import layout_kernel
 from hybrid_ep_triton.runtime.nvshmem import device_library
 from hybrid_ep_triton.runtime.planner import (
@@ -179,6 +181,21 @@ def compile_all(topologies=TOPOLOGIES):
             rows += " (outputs from the host)" if constexprs.get("OUTPUTS_FROM_HOST") else ""
             topo = f"EP{world}" if nodes == 1 else f"EP{world} ({nodes}x{per_node}, NVSHMEM)"
             yield f"{topo} {kernel.fn.__name__}{rows}", compiled
+    yield from compile_block_scaled()
+
+
+def compile_block_scaled():
+    """Yield (label, CompiledKernel) for the MXFP8 / NVFP4 quantizer of bf16 rows, as
+    ops.quantize launches it: MXFP8, NVFP4, NVFP4 with a per-tensor scale."""
+    kernel = quantize_block_scaled_kernel
+    pointers = dict(x_ptr="*bf16", values_ptr="*u8", scales_ptr="*u8", per_tensor_scale_ptr="*fp32")
+    for label, nvfp4, per_tensor in (("MXFP8", False, False), ("NVFP4", True, False),
+                                     ("NVFP4 per-tensor scale", True, True)):  # fmt: skip
+        constexprs = dict(BLOCK_T=16, GROUPS=8, NVFP4=nvfp4, PER_TENSOR_SCALE=per_tensor)
+        signature, attrs = _signature(kernel, pointers, constexprs)
+        source = ASTSource(kernel, signature, constexprs, attrs)
+        compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={})
+        yield f"{kernel.fn.__name__} {label}", compiled
 
 
 def main() -> int:

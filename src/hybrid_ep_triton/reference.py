@@ -36,8 +36,13 @@ __all__ = [
     "ReferenceHandle",
     "combine",
     "dequantize_fp8",
+    "dequantize_mxfp8",
+    "dequantize_nvfp4",
     "dispatch",
     "quantize_fp8",
+    "quantize_mxfp8",
+    "quantize_nvfp4",
+    "to_blocked_scales",
     "tokens_routed_per_local_expert",
 ]
 
@@ -354,3 +359,188 @@ def dequantize_fp8(values: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     num_tokens, hidden = values.shape
     blocks = values.float().reshape(num_tokens, hidden // FP8_GROUP, FP8_GROUP)
     return (blocks * scales[:, :, None]).reshape(num_tokens, hidden)
+
+
+# -- Block-scaled rows of Blackwell's GEMMs: MXFP8 and NVFP4 ---------------------------------
+#
+# Both quantizers follow torchao 0.18 (torchao/prototype/mx_formats) step by step, so that a
+# block-scaled dispatch gives what torchao's own quantization of the same rows gives: MXFP8 is
+# ``mx_tensor.to_mx(x, torch.float8_e4m3fn, 32, ScaleCalculationMode.FLOOR)``, NVFP4 is
+# ``nvfp4_tensor.nvfp4_quantize(x, 16, per_tensor_scale)``. Every division here has tensor
+# operands: CUDA torch divides by a Python scalar as a product with its reciprocal, which is not
+# always the IEEE quotient that torchao's code computes on the CPU (and the kernels compute).
+#
+# Scales are row-major, one row of scales per token row ([T, H / block]): what a dispatch moves
+# with its row, and what it emits. ``to_blocked_scales`` rearranges them into the 128x4 tiled
+# layout that cuBLAS / CUTLASS block-scaled GEMMs (torch._scaled_mm) read.
+
+MX_BLOCK = 32  # channels per E8M0 scale (MXFP8)
+NVFP4_BLOCK = 16  # channels per e4m3 scale (NVFP4)
+E4M3_EMAX = 8  # exponent of e4m3's largest power of two, 256 (torchao's F8E4M3_MAX_POW2)
+E8M0_BIAS = 127
+E8M0_NAN = 255
+F32_MIN_NORMAL = 2.0**-126  # torchao's floor on the MXFP8 divisor (constants.F32_MIN_NORMAL)
+E4M3_TINY = 2.0**-6  # smallest normal e4m3 value: the floor on an NVFP4 block scale (E4M3_EPS)
+E2M1_MAX = 6.0  # largest e2m1 value
+# The e2m1 value of each nibble: 0..7 positive, 8..15 their negatives (8: -0.0).
+_E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+
+
+def _blocks(x: torch.Tensor, block: int, name: str) -> torch.Tensor:
+    """``x`` [T, H] as float32 [T, H / block, block]; ValueError unless H % block == 0."""
+    if x.dim() != 2:
+        raise ValueError(f"{name} quantizes rows [T, H], got shape {tuple(x.shape)}")
+    num_tokens, hidden = x.shape
+    if hidden % block:
+        raise ValueError(
+            f"{name} rows need a hidden size that is a multiple of {block}, got {hidden}"
+        )
+    return x.float().reshape(num_tokens, hidden // block, block)
+
+
+def quantize_mxfp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """MXFP8 (OCP MX v1.0) rows: ``x`` [T, H] bf16 / fp16 / fp32 (H % 32 == 0, else ValueError)
+    as (values [T, H] float8_e4m3fn, scales [T, H / 32] float8_e8m0fnu), one power-of-two scale
+    per token and 32 consecutive channels, row-major.
+
+    torchao's ``to_mx(x, torch.float8_e4m3fn, 32, ScaleCalculationMode.FLOOR)``
+    (prototype/mx_formats/mx_tensor.py), computed in float32:
+
+    * amax: the block's largest magnitude (NaN if the block holds a NaN);
+    * scale exponent e = (exponent field of amax's float32 bits) - 127 - 8, i.e. floor(log2
+      amax) - emax(e4m3) for a normal amax, clamped to [-127, 128]; E8M0 byte e + 127 (0 for a
+      block of zeros or of float32 subnormals; 247 for an infinite amax), 255 for a block with a
+      NaN;
+    * value = x / d saturated to +-448 and rounded to the nearest e4m3 value, ties to even,
+      where d = max(2^(byte - 127), 2^-126) as float32: torchao's floor on the divisor, so a
+      block with byte 0 is divided by 2^-126 although its scale reads 2^-127 (only blocks with
+      amax below 2^-118); byte 255 reads as float32 infinity, so a block with a NaN has values
+      +-0, NaN where x is NaN or infinite (the sign of a NaN value byte is not specified).
+
+    Dequantized: value * 2^(byte - 127) (``dequantize_mxfp8``).
+    """
+    blocks = _blocks(x, MX_BLOCK, "MXFP8")
+    num_tokens, hidden = x.shape
+    amax = blocks.abs().amax(dim=2)
+    exponent = ((amax.view(torch.int32) >> 23) & 0xFF) - 127 - E4M3_EMAX
+    biased = exponent.clamp(-E8M0_BIAS, E8M0_BIAS + 1) + E8M0_BIAS
+    biased = torch.where(amax.isnan(), E8M0_NAN, biased)
+    divisor = (biased << 23).view(torch.float32).clamp(min=F32_MIN_NORMAL)
+    values = (blocks / divisor[:, :, None]).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+    scales = biased.to(torch.uint8).view(torch.float8_e8m0fnu)
+    return values.reshape(num_tokens, hidden), scales
+
+
+def dequantize_mxfp8(values: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """float32 [T, H] from MXFP8 rows: values [T, H] float8_e4m3fn times 2^(byte - 127) of their
+    scales [T, H / 32] float8_e8m0fnu (NaN for byte 255), as torchao's ``get_fp_scale``."""
+    num_tokens, hidden = values.shape
+    blocks = values.float().reshape(num_tokens, hidden // MX_BLOCK, MX_BLOCK)
+    return (blocks * scales.float()[:, :, None]).reshape(num_tokens, hidden)
+
+
+def _to_e2m1(v: torch.Tensor) -> torch.Tensor:
+    """float32 ``v`` as e2m1 nibbles (uint8 0..15, 8 = sign): to nearest, ties to even,
+    magnitudes past 6 saturate to 6. torchao's ``_f32_to_floatx_unpacked(v, 2, 1)``
+    (prototype/custom_fp_utils.py) for values that are not NaN."""
+    bits = v.view(torch.int32)
+    sign = ((bits >> 28) & 0x8).to(torch.uint8)
+    magnitude = (bits & 0x7FFFFFFF).view(torch.float32)
+    # Below 1 (e2m1 subnormals, multiples of 0.5): add 2^22, whose float32 ulp is 0.5, so
+    # that float32 addition rounds to even; 2 steps are 1.0, code 2.
+    steps = ((magnitude + 2.0**22).view(torch.int32) - (149 << 23)).to(torch.uint8)
+    # From 1: rebias the exponent (127 -> 1), round the 22 dropped bits to even, keep 3 bits.
+    normal_bits = magnitude.view(torch.int32)
+    odd = (normal_bits >> 22) & 1
+    normal = ((normal_bits + ((1 - 127) << 23) + (2**21 - 1) + odd) >> 22).to(torch.uint8)
+    code = torch.where(magnitude < 1.0, steps, normal)
+    code = torch.where(magnitude >= E2M1_MAX, 7, code)
+    return code | sign
+
+
+def quantize_nvfp4(
+    x: torch.Tensor, per_tensor_scale: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """NVFP4 rows: ``x`` [T, H] bf16 / fp16 / fp32 (H % 16 == 0, else ValueError) as (values
+    [T, H / 2] float4_e2m1fn_x2, scales [T, H / 16] float8_e4m3fn), one e4m3 scale per token
+    and 16 consecutive channels, row-major; two e2m1 values a byte, the even channel in the low
+    nibble (torchao's ``pack_uint4``).
+
+    ``per_tensor_scale``: None, or a positive finite float32 scalar tensor s, the same for every
+    row that will be multiplied together; rows that a dispatch brings together from several
+    ranks must have been quantized with one s agreed by all of them (e.g. torchao's
+    ``per_tensor_amax_to_scale`` of an all-reduced amax: amax / (448 * 6)).
+
+    torchao's ``nvfp4_quantize(x, 16, per_tensor_scale)`` (prototype/mx_formats/
+    nvfp4_tensor.py), computed in float32 with IEEE division and rounding:
+
+    * amax: the block's largest magnitude; b = amax / 6;
+    * without s: scale = e4m3(clamp(b, 2^-6, 448)) rounded to nearest, ties to even (so a
+      block of zeros has scale 2^-6, not 0), and r = 1 / scale;
+    * with s: scale = e4m3(clamp(b / s, 2^-6, 448)), r = (1 / s) / scale;
+    * value = e2m1(clamp(x * r, -6, 6)), to nearest, ties to even.
+
+    Infinite inputs saturate (the block's scale 448, the value +-6); NaN inputs give unspecified
+    bits. Dequantized: value * (s * scale) (``dequantize_nvfp4``), as torchao's ``dequantize``.
+    """
+    blocks = _blocks(x, NVFP4_BLOCK, "NVFP4")
+    num_tokens, hidden = x.shape
+    amax = blocks.abs().amax(dim=2)
+    block_scale = amax / torch.full_like(amax, E2M1_MAX)
+    one = torch.ones_like(amax)
+    if per_tensor_scale is None:
+        scales = block_scale.clamp(E4M3_TINY, E4M3_MAX).to(torch.float8_e4m3fn)
+        reciprocal = one / scales.float()
+    else:
+        s = _per_tensor_scale(per_tensor_scale, x.device)
+        scales = (block_scale / s).clamp(E4M3_TINY, E4M3_MAX).to(torch.float8_e4m3fn)
+        reciprocal = (one / s) / scales.float()
+    codes = _to_e2m1((blocks * reciprocal[:, :, None]).clamp(-E2M1_MAX, E2M1_MAX))
+    codes = codes.reshape(num_tokens, hidden // 2, 2)
+    packed = codes[:, :, 0] | (codes[:, :, 1] << 4)
+    return packed.view(torch.float4_e2m1fn_x2), scales
+
+
+def _per_tensor_scale(scale: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``scale`` as a float32 scalar tensor on ``device``; ValueError unless it is one positive
+    finite value."""
+    if not isinstance(scale, torch.Tensor) or scale.numel() != 1:
+        raise ValueError(f"per_tensor_scale must be a tensor of one value, got {scale!r}")
+    s = scale.reshape(()).to(device=device, dtype=torch.float32)
+    if not (0 < float(s) < float("inf")):
+        raise ValueError(f"per_tensor_scale must be positive and finite, got {float(s)}")
+    return s
+
+
+def dequantize_nvfp4(
+    values: torch.Tensor, scales: torch.Tensor, per_tensor_scale: torch.Tensor | None = None
+) -> torch.Tensor:
+    """float32 [T, H] from NVFP4 rows: the e2m1 values of ``values`` [T, H / 2]
+    (float4_e2m1fn_x2 or uint8, even channel in the low nibble) times (per_tensor_scale *
+    scale) of their scales [T, H / 16] float8_e4m3fn (per_tensor_scale None: 1)."""
+    num_tokens, half = values.shape
+    packed = values.view(torch.uint8)
+    codes = torch.stack([packed & 0xF, packed >> 4], dim=2).reshape(num_tokens, 2 * half)
+    table = torch.tensor(_E2M1_VALUES, device=values.device)
+    data = torch.cat([table, -table])[codes.long()]
+    block_scales = scales.float()
+    if per_tensor_scale is not None:
+        block_scales = per_tensor_scale.reshape(()).float().to(values.device) * block_scales
+    blocks = data.reshape(num_tokens, -1, NVFP4_BLOCK) * block_scales[:, :, None]
+    return blocks.reshape(num_tokens, 2 * half)
+
+
+def to_blocked_scales(scales: torch.Tensor) -> torch.Tensor:
+    """Row-major block scales [T, C] (one byte each: float8_e8m0fnu, float8_e4m3fn, uint8) in
+    the tiled layout that cuBLAS / CUTLASS block-scaled GEMMs read ("128x4" swizzle, cuBLAS'
+    "1D block scaling factors layout"), as torchao's ``to_blocked`` (prototype/mx_formats/
+    utils.py) lays them out: [ceil(T / 128) * 128, ceil(C / 4) * 4] of the same dtype whose
+    row-major bytes are the tiles of 128 rows and 4 columns in row-block-major order, the byte
+    of (row r, column c) of a tile at (r % 32) * 16 + (r // 32) * 4 + c; padding bytes 0."""
+    rows, cols = scales.shape
+    row_blocks, col_blocks = -(-rows // 128), -(-cols // 4)
+    padded = torch.zeros(row_blocks * 128, col_blocks * 4, dtype=torch.uint8, device=scales.device)
+    padded[:rows, :cols] = scales.view(torch.uint8)
+    tiles = padded.view(row_blocks, 128, col_blocks, 4).permute(0, 2, 1, 3)
+    blocked = tiles.reshape(-1, 4, 32, 4).transpose(1, 2).reshape(row_blocks * 128, col_blocks * 4)
+    return blocked.view(scales.dtype)

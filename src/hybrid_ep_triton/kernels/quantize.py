@@ -1,5 +1,6 @@
 """FP8 quantization of token rows: e4m3 values with one float32 scale per token and 128
-consecutive channels (DeepSeek-V3's 1x128 activation blocks), for dispatch's quantizers.
+consecutive channels (DeepSeek-V3's 1x128 activation blocks), for dispatch's quantizers; and the
+block-scaled formats of Blackwell's GEMMs, MXFP8 and NVFP4 (further below).
 
 The rule, which ``reference.quantize_fp8`` states in plain torch and these kernels match bit
 for bit (DeepEP's ``per_token_cast_to_fp8``, with a floor of 2^-119 instead of 1e-4 on the
@@ -18,27 +19,45 @@ import triton
 import triton.language as tl
 
 E4M3_MAX = tl.constexpr(448.0)
+E4M3_TINY = tl.constexpr(2.0**-6)  # the smallest normal e4m3 value
+E2M1_MAX = tl.constexpr(6.0)
 # The smallest power of two whose 448 / amax is finite in float32 (448 * 2^119 < 2^128).
 AMAX_FLOOR = tl.constexpr(2.0**-119)
+
+
+@triton.jit
+def to_minifloat_bits(
+    v,
+    EXPONENT: tl.constexpr,  # exponent bits
+    MANTISSA: tl.constexpr,  # mantissa bits
+    BIAS: tl.constexpr,  # exponent bias
+    LARGEST: tl.constexpr,  # the code of the largest finite magnitude
+):
+    """float32 ``v`` as the bits (int32) of a float with a sign, EXPONENT and MANTISSA bits:
+    to nearest, ties to even; magnitudes past the largest finite one saturate to it."""
+    DROPPED: tl.constexpr = 23 - MANTISSA
+    bits = v.to(tl.int32, bitcast=True)
+    sign = (bits >> (31 - EXPONENT - MANTISSA)) & (1 << (EXPONENT + MANTISSA))
+    magnitude = bits & 0x7FFFFFFF
+    # Normal (from 2^(1 - BIAS)): keep MANTISSA bits, round on the dropped ones, rebias 127 ->
+    # BIAS. A carry out of the mantissa steps the exponent, as it should.
+    kept = magnitude >> DROPPED
+    dropped = magnitude & ((1 << DROPPED) - 1)
+    half = 1 << (DROPPED - 1)
+    round_up = (dropped > half) | ((dropped == half) & ((kept & 1) == 1))
+    normal = tl.minimum(kept + round_up.to(tl.int32) - ((127 - BIAS) << MANTISSA), LARGEST)
+    # Subnormal: multiples of 2^(1 - BIAS - MANTISSA), rounded to even by adding and removing
+    # 2^23.
+    steps = tl.abs(v) * (1 << (BIAS - 1 + MANTISSA))
+    subnormal = ((steps + 8388608.0) - 8388608.0).to(tl.int32)
+    return sign | tl.where(magnitude >= ((128 - BIAS) << 23), normal, subnormal)
 
 
 @triton.jit
 def to_e4m3_bits(v):
     """float32 ``v`` as e4m3fn bits (int32 0..255): to nearest, ties to even; magnitudes past
     448 saturate to 448."""
-    bits = v.to(tl.int32, bitcast=True)
-    sign = (bits >> 24) & 0x80
-    magnitude = bits & 0x7FFFFFFF
-    # Normal e4m3 (from 2^-6): keep 3 mantissa bits, round on the 20 dropped, rebias 127 -> 7.
-    # A carry out of the mantissa steps the exponent, as it should.
-    kept = magnitude >> 20
-    dropped = magnitude & 0xFFFFF
-    round_up = (dropped > 0x80000) | ((dropped == 0x80000) & ((kept & 1) == 1))
-    normal = tl.minimum(kept + round_up.to(tl.int32) - (120 << 3), 0x7E)
-    # Subnormal e4m3: multiples of 2^-9, rounded to even by adding and removing 2^23.
-    steps = tl.abs(v) * 512.0
-    subnormal = ((steps + 8388608.0) - 8388608.0).to(tl.int32)
-    return sign | tl.where(magnitude >= 0x3C800000, normal, subnormal)
+    return to_minifloat_bits(v, 4, 3, 7, 0x7E)
 
 
 @triton.jit
@@ -94,3 +113,165 @@ def quantize_fp8_kernel(
         tl.program_id(0) * BLOCK_T, num_tokens, first, tl.minimum(first + GROUPS, hidden // 128),
         BLOCK_T,
     )  # fmt: skip
+
+
+# -- MXFP8 and NVFP4 -------------------------------------------------------------------------
+#
+# The rules are torchao 0.18's, which ``reference.quantize_mxfp8`` and
+# ``reference.quantize_nvfp4`` state in plain torch (and their docstrings in words); these
+# quantizers match them bit for bit. Both take the calling shape of ``quantize_block``: rows
+# [first_row, first_row + ROWS) of ``src``, the 128-channel groups [first_group, last_group) of
+# each (4 MXFP8 blocks of 32 channels, or 8 NVFP4 blocks of 16), and write row-major bytes: one
+# row of values and one row of scales per token row, each with its own row stride in bytes. The
+# largest magnitude of a block is an integer maximum of the float32 bits with the sign cleared:
+# exact, and NaN (whose bits exceed infinity's) wins on every target, where a float maximum
+# would drop it on GPUs and keep it in the interpreter.
+
+
+@triton.jit
+def e8m0_from_amax_bits(amax_bits):
+    """The biased E8M0 scale (int32 0..247, or 255) of an MXFP8 block whose largest magnitude
+    has the float32 bits ``amax_bits`` (sign cleared): its exponent field - 127 - 8 (e4m3's
+    largest power of two is 2^8), clamped below at -127, plus 127; 255 for a NaN. The clamp above
+    (128) is never reached: an infinite amax gives 247."""
+    biased = tl.maximum(((amax_bits >> 23) & 0xFF) - 8, 0)
+    return tl.where(amax_bits > 0x7F800000, 255, biased)
+
+
+@triton.jit
+def quantize_mxfp8_block(
+    src_ptr,  # [T, H] bf16/fp16/fp32, row stride src_stride
+    src_stride,
+    values_ptr,  # out [T, H] e4m3 bits as uint8, row stride values_stride bytes
+    values_stride,
+    scales_ptr,  # out [T, H / 32] E8M0 bytes as uint8, row stride scales_stride bytes
+    scales_stride,
+    first_row,
+    num_rows,  # rows of src: the block's rows past it are left alone
+    first_group,  # 128-channel groups [first_group, last_group): 4 scales each
+    last_group,
+    ROWS: tl.constexpr,  # rows of the block, from first_row
+):
+    """MXFP8 rows [first_row, first_row + ROWS) of ``src``, channels of groups [first_group,
+    last_group): torchao's to_mx with ScaleCalculationMode.FLOOR (``reference.quantize_mxfp8``).
+    The division by the block's power of two, at least 2^-126, is a product with its reciprocal
+    (a power of two from 2^-120 to 2^126): the same float32."""
+    rows = first_row + tl.arange(0, ROWS)
+    rmask = rows < num_rows
+    rows = rows.to(tl.int64)
+    blocks = tl.arange(0, 4)
+    channels = blocks[:, None] * 32 + tl.arange(0, 32)[None, :]  # [4, 32]
+    for g in range(first_group, last_group):
+        cols = g * 128 + channels
+        x = tl.load(src_ptr + rows[:, None, None] * src_stride + cols[None, :, :],
+                    mask=rmask[:, None, None])  # fmt: skip
+        x = x.to(tl.float32)
+        bits = x.to(tl.int32, bitcast=True)
+        magnitude = bits & 0x7FFFFFFF
+        biased = e8m0_from_amax_bits(tl.max(magnitude, axis=2))  # [ROWS, 4]
+        finite = biased != 255
+        reciprocal = ((254 - tl.maximum(biased, 1)) << 23).to(tl.float32, bitcast=True)
+        reciprocal = tl.where(finite, reciprocal, 1.0)
+        quantized = to_e4m3_bits(x * reciprocal[:, :, None])
+        # A block with a NaN is divided by infinity (byte 255 as float32): +-0, and NaN where x
+        # is NaN or infinite.
+        sign = (bits >> 24) & 0x80
+        over_infinity = sign | tl.where(magnitude >= 0x7F800000, 0x7F, 0)
+        quantized = tl.where(finite[:, :, None], quantized, over_infinity)
+        tl.store(values_ptr + rows[:, None, None] * values_stride + cols[None, :, :],
+                 quantized.to(tl.uint8), mask=rmask[:, None, None])  # fmt: skip
+        tl.store(scales_ptr + rows[:, None] * scales_stride + (g * 4 + blocks)[None, :],
+                 biased.to(tl.uint8), mask=rmask[:, None])  # fmt: skip
+
+
+@triton.jit
+def to_e2m1_bits(v):
+    """float32 ``v`` as an e2m1 nibble (int32 0..15, 8 the sign): to nearest, ties to even;
+    magnitudes past 6 saturate to 6 (NaN too)."""
+    return to_minifloat_bits(v, 2, 1, 1, 7)
+
+
+@triton.jit
+def quantize_nvfp4_block(
+    src_ptr,  # [T, H] bf16/fp16/fp32, row stride src_stride
+    src_stride,
+    values_ptr,  # out [T, H / 2] e2m1 pairs as uint8 (even channel low), row stride in bytes
+    values_stride,
+    scales_ptr,  # out [T, H / 16] e4m3 bits as uint8, row stride scales_stride bytes
+    scales_stride,
+    per_tensor_scale_ptr,  # float32 scalar s, read if PER_TENSOR_SCALE
+    first_row,
+    num_rows,  # rows of src: the block's rows past it are left alone
+    first_group,  # 128-channel groups [first_group, last_group): 8 scales, 64 bytes each
+    last_group,
+    ROWS: tl.constexpr,  # rows of the block, from first_row
+    PER_TENSOR_SCALE: tl.constexpr,  # False: s = 1 (torchao's per_tensor_scale=None)
+):
+    """NVFP4 rows [first_row, first_row + ROWS) of ``src``, channels of groups [first_group,
+    last_group): torchao's nvfp4_quantize (``reference.quantize_nvfp4``), its divisions IEEE
+    (div_rn) and its products as there: b = amax / 6, scale = e4m3(clamp(b [/ s], 2^-6, 448)),
+    value = e2m1(x * ((1 [/ s]) / scale))."""
+    rows = first_row + tl.arange(0, ROWS)
+    rmask = rows < num_rows
+    rows = rows.to(tl.int64)
+    blocks = tl.arange(0, 8)
+    pairs = tl.arange(0, 8)
+    # Channel 16 * block + 2 * pair + half of a group, [8, 8, 2].
+    channels = (blocks[:, None, None] * 16 + pairs[None, :, None] * 2
+                + tl.arange(0, 2)[None, None, :])  # fmt: skip
+    bytes_ = blocks[:, None] * 8 + pairs[None, :]  # [8, 8]
+    if PER_TENSOR_SCALE:
+        s = tl.load(per_tensor_scale_ptr)
+        numerator = tl.math.div_rn(1.0, s)
+    for g in range(first_group, last_group):
+        cols = g * 128 + channels
+        x = tl.load(src_ptr + rows[:, None, None, None] * src_stride + cols[None, :, :, :],
+                    mask=rmask[:, None, None, None])  # fmt: skip
+        x = x.to(tl.float32)
+        magnitude = x.to(tl.int32, bitcast=True) & 0x7FFFFFFF
+        amax = tl.max(tl.max(magnitude, axis=3), axis=2).to(tl.float32, bitcast=True)
+        block_scale = tl.math.div_rn(amax, E2M1_MAX)  # [ROWS, 8]
+        if PER_TENSOR_SCALE:
+            block_scale = tl.math.div_rn(block_scale, s)
+        scale_bits = to_e4m3_bits(tl.minimum(tl.maximum(block_scale, E4M3_TINY), E4M3_MAX))
+        # The e4m3 scale as float32 (a normal e4m3 value: rebias 7 -> 127).
+        scale = ((scale_bits << 20) + (120 << 23)).to(tl.float32, bitcast=True)
+        if PER_TENSOR_SCALE:
+            reciprocal = tl.math.div_rn(numerator, scale)
+        else:
+            reciprocal = tl.math.div_rn(1.0, scale)
+        codes = to_e2m1_bits(x * reciprocal[:, :, None, None])
+        low, high = tl.split(codes)
+        packed = low | (high << 4)
+        tl.store(values_ptr + rows[:, None, None] * values_stride + (g * 64 + bytes_)[None, :, :],
+                 packed.to(tl.uint8), mask=rmask[:, None, None])  # fmt: skip
+        tl.store(scales_ptr + rows[:, None] * scales_stride + (g * 8 + blocks)[None, :],
+                 scale_bits.to(tl.uint8), mask=rmask[:, None])  # fmt: skip
+
+
+@triton.jit
+def quantize_block_scaled_kernel(
+    x_ptr,  # [T, H] bf16/fp16/fp32, row stride x_stride
+    x_stride,
+    values_ptr,  # out uint8, contiguous: [T, H] e4m3 bits (MXFP8), [T, H / 2] e2m1 pairs (NVFP4)
+    scales_ptr,  # out uint8, contiguous: [T, H / 32] E8M0 bytes (MXFP8), [T, H / 16] e4m3 bits
+    per_tensor_scale_ptr,  # float32 scalar, read if NVFP4 and PER_TENSOR_SCALE
+    num_tokens,
+    hidden,
+    BLOCK_T: tl.constexpr,  # tokens per program
+    GROUPS: tl.constexpr,  # 128-channel groups per program
+    NVFP4: tl.constexpr,  # False: MXFP8
+    PER_TENSOR_SCALE: tl.constexpr,
+):
+    """MXFP8 or NVFP4 quantization alone, for tests and the benchmark: program (i, j) takes
+    BLOCK_T tokens from i * BLOCK_T, GROUPS groups from j * GROUPS."""
+    first_row = tl.program_id(0) * BLOCK_T
+    first = tl.program_id(1) * GROUPS
+    last = tl.minimum(first + GROUPS, hidden // 128)
+    if NVFP4:
+        quantize_nvfp4_block(x_ptr, x_stride, values_ptr, hidden // 2, scales_ptr, hidden // 16,
+                             per_tensor_scale_ptr, first_row, num_tokens, first, last, BLOCK_T,
+                             PER_TENSOR_SCALE)  # fmt: skip
+    else:
+        quantize_mxfp8_block(x_ptr, x_stride, values_ptr, hidden, scales_ptr, hidden // 32,
+                             first_row, num_tokens, first, last, BLOCK_T)  # fmt: skip
