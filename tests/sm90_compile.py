@@ -27,8 +27,9 @@ from triton.compiler import ASTSource
 
 from hybrid_ep_triton.kernels.combine import combine_kernel
 from hybrid_ep_triton.kernels.dispatch import dispatch_kernel
-from hybrid_ep_triton.kernels.quantize import quantize_block_scaled_kernel
+from hybrid_ep_triton.kernels.quantize import NO_QUANTIZER, quantize_block_scaled_kernel
 from hybrid_ep_triton.kernels.route import layout_kernel
+from hybrid_ep_triton.ops.dispatch import QUANTIZERS
 from hybrid_ep_triton.runtime.nvshmem import device_library
 from hybrid_ep_triton.runtime.planner import (
     LOCAL_PARTS,
@@ -114,7 +115,8 @@ def compile_all(topologies=TOPOLOGIES):
             LP_MAX=LOCAL_PARTS,
             STAGES=cfg.copy_stages,
             SCALE_WORDS=0,
-            QUANTIZE=False,
+            QUANTIZE=NO_QUANTIZER.value,
+            CHANNEL_GROUPS=0,
             OUTPUTS_FROM_HOST=False,
             **topology,
             **slot,
@@ -134,8 +136,8 @@ def compile_all(topologies=TOPOLOGIES):
         partials = dict(
             i64, y_ptr="*bf16", weights_ptr="*fp32", outbox_ptr="*bf16", out_ptr="*bf16"
         )
-        # FP8 rows move as int32 words: data words, then the scale words (planner.Fp8Rows).
-        fp8 = plan.fp8
+        # FP8 rows move as int32 words: data words, then the scale words (planner.ScaledRows).
+        fp8 = plan.scaled_rows("fp8")
         fp8_tokens = dict(tokens, x_ptr="*i32", recv_x_ptr="*i32", x_scales_ptr="*i32",
                           recv_scales_ptr="*i32")  # fmt: skip
         fp8_constexprs = dict(common, BLOCK_H=fp8.block, NET_COLS=fp8.net_cols,
@@ -150,10 +152,13 @@ def compile_all(topologies=TOPOLOGIES):
             # FP8 rows: expert-major at EP8, token rows across nodes (each build costs ~20 s).
             *((dispatch_kernel, fp8_tokens, dict(fp8_constexprs, TOKEN_ROWS=nodes > 1),
                cfg.num_warps) for _ in range(world > 2)),
-            # Quantizing as it sends, from bf16 rows: expert-major at EP2.
+            # Quantizing as it sends, from bf16 rows, into each format: expert-major at EP2.
             *((dispatch_kernel, dict(fp8_tokens, source_ptr="*bf16"),
-               dict(fp8_constexprs, TOKEN_ROWS=False, QUANTIZE=True), cfg.num_warps)
-              for _ in range(world == 2)),
+               dict(common, BLOCK_H=layout.block, NET_COLS=layout.net_cols,
+                    SCALE_WORDS=layout.scale_words, TOKEN_ROWS=False, QUANTIZE=QUANTIZERS[name],
+                    CHANNEL_GROUPS=7168 // 128), cfg.num_warps)
+              for name in QUANTIZERS if world == 2
+              for layout in (plan.scaled_rows(name),)),
             # An exact-mode move, its outputs from the host's record: expert-major at EP2.
             *((dispatch_kernel, tokens,
                dict(common, BLOCK_H=cfg.block_h, TOKEN_ROWS=False, OUTPUTS_FROM_HOST=True),
@@ -176,8 +181,11 @@ def compile_all(topologies=TOPOLOGIES):
                 options=options,
             )
             rows = " (token rows)" if constexprs.get("TOKEN_ROWS") else ""
-            rows += " FP8" if constexprs.get("SCALE_WORDS") else ""
-            rows += " quantizing" if constexprs.get("QUANTIZE") else ""
+            quantizer = {code: name for name, code in QUANTIZERS.items()}.get(
+                constexprs.get("QUANTIZE")
+            )
+            rows += f" quantizing into {quantizer}" if quantizer else ""
+            rows += " FP8" if constexprs.get("SCALE_WORDS") and not quantizer else ""
             rows += " (outputs from the host)" if constexprs.get("OUTPUTS_FROM_HOST") else ""
             topo = f"EP{world}" if nodes == 1 else f"EP{world} ({nodes}x{per_node}, NVSHMEM)"
             yield f"{topo} {kernel.fn.__name__}{rows}", compiled

@@ -232,7 +232,7 @@ def _bad_input(kind: str, x, idx, w):
             dict(x=torch.zeros(H, x.shape[0], dtype=BF16, **z).t()), "x", "contiguous"
         ),
         "quantize at a hidden size not a multiple of 128": (
-            dict(quantize=True), "x", "multiple of 128"
+            dict(quantize=True), "quantize", "multiple of 128"
         ),
         "topk_idx float": (dict(topk_idx=idx.float()), "topk_idx", "int32 or int64"),
         "topk_idx with a row too many": (

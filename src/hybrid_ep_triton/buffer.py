@@ -8,7 +8,7 @@ import torch.distributed as dist
 
 from .ops import library, make_runtime, status
 from .ops.dispatch import DispatchHandle
-from .ops.fp8_rows import Fp8Values
+from .ops.scaled_rows import ScaledValues
 from .runtime.checks import (
     check_contiguous_rows,
     check_int,
@@ -16,7 +16,7 @@ from .runtime.checks import (
     check_tensor,
     describe,
 )
-from .runtime.planner import FP8_GROUP, MAX_SMS, MAX_TOPK, make_plan
+from .runtime.planner import FP8_GROUP, MAX_SMS, MAX_TOPK, SCALED_FORMATS, ScaledFormat, make_plan
 from .runtime.tuning import cache_key, select_config
 
 DEFAULT_TIMEOUT_S = 60.0
@@ -168,7 +168,7 @@ class Buffer:
         pad_multiple: int = 1,
         max_recv_tokens: int | None = None,
         handle: DispatchHandle | None = None,
-        quantize: bool = False,
+        quantize: bool | str = False,
         expert_recv_stats: torch.Tensor | None = None,
         previous_event: torch.cuda.Event | None = None,
         async_finish: bool = False,
@@ -178,12 +178,22 @@ class Buffer:
 
         Args:
             x: [T, H] tokens of this rank, the Buffer's dtype; 0 <= T <= max_tokens_per_rank.
-                Or FP8 rows, a pair (values [T, H] float8_e4m3fn, scales [T, H / 128]
-                float32: channel h of token t is values[t, h] * scales[t, h // 128]), with
-                H % 128 == 0, any Buffer dtype; values need a row stride and start that are
-                multiples of 4 bytes. recv_x is then such a pair too, each row's scales moved
-                with it (padding rows: values 0, scales 0). A pair given as x carries no
-                gradient: ValueError if its values or scales require grad.
+                Or block-scaled rows, a pair (values, scales) whose dtypes name the format
+                (channel h of token t is value(t, h) * scales[t, h // block]; scales row-major,
+                one row per token):
+                - fp8 (DeepSeek-V3): values [T, H] float8_e4m3fn, scales [T, H / 128] float32;
+                - mxfp8 (OCP MX v1.0): values [T, H] float8_e4m3fn, scales [T, H / 32]
+                  float8_e8m0fnu (powers of two);
+                - nvfp4: values [T, H / 2] float4_e2m1fn_x2 (channel 2i in byte i's low
+                  nibble), scales [T, H / 16] float8_e4m3fn (an NVFP4 per-tensor scale is not
+                  a row's: it stays with the caller, and must be the same on every rank);
+                H a multiple of the format's block, any Buffer dtype; values need a row stride
+                and start that are multiples of 4 bytes. recv_x is then such a pair too, each
+                row's scales moved with it (padding rows: values 0, scales 0), its scales
+                row-major (swizzle them for a GEMM that reads cuBLAS' 128x4 blocked layout,
+                ``reference.to_blocked``); where a row's scales do not fill whole 4-byte words
+                (mxfp8 at H = 2880) recv_scales is a view of wider rows. A pair given as x
+                carries no gradient: ValueError if its values or scales require grad.
             topk_idx: [T, K] int32 or int64 global expert ids, -1 for an unused slot, distinct
                 within a row. Not needed with ``handle``.
             topk_weights: [T, K] float32 routing weights, or None.
@@ -200,22 +210,25 @@ class Buffer:
                 never drop a row.
             handle: the handle of an earlier dispatch: send new rows ``x`` along the same routing
                 without recomputing the layout (topk_idx, pad_multiple and max_recv_tokens are
-                taken from it). FP8 and rows of the Buffer's dtype may share a handle.
-            quantize: x in the Buffer's dtype is quantized to FP8 rows by the dispatch launch
-                as it sends them (``reference.quantize_fp8`` states the rule; the kernels match
-                it bit for bit), so that only FP8 values and scales cross the links; recv_x is
-                the FP8 pair.
-                When x requires grad (and grad mode is on), the pair's values are an
-                ``Fp8Values`` (ops/fp8_rows.py) instead of a float8 tensor: to torch [N, H] of
-                the Buffer's dtype, holding the float8_e4m3fn values in ``.fp8`` (what an FP8
-                GEMM reads, with the pair's scales, also in ``.scales``); every other torch op
-                on it (dispatch and combine included) sees the dequantized rows (value * scale
-                in float32, rounded to the Buffer's dtype) and returns plain tensors. Its
-                gradient, [N, H] of the Buffer's dtype, goes straight through the quantization:
-                grad x[t] is the sum of the gradients of the rows token t landed on (padding
-                rows add nothing), as for a dispatch of x itself; topk_weights' gradient is as
-                without quantize; the scales carry none. Also along a handle, in both layouts;
-                eager mode only (torch.compile is not covered with x requiring grad).
+                taken from it). Pairs of any format and rows of the Buffer's dtype may share a
+                handle.
+            quantize: "fp8" (or True), "mxfp8" or "nvfp4": x in the Buffer's dtype is
+                quantized by the dispatch launch as it sends it (``reference.quantize_fp8``,
+                ``quantize_mxfp8`` and ``quantize_nvfp4``, without a per-tensor scale, state
+                the rules; the kernels match them bit for bit), so that only the format's
+                values and scales cross the links; recv_x is the format's pair; H % 128 == 0.
+                When x requires grad (and grad mode is on), the pair's values are a
+                ``ScaledValues`` (ops/scaled_rows.py) instead of a plain tensor: to torch [N, H]
+                of the Buffer's dtype, holding the quantized values in ``.quantized`` (what a
+                block-scaled GEMM reads, with the pair's scales, also in ``.scales``); every
+                other torch op on it (dispatch and combine included) sees the dequantized rows
+                (value * scale in float32, rounded to the Buffer's dtype) and returns plain
+                tensors. Its gradient, [N, H] of the Buffer's dtype, goes straight through the
+                quantization: grad x[t] is the sum of the gradients of the rows token t landed
+                on (padding rows add nothing), as for a dispatch of x itself; topk_weights'
+                gradient is as without quantize; the scales carry none. Also along a handle, in
+                both layouts; eager mode only (torch.compile is not covered with x requiring
+                grad).
             expert_recv_stats: int64 [L] on the Buffer's device, or None: a dispatch that
                 computes a layout (no ``handle``) adds into it, on the device and in the call's
                 stream order (no host synchronisation, CUDA-graph capturable), the tokens routed
@@ -253,7 +266,7 @@ class Buffer:
         rt = self._rt
         new_layout = handle is None
         try:
-            x, x_scales = self._checked_dispatch_inputs(
+            x, x_scales, scaled = self._checked_dispatch_inputs(
                 x, topk_idx, topk_weights, pad_multiple, max_recv_tokens, handle, quantize,
                 expert_recv_stats, previous_event,
             )  # fmt: skip
@@ -265,11 +278,12 @@ class Buffer:
 
         if new_layout:
             topk_idx = topk_idx.contiguous()
-        if quantize and x.requires_grad and torch.is_grad_enabled():
-            # Straight through the quantization: the values are an Fp8Values.
+        if scaled and x_scales is None and x.requires_grad and torch.is_grad_enabled():
+            # Straight through the quantization: the values are a ScaledValues.
             (recv_x, recv_scales, recv_weights, handle), event = self._launch(
                 lambda: _counted(library.run_quantized_dispatch(
-                    rt, self._id, x, topk_weights, topk_idx, pad_multiple, max_recv_tokens, handle
+                    rt, self._id, x, topk_weights, topk_idx, pad_multiple, max_recv_tokens,
+                    handle, scaled,
                 ), expert_recv_stats),
                 (x, topk_idx, topk_weights), previous_event, async_finish,
             )  # fmt: skip
@@ -277,14 +291,14 @@ class Buffer:
             (recv_x, recv_scales, recv_weights, handle), event = self._launch(
                 lambda: _counted(library.run_dispatch(
                     rt, self._id, x, x_scales, topk_idx, topk_weights, pad_multiple,
-                    max_recv_tokens, quantize,
+                    max_recv_tokens, scaled,
                 ), expert_recv_stats),
                 (x, x_scales, topk_idx, topk_weights), previous_event, async_finish,
             )  # fmt: skip
         else:
             (recv_x, recv_scales, recv_weights), event = self._launch(
                 lambda: library.run_dispatch_cached(
-                    rt, self._id, x, x_scales, topk_weights, handle, quantize
+                    rt, self._id, x, x_scales, topk_weights, handle, scaled
                 ),
                 (x, x_scales, topk_weights), previous_event, async_finish,
             )  # fmt: skip
@@ -309,20 +323,23 @@ class Buffer:
         quantize,
         expert_recv_stats,
         previous_event,
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    ) -> tuple[torch.Tensor, torch.Tensor | None, str | None]:
         """dispatch's checks: _Refused naming the argument that fails; returns the rows as the
-        kernels read them and the FP8 scales (or None)."""
+        kernels read them, a pair's scales (or None) and the block-scaled format of recv_x
+        (None: rows of the Buffer's dtype)."""
         rt = self._rt
         x_scales = None
+        with _refusing("quantize"):
+            scaled = self._quantized_format(quantize)
         with _refusing("x"):
             if isinstance(x, tuple):
-                if quantize:
-                    raise ValueError("quantize=True takes rows of the Buffer's dtype, not FP8 rows")
-                x, x_scales = self._check_fp8_rows(x)
+                if scaled is not None:
+                    raise ValueError(
+                        f"quantize={quantize!r} takes rows of the Buffer's dtype, not a pair"
+                    )
+                x, x_scales, scaled = self._check_pair(x)
             else:
                 self._check_tokens("x", x)
-                if quantize:
-                    self._check_fp8_hidden()
                 x = _readable_rows(x)
         num_tokens = x.shape[0]
         if handle is None:
@@ -358,7 +375,7 @@ class Buffer:
                              torch.int64, rt.device)  # fmt: skip
         with _refusing("previous_event"):
             self._check_event(previous_event)
-        return x, x_scales
+        return x, x_scales, scaled
 
     def combine(
         self,
@@ -493,12 +510,16 @@ class Buffer:
         if self._rt.broken is not None:
             raise RuntimeError(f"this Buffer is unusable after an earlier error: {self._rt.broken}")
 
-    def _check_tokens(self, name: str, x: torch.Tensor, dtype: torch.dtype | None = None) -> None:
-        """x: [T, H] rows of ``dtype`` (default: the Buffer's), T <= max_tokens_per_rank."""
+    def _check_tokens(
+        self, name: str, x: torch.Tensor, dtype: torch.dtype | None = None, cols: int | None = None
+    ) -> None:
+        """x: [T, cols] (default: [T, H]) of ``dtype`` (default: the Buffer's), T <=
+        max_tokens_per_rank."""
         check_tensor(name, x, None, dtype or self.dtype, self._rt.device)
         shape = x.shape
-        if len(shape) != 2 or shape[1] != self.hidden_size:
-            raise ValueError(f"{name} must be a [T, {self.hidden_size}] tensor, got {tuple(shape)}")
+        cols = cols or self.hidden_size
+        if len(shape) != 2 or shape[1] != cols:
+            raise ValueError(f"{name} must be a [T, {cols}] tensor, got {tuple(shape)}")
         if shape[0] > self.max_tokens_per_rank:
             raise ValueError(
                 f"{name} has {shape[0]} tokens, more than max_tokens_per_rank="
@@ -506,41 +527,76 @@ class Buffer:
             )
         check_contiguous_rows(name, x)
 
-    def _check_fp8_hidden(self) -> None:
-        if self._rt.plan.fp8 is None:
+    def _quantized_format(self, quantize) -> str | None:
+        """The format that ``quantize`` asks the launch to quantize into (None: none)."""
+        if quantize is False or quantize is None:
+            return None
+        name = "fp8" if quantize is True else quantize
+        if not isinstance(name, str) or name not in SCALED_FORMATS:
             raise ValueError(
-                f"FP8 rows need a hidden size that is a multiple of {FP8_GROUP}, this Buffer's "
-                f"is {self.hidden_size}"
+                f"quantize must be False, True (fp8) or one of {tuple(SCALED_FORMATS)}, got "
+                f"{describe(quantize)}"
             )
+        # The launch quantizes 128 channels at a time (kernels/quantize.py).
+        if self.hidden_size % FP8_GROUP:
+            raise ValueError(
+                f"quantize={quantize!r} needs a hidden size that is a multiple of {FP8_GROUP}, "
+                f"this Buffer's is {self.hidden_size} (pass rows quantized beforehand as a "
+                "(values, scales) pair instead)"
+            )
+        return name
 
-    def _check_fp8_rows(self, pair) -> tuple[torch.Tensor, torch.Tensor]:
+    def _check_pair(self, pair) -> tuple[torch.Tensor, torch.Tensor, str]:
+        """A (values, scales) pair of rows of a block-scaled format, checked; returns values,
+        scales and the format's name."""
         if len(pair) != 2:
-            raise ValueError(f"FP8 rows are a pair (values, scales), got {len(pair)} items")
-        values, scales = pair
-        self._check_fp8_hidden()
-        if isinstance(values, Fp8Values):
             raise ValueError(
-                "FP8 values must be a float8_e4m3fn tensor, got an Fp8Values (the values of a "
-                "quantize=True dispatch of rows that require grad): pass its .fp8, which "
-                "carries no gradient, or the Fp8Values alone as rows of its dtype"
+                f"block-scaled rows are a pair (values, scales), got {len(pair)} items"
             )
-        self._check_tokens("FP8 values", values, torch.float8_e4m3fn)
-        check_tensor("FP8 scales", scales, (values.shape[0], self.hidden_size // FP8_GROUP),
-                     torch.float32, self._rt.device)  # fmt: skip
-        check_contiguous_rows("FP8 scales", scales)
+        values, scales = pair
+        if not self._rt.plan.scaled:
+            blocks = ", ".join(f"{f.block} ({f.name})" for f in SCALED_FORMATS.values())
+            raise ValueError(
+                f"block-scaled rows need a hidden size that is a multiple of {blocks}, this "
+                f"Buffer's is {self.hidden_size}"
+            )
+        if isinstance(values, ScaledValues):
+            raise ValueError(
+                "a pair's values must be a plain tensor, got a ScaledValues (the values of a "
+                "quantizing dispatch of rows that require grad): pass its .quantized, which "
+                "carries no gradient, or the ScaledValues alone as rows of its dtype"
+            )
+        dtypes = (getattr(values, "dtype", None), getattr(scales, "dtype", None))
+        fmt = next((f for f in SCALED_FORMATS.values() if dtypes == _pair_dtypes(f)), None)
+        if fmt is None:
+            known = ", ".join(f"{f.name} {_pair_dtypes(f)}" for f in SCALED_FORMATS.values())
+            raise ValueError(
+                f"a pair's (values, scales) dtypes name its format, one of {known}; got "
+                f"({describe(values)}, {describe(scales)})".replace("torch.", "")
+            )
+        if self._rt.plan.scaled_rows(fmt.name) is None:
+            raise ValueError(
+                f"{fmt.name} rows need a hidden size that is a multiple of {fmt.block} (and of "
+                f"{4 * fmt.channels_per_byte}), this Buffer's is {self.hidden_size}"
+            )
+        self._check_tokens(f"{fmt.name} values", values, fmt.values_dtype,
+                           fmt.values_shape(0, self.hidden_size)[1])  # fmt: skip
+        scales_shape = fmt.scales_shape(values.shape[0], self.hidden_size)
+        check_tensor(f"{fmt.name} scales", scales, scales_shape, fmt.scale_dtype, self._rt.device)
+        check_contiguous_rows(f"{fmt.name} scales", scales)
         # (torch.compile cannot trace storage_offset(); the operator's view as words checks it.)
         offset = 0 if torch.compiler.is_compiling() else values.storage_offset()
         if values.stride(0) % 4 or offset % 4:
             raise ValueError(
-                "FP8 values must start and have a row stride at multiples of 4 bytes (they move "
-                f"as 32-bit words), got stride {values.stride(0)}, offset {offset}"
+                f"{fmt.name} values must start and have a row stride at multiples of 4 bytes "
+                f"(they move as 32-bit words), got stride {values.stride(0)}, offset {offset}"
             )
         if values.requires_grad or scales.requires_grad:
             raise ValueError(
-                "FP8 rows carry no gradient: dispatch rows of the Buffer's dtype with "
-                "quantize=True to have one"
+                "a pair carries no gradient: dispatch rows of the Buffer's dtype with quantize "
+                "to have one"
             )
-        return values, scales
+        return values, scales, fmt.name
 
     def _check_routing(self, topk_idx: torch.Tensor | None, num_tokens: int) -> int:
         if topk_idx is None:
@@ -613,6 +669,10 @@ def _refusing(argument: str):
         raise _Refused(argument, error) from None
 
 
+def _pair_dtypes(fmt: ScaledFormat) -> tuple[torch.dtype, torch.dtype]:
+    return fmt.values_dtype, fmt.scale_dtype
+
+
 def _is_count(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
@@ -626,9 +686,9 @@ def _counted(outputs: tuple, expert_recv_stats: torch.Tensor | None) -> tuple:
 
 
 def _readable_rows(rows: torch.Tensor) -> torch.Tensor:
-    """``rows``, or for an Fp8Values (no storage of its own for a kernel to read) its
+    """``rows``, or for a ScaledValues (no storage of its own for a kernel to read) its
     dequantized rows, as every torch op sees them, with its gradient."""
-    return rows.dequantize() if isinstance(rows, Fp8Values) else rows
+    return rows.dequantize() if isinstance(rows, ScaledValues) else rows
 
 
 def _token_device(device: torch.device | str | None, group: dist.ProcessGroup) -> torch.device:

@@ -31,19 +31,19 @@ through the staging area), and every other rank's chunks, each as soon as its fl
 the staging area; then they zero the padding rows and the rows past the valid count. Expanders
 wait only for senders, which come first in the launch order.
 
-Quantizing (QUANTIZE: rows of the Buffer's dtype in, FP8 rows out), the first programs come
-before the senders: quantizers take work items (chunk, QUANT_GROUPS channel groups) of
-``source`` from a queue, quantize them (kernels/quantize.py) into x / x_scales, and raise the
-item's flag; senders and the expansion of own rows wait for the flags of a chunk before they
-read it, so the transfers start with the first chunks quantized and only FP8 bytes cross the
-links. Quantizers wait for nothing and come first in the launch order, so that every wait is
-for programs that started earlier (the launch is then more than one wave of programs: the GPU
-starts them in order as others finish; on CPU ranks, where they run one after the other, the
-quantizers are done before any sender starts).
+Quantizing (QUANTIZE: rows of the Buffer's dtype in, block-scaled rows out: FP8, MXFP8 or
+NVFP4), the first programs come before the senders: quantizers take work items (chunk,
+QUANT_GROUPS channel groups) of ``source`` from a queue, quantize them (kernels/quantize.py)
+into x / x_scales, and raise the item's flag; senders and the expansion of own rows wait for
+the flags of a chunk before they read it, so the transfers start with the first chunks
+quantized and only the quantized bytes cross the links. Quantizers wait for nothing and come
+first in the launch order, so that every wait is for programs that started earlier (the launch
+is then more than one wave of programs: the GPU starts them in order as others finish; on CPU
+ranks, where they run one after the other, the quantizers are done before any sender starts).
 
-FP8 rows (SCALE_WORDS > 0) are moved bit for bit as int32 words: a staged row is its e4m3
-values (data_cols words) then its float32 scales (SCALE_WORDS words), padded to ``hidden``
-words; only the copies from x and into recv_x see two parts (row_part, out_part).
+Block-scaled rows (SCALE_WORDS > 0) are moved bit for bit as int32 words: a staged row is its
+values (data_cols words) then its scales (SCALE_WORDS words), padded to ``hidden`` words; only
+the copies from x and into recv_x see two parts (row_part, out_part).
 
 In the code each role is a function, with what it waits for and what it releases in its
 docstring: _quantize_role, _send_role (its network part _send_to_nodes), _forward_role and
@@ -87,7 +87,13 @@ from .primitives import (
     wait_host_record,
     wait_landed,
 )
-from .quantize import quantize_block
+from .quantize import (
+    QUANTIZE_FP8,
+    QUANTIZE_MXFP8,
+    quantize_block,
+    quantize_mxfp8_block,
+    quantize_nvfp4_block,
+)
 
 QUANT_GROUPS = tl.constexpr(8)  # 128-channel groups of a quantizer's work item
 
@@ -803,7 +809,7 @@ DispatchConsts = namedtuple(
     "DispatchConsts",
     "W T_MAX NC_MAX H_SLICES P_MAX MS MS_P2 K_P2 CHUNK BLOCK_H HAS_WEIGHTS WRITE_ROWS TOKEN_ROWS "
     "STAGES R R_P2 NODES META_INTS META_FLOATS NET_COLS DATA_OFF SLOT_BYTES SCALE_WORDS QUANTIZE "
-    "OUTPUTS_FROM_HOST",
+    "CHANNEL_GROUPS OUTPUTS_FROM_HOST",
 )
 
 
@@ -814,24 +820,42 @@ def _quantize_role(tok, sync, k):
     x / x_scales and release it by its flag in quantized_flags, for the senders and the
     expansion of own rows, which read x."""
     if k.QUANTIZE:
-        QUANT_SLICES: tl.constexpr = (k.SCALE_WORDS + QUANT_GROUPS - 1) // QUANT_GROUPS
+        QUANT_SLICES: tl.constexpr = (k.CHANNEL_GROUPS + QUANT_GROUPS - 1) // QUANT_GROUPS
         items = tl.where(sync.aborted, 0, tl.cdiv(tok.num_tokens, k.CHUNK) * QUANT_SLICES)
         item = take_work(sync.control_ptr + SECOND_QUEUE)
         while item < items:
             first_group = (item % QUANT_SLICES) * QUANT_GROUPS
-            quantize_block(
-                src_ptr=tok.source_ptr,
-                src_stride=tok.source_stride,
-                values_ptr=tok.x_ptr.to(tl.pointer_type(tl.uint8)),
-                values_stride=tok.x_stride * 4,
-                scales_ptr=tok.x_scales_ptr.to(tl.pointer_type(tl.float32)),
-                scales_stride=tok.x_scales_stride,
-                first_row=item // QUANT_SLICES * k.CHUNK,
-                num_rows=tok.num_tokens,
-                first_group=first_group,
-                last_group=tl.minimum(first_group + QUANT_GROUPS, k.SCALE_WORDS),
-                ROWS=k.CHUNK,
-            )
+            first_row = item // QUANT_SLICES * k.CHUNK
+            last_group = tl.minimum(first_group + QUANT_GROUPS, k.CHANNEL_GROUPS)
+            values = tok.x_ptr.to(tl.pointer_type(tl.uint8))  # x and x_scales: int32 words
+            if k.QUANTIZE == QUANTIZE_FP8:
+                quantize_block(
+                    src_ptr=tok.source_ptr, src_stride=tok.source_stride, values_ptr=values,
+                    values_stride=tok.x_stride * 4,
+                    scales_ptr=tok.x_scales_ptr.to(tl.pointer_type(tl.float32)),
+                    scales_stride=tok.x_scales_stride, first_row=first_row,
+                    num_rows=tok.num_tokens, first_group=first_group, last_group=last_group,
+                    ROWS=k.CHUNK,
+                )  # fmt: skip
+            elif k.QUANTIZE == QUANTIZE_MXFP8:
+                quantize_mxfp8_block(
+                    src_ptr=tok.source_ptr, src_stride=tok.source_stride, values_ptr=values,
+                    values_stride=tok.x_stride * 4,
+                    scales_ptr=tok.x_scales_ptr.to(tl.pointer_type(tl.uint8)),
+                    scales_stride=tok.x_scales_stride * 4, first_row=first_row,
+                    num_rows=tok.num_tokens, first_group=first_group, last_group=last_group,
+                    ROWS=k.CHUNK,
+                )  # fmt: skip
+            else:  # NVFP4, without a per-tensor scale (a row's scales are all it carries)
+                quantize_nvfp4_block(
+                    src_ptr=tok.source_ptr, src_stride=tok.source_stride, values_ptr=values,
+                    values_stride=tok.x_stride * 4,
+                    scales_ptr=tok.x_scales_ptr.to(tl.pointer_type(tl.uint8)),
+                    scales_stride=tok.x_scales_stride * 4,
+                    per_tensor_scale_ptr=sync.quantized_flags_ptr, first_row=first_row,
+                    num_rows=tok.num_tokens, first_group=first_group, last_group=last_group,
+                    ROWS=k.CHUNK, PER_TENSOR_SCALE=False,
+                )  # fmt: skip
             signal(sync.quantized_flags_ptr + item, sync.seq)
             item = take_work(sync.control_ptr + SECOND_QUEUE)
 
@@ -844,7 +868,7 @@ def _send_role(sender, send_cols, node_first, tok, lay, heap, sync, k):
     work items w = sender, sender + P, ...: across nodes first into the network (_send_to_nodes),
     then to the other ranks of its node, and releases each item by its flag in every peer's
     chunk flags, for their expanders (and forwarders)."""
-    QUANT_SLICES: tl.constexpr = (k.SCALE_WORDS + QUANT_GROUPS - 1) // QUANT_GROUPS
+    QUANT_SLICES: tl.constexpr = (k.CHANNEL_GROUPS + QUANT_GROUPS - 1) // QUANT_GROUPS
     ITEMS: tl.constexpr = k.NC_MAX * k.H_SLICES
     rank = tok.rank
     start_channel(channel=sender, rank=rank, stage=STAGE_DISPATCH_READY, heap=heap, sync=sync, k=k)
@@ -1112,7 +1136,7 @@ def _expand_role(expander, num_expanders, send_cols, node_first, my_ready, tok, 
     Own items all first would fill HBM at the start, and the senders' stores landing on the peer
     (busy likewise) would slow down by half until they are done. Then zeroes the padding rows
     and the rows past the valid count (_zero_tail). Releases nothing: the launch's end does."""
-    QUANT_SLICES: tl.constexpr = (k.SCALE_WORDS + QUANT_GROUPS - 1) // QUANT_GROUPS
+    QUANT_SLICES: tl.constexpr = (k.CHANNEL_GROUPS + QUANT_GROUPS - 1) // QUANT_GROUPS
     ITEMS: tl.constexpr = k.NC_MAX * k.H_SLICES
     rank = tok.rank
     aborted = sync.aborted
@@ -1398,8 +1422,10 @@ def dispatch_kernel(
     NET_COLS: tl.constexpr,
     DATA_OFF: tl.constexpr,
     SLOT_BYTES: tl.constexpr,
-    SCALE_WORDS: tl.constexpr,  # 0; FP8 rows: H / 128, the scale words after a row's data words
-    QUANTIZE: tl.constexpr,  # FP8 rows that this launch quantizes from source into x, x_scales
+    SCALE_WORDS: tl.constexpr,  # 0; block-scaled rows: the scale words after a row's data words
+    QUANTIZE: tl.constexpr,  # the quantizer (kernels/quantize.py) of rows this launch quantizes
+    # from source into x, x_scales as it sends them; NO_QUANTIZER: x holds the rows
+    CHANNEL_GROUPS: tl.constexpr,  # QUANTIZE: 128-channel groups of a row (H / 128)
     OUTPUTS_FROM_HOST: tl.constexpr,  # N and the output pointers come from a host record
 ):
     pid = tl.program_id(0) - num_quantizers  # quantizers < 0 <= senders
@@ -1430,6 +1456,6 @@ def dispatch_kernel(
         k=DispatchConsts(W, T_MAX, NC_MAX, H_SLICES, P_MAX, MS, MS_P2, K_P2, CHUNK, BLOCK_H,
                          HAS_WEIGHTS, WRITE_ROWS, TOKEN_ROWS, STAGES, R, R_P2, NODES, META_INTS,
                          META_FLOATS, NET_COLS, DATA_OFF, SLOT_BYTES, SCALE_WORDS, QUANTIZE,
-                         OUTPUTS_FROM_HOST),
+                         CHANNEL_GROUPS, OUTPUTS_FROM_HOST),
     )  # fmt: skip
     finish_launch(control_ptr, seq, num_programs)

@@ -18,6 +18,13 @@ give the same bits.
 import triton
 import triton.language as tl
 
+# A dispatch launch's QUANTIZE: which quantizer its first programs run (none: rows are moved as
+# they are given).
+NO_QUANTIZER = tl.constexpr(0)
+QUANTIZE_FP8 = tl.constexpr(1)  # quantize_block: e4m3 values, a float32 scale per 128 channels
+QUANTIZE_MXFP8 = tl.constexpr(2)
+QUANTIZE_NVFP4 = tl.constexpr(3)
+
 E4M3_MAX = tl.constexpr(448.0)
 E4M3_TINY = tl.constexpr(2.0**-6)  # the smallest normal e4m3 value
 E2M1_MAX = tl.constexpr(6.0)

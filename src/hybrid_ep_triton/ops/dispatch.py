@@ -10,8 +10,17 @@ import torch
 
 from ..kernels.control import INFO_WORDS
 from ..kernels.dispatch import QUANT_GROUPS, dispatch_kernel
+from ..kernels.quantize import NO_QUANTIZER, QUANTIZE_FP8, QUANTIZE_MXFP8, QUANTIZE_NVFP4
 from ..kernels.route import layout_kernel
-from ..runtime.planner import MAX_PROGRAMS, MAX_REGISTERS, Plan, ceil_div, next_power_of_2
+from ..runtime.planner import (
+    FP8_GROUP,
+    MAX_PROGRAMS,
+    MAX_REGISTERS,
+    Plan,
+    ScaledRows,
+    ceil_div,
+    next_power_of_2,
+)
 from . import Runtime, channel_programs, local_parts, programs_beside_senders
 from .launch import KernelLauncher, TensorView
 
@@ -25,8 +34,16 @@ _EXCHANGE_TILE = 8192
 INVALID_ROUTING = 1
 REFUSABLE = (
     "x", "topk_idx", "topk_weights", "pad_multiple", "max_recv_tokens", "previous_event",
-    "expert_recv_stats",
+    "expert_recv_stats", "quantize",
 )  # fmt: skip
+
+
+# The dispatch kernel's quantizer of each block-scaled format (its QUANTIZE).
+QUANTIZERS = {
+    "fp8": QUANTIZE_FP8.value,
+    "mxfp8": QUANTIZE_MXFP8.value,
+    "nvfp4": QUANTIZE_NVFP4.value,
+}
 
 
 def refusal_code(argument: str) -> int:
@@ -310,11 +327,12 @@ def _move_launcher(rt: Runtime) -> KernelLauncher:
     )  # fmt: skip
 
 
-def _fp8_move_launcher(rt: Runtime) -> KernelLauncher:
-    """dispatch_kernel for FP8 rows, moved as int32 words (see planner.Fp8Rows)."""
-    fp8 = rt.plan.fp8
+def _pair_move_launcher(rt: Runtime, name: str) -> KernelLauncher:
+    """dispatch_kernel for block-scaled rows of format ``name`` given as a pair, moved as int32
+    words (see planner.ScaledRows)."""
+    rows = rt.plan.scaled_rows(name)
     return _data_move_launcher(
-        rt, fp8.words, fp8.data_words, fp8.block, fp8.net_cols, fp8.scale_words,
+        rt, rows.words, rows.data_words, rows.block, rows.net_cols, rows.scale_words,
         **_no_quantizers(rt),
     )  # fmt: skip
 
@@ -322,23 +340,24 @@ def _fp8_move_launcher(rt: Runtime) -> KernelLauncher:
 def _no_quantizers(rt: Runtime) -> dict:
     """The quantizers' arguments of a launch that has none (the unused pointers: any tensor)."""
     return dict(
-        QUANTIZE=False, source_ptr=rt.control, source_stride=0,
+        QUANTIZE=NO_QUANTIZER.value, CHANNEL_GROUPS=0, source_ptr=rt.control, source_stride=0,
         quantized_flags_ptr=rt.control,
     )  # fmt: skip
 
 
-def _quantizing_move_launcher(rt: Runtime) -> KernelLauncher:
-    """dispatch_kernel for rows of the Buffer's dtype that it quantizes into FP8 rows as it
-    sends them (kernels/dispatch.py): into a pair of the Buffer's lifetime, [T_MAX, H / 4] e4m3
-    words and [T_MAX, H / 128] scales, with a flag per quantizer item, which the launcher
-    keeps."""
-    plan, fp8 = rt.plan, rt.plan.fp8
+def _quantizing_move_launcher(rt: Runtime, name: str) -> KernelLauncher:
+    """dispatch_kernel for rows of the Buffer's dtype that it quantizes into rows of format
+    ``name`` as it sends them (kernels/dispatch.py): into a pair of the Buffer's lifetime, of
+    [T_MAX, data_words] and [T_MAX, scale_words] words, with a flag per quantizer item, which
+    the launcher keeps."""
+    plan, rows = rt.plan, rt.plan.scaled_rows(name)
     words = functools.partial(torch.empty, plan.max_tokens, dtype=torch.int32, device=rt.device)
     items = plan.max_chunks * _quantizer_slices(plan)
     return _data_move_launcher(
-        rt, fp8.words, fp8.data_words, fp8.block, fp8.net_cols, fp8.scale_words,
-        QUANTIZE=True, x_ptr=words(fp8.data_words), x_stride=fp8.data_words,
-        x_scales_ptr=words(fp8.scale_words), x_scales_stride=fp8.scale_words,
+        rt, rows.words, rows.data_words, rows.block, rows.net_cols, rows.scale_words,
+        QUANTIZE=QUANTIZERS[name], CHANNEL_GROUPS=plan.hidden // FP8_GROUP,
+        x_ptr=words(rows.data_words), x_stride=rows.data_words,
+        x_scales_ptr=words(rows.scale_words), x_scales_stride=rows.scale_words,
         quantized_flags_ptr=torch.zeros(items, dtype=torch.int64, device=rt.device),
     )  # fmt: skip
 
@@ -355,7 +374,7 @@ def _quantizers(rt: Runtime, num_tokens: int) -> int:
 def _quantizer_slices(plan: Plan) -> int:
     """Quantizer work items per chunk of tokens: column slices of QUANT_GROUPS 128-channel
     groups (the kernel's QUANT_SLICES)."""
-    return ceil_div(plan.fp8.scale_words, QUANT_GROUPS.value)
+    return ceil_div(plan.hidden // FP8_GROUP, QUANT_GROUPS.value)
 
 
 def _data_move_launcher(
@@ -398,22 +417,24 @@ class PreparedMove:
     by an earlier move and stay as they are; otherwise a token-row plan's move sets
     handle.recv_topk_idx.
 
-    FP8 rows: ``x`` [T, H] float8_e4m3fn with ``x_scales`` [T, H / 128] float32 (rows with a
-    row stride that is a multiple of 4 bytes, see fp8_words); ``quantize``: ``x`` of the
-    Buffer's dtype, which the launch quantizes as it sends (x_scales None); else x_scales is
-    None.
+    ``scaled``: None for rows of the Buffer's dtype (x_scales None); else the name of a
+    block-scaled format (planner.SCALED_FORMATS) that recv_x is a pair of: with ``x_scales``,
+    x and x_scales are such a pair (rows whose row stride and start are multiples of 4 bytes,
+    see as_words; scales of any stride); without, ``x`` has the Buffer's dtype and the launch
+    quantizes it as it sends.
 
     ``move(N)`` allocates the outputs and launches. An exact-mode dispatch instead launches
     with ``launch_awaiting_outputs(tag)`` before it knows N, so that the senders start as soon
     as the layout kernel is done, and ``deliver(N, tag)`` allocates the outputs and writes N
     and their addresses into the host record the launch waits for (``cancel(tag)`` where the
-    host has none to give). ``move(N)`` and ``deliver`` return recv_x [N, H] (x's dtype;
-    float8_e4m3fn with quantize), recv_scales ([N, H / 128] float32 for FP8 rows, else None)
-    and recv_weights (None without topk_weights): [N] float32, with token rows [N, K].
+    host has none to give). ``move(N)`` and ``deliver`` return recv_x (rows: [N, H] of x's
+    dtype; a format's values, planner.ScaledFormat.values_shape), recv_scales (a format's
+    scales, else None) and recv_weights (None without topk_weights): [N] float32, with token
+    rows [N, K].
     """
 
     __slots__ = (
-        "rt", "handle", "cached", "has_weights", "rows", "fp8", "dtype", "topk_weights",
+        "rt", "handle", "cached", "has_weights", "rows", "scaled", "dtype", "topk_weights",
         "inputs", "key",
     )  # fmt: skip
 
@@ -425,20 +446,22 @@ class PreparedMove:
         topk_weights: torch.Tensor | None,
         handle: DispatchHandle,
         cached: bool,
-        quantize: bool = False,
+        scaled: str | None = None,
     ):
         self.rt, self.handle, self.cached = rt, handle, cached
         self.has_weights = topk_weights is not None
-        self.rows = "quantize" if quantize else "fp8" if x_scales is not None else "rows"
-        self.fp8 = self.rows != "rows"  # FP8 rows out: values and scales
-        self.dtype = torch.float8_e4m3fn if quantize else x.dtype
+        self.scaled = None if scaled is None else rt.plan.scaled_rows(scaled)
+        self.rows = "rows" if scaled is None else "pair" if x_scales is not None else "quantize"
+        self.dtype = x.dtype if self.scaled is None else self.scaled.format.values_dtype
         self.topk_weights = topk_weights.contiguous() if self.has_weights else None
-        # The arguments from the caller, as _move_changing names them: FP8 rows move as words.
-        if self.rows == "fp8":
-            self.inputs = (fp8_words(x), x.stride(0) // 4, fp8_words(x_scales), x_scales.stride(0))
+        # The arguments from the caller, as _move_changing names them: pairs move as words.
+        if self.rows == "pair":
+            scales = scale_words(x_scales, self.scaled)
+            self.inputs = (as_words(x), x.stride(0) // 4, scales, scales.stride(0))
         else:
             self.inputs = (x, x.stride(0))
-        self.key = ("move", self.rows, self.has_weights, cached, handle.num_tokens, handle.topk)
+        self.key = ("move", self.rows, scaled, self.has_weights, cached, handle.num_tokens,
+                    handle.topk)  # fmt: skip
 
     def __call__(self, num_rows: int) -> Moved:
         outputs = self._allocate(num_rows)
@@ -449,20 +472,21 @@ class PreparedMove:
         """Launch before N is known: the expansion waits for the host record ``tag`` (> 0)."""
         # Stand-ins of the outputs' types, so that the launch takes move(N)'s kernel.
         placeholder = self.rt.placeholder
+        scaled = self.scaled is not None
         outputs = (
-            placeholder(self.dtype), placeholder(torch.float32) if self.fp8 else None,
+            placeholder(torch.int32 if scaled else self.dtype),
+            placeholder(torch.int32) if scaled else None,
             placeholder(torch.float32) if self.has_weights else None,
             placeholder(torch.int32) if self.rt.plan.token_rows and not self.cached else None,
         )  # fmt: skip
-        self._launch(0, tag, *self._arguments(outputs))
+        self._launch(0, tag, *self._arguments(outputs, as_words=False))
 
     def deliver(self, num_rows: int, tag: int) -> Moved:
         """The outputs of a launch_awaiting_outputs(tag) launch, for N = ``num_rows``."""
         outputs = self._allocate(num_rows)
-        recv_x, recv_scales, recv_weights, recv_topk_idx = outputs
         addresses = [t.data_ptr() if t is not None else 0 for t in outputs]
         write_host_record(self.rt.outputs_record_words, tag, (num_rows, *addresses))
-        return recv_x, recv_scales, recv_weights
+        return outputs[:3]
 
     def cancel(self, tag: int) -> None:
         """No outputs for the launch_awaiting_outputs(tag) launch: it moves nothing here."""
@@ -472,10 +496,17 @@ class PreparedMove:
         """recv_x, recv_scales, recv_weights (None without weights), the recv_topk_idx the
         launch writes (None unless a token-row move sets the handle's)."""
         plan, dev = self.rt.plan, self.rt.device
-        recv_x = torch.empty(num_rows, plan.hidden, dtype=self.dtype, device=dev)
         recv_scales = None
-        if self.fp8:
-            recv_scales = torch.empty(num_rows, plan.fp8.scale_words, device=dev)
+        if self.scaled is None:
+            recv_x = torch.empty(num_rows, plan.hidden, dtype=self.dtype, device=dev)
+        else:
+            fmt = self.scaled.format
+            shape = fmt.values_shape(num_rows, plan.hidden)
+            recv_x = torch.empty(shape, dtype=torch.uint8, device=dev).view(fmt.values_dtype)
+            # Scales in whole words a row; the caller sees a row's first scales (all of them
+            # unless planner.ScaledRows.padded_scales).
+            words = torch.empty(num_rows, self.scaled.scale_words, dtype=torch.int32, device=dev)
+            recv_scales = words.view(fmt.scale_dtype)[:, : fmt.scales_shape(0, plan.hidden)[1]]
         recv_weights = recv_topk_idx = None
         if self.has_weights:
             shape = (num_rows, self.handle.topk) if plan.token_rows else (num_rows,)
@@ -485,16 +516,20 @@ class PreparedMove:
             self.handle.recv_topk_idx = recv_topk_idx
         return recv_x, recv_scales, recv_weights, recv_topk_idx
 
-    def _arguments(self, outputs: tuple) -> tuple:
+    def _arguments(self, outputs: tuple, as_words: bool = True) -> tuple:
         """The launch's output arguments (unused ones: any tensor of their type) and, without
         weights, the unused topk_weights: (topk_weights, recv_x, [recv_scales,] recv_weights,
-        recv_topk_idx)."""
+        recv_topk_idx); a pair's outputs as words (placeholders are words already)."""
         recv_x, recv_scales, recv_weights, recv_topk_idx = outputs
         if recv_weights is None:  # no weights: both weight pointers unused
             recv_weights = self.rt.placeholder(torch.float32)
         topk_weights = self.topk_weights if self.has_weights else recv_weights
         recv_topk_idx = recv_weights if recv_topk_idx is None else recv_topk_idx
-        rows = (fp8_words(recv_x), fp8_words(recv_scales)) if self.fp8 else (recv_x,)
+        rows = (recv_x,)
+        if self.scaled is not None:
+            rows = (recv_x, recv_scales)
+            if as_words:  # (the scales' words: the whole rows that recv_scales is a view of)
+                rows = (recv_x.view(torch.int32), _whole_words(recv_scales, self.scaled))
         return topk_weights, *rows, recv_weights, recv_topk_idx
 
     def _launch(self, num_rows: int, tag: int, topk_weights, *outputs) -> None:
@@ -505,7 +540,7 @@ class PreparedMove:
         relaunch = rt.relaunches.get(key)
         if relaunch is None or not relaunch(*values, state.data_ptr()):
             rt.relaunches[key] = _launch_move(
-                rt, handle, self.rows, self.has_weights, self.cached, values
+                rt, handle, self.rows, self.scaled, self.has_weights, self.cached, values
             )
 
 
@@ -535,18 +570,21 @@ _MOVE_ALIGNED = ("info_ptr", "recv_x_ptr", "recv_weights_ptr", "recv_topk_idx_pt
 # move reads) and the launcher that moves them.
 _MOVE_INPUTS = {
     "rows": ("x_ptr", "x_stride"),
-    "fp8": ("x_ptr", "x_stride", "x_scales_ptr", "x_scales_stride"),
+    "pair": ("x_ptr", "x_stride", "x_scales_ptr", "x_scales_stride"),
     "quantize": ("source_ptr", "source_stride"),
 }
-_MOVE_LAUNCHERS = {
-    "rows": _move_launcher, "fp8": _fp8_move_launcher, "quantize": _quantizing_move_launcher
-}  # fmt: skip
+# The launcher makers of each (rows, format): made once, so that Runtime.launcher finds them.
+_MOVE_LAUNCHERS = {("rows", None): _move_launcher} | {
+    (rows, name): functools.partial(make, name=name)
+    for rows, make in (("pair", _pair_move_launcher), ("quantize", _quantizing_move_launcher))
+    for name in QUANTIZERS
+}
 
 
 def _move_changing(rows: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
     """(specialized, aligned) names of the data move's arguments that change between calls
-    besides the handle's parts, in a Relaunch's order (FP8 rows: the scales' pointers beside
-    the rows')."""
+    besides the handle's parts, in a Relaunch's order (block-scaled rows: the scales' pointers
+    beside the rows')."""
     aligned = _MOVE_ALIGNED
     if rows != "rows":
         aligned = (*_MOVE_ALIGNED[:2], "recv_scales_ptr", *_MOVE_ALIGNED[2:])
@@ -554,14 +592,20 @@ def _move_changing(rows: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
 
 
 def _launch_move(
-    rt: Runtime, handle: DispatchHandle, rows: str, has_weights: bool, cached: bool, values
+    rt: Runtime,
+    handle: DispatchHandle,
+    rows: str,
+    scaled: ScaledRows | None,
+    has_weights: bool,
+    cached: bool,
+    values,
 ):
     """The data move through its KernelLauncher, ``values`` in _move_changing's order; returns
     its Relaunch."""
     specialized, aligned = _move_changing(rows)
     named = dict(zip(specialized, values, strict=False))
     quantizers = _quantizers(rt, handle.num_tokens) if rows == "quantize" else 0
-    launch = rt.launcher(_MOVE_LAUNCHERS[rows])
+    launch = rt.launcher(_MOVE_LAUNCHERS[rows, scaled and scaled.format.name])
     return launch(
         (quantizers + channel_programs(rt.plan) + programs_beside_senders(rt),),
         specialized=dict(
@@ -577,7 +621,31 @@ def _launch_move(
     )  # fmt: skip
 
 
-def fp8_words(t: torch.Tensor) -> torch.Tensor:
-    """``t`` (float8_e4m3fn or float32, rows contiguous, row stride and start a multiple of 4
-    bytes) as int32 words: the kernels move FP8 rows and their scales bit for bit as words."""
+def as_words(t: torch.Tensor) -> torch.Tensor:
+    """A pair's values [T, C] (rows contiguous, row stride and start multiples of 4 bytes) as
+    int32 words: the kernels move block-scaled rows bit for bit as words."""
     return t.view(torch.int32)
+
+
+def scale_words(scales: torch.Tensor, rows: ScaledRows) -> torch.Tensor:
+    """A pair's scales [T, S] (rows contiguous) as int32 words [T, >= rows.scale_words]: a
+    view where each row starts on a word and fills whole words; else (padded_scales, or
+    strides torch made for a slice) a copy into whole words, zero past the scales."""
+    nbytes = scales.element_size()
+    # (torch.compile cannot trace storage_offset(): a traced call copies 1-byte scales.)
+    offset = 0 if nbytes == 4 else 1 if torch.compiler.is_compiling() else scales.storage_offset()
+    if not rows.padded_scales and (scales.stride(0) * nbytes) % 4 == 0 and offset % 4 == 0:
+        return scales.view(torch.int32)
+    words = scales.new_zeros(scales.shape[0], rows.scale_words, dtype=torch.int32)
+    words.view(torch.uint8)[:, : rows.scale_bytes] = scales.view(torch.uint8)
+    return words
+
+
+def _whole_words(recv_scales: torch.Tensor, rows: ScaledRows) -> torch.Tensor:
+    """The int32 words [N, rows.scale_words] that recv_scales (see PreparedMove._allocate) is
+    the first scales of."""
+    return (
+        recv_scales.view(torch.uint8)
+        .as_strided((recv_scales.shape[0], rows.scale_words * 4), (rows.scale_words * 4, 1))
+        .view(torch.int32)
+    )

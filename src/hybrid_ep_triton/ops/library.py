@@ -13,8 +13,8 @@ Autograd: each data move's backward is the other one along the same handle.
 - combine (y, weights) -> out: grad y is the cached dispatch of grad out times weights; grad
   weights[row] is <y[row], grad out[token of row]> in fp32.
 - a quantizing dispatch of rows x that require grad (``run_quantized_dispatch``) has
-  dispatch's gradients, straight through the quantization: its values are an ``Fp8Values``
-  (ops/fp8_rows.py), whose gradient has x's dtype; its scales have none. It is an
+  dispatch's gradients, straight through the quantization: its values are a ``ScaledValues``
+  (ops/scaled_rows.py), whose gradient has x's dtype; its scales have none. It is an
   autograd.Function for eager mode (torch.compile traces the other entry points only).
 Backward passes reuse the forward's handle (no new layout), work in max_recv_tokens mode, and
 are collective like the forward: every rank runs them, in the same order.
@@ -31,6 +31,7 @@ import torch._dynamo  # noqa: F401
 import torch.distributed as dist
 from torch import Tensor
 
+from ..runtime.planner import SCALED_FORMATS
 from . import Runtime, status
 from .combine import reduce_tokens
 from .dispatch import (
@@ -41,7 +42,7 @@ from .dispatch import (
     make_handle,
     refusal_code,
 )
-from .fp8_rows import Fp8Values
+from .scaled_rows import ScaledValues
 
 # Weak: a Buffer dropped without destroy() is freed as before (its runtime with it).
 _runtimes: weakref.WeakValueDictionary[int, Runtime] = weakref.WeakValueDictionary()
@@ -81,13 +82,14 @@ def _dispatch_with_handle(
     topk_weights: Tensor | None,
     pad_multiple: int,
     max_recv_tokens: int | None,
-    quantize: bool = False,
+    scaled: str | None = None,
     refused: int = 0,
 ) -> tuple[Tensor, Tensor | None, Tensor | None, DispatchHandle]:
     """Layout and data move; max_recv_tokens None: exact mode (the host waits for the count);
-    ``quantize``: x of the Buffer's dtype is sent as FP8 rows (see PreparedMove); ``refused``:
-    see compute_layout. Returns recv_x [N, H], recv_scales ([N, H / 128] float32 with FP8 rows,
-    else None), recv_weights [N] float32 (None without topk_weights), the handle."""
+    ``scaled``: the block-scaled format that recv_x is a pair of (see PreparedMove); ``refused``:
+    see compute_layout. Returns recv_x (rows [N, H], or a format's values), recv_scales (a
+    format's scales, else None), recv_weights [N] float32 (None without topk_weights), the
+    handle."""
     if max_recv_tokens is None and rt.on_gpu:
         # The host waits for the row count, which a capture never produces: say so at once.
         if torch.cuda.is_current_stream_capturing():
@@ -97,7 +99,7 @@ def _dispatch_with_handle(
             )
     tag = rt.next_report_tag() if max_recv_tokens is None else 0
     handle = compute_layout(rt, topk_idx, pad_multiple, max_recv_tokens, tag, refused)
-    move = PreparedMove(rt, x, x_scales, topk_weights, handle, False, quantize)  # while it runs
+    move = PreparedMove(rt, x, x_scales, topk_weights, handle, False, scaled)  # while it runs
     if max_recv_tokens is None:
         recv_x, recv_scales, recv_weights = _exact_move(rt, handle, move, tag)
     else:
@@ -158,18 +160,19 @@ def _dispatch(
     topk_weights: Tensor | None,
     pad_multiple: int,
     max_recv_tokens: int,
-    quantize: bool,
+    scaled: str,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """The operator: max_recv_tokens < 0 is exact mode; ``quantize``: FP8 rows from x of the
-    Buffer's dtype. Returns recv_x [N, H], recv_scales ([N, H / 128] float32 with FP8 rows,
-    else [0]), recv_weights float32 ([N], with token rows [N, K]; [0] without topk_weights),
+    """The operator: max_recv_tokens < 0 is exact mode; ``scaled``: "" or the block-scaled
+    format of recv_x (x_scales given: x is a pair of it; else x is quantized). Returns recv_x
+    [N, H] (or the format's values), recv_scales (the format's scales, else [0]),
+    recv_weights float32 ([N], with token rows [N, K]; [0] without topk_weights),
     recv_topk_idx ([N, K] int32 with token rows, else [0]), and the handle's state (see
     DispatchHandle)."""
     rt = _runtime(runtime_id)
     exact = max_recv_tokens < 0
     recv_x, recv_scales, recv_weights, handle = _dispatch_with_handle(
         rt, x, x_scales, topk_idx, topk_weights, pad_multiple,
-        None if exact else max_recv_tokens, quantize,
+        None if exact else max_recv_tokens, scaled or None,
     )  # fmt: skip
     recv_topk_idx = handle.recv_topk_idx
     if recv_topk_idx is None:
@@ -184,7 +187,7 @@ dispatch = torch.library.custom_op("hybrid_ep::dispatch", _dispatch, mutates_arg
 
 
 @dispatch.register_fake
-def _(runtime_id, x, x_scales, topk_idx, topk_weights, pad_multiple, max_recv_tokens, quantize):
+def _(runtime_id, x, x_scales, topk_idx, topk_weights, pad_multiple, max_recv_tokens, scaled):
     rt = _runtime(runtime_id)
     if max_recv_tokens >= 0:
         rows = max_recv_tokens
@@ -193,24 +196,23 @@ def _(runtime_id, x, x_scales, topk_idx, topk_weights, pad_multiple, max_recv_to
     num_state = handle_size(rt.plan, *topk_idx.shape)
     slots = _slots_shape(rt, rows, topk_idx.shape[1])
     return (
-        _fake_rows(x, rows, quantize),
-        _fake_scales(x, x_scales, rows, quantize),
+        *_fake_rows(x, rt.plan.hidden, rows, scaled),
         x.new_empty(slots if topk_weights is not None else 0, dtype=torch.float32),
         x.new_empty(slots if rt.plan.token_rows else 0, dtype=torch.int32),
         x.new_empty(num_state, dtype=torch.int64),
     )
 
 
-def _fake_rows(x: Tensor, rows, quantize: bool) -> Tensor:
-    """recv_x of a fake dispatch: [rows, H] of x's dtype, float8_e4m3fn with quantize."""
-    return x.new_empty(rows, x.shape[1], dtype=torch.float8_e4m3fn if quantize else x.dtype)
-
-
-def _fake_scales(x: Tensor, x_scales: Tensor | None, rows, quantize: bool) -> Tensor:
-    """recv_scales of a fake dispatch: [rows, H / 128] float32 for FP8 rows, else [0]."""
-    if x_scales is None and not quantize:
-        return x.new_empty(0, dtype=torch.float32)
-    return x.new_empty(rows, x.shape[1] // 128, dtype=torch.float32)
+def _fake_rows(x: Tensor, hidden: int, rows, scaled: str) -> tuple[Tensor, Tensor]:
+    """recv_x and recv_scales of a fake dispatch: [rows, H] of x's dtype and [0], or the
+    values and scales of the block-scaled format ``scaled``."""
+    if not scaled:
+        return x.new_empty(rows, hidden, dtype=x.dtype), x.new_empty(0, dtype=torch.float32)
+    fmt = SCALED_FORMATS[scaled]
+    return (
+        x.new_empty(fmt.values_shape(rows, hidden), dtype=fmt.values_dtype),
+        x.new_empty(fmt.scales_shape(rows, hidden), dtype=fmt.scale_dtype),
+    )
 
 
 def _slots_shape(rt: Runtime, rows, topk: int) -> tuple:
@@ -226,14 +228,14 @@ def _dispatch_cached(
     topk_idx: Tensor,
     state: Tensor,
     num_recv_rows: int,
-    quantize: bool,
+    scaled: str,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """Data move along an earlier dispatch's handle: recv_x [N, H], recv_scales [N, H / 128]
-    or [0], recv_weights [N] or [0]."""
+    """Data move along an earlier dispatch's handle: recv_x, recv_scales or [0] (as for the
+    dispatch operator), recv_weights [N] or [0]."""
     rt = _runtime(runtime_id)
     handle = _handle(rt, topk_idx, state, num_recv_rows)
     recv_x, recv_scales, recv_weights = _move_cached(
-        rt, x, x_scales, topk_weights, handle, quantize
+        rt, x, x_scales, topk_weights, handle, scaled or None
     )
     return recv_x, _or_empty(recv_scales, rt), _or_empty(recv_weights, rt)
 
@@ -244,11 +246,9 @@ def _move_cached(
     x_scales: Tensor | None,
     topk_weights: Tensor | None,
     handle: DispatchHandle,
-    quantize: bool = False,
+    scaled: str | None = None,
 ) -> tuple[Tensor, Tensor | None, Tensor | None]:
-    moved = PreparedMove(rt, x, x_scales, topk_weights, handle, True, quantize)(
-        handle.num_recv_rows
-    )
+    moved = PreparedMove(rt, x, x_scales, topk_weights, handle, True, scaled)(handle.num_recv_rows)
     status.check_after_launch(rt)
     return moved
 
@@ -259,11 +259,11 @@ dispatch_cached = torch.library.custom_op(
 
 
 @dispatch_cached.register_fake
-def _(runtime_id, x, x_scales, topk_weights, topk_idx, state, num_recv_rows, quantize):
-    slots = _slots_shape(_runtime(runtime_id), num_recv_rows, topk_idx.shape[1])
+def _(runtime_id, x, x_scales, topk_weights, topk_idx, state, num_recv_rows, scaled):
+    rt = _runtime(runtime_id)
+    slots = _slots_shape(rt, num_recv_rows, topk_idx.shape[1])
     weights = x.new_empty(slots if topk_weights is not None else 0, dtype=torch.float32)
-    recv_scales = _fake_scales(x, x_scales, num_recv_rows, quantize)
-    return _fake_rows(x, num_recv_rows, quantize), recv_scales, weights
+    return *_fake_rows(x, rt.plan.hidden, num_recv_rows, scaled), weights
 
 
 def _combine(
@@ -340,26 +340,26 @@ def run_dispatch(
     topk_weights: Tensor | None,
     pad_multiple: int,
     max_recv_tokens: int | None,
-    quantize: bool,
+    scaled: str | None,
 ) -> tuple[Tensor, Tensor | None, Tensor | None, DispatchHandle]:
-    """Layout and data move: recv_x [N, H], recv_scales ([N, H / 128] float32 with FP8 rows,
-    else None), recv_weights [N] float32 (None without topk_weights), the handle.
-    max_recv_tokens None: exact mode. ``quantize``: x of the Buffer's dtype (that does not
-    require grad: see run_quantized_dispatch) sent as FP8 rows. ``runtime_id``: ``rt``'s
-    registry id, the operators' handle on it."""
+    """Layout and data move: recv_x, recv_scales (None for rows of the Buffer's dtype; see
+    _dispatch_with_handle), recv_weights [N] float32 (None without topk_weights), the handle.
+    max_recv_tokens None: exact mode. ``scaled``: the block-scaled format of recv_x (x_scales
+    None: x of the Buffer's dtype, that does not require grad, see run_quantized_dispatch, is
+    quantized). ``runtime_id``: ``rt``'s registry id, the operators' handle on it."""
     if not _through_torch(x, topk_weights):
         return _dispatch_with_handle(
-            rt, x, x_scales, topk_idx, topk_weights, pad_multiple, max_recv_tokens, quantize
+            rt, x, x_scales, topk_idx, topk_weights, pad_multiple, max_recv_tokens, scaled
         )
     recv_x, recv_scales, recv_weights, recv_topk_idx, state = dispatch(
         runtime_id, x, x_scales, topk_idx, topk_weights, pad_multiple,
-        -1 if max_recv_tokens is None else max_recv_tokens, quantize,
+        -1 if max_recv_tokens is None else max_recv_tokens, scaled or "",
     )  # fmt: skip
     handle = make_handle(rt.plan, topk_idx, state, recv_x.shape[0], max_recv_tokens)
     if rt.plan.token_rows:
         handle.recv_topk_idx = recv_topk_idx
     return (
-        recv_x, recv_scales if x_scales is not None or quantize else None,
+        recv_x, recv_scales if scaled else None,
         recv_weights if topk_weights is not None else None, handle,
     )  # fmt: skip
 
@@ -371,18 +371,18 @@ def run_dispatch_cached(
     x_scales: Tensor | None,
     topk_weights: Tensor | None,
     handle: DispatchHandle,
-    quantize: bool,
+    scaled: str | None,
 ) -> tuple[Tensor, Tensor | None, Tensor | None]:
-    """Data move along ``handle``: recv_x [N, H], recv_scales [N, H / 128] float32 or None,
-    recv_weights [N] float32 or None; ``quantize`` as in run_dispatch."""
+    """Data move along ``handle``: recv_x, recv_scales or None, recv_weights [N] float32 or
+    None; ``scaled`` as in run_dispatch."""
     if not _through_torch(x, topk_weights):
-        return _move_cached(rt, x, x_scales, topk_weights, handle, quantize)
+        return _move_cached(rt, x, x_scales, topk_weights, handle, scaled)
     recv_x, recv_scales, recv_weights = dispatch_cached(
         runtime_id, x, x_scales, topk_weights, handle.topk_idx, handle.state,
-        handle.num_recv_rows, quantize,
+        handle.num_recv_rows, scaled or "",
     )  # fmt: skip
     return (
-        recv_x, recv_scales if x_scales is not None or quantize else None,
+        recv_x, recv_scales if scaled else None,
         recv_weights if topk_weights is not None else None,
     )  # fmt: skip
 
@@ -405,14 +405,15 @@ def run_quantized_dispatch(
     pad_multiple: int,
     max_recv_tokens: int | None,
     handle: DispatchHandle | None,
-) -> tuple[Fp8Values, Tensor, Tensor | None, DispatchHandle]:
-    """x [T, H] quantized to FP8 rows and dispatched, differentiable with respect to x and
-    topk_weights: along ``handle``, or (handle None) with a new layout from topk_idx,
-    pad_multiple and max_recv_tokens (None: exact mode). Returns recv_values (an Fp8Values
-    [N, H] of x's dtype), recv_scales [N, H / 128] float32 (no gradient), recv_weights (as
-    run_dispatch's), the handle (``handle`` itself when given)."""
+    scaled: str,
+) -> tuple[ScaledValues, Tensor, Tensor | None, DispatchHandle]:
+    """x [T, H] quantized to rows of the block-scaled format ``scaled`` and dispatched,
+    differentiable with respect to x and topk_weights: along ``handle``, or (handle None) with
+    a new layout from topk_idx, pad_multiple and max_recv_tokens (None: exact mode). Returns
+    recv_values (a ScaledValues [N, H] of x's dtype), recv_scales (no gradient), recv_weights
+    (as run_dispatch's), the handle (``handle`` itself when given)."""
     return _QuantizedDispatch.apply(
-        x, topk_weights, rt, runtime_id, topk_idx, pad_multiple, max_recv_tokens, handle
+        x, topk_weights, rt, runtime_id, topk_idx, pad_multiple, max_recv_tokens, handle, scaled
     )
 
 
@@ -482,7 +483,7 @@ def _combine_grads(ctx, grad_out):
     # Row r of grad_rows is grad_out of the token row r came from (zero on padding).
     grad_rows, _, _ = dispatch_cached(
         ctx.runtime_id, grad_out.to(ctx.dtype).contiguous(), None, None, topk_idx, state,
-        ctx.num_recv_rows, False,
+        ctx.num_recv_rows, "",
     )  # fmt: skip
     grad_y = grad_weights = None
     if ctx.needs_input_grad[1]:
@@ -498,21 +499,22 @@ class _QuantizedDispatch(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, topk_weights, rt, runtime_id, topk_idx, pad_multiple, max_recv_tokens,
-                handle):  # fmt: skip
+                handle, scaled):  # fmt: skip
         if handle is None:
             recv_values, recv_scales, recv_weights, handle = _dispatch_with_handle(
-                rt, x, None, topk_idx, topk_weights, pad_multiple, max_recv_tokens, quantize=True
+                rt, x, None, topk_idx, topk_weights, pad_multiple, max_recv_tokens, scaled
             )
         else:
             recv_values, recv_scales, recv_weights = _move_cached(
-                rt, x, None, topk_weights, handle, quantize=True
+                rt, x, None, topk_weights, handle, scaled
             )
         _save_handle(ctx, runtime_id, x, handle.num_recv_rows, handle.topk_idx, handle.state)
         ctx.num_inputs = len(ctx.needs_input_grad)
         # Unused outputs get None (_dispatch_backward makes the zeros it needs).
         ctx.set_materialize_grads(False)
         ctx.mark_non_differentiable(recv_scales)
-        return Fp8Values(recv_values, recv_scales, x.dtype), recv_scales, recv_weights, handle
+        values = ScaledValues(recv_values, recv_scales, SCALED_FORMATS[scaled], x.dtype)
+        return values, recv_scales, recv_weights, handle
 
     @staticmethod
     def backward(ctx, grad_values, _grad_scales, grad_recv_weights, _grad_handle):

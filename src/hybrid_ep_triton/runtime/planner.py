@@ -158,35 +158,84 @@ class NetSlot:
 
 
 @dataclass(frozen=True)
-class Fp8Rows:
-    """How an FP8 dispatch moves its rows: as int32 words, each row H / 4 words of e4m3 values
-    (4 channels a word) then H / 128 words of its float32 scales, through the same staging
-    areas and network slots as rows of the Buffer's dtype (whose H elements of 2 or 4 bytes
-    hold the H * 33 / 32 bytes).
+class ScaledFormat:
+    """A block-scaled row format that dispatch moves: per token row, its values (one byte
+    holds ``channels_per_byte`` channels) and one scale per ``block`` consecutive channels.
 
-    data_words: H / 4; scale_words: H / 128; words: a staged row's columns, their sum rounded
-    up to a multiple of 16, so that staged rows start 64-byte aligned and the kernels' copies
-    are vectorised (Triton knows an integer's alignment only as "a multiple of 16").
+    fp8: DeepSeek-V3's rows, e4m3 values and a float32 scale per 128 channels.
+    mxfp8: OCP MX v1.0 MXFP8, e4m3 values and an E8M0 (power of two) scale per 32 channels.
+    nvfp4: e2m1 values, two a byte (float4_e2m1fn_x2: the even channel in the low nibble), and
+        an e4m3 scale per 16 channels (the per-tensor float32 scale of NVFP4 is not a row's:
+        it stays with the caller).
+    """
+
+    name: str
+    values_dtype: torch.dtype
+    channels_per_byte: int
+    scale_dtype: torch.dtype
+    block: int
+
+    def values_shape(self, tokens: int, hidden: int) -> tuple[int, int]:
+        return tokens, hidden // self.channels_per_byte
+
+    def scales_shape(self, tokens: int, hidden: int) -> tuple[int, int]:
+        return tokens, hidden // self.block
+
+
+SCALED_FORMATS = {
+    f.name: f
+    for f in (
+        ScaledFormat("fp8", torch.float8_e4m3fn, 1, torch.float32, FP8_GROUP),
+        ScaledFormat("mxfp8", torch.float8_e4m3fn, 1, torch.float8_e8m0fnu, 32),
+        ScaledFormat("nvfp4", torch.float4_e2m1fn_x2, 2, torch.float8_e4m3fn, 16),
+    )
+}
+
+
+@dataclass(frozen=True)
+class ScaledRows:
+    """How a dispatch moves rows of a block-scaled format: as int32 words, each row its
+    values' words (data_words) then its scales' (scale_words, the scale bytes rounded up to
+    whole words), through the same staging areas and network slots as rows of the Buffer's
+    dtype (whose H elements of 2 or 4 bytes hold the at most H * 33 / 32 bytes).
+
+    words: a staged row's columns, data_words + scale_words rounded up to a multiple of 16, so
+    that staged rows start 64-byte aligned and the kernels' copies are vectorised (Triton knows
+    an integer's alignment only as "a multiple of 16").
     block: words per tile, so that a tile has the bytes of a tile of the Buffer's dtype.
     net_cols: words of a network slot's row (the widest column slice).
     """
 
+    format: ScaledFormat
     data_words: int
+    scale_bytes: int
     scale_words: int
     words: int
     block: int
     net_cols: int
 
+    @property
+    def padded_scales(self) -> bool:
+        """Whether a row's scales end inside a word (e.g. MXFP8 at H = 2880: 90 bytes): they
+        then move in a row of scale_words words, of which the caller sees the first bytes."""
+        return self.scale_words * 4 != self.scale_bytes
 
-def fp8_rows(hidden: int, dtype: torch.dtype, config: KernelConfig) -> Fp8Rows | None:
-    """The FP8 row layout for rows of ``hidden`` channels; None unless hidden % 128 == 0."""
-    if hidden % FP8_GROUP:
+
+def scaled_rows(
+    fmt: ScaledFormat, hidden: int, dtype: torch.dtype, config: KernelConfig
+) -> ScaledRows | None:
+    """The row layout of ``fmt`` for rows of ``hidden`` channels; None unless its blocks and
+    its values' words divide them."""
+    value_bytes = hidden // fmt.channels_per_byte
+    if hidden % fmt.block or value_bytes % 4:
         return None
-    data_words, scale_words = hidden // 4, hidden // FP8_GROUP
+    data_words = value_bytes // 4
+    scale_bytes = hidden // fmt.block * fmt.scale_dtype.itemsize
+    scale_words = ceil_div(scale_bytes, 4)
     words = ceil_div(data_words + scale_words, 16) * 16
     block = min(max(config.block_h * dtype.itemsize // 4, 16), next_power_of_2(words))
     net_cols = ceil_div(ceil_div(words, config.h_slices), block) * block
-    return Fp8Rows(data_words, scale_words, words, block, net_cols)
+    return ScaledRows(fmt, data_words, scale_bytes, scale_words, words, block, net_cols)
 
 
 @dataclass(frozen=True)
@@ -258,7 +307,11 @@ class Plan:
     token_rows: bool  # dispatch's output: a row per (token, rank), not per (token, expert)
     ranks_per_node: int  # R: consecutive ranks that reach each other over NVLink
     net_slot: NetSlot
-    fp8: Fp8Rows | None  # how FP8 dispatches move rows; None where H % 128 != 0
+    scaled: tuple[ScaledRows, ...]  # the block-scaled formats whose blocks divide H
+
+    def scaled_rows(self, name: str) -> ScaledRows | None:
+        """The layout of format ``name``'s rows (SCALED_FORMATS), None if H does not fit it."""
+        return next((rows for rows in self.scaled if rows.format.name == name), None)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "_hash", hash(self._fields()))
@@ -310,12 +363,13 @@ def make_plan(
     meta_ints = ranks_per_node * (1 + meta_stride)
     meta_floats = ranks_per_node * meta_stride
     cols = slice_columns(hidden, config)
-    fp8 = fp8_rows(hidden, dtype, config)
+    layouts = (scaled_rows(fmt, hidden, dtype, config) for fmt in SCALED_FORMATS.values())
+    scaled = tuple(layout for layout in layouts if layout is not None)
     row_bytes = hidden * dtype.itemsize
     data_bytes = cols * dtype.itemsize  # of a slot's row
-    if fp8 is not None:  # FP8 rows move through the same regions
-        row_bytes = max(row_bytes, fp8.words * 4)
-        data_bytes = max(data_bytes, fp8.net_cols * 4)
+    for layout in scaled:  # block-scaled rows move through the same regions
+        row_bytes = max(row_bytes, layout.words * 4)
+        data_bytes = max(data_bytes, layout.net_cols * 4)
     data_offset = ceil_div(chunk * (meta_ints + meta_floats) * 4, 16) * 16
     slot_bytes = ceil_div(data_offset + chunk * data_bytes, _ALIGN) * _ALIGN
     # Across nodes only: a group of one node moves nothing over the network.
@@ -356,5 +410,5 @@ def make_plan(
         token_rows=token_rows,
         ranks_per_node=ranks_per_node,
         net_slot=NetSlot(meta_ints, meta_floats, cols, data_offset, slot_bytes),
-        fp8=fp8,
+        scaled=scaled,
     )
