@@ -34,15 +34,7 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.uint8) if t.element_size() == 1 else t
 
 
-# Each block-scaled format's reference quantizer and dequantizer.
-QUANTIZERS = {
-    "fp8": reference.quantize_fp8, "mxfp8": reference.quantize_mxfp8,
-    "nvfp4": reference.quantize_nvfp4,
-}  # fmt: skip
-DEQUANTIZERS = {
-    "fp8": reference.dequantize_fp8, "mxfp8": reference.dequantize_mxfp8,
-    "nvfp4": reference.dequantize_nvfp4,
-}  # fmt: skip
+QUANTIZERS, DEQUANTIZERS = reference.QUANTIZERS, reference.DEQUANTIZERS
 
 
 def _awkward_rows(num: int, hidden: int, gen) -> torch.Tensor:

@@ -44,17 +44,16 @@ def test_short_soak_on_two_ranks(launch):
 @pytest.mark.slow
 def test_short_soak_with_token_rows_across_nodes(launch):
     """Rounds on a Buffer with one row per token (expand=False): no pad multiples; the two ranks
-    are two nodes, reached by network puts only; hidden 128, so rows are bf16 or FP8 (a given
-    pair or quantize=True)."""
-    # Seed 5 draws FP8 rows in rounds 1, 2, 5 and 7 (cached and max_recv_tokens modes).
+    are two nodes, reached by network puts only; hidden 128, so rows are bf16 or block-scaled
+    (FP8, MXFP8 or NVFP4: a given pair or quantize=)."""
+    # Seed 23 draws each format's pair and quantize= once or more in rounds 0..7 (all modes).
     config = dataclasses.replace(
-        CONFIG, rounds=8, hidden=128, expand=False, ranks_per_node=1, seed=5
+        CONFIG, rounds=8, hidden=128, expand=False, ranks_per_node=1, seed=23
     )
+    kinds = {f"{fmt} {how}" for fmt in ("fp8", "mxfp8", "nvfp4") for how in ("pair", "quantize")}
     for s in launch(soak_rank, 2, config):
         assert s["ok"], format_summary(s) + "\n" + "\n".join(s["messages"])
-        assert {"exact", "cached", "max_recv", "fp8 pair", "fp8 quantize"} <= set(s["coverage"]), s[
-            "coverage"
-        ]
+        assert {"exact", "cached", "max_recv"} | kinds <= set(s["coverage"]), s["coverage"]
         assert "pad_multiple > 1" not in s["coverage"], s["coverage"]
 
 

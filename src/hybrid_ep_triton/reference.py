@@ -544,3 +544,9 @@ def to_blocked_scales(scales: torch.Tensor) -> torch.Tensor:
     tiles = padded.view(row_blocks, 128, col_blocks, 4).permute(0, 2, 1, 3)
     blocked = tiles.reshape(-1, 4, 32, 4).transpose(1, 2).reshape(row_blocks * 128, col_blocks * 4)
     return blocked.view(scales.dtype)
+
+
+# The quantizer of each block-scaled format a dispatch moves (Buffer.dispatch's quantize=;
+# NVFP4 without a per-tensor scale, as there).
+QUANTIZERS = {"fp8": quantize_fp8, "mxfp8": quantize_mxfp8, "nvfp4": quantize_nvfp4}
+DEQUANTIZERS = {"fp8": dequantize_fp8, "mxfp8": dequantize_mxfp8, "nvfp4": dequantize_nvfp4}

@@ -4,8 +4,9 @@ Every rank builds one Buffer and runs ``rounds`` rounds on it. Each round draws 
 token count per rank in 0..tokens (0 and the maximum now and then), a routing with -1 slots and
 sometimes one hot expert that every token picks, random rows, weights or none, a pad multiple
 and an index dtype (the pad multiple stays 1 with token rows, ``expand=False``), and, where the
-hidden size is a multiple of 128, rows in bf16 or FP8 (the FP8 pair passed, or bf16 rows with
-quantize=True; checked bit for bit against the reference quantizer). The dispatch
+hidden size is a multiple of 128, rows in bf16 or a block-scaled format, FP8, MXFP8 or NVFP4
+(the pair passed, or bf16 rows with quantize=; checked bit for bit against the reference
+quantizer). The dispatch
 mode cycles through exact, cached (new rows along the previous
 round's handle), max_recv_tokens (sized never to drop a row) and cached again; combine runs
 with recv_weights or without weights. Every round is checked against
@@ -50,7 +51,10 @@ UNUSED_SLOT_PROBS = (0.0, 0.0, 0.1, 0.5)
 HOT_EXPERT_PROB = 0.1
 EDGE_TOKENS_PROB = 0.05  # chance of 0 tokens on a rank, and again of the maximum
 WEIGHTS_PROB = 0.8  # chance that a round passes topk_weights
-ROW_KINDS = ("bf16", "bf16", "fp8 pair", "fp8 quantize")  # drawn where hidden % 128 == 0
+# Drawn where hidden % 128 == 0: half bf16, half a block-scaled format's pair or quantize=.
+ROW_KINDS = ("bf16",) * 6 + tuple(
+    f"{fmt} {how}" for fmt in reference.QUANTIZERS for how in ("pair", "quantize")
+)
 # Growth of memory in use allowed after the warm-up. GPUs: the retained layout (handle and
 # routing, under 2 MiB at 4096 tokens) varies with the token count, a leak of one recv_x per
 # round passes the bound within a round or two. CPU ranks: the resident set creeps by a few
@@ -175,8 +179,9 @@ def _round(buf: Buffer, dev, cfg: SoakConfig, world: int, r: int, prev, seen: Co
     )
 
     # The library, timed: dispatch and check, then combine of random expert outputs.
-    rows = reference.quantize_fp8(x) if kind == "fp8 pair" else x
-    quantize = kind == "fp8 quantize"
+    fmt, _, how = kind.partition(" ")
+    rows = reference.QUANTIZERS[fmt](x) if how == "pair" else x
+    quantize = fmt if how == "quantize" else False
     _sync(dev)
     start = time.perf_counter()
     if mode == "cached":
@@ -193,25 +198,26 @@ def _round(buf: Buffer, dev, cfg: SoakConfig, world: int, r: int, prev, seen: Co
     if kind != "bf16":  # compared as bytes and scales
         (values, got_scales), *rest = got
         got = [values.view(torch.uint8), *rest]
-    y = torch.randn(got[0].shape, generator=gen, device=dev, dtype=buf.dtype)
+        got_scales = _bytes(got_scales)
+    y = torch.randn(got[0].shape[0], cfg.hidden, generator=gen, device=dev, dtype=buf.dtype)
     _sync(dev)
     start = time.perf_counter()
     out = buf.combine(y, handle, weights=_row_weights(got, cfg.expand, weighted_combine))
     _sync(dev)
     seconds += time.perf_counter() - start
 
-    # The reference (FP8: the reference quantizer, then the values as bytes and the scales
-    # dispatched alike), and the checks.
+    # The reference (block-scaled rows: the reference quantizer, then the values and scales as
+    # bytes dispatched alike), and the checks.
     kw = dict(num_experts=cfg.experts, pad_multiple=layout.pad_multiple,
               max_recv_tokens=layout.max_recv_tokens, expand=cfg.expand)  # fmt: skip
     ref_rows = x
     problems = []
     what = f"{mode} dispatch of {layout.num_tokens} tokens ({kind})"
     if kind != "bf16":
-        values, scales = reference.quantize_fp8(x)
+        values, scales = reference.QUANTIZERS[fmt](x)
         ref_rows = values.view(torch.uint8)
-        if not _same(got_scales, reference.dispatch(None, scales, idx, w, **kw)[0]):
-            problems.append(f"{what}: the FP8 scales differ from the reference")
+        if not _same(got_scales, reference.dispatch(None, _bytes(scales), idx, w, **kw)[0]):
+            problems.append(f"{what}: the {fmt} scales differ from the reference")
     *want, ref_handle = reference.dispatch(None, ref_rows, idx, w, **kw)
     problems += [
         f"{what}: {name} differs from the reference"
@@ -223,6 +229,11 @@ def _round(buf: Buffer, dev, cfg: SoakConfig, world: int, r: int, prev, seen: Co
     if problem:
         problems.append(f"combine after the {what} (weights: {weighted_combine}): {problem}")
     return layout, seconds, problems
+
+
+def _bytes(scales: torch.Tensor) -> torch.Tensor:
+    """One-byte scales (E8M0, e4m3) as uint8, which the reference dispatches; float32 as is."""
+    return scales.view(torch.uint8) if scales.element_size() == 1 else scales
 
 
 def _row_weights(outputs: list, expand: bool, weighted: bool):
