@@ -32,7 +32,7 @@ import triton
 import hybrid_ep_triton as hep
 from hybrid_ep_triton import buffer as buffer_module
 from hybrid_ep_triton.ops import dispatch, launch, library
-from hybrid_ep_triton.tools.bench import SHAPES, _combine_weights, _inputs, _median_us
+from hybrid_ep_triton.tools.bench import SHAPES, combine_weights, inputs, median_us
 from hybrid_ep_triton.tools.launcher import run_ranks
 
 
@@ -154,7 +154,7 @@ def eager_calls(buf: hep.Buffer, sets: list) -> dict:
     exact = [buf.dispatch(*s) for s in sets]
     rows = max(out[-1].num_recv_rows for out in exact)
     cached = [(s[0], s[2], out[-1]) for s, out in zip(sets, exact, strict=True)]
-    combines = [(torch.randn_like(out[0]), out[-1], _combine_weights(buf, out)) for out in exact]
+    combines = [(torch.randn_like(out[0]), out[-1], combine_weights(buf, out)) for out in exact]
     return {
         # Lambdas, so that each call finds the wrapped methods.
         "exact dispatch": (lambda x, i, w: buf.dispatch(x, i, w), sets),
@@ -290,7 +290,7 @@ def _rank(rank: int, world: int, args) -> list[str]:
     lines = []
     for name in filter(None, args.shapes.split(",")):
         shape = SHAPES[name]
-        sets = [_inputs(shape, rank, seed) for seed in range(4)]
+        sets = [inputs(shape, rank, seed) for seed in range(4)]
         for expand in (True, False):
             buf = hep.Buffer(
                 None, hidden_size=shape.hidden, max_tokens_per_rank=shape.tokens,
@@ -299,7 +299,7 @@ def _rank(rank: int, world: int, args) -> list[str]:
             rows = "expert" if expand else "token"
             calls = eager_calls(buf, sets)
             for what, (fn, args_list) in calls.items():
-                device_us, host_us = _median_us(fn, args_list, args.warmup, args.iters)
+                device_us, host_us = median_us(fn, args_list, args.warmup, args.iters)
                 timer = StepTimer()
                 _wrap_library(timer, buf)
                 try:

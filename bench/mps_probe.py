@@ -101,7 +101,7 @@ def nvshmem_child() -> None:
     dist.init_process_group("gloo", init_method="tcp://127.0.0.1:29533", rank=0, world_size=1)
     torch.cuda.set_device(0)
     free0 = torch.cuda.mem_get_info()[0]
-    block = NvshmemAllocation(None, 1 << 30, torch.device("cuda", 0))
+    block = NvshmemAllocation(None, 1 << 30, torch.device("cuda", 0), ranks_per_node=1)
     free1 = torch.cuda.mem_get_info()[0]
     print(
         json.dumps(

@@ -151,7 +151,7 @@ def _run(rank: int, world: int, port: int, nbytes: int) -> bool:
     if rank == 0:
         log("versions: " + _versions())
 
-    alloc = nv.NvshmemAllocation(group, nbytes, device)
+    alloc = nv.NvshmemAllocation(group, nbytes, device, ranks_per_node=world)
     log(f"allocated {alloc!r}, peer_bases={[hex(int(b)) for b in alloc.peer_bases.tolist()]}")
 
     errors: list[str] = []
@@ -198,7 +198,7 @@ def _run(rank: int, world: int, port: int, nbytes: int) -> bool:
     del got, out, local, bases
 
     # A second block: its own addresses; left open so that finalize() has to free it.
-    extra = nv.NvshmemAllocation(group, 4096, device)
+    extra = nv.NvshmemAllocation(group, 4096, device, ranks_per_node=world)
     extra_bases = extra.peer_bases.tolist()
     if extra_bases[rank] != extra.local.data_ptr() or set(extra_bases) & set(base_list):
         errors.append(f"second block peer_bases {[hex(b) for b in extra_bases]}")

@@ -49,11 +49,11 @@ from .control import (
     STAGE_COMBINE_READY,
     STATUS,
 )
-from .dispatch import column, part_columns, remote_entries, remote_item
 from .primitives import (
     finish_launch,
     net_put_signal,
     node_first_rank,
+    rail_peer,
     region,
     signal,
     start_channel,
@@ -61,6 +61,7 @@ from .primitives import (
     wait_at_least,
     wait_landed,
 )
+from .work import column, part_columns, remote_entries, remote_item, slice_width
 
 
 @triton.jit
@@ -473,7 +474,7 @@ def _send_role(sender, node_first, rows, heap, here, sync, k):
         block = rank
         if k.NODES > 1:
             dst = node_first + src % k.R
-            block = src // k.R * k.R + rank % k.R
+            block = rail_peer(src // k.R, rank, k.R)
         table = rows.recv_chunk_start_ptr + src * (k.NC_MAX + 1)
         src_tokens = tl.minimum(tl.load(rows.recv_src_tokens_ptr + src), k.T_MAX)
         src_items = tl.where(src == rank, 0, tl.cdiv(src_tokens, k.CHUNK) * k.H_SLICES)
@@ -517,7 +518,7 @@ def _net_send_role(sender, node_first, rows, heap, here, sync, k):
     my_node = rank // k.R
     for node in range(0, k.NODES):
         if node != my_node:
-            src = node * k.R + rank % k.R
+            src = rail_peer(node, rank, k.R)
             src_tokens = tl.minimum(tl.load(rows.recv_src_tokens_ptr + src), k.T_MAX)
             table = rows.recv_net_chunk_start_ptr + node * (k.NC_MAX + 1)
             for w in range(sender, tl.cdiv(src_tokens, k.CHUNK) * k.H_SLICES, sync.num_senders):
@@ -682,7 +683,7 @@ def _wait_partials(w, node_first, rank, here, sync, k):
             if node * k.R != node_first:
                 wait_landed(
                     my_ready=here.my_ready,
-                    carrier=node * k.R + rank % k.R,
+                    carrier=rail_peer(node, rank, k.R),
                     channel=w % sync.num_senders,
                     flag_ptr=here.net_flags + node * items_of_src + w,
                     ready_stage=STAGE_COMBINE_READY,
@@ -701,9 +702,10 @@ def _roles(pid, rows, heap, sync, k):
     my_ready = region(heap.peer_bases_ptr, rows.rank, heap.ready_off, tl.int64)
     reduced_flags = region(heap.peer_bases_ptr, rows.rank, heap.reduced_flags_off, tl.int64)
     # Work item w of a stream = (chunk c, column slice s) of its source's tokens, as in dispatch.
-    slice_cols = tl.cdiv(tl.cdiv(rows.hidden, k.H_SLICES), k.BLOCK_H) * k.BLOCK_H
+    slice_cols = slice_width(rows.hidden, k.H_SLICES, k.BLOCK_H)
     # Reducers and finishers split each item into column parts, so that the first items to be
-    # sent and the last to land are each worked on by several programs at once.
+    # sent and the last to land are each worked on by several programs at once. (Written out:
+    # through slice_width the EP2 combine compiled to other sm_90 code, same registers.)
     part_cols = tl.cdiv(tl.cdiv(slice_cols, sync.local_parts), k.BLOCK_H) * k.BLOCK_H
     node_first = node_first_rank(rows.rank, k.R, k.NODES)
     net_flags = region(heap.peer_bases_ptr, rows.rank, heap.net_flags_off, tl.int64)

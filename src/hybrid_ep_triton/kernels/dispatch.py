@@ -78,6 +78,7 @@ from .primitives import (
     interleaved,
     net_put_signal,
     node_first_rank,
+    rail_peer,
     record_word,
     region,
     signal,
@@ -94,15 +95,9 @@ from .quantize import (
     quantize_mxfp8_block,
     quantize_nvfp4_block,
 )
+from .work import column, part_columns, remote_entries, remote_item, slice_width
 
 QUANT_GROUPS = tl.constexpr(8)  # 128-channel groups of a quantizer's work item
-
-
-@triton.jit
-def column(tile, index, i):
-    """Column ``i`` of a [M, N] tile of row numbers (entries >= -1), as [M]; -1 where ``index``
-    has no ``i``. A register-only select: no memory round trip inside the copy loops."""
-    return tl.max(tl.where(index[None, :] == i, tile, -1), axis=1)
 
 
 @triton.jit
@@ -256,28 +251,6 @@ def _store_packed(
 
 
 @triton.jit
-def remote_entries(recv_src_tokens_ptr, rank, W: tl.constexpr, T_MAX, CHUNK, H_SLICES):
-    """Entries of a work queue that takes item w of every other rank, then item w + 1: the work
-    items of the largest stream from another rank, times the other ranks (entries past a
-    smaller stream's end are skipped)."""
-    rounds = 0
-    for src in range(0, W):
-        # Clamped: a garbage handle must not turn into an endless loop.
-        src_tokens = tl.minimum(tl.load(recv_src_tokens_ptr + src), T_MAX)
-        src_items = tl.where(src == rank, 0, tl.cdiv(src_tokens, CHUNK) * H_SLICES)
-        rounds = tl.maximum(rounds, src_items)
-    return rounds * tl.maximum(W - 1, 1)
-
-
-@triton.jit
-def remote_item(index, rank, W: tl.constexpr):
-    """(w, source) of the ``index``-th remote entry of such a work queue: item w of every other
-    rank, starting at the next one, then item w + 1 (the order senders send them)."""
-    sources = tl.maximum(W - 1, 1)
-    return index // sources, (rank + 1 + index % sources) % W
-
-
-@triton.jit
 def token_rows_first(recv_chunk_start_ptr, recv_src_tokens_ptr, src, T_MAX, NC_MAX, CHUNK):
     """First row of source ``src``'s tokens in a token-major output: the rows of every source
     before it (each source's stream, in source order)."""
@@ -286,14 +259,6 @@ def token_rows_first(recv_chunk_start_ptr, recv_src_tokens_ptr, src, T_MAX, NC_M
         chunks = tl.cdiv(tl.minimum(tl.load(recv_src_tokens_ptr + s), T_MAX), CHUNK)
         first += tl.load(recv_chunk_start_ptr + s * (NC_MAX + 1) + chunks)
     return first
-
-
-@triton.jit
-def part_columns(w, part, slice_cols, part_cols, hidden, H_SLICES: tl.constexpr):
-    """Columns [first, last) of column part ``part`` of work item ``w`` (empty past its end)."""
-    slice_first = (w % H_SLICES) * slice_cols
-    first = slice_first + part * part_cols
-    return first, tl.minimum(tl.minimum(first + part_cols, slice_first + slice_cols), hidden)
 
 
 @triton.jit(noinline=True)
@@ -995,7 +960,7 @@ def _send_to_nodes(w, c, h_first, h_last, tok, lay, heap, sync, k):
             net_put_signal(
                 net_bases_ptr=heap.net_bases_ptr,
                 rank=rank,
-                pe=node * k.R + rank % k.R,
+                pe=rail_peer(node, rank, k.R),
                 dst_off=heap.net_inbox_off + there * k.SLOT_BYTES,
                 src=slot,
                 nbytes=k.DATA_OFF + num_rows * (k.NET_COLS * dtype.primitive_bitwidth // 8),
@@ -1027,7 +992,7 @@ def _forward_role(forwarder, send_cols, node_first, my_ready, tok, lay, out, hea
     net_flags = region(heap.peer_bases_ptr, rank, heap.net_flags_off, tl.int64)
     for node in range(0, k.NODES):
         if node != my_node:
-            src = node * k.R + rank % k.R
+            src = rail_peer(node, rank, k.R)
             src_tokens = tl.minimum(tl.load(lay.recv_src_tokens_ptr + src), k.T_MAX)
             items = tl.where(sync.aborted, 0, tl.cdiv(src_tokens, k.CHUNK) * k.H_SLICES)
             table = lay.recv_net_chunk_start_ptr + node * (k.NC_MAX + 1)
@@ -1142,12 +1107,12 @@ def _expand_role(expander, num_expanders, send_cols, node_first, my_ready, tok, 
     aborted = sync.aborted
     if k.OUTPUTS_FROM_HOST:
         out, aborted = _outputs_from_host(expander, out, sync, aborted, rank)
-    own_cols = tl.cdiv(tl.cdiv(tok.hidden, sync.expand_slices), k.BLOCK_H) * k.BLOCK_H
+    own_cols = slice_width(tok.hidden, sync.expand_slices, k.BLOCK_H)
     own_items = tl.where(aborted, 0, tl.cdiv(tok.num_tokens, k.CHUNK) * sync.expand_slices)
     remote = remote_entries(lay.recv_src_tokens_ptr, rank, k.W, k.T_MAX, k.CHUNK, k.H_SLICES)
     remote = tl.where(aborted, 0, remote)
     my_flags = region(heap.peer_bases_ptr, rank, heap.chunk_flags_off, tl.int64)
-    part_cols = tl.cdiv(tl.cdiv(send_cols, sync.staged_parts), k.BLOCK_H) * k.BLOCK_H
+    part_cols = slice_width(send_cols, sync.staged_parts, k.BLOCK_H)
     remote_items = remote * sync.staged_parts
     own_token_rows_first = 0
     if k.TOKEN_ROWS:
@@ -1316,7 +1281,7 @@ def _roles(pid, tok, lay, out, heap, sync, num_programs, k):
     """Program ``pid``'s role (``pid`` counts from the first sender: quantizers are < 0)."""
     # Work item w of a source = (chunk c, column slice s) of its tokens: sender program p takes
     # w = p, p + P, ... and raises the item's flag on the destination.
-    send_cols = tl.cdiv(tl.cdiv(tok.hidden, k.H_SLICES), k.BLOCK_H) * k.BLOCK_H
+    send_cols = slice_width(tok.hidden, k.H_SLICES, k.BLOCK_H)
     node_first = node_first_rank(tok.rank, k.R, k.NODES)
     my_ready = region(heap.peer_bases_ptr, tok.rank, heap.ready_off, tl.int64)
     # Across nodes the programs after the senders forward what the ranks of this rank's local

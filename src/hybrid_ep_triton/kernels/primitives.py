@@ -309,6 +309,13 @@ def node_first_rank(rank, R: tl.constexpr, NODES: tl.constexpr):
 
 
 @triton.jit
+def rail_peer(node, rank, R: tl.constexpr):
+    """The rank of ``node`` with ``rank``'s local index (of R ranks a node): the one peer there
+    that ``rank`` reaches over the network (its rail)."""
+    return node * R + rank % R
+
+
+@triton.jit
 def handshake(
     peer_bases_ptr, net_bases_ptr, ready_off, rank, seq, timeout_ns, status_ptr, stage, P_MAX,
     channel, R: tl.constexpr, NODES: tl.constexpr,
@@ -325,14 +332,14 @@ def handshake(
         flag_off = ready_off + (rank * P_MAX + channel) * 8
         for node in range(0, NODES):
             if node * R != node_first:
-                net_signal(net_bases_ptr, node * R + rank % R, flag_off, seq)
+                net_signal(net_bases_ptr, rail_peer(node, rank, R), flag_off, seq)
     my_ready = region(peer_bases_ptr, rank, ready_off, tl.int64)
     for peer in range(node_first, node_first + R):
         wait_at_least(my_ready + peer * P_MAX + channel, seq, timeout_ns, status_ptr, peer, stage)
     if NODES > 1:
         for node in range(0, NODES):
             if node * R != node_first:
-                peer = node * R + rank % R
+                peer = rail_peer(node, rank, R)
                 wait_at_least(my_ready + peer * P_MAX + channel, seq, timeout_ns, status_ptr,
                               peer, stage)  # fmt: skip
 

@@ -239,14 +239,14 @@ class NvshmemAllocation:
         group: dist.ProcessGroup | None,
         nbytes: int,
         device: torch.device | str | int,
+        ranks_per_node: int,
         heap_bytes: int | None = None,
-        ranks_per_node: int | None = None,
     ) -> None:
-        """Collective. ``heap_bytes`` only matters if this call initialises NVSHMEM (see
-        :func:`ensure_initialized`); by default the heap then holds at least
-        max(``nbytes``, 1 GiB) plus margin. ``ranks_per_node``: nodes are that many
-        consecutive ranks (default: the whole group), whose blocks must be reachable by
-        load/store; other nodes' ranks get no peer mapping, even where one exists."""
+        """Collective. ``ranks_per_node``: nodes are that many consecutive ranks (heap.py's
+        allocate_heap resolves its default), whose blocks must be reachable by load/store;
+        other nodes' ranks get no peer mapping, even where one exists. ``heap_bytes`` only
+        matters if this call initialises NVSHMEM (see :func:`ensure_initialized`); by default
+        the heap then holds at least max(``nbytes``, 1 GiB) plus margin."""
         global _serial_counter
         group = _norm_group(group)
         device = _norm_device(device)
@@ -279,7 +279,6 @@ class NvshmemAllocation:
         self._tensor = nvshmem.tensor((nbytes,), dtype=torch.uint8)
         self._tensor.zero_()  # nvshmem_malloc does not clear
 
-        ranks_per_node = ranks_per_node or self.world
         first = self.rank // ranks_per_node * ranks_per_node
         bases: list[int] = []
         errors: list[str] = []

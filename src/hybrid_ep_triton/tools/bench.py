@@ -7,10 +7,11 @@ One run measures, on every rank at once:
   tokens, same model) and spot checks at hidden 2880 and 4096; on S1 and S2 both with
   expert-major rows (the default) and with one row per token (expand=False, DeepEP's output);
 - the baseline: ``hybrid_ep_triton.reference`` over NCCL on the same inputs.
-- FP8 dispatch (S1 and S2, both layouts, every SM count, beside the bf16 rows of the same
-  Buffer): rows "fp8" pass the (e4m3 values, scales) pair, rows "fp8-quantize" pass bf16 rows
-  with quantize=True; exact, cached and graph modes; and the quantizing copy alone beside a
-  plain copy of the same bf16 rows ("copies": bytes read and written over time).
+- block-scaled dispatch (S1 and S2, both layouts, every SM count, beside the bf16 rows of the
+  same Buffer): rows "fp8", "mxfp8" and "nvfp4" pass the format's (values, scales) pair, rows
+  "<format>-quantize" pass bf16 rows with quantize=<format>; exact, cached and graph modes; and
+  each quantizing copy alone beside a plain copy of the same bf16 rows ("copies": bytes read
+  and written over time).
 Each configuration is first checked against the reference (dispatch bit-exact, FP8 too,
 combine within bf16 tolerance). Times are CUDA events around the whole call on the calling
 stream, the median of ``iters`` calls after ``warmup`` calls, input sets rotated; the reported
@@ -68,7 +69,7 @@ _PLOTTED = (  # op, mode, expand, line style
 )
 
 
-def _median_us(fn, args_list, warmup: int, iters: int) -> tuple[float, float]:
+def median_us(fn, args_list, warmup: int, iters: int) -> tuple[float, float]:
     """(device time, host time) per call in µs: the largest over ranks of the medians of
     event-timed calls, and of the host time spent issuing each call. On CPU ranks (gloo, the
     interpreter) calls are synchronous and both are the host time."""
@@ -122,11 +123,11 @@ def _ceiling_gbps(rank: int, world: int, warmup: int, iters: int) -> float:
     peer = torch.device("cuda", (rank + 1) % world)
     src = torch.randn(_CEILING_BYTES // 4, device="cuda")
     dst = torch.empty(_CEILING_BYTES // 4, device=peer)
-    t, _ = _median_us(lambda: dst.copy_(src, non_blocking=True), [()], warmup, iters)
+    t, _ = median_us(lambda: dst.copy_(src, non_blocking=True), [()], warmup, iters)
     return _CEILING_BYTES / t / 1e3
 
 
-def _inputs(shape: Shape, rank: int, seed: int):
+def inputs(shape: Shape, rank: int, seed: int):
     g = torch.Generator(device="cuda").manual_seed(seed * 1000 + rank)
     x = torch.randn(shape.tokens, shape.hidden, device="cuda", generator=g).to(torch.bfloat16)
     scores = torch.rand(shape.tokens, shape.experts, device="cuda", generator=g)
@@ -147,7 +148,7 @@ def _row_counts(topk_idx: torch.Tensor, world: int, experts: int) -> tuple[int, 
     return total, total - int(recv[dist.get_rank()])
 
 
-def _combine_weights(buf, outputs: tuple):
+def combine_weights(buf, outputs: tuple):
     """combine's per-row weights: recv_weights with expert-major rows; with token rows the
     caller has weighted its rows already (None)."""
     return outputs[1] if buf.expand else None
@@ -164,69 +165,81 @@ def _check(buf, reference, shape: Shape, x, topk_idx, weights) -> tuple[str | No
     if not all(torch.equal(a, b) for a, b in zip(got, want, strict=True)):
         return f"{shape.name}: dispatch differs from the reference", net_rows
     y = torch.randn_like(got[0])
-    out = buf.combine(y, handle, weights=_combine_weights(buf, got))
-    ref_out = reference.combine(None, y, ref_handle, weights=_combine_weights(buf, want))
+    out = buf.combine(y, handle, weights=combine_weights(buf, got))
+    ref_out = reference.combine(None, y, ref_handle, weights=combine_weights(buf, want))
     err = ((out.float() - ref_out.float()).norm() / ref_out.float().norm().clamp_min(1e-30)).item()
     if not err < 1e-2:
         return f"{shape.name}: combine relative error {err:.2e}", net_rows
     return None, net_rows
 
 
-def _check_fp8(buf, reference, shape: Shape, x, topk_idx, weights) -> str | None:
-    """What differs between a quantizing dispatch and the reference quantizer followed by the
-    reference dispatch of values (as bytes) and scales, or None."""
-    (values, scales), *rest, _ = buf.dispatch(x, topk_idx, weights, quantize=True)
-    want_values, want_scales = reference.quantize_fp8(x)
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.uint8) if t.element_size() == 1 else t
+
+
+def _check_scaled(buf, reference, shape: Shape, fmt: str, x, topk_idx, weights) -> str | None:
+    """What differs between a dispatch quantizing into ``fmt`` and the reference quantizer
+    followed by the reference dispatch of values and scales (as bytes), or None."""
+    (values, scales), *rest, _ = buf.dispatch(x, topk_idx, weights, quantize=fmt)
+    want_values, want_scales = reference.QUANTIZERS[fmt](x)
     kw = dict(num_experts=shape.experts, expand=buf.expand)
     ref_values, *ref_rest, _ = reference.dispatch(
-        None, want_values.view(torch.uint8), topk_idx, weights, **kw
+        None, _bytes(want_values), topk_idx, weights, **kw
     )
-    ref_scales = reference.dispatch(None, want_scales, topk_idx, weights, **kw)[0]
-    if not torch.equal(values.view(torch.uint8), ref_values):
-        return f"{shape.name}: FP8 values differ from the reference"
-    if not torch.equal(scales, ref_scales):
-        return f"{shape.name}: FP8 scales differ from the reference"
+    ref_scales = reference.dispatch(None, _bytes(want_scales), topk_idx, weights, **kw)[0]
+    if not torch.equal(_bytes(values), ref_values):
+        return f"{shape.name}: {fmt} values differ from the reference"
+    if not torch.equal(_bytes(scales), ref_scales):
+        return f"{shape.name}: {fmt} scales differ from the reference"
     if not all(torch.equal(a, b) for a, b in zip(rest, ref_rest, strict=True)):
-        return f"{shape.name}: FP8 dispatch's weights or counts differ from the reference"
+        return f"{shape.name}: {fmt} dispatch's weights or counts differ from the reference"
     return None
+
+
+# Block-scaled formats: bytes a row of H channels crosses the links with.
+SCALED_ROW_BYTES = {
+    "fp8": lambda h: h + 4 * h // 128,
+    "mxfp8": lambda h: h + h // 32,
+    "nvfp4": lambda h: h // 2 + h // 16,
+}
 
 
 def _time_buffer(buf, sets, warmup: int, iters: int, rows: str = "bf16") -> dict:
     """{(op, mode): (device µs, host µs)} of one Buffer on the rotated input sets, with rows
-    "bf16", "fp8" (the FP8 pair of each set's rows) or "fp8-quantize" (quantize=True; these
-    two time dispatch only)."""
+    "bf16", a format's name ("fp8", "mxfp8", "nvfp4": the pair of each set's rows, from the
+    reference quantizer) or "<format>-quantize" (quantize=<format>); the formats time dispatch
+    only."""
     times = {}
-    quantize = rows == "fp8-quantize"
-    if rows == "fp8":
+    fmt, _, how = rows.partition("-")
+    quantize = fmt if how == "quantize" else False
+    if rows in SCALED_ROW_BYTES:
         from .. import reference
 
-        sets = [(reference.quantize_fp8(x), i, w) for x, i, w in sets]
+        sets = [(reference.QUANTIZERS[rows](x), i, w) for x, i, w in sets]
     exact = [buf.dispatch(x, i, w, quantize=quantize) for x, i, w in sets]
     max_rows = -(-max(out[-1].num_recv_rows for out in exact) * 11 // 10)  # 10% headroom
 
     def dispatch(x, i, w, **kwargs):
         return buf.dispatch(x, i, w, quantize=quantize, **kwargs)
 
-    times["dispatch", "exact"] = _median_us(dispatch, sets, warmup, iters)
-    times["dispatch", "max_recv"] = _median_us(
+    times["dispatch", "exact"] = median_us(dispatch, sets, warmup, iters)
+    times["dispatch", "max_recv"] = median_us(
         partial(dispatch, max_recv_tokens=max_rows), sets, warmup, iters
     )
     cached = [(x, None, w) for x, _, w in sets]
     handles = [out[-1] for out in exact]
-    times["dispatch", "cached"] = _median_us(
+    times["dispatch", "cached"] = median_us(
         lambda k: dispatch(*cached[k], handle=handles[k]), [(k,) for k in range(len(sets))],
         warmup, iters,
     )  # fmt: skip
     if rows != "bf16":
         graphs = [_capture(partial(dispatch, x, i, w, max_recv_tokens=max_rows))[0]
                   for x, i, w in sets]  # fmt: skip
-        times["dispatch", "graph"] = _median_us(lambda g: g.replay(), [(g,) for g in graphs],
+        times["dispatch", "graph"] = median_us(lambda g: g.replay(), [(g,) for g in graphs],
                                                 warmup, iters)  # fmt: skip
         return times
-    combine_args = [
-        (torch.randn_like(out[0]), out[-1], _combine_weights(buf, out)) for out in exact
-    ]
-    times["combine", "exact"] = _median_us(
+    combine_args = [(torch.randn_like(out[0]), out[-1], combine_weights(buf, out)) for out in exact]
+    times["combine", "exact"] = median_us(
         lambda y, h, w: buf.combine(y, h, weights=w), combine_args, warmup, iters
     )
     # CUDA graphs (max_recv_tokens mode needs no host synchronisation): one graph per input
@@ -236,32 +249,34 @@ def _time_buffer(buf, sets, warmup: int, iters: int, rows: str = "bf16") -> dict
     for x, i, w in sets:
         g_disp, out = _capture(partial(dispatch, x, i, w, max_recv_tokens=max_rows))
         g_disp.replay()  # capturing runs nothing: fill the handle before combine uses it
-        y, h, rw = torch.randn_like(out[0]), out[-1], _combine_weights(buf, out)
+        y, h, rw = torch.randn_like(out[0]), out[-1], combine_weights(buf, out)
         g_comb, _ = _capture(partial(buf.combine, y, h, weights=rw))
         graphs.append((g_disp, g_comb, (y, h, rw)))
-    times["dispatch", "graph"] = _median_us(lambda g, _, __: g.replay(), graphs, warmup, iters)
-    times["combine", "graph"] = _median_us(lambda _, g, __: g.replay(), graphs, warmup, iters)
+    times["dispatch", "graph"] = median_us(lambda g, _, __: g.replay(), graphs, warmup, iters)
+    times["combine", "graph"] = median_us(lambda _, g, __: g.replay(), graphs, warmup, iters)
     return times
 
 
 def _time_copies(buf, reference, sets, warmup: int, iters: int) -> list[dict]:
-    """The quantizing copy (what a quantize=True dispatch's quantizers do, as a kernel alone,
-    and the reference quantizer in plain torch) beside a plain copy of the same bf16 rows: µs
-    and GB/s of bytes read and written."""
-    from ..ops.quantize import quantize_rows
+    """The quantizing copies (what a quantizing dispatch's quantizers do, as a kernel alone,
+    for FP8, MXFP8 and NVFP4, and the FP8 reference quantizer in plain torch) beside a plain
+    copy of the same bf16 rows: µs and GB/s of bytes read and written."""
+    from ..ops.quantize import quantize_mxfp8, quantize_nvfp4, quantize_rows
 
     xs = [(x,) for x, _, _ in sets]
     tokens, hidden = sets[0][0].shape
     bf16_bytes = 2 * tokens * hidden
-    fp8_bytes = tokens * (hidden + 4 * hidden // 128)
+    moved = {fmt: bf16_bytes + tokens * size(hidden) for fmt, size in SCALED_ROW_BYTES.items()}
     copies = [
         ("bf16 copy (torch clone)", torch.clone, 2 * bf16_bytes),
-        ("quantize, kernels/quantize.py", partial(quantize_rows, buf._rt), bf16_bytes + fp8_bytes),
-        ("quantize, reference (torch)", reference.quantize_fp8, bf16_bytes + fp8_bytes),
+        ("quantize fp8, kernels/quantize.py", partial(quantize_rows, buf._rt), moved["fp8"]),
+        ("quantize mxfp8, kernels/quantize.py", quantize_mxfp8, moved["mxfp8"]),
+        ("quantize nvfp4, kernels/quantize.py", quantize_nvfp4, moved["nvfp4"]),
+        ("quantize fp8, reference (torch)", reference.quantize_fp8, moved["fp8"]),
     ]
     rows = []
     for name, fn, nbytes in copies:
-        t, _ = _median_us(fn, xs, warmup, iters)
+        t, _ = median_us(fn, xs, warmup, iters)
         rows.append(dict(name=name, tokens=tokens, hidden=hidden, time_us=t,
                          GBps=nbytes / t / 1e3))  # fmt: skip
     return rows
@@ -276,7 +291,7 @@ def _bench_rank(rank: int, world: int, opts: dict) -> dict:
     result["ceiling_GBps"] = _ceiling_gbps(rank, world, warmup, iters)
     for name in opts["shapes"]:
         shape = SHAPES[name]
-        sets = [_inputs(shape, rank, s) for s in range(_ROTATE)]
+        sets = [inputs(shape, rank, s) for s in range(_ROTATE)]
         rows_all, rows_remote = _row_counts(sets[0][1], world, shape.experts)
         row_bytes = shape.hidden * 2
         common = dict(dtype="bf16", shape=shape.name, tokens=shape.tokens, hidden=shape.hidden,
@@ -290,18 +305,18 @@ def _bench_rank(rank: int, world: int, opts: dict) -> dict:
         if main_shape and opts["ranks_per_node"]:
             runs += [(sms, expand, opts["ranks_per_node"]) for expand in (True, False)
                      for sms in opts["spot_sms"]]  # fmt: skip
-        fp8_bytes = shape.hidden + 4 * shape.hidden // 128
         for sms, expand, per_node in runs:
             buf = hep.Buffer(None, hidden_size=shape.hidden, max_tokens_per_rank=shape.tokens,
                              num_experts=shape.experts, num_sms=sms, timeout_s=30,
                              expand=expand, ranks_per_node=per_node or world)  # fmt: skip
             error, net_rows = _check(buf, reference, shape, *sets[0])
             what = f"num_sms={sms}, expand={expand}, ranks_per_node={per_node or world}"
-            # FP8 rows on the single-node path of the main shapes, beside the bf16 ones.
+            # Block-scaled rows on the single-node path of the main shapes, beside bf16 ones.
             kinds = [("bf16", row_bytes)]
             if main_shape and per_node is None:
-                error = error or _check_fp8(buf, reference, shape, *sets[0])
-                kinds += [("fp8", fp8_bytes), ("fp8-quantize", fp8_bytes)]
+                for fmt, size in SCALED_ROW_BYTES.items():
+                    error = error or _check_scaled(buf, reference, shape, fmt, *sets[0])
+                    kinds += [(fmt, size(shape.hidden)), (f"{fmt}-quantize", size(shape.hidden))]
             if error:
                 result["errors"].append(f"{what}: {error}")
                 kinds = []
@@ -327,8 +342,8 @@ def _bench_rank(rank: int, world: int, opts: dict) -> dict:
 
         ref = [ref_dispatch(*s) for s in sets]
         ref_comb = [(torch.randn_like(rx), h, rw) for rx, rw, _, h in ref]
-        t_disp, _ = _median_us(ref_dispatch, sets, warmup, iters)
-        t_comb, _ = _median_us(
+        t_disp, _ = median_us(ref_dispatch, sets, warmup, iters)
+        t_comb, _ = median_us(
             lambda y, h, w: reference.combine(None, y, h, weights=w), ref_comb, warmup, iters
         )
         for op, t in (("dispatch", t_disp), ("combine", t_comb)):
@@ -356,8 +371,9 @@ def _write(result: dict, out_dir: str) -> str:
         "nodes: N x R, the group split into N nodes of R ranks (transfers between nodes are "
         "NVSHMEM puts); net rows: token rows one rank's dispatch put over the network",
         "",
-        "dtype: bf16 rows; fp8: the (e4m3 values, scales) pair passed; fp8-quantize: bf16 rows "
-        "passed with quantize=True (both move hidden + hidden / 32 bytes a row)",
+        "dtype: bf16 rows; fp8, mxfp8, nvfp4: the format's (values, scales) pair passed; "
+        "<format>-quantize: bf16 rows passed with quantize=<format> (fp8 and mxfp8 move "
+        "hidden + hidden / 32 bytes a row, nvfp4 hidden / 2 + hidden / 16)",
         "",
         "| shape | nodes | rows | dtype | op | mode | SMs | time µs | host µs | algo GB/s | "
         "between GPUs GB/s | net rows | net GB/s |",

@@ -47,16 +47,16 @@ def demo_rank(rank: int, world_size: int, cfg: DemoConfig) -> bool:
     local_experts = cfg.experts // world_size
 
     # Tokens of this rank, and a router shared by all ranks (same seed).
-    g = _gen(device, cfg.seed + 1 + rank)
+    g = generator(device, cfg.seed + 1 + rank)
     x = torch.randn(cfg.tokens, cfg.hidden, generator=g, device=device).to(DTYPE)
-    g = _gen(device, cfg.seed)
+    g = generator(device, cfg.seed)
     router = torch.randn(cfg.hidden, cfg.experts, generator=g, device=device) / cfg.hidden**0.5
     probs = torch.softmax(x.float() @ router, dim=-1)
     topk_weights, topk_idx = probs.topk(cfg.topk, dim=-1)
     topk_weights = topk_weights / topk_weights.sum(dim=-1, keepdim=True)  # float32 [T, K]
 
     # This rank's experts: global experts [rank * L, (rank + 1) * L), each a 2-layer MLP.
-    g = _gen(device, cfg.seed + 1000 + rank)
+    g = generator(device, cfg.seed + 1000 + rank)
     w_in = torch.randn(local_experts, cfg.hidden, FFN_HIDDEN, generator=g, device=device)
     w_out = torch.randn(local_experts, FFN_HIDDEN, cfg.hidden, generator=g, device=device)
     w_in = (w_in / cfg.hidden**0.5).to(DTYPE)
@@ -126,7 +126,7 @@ def demo_rank(rank: int, world_size: int, cfg: DemoConfig) -> bool:
     return not problems
 
 
-def _gen(device: torch.device, seed: int) -> torch.Generator:
+def generator(device: torch.device, seed: int) -> torch.Generator:
     return torch.Generator(device=device).manual_seed(seed)
 
 
@@ -168,7 +168,7 @@ def _print_table(stats: list[dict], on_gpu: bool) -> None:
             str(s["tokens"]),
             str(s["rows"]),
             _abbreviate(s["tokens_per_expert"]),
-            _human_bytes(s["bytes"]),
+            human_bytes(s["bytes"]),
             f"{s['dispatch_ms']:.2f}",
             f"{s['combine_ms']:.2f}",
             "; ".join(s["problems"]) or "OK",
@@ -213,7 +213,7 @@ def _abbreviate(counts: list[int], limit: int = 8) -> str:
     return f"{head} ... {counts[-1]} ({len(counts)}, {min(counts)}-{max(counts)})"
 
 
-def _human_bytes(n: float) -> str:
+def human_bytes(n: float) -> str:
     for unit in ("B", "KiB", "MiB"):
         if n < 1024:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"

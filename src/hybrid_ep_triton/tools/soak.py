@@ -38,7 +38,7 @@ import torch.distributed as dist
 
 from .. import reference
 from ..buffer import Buffer
-from .demo import _gen, _human_bytes
+from .demo import generator, human_bytes
 from .launcher import rank_device
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -133,7 +133,7 @@ def soak_rank(rank: int, world_size: int, cfg: SoakConfig) -> dict:
             if rank == 0 and cfg.progress_every and (r + 1) % cfg.progress_every == 0:
                 print(
                     f"soak: round {r + 1}/{cfg.rounds}, {failed_rounds} failing, memory "
-                    f"{_human_bytes(in_use)}, median dispatch+combine "
+                    f"{human_bytes(in_use)}, median dispatch+combine "
                     f"{statistics.median(seconds[-cfg.progress_every :]) * 1e3:.2f} ms",
                     flush=True,
                 )
@@ -149,7 +149,7 @@ def _round(buf: Buffer, dev, cfg: SoakConfig, world: int, r: int, prev, seen: Co
     problems found). Counts the round's features in ``seen``."""
     shared = random.Random(f"soak/{cfg.seed}/{r}")  # the same draws on every rank
     mine = random.Random(f"soak/{cfg.seed}/{r}/{dist.get_rank()}")
-    gen = _gen(dev, mine.getrandbits(62))
+    gen = generator(dev, mine.getrandbits(62))
     mode = MODES[r % len(MODES)] if prev is not None else "exact"
     kind = shared.choice(ROW_KINDS) if cfg.hidden % reference.FP8_GROUP == 0 else "bf16"
     with_weights = shared.random() < WEIGHTS_PROB
@@ -318,8 +318,8 @@ def _summary(rank, cfg, on_gpu, failed_rounds, messages, memory, peak, seconds) 
     growth = max(memory[warmup:]) - max(memory[:warmup]) if done > warmup else 0
     if growth > bound:
         messages.append(
-            f"memory in use grew by {_human_bytes(growth)} after the {warmup}-round warm-up "
-            f"(bound {_human_bytes(bound)})"
+            f"memory in use grew by {human_bytes(growth)} after the {warmup}-round warm-up "
+            f"(bound {human_bytes(bound)})"
         )
     if done < cfg.rounds and failed_rounds == 0:
         messages.append(f"only {done} of {cfg.rounds} rounds ran")
@@ -349,11 +349,11 @@ def format_summary(s: dict) -> str:
     drift = (s["ms_last"] / s["ms_first"] - 1) * 100 if s["ms_first"] > 0 else float("nan")
     return (
         f"soak rank {s['rank']}: {s['rounds']} rounds, {s['failures']} failures; "
-        f"memory {s['memory_kind']} first {_human_bytes(s['memory_first'])}, last "
-        f"{_human_bytes(s['memory_last'])}, growth after warm-up "
-        f"{_human_bytes(max(s['memory_growth'], 0))} (bound {_human_bytes(s['memory_bound'])}); "
-        f"{s['peak_kind']} first {_human_bytes(s['peak_first'])}, last "
-        f"{_human_bytes(s['peak_last'])}; median dispatch+combine {s['ms_first']:.2f} ms in the "
+        f"memory {s['memory_kind']} first {human_bytes(s['memory_first'])}, last "
+        f"{human_bytes(s['memory_last'])}, growth after warm-up "
+        f"{human_bytes(max(s['memory_growth'], 0))} (bound {human_bytes(s['memory_bound'])}); "
+        f"{s['peak_kind']} first {human_bytes(s['peak_first'])}, last "
+        f"{human_bytes(s['peak_last'])}; median dispatch+combine {s['ms_first']:.2f} ms in the "
         f"first 10%, {s['ms_last']:.2f} ms in the last 10% (drift {drift:+.1f}%); "
         + ("OK" if s["ok"] else "FAILED")
     )

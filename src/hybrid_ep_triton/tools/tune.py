@@ -21,7 +21,7 @@ from ..buffer import SUPPORTED_DTYPES, Buffer
 from ..runtime.cache_location import cache_path
 from ..runtime.planner import KernelConfig, make_config
 from ..runtime.tuning import cache_key, forced, store
-from .bench import _median_us
+from .bench import median_us
 from .launcher import run_ranks
 
 _DTYPES = {str(dtype).removeprefix("torch."): dtype for dtype in SUPPORTED_DTYPES}
@@ -68,10 +68,10 @@ def _score(buf, x, idx, weights, warmup: int, iters: int) -> tuple[float, float]
     # the weighted sum of a token's local experts.
     recv_w = outputs[1] if buf.expand else None
     y = torch.randn_like(recv_x)
-    t_dispatch, _ = _median_us(
+    t_dispatch, _ = median_us(
         lambda: buf.dispatch(x, None, weights, handle=handle), [()], warmup, iters
     )
-    t_combine, _ = _median_us(lambda: buf.combine(y, handle, weights=recv_w), [()], warmup, iters)
+    t_combine, _ = median_us(lambda: buf.combine(y, handle, weights=recv_w), [()], warmup, iters)
     return t_dispatch, t_combine
 
 
