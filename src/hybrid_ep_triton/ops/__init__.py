@@ -10,7 +10,7 @@ import torch.distributed as dist
 from ..kernels.control import CONTROL_WORDS, NET_ROWS, REPORT_WORDS
 from ..kernels.primitives import HOST_RECORD_WORDS
 from ..runtime.heap import allocate_heap
-from ..runtime.planner import LOCAL_PARTS, Plan, ceil_div
+from ..runtime.planner import LOCAL_PARTS, Plan, ceil_div, next_power_of_2
 from .launch import KernelLauncher
 
 # Programs of the local kernels on CPU ranks (on GPUs: the config's programs_per_sm per SM).
@@ -159,3 +159,19 @@ def local_parts(plan: Plan, block_h: int, cols: int | None = None) -> int:
     ``block_h`` columns each, of rows of ``cols`` columns (default: the hidden size)."""
     tiles = ceil_div(ceil_div(cols or plan.hidden, plan.config.h_slices), block_h)
     return max(1, min(tiles, LOCAL_PARTS))
+
+
+def topology_constants(plan: Plan, *names: str) -> dict:
+    """The constexprs ``names`` of the node topology: R (ranks per node), NODES, and their
+    powers of 2, R_P2 and N_P2."""
+    values = dict(
+        R=plan.ranks_per_node, NODES=plan.nodes, R_P2=next_power_of_2(plan.ranks_per_node),
+        N_P2=next_power_of_2(plan.nodes),
+    )  # fmt: skip
+    return {name: values[name] for name in names}
+
+
+def net_slot_constants(plan: Plan) -> dict:
+    """The constexprs of a NetSlot (see the planner), by the names the kernels give them."""
+    slot = plan.net_slot
+    return dict(NET_COLS=slot.cols, DATA_OFF=slot.data_offset, SLOT_BYTES=slot.bytes)

@@ -5,8 +5,15 @@ import torch
 
 from ..kernels.combine import combine_kernel
 from ..runtime.planner import LOCAL_PARTS, MAX_PROGRAMS, MAX_REGISTERS, next_power_of_2
-from . import Runtime, channel_programs, local_parts, programs_beside_senders
-from .dispatch import DispatchHandle, net_slot_constants, topology_constants
+from . import (
+    Runtime,
+    channel_programs,
+    local_parts,
+    net_slot_constants,
+    programs_beside_senders,
+    topology_constants,
+)
+from .dispatch import DispatchHandle
 from .launch import KernelLauncher
 
 

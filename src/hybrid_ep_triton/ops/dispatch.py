@@ -21,7 +21,13 @@ from ..runtime.planner import (
     ceil_div,
     next_power_of_2,
 )
-from . import Runtime, channel_programs, local_parts, programs_beside_senders
+from . import (
+    Runtime,
+    channel_programs,
+    local_parts,
+    programs_beside_senders,
+    topology_constants,
+)
 from .launch import KernelLauncher, TensorView
 
 # Slots per side of the layout kernel's [PAIRS, PAIRS] tiles of slot pairs.
@@ -292,22 +298,6 @@ def _layout_launcher(rt: Runtime) -> KernelLauncher:
         TOKEN_ROWS=plan.token_rows, **rt.compile_options,
         **topology_constants(plan, "R", "NODES", "N_P2"),
     )  # fmt: skip
-
-
-def topology_constants(plan: Plan, *names: str) -> dict:
-    """The constexprs ``names`` of the node topology: R (ranks per node), NODES, and their
-    powers of 2, R_P2 and N_P2."""
-    values = dict(
-        R=plan.ranks_per_node, NODES=plan.nodes, R_P2=next_power_of_2(plan.ranks_per_node),
-        N_P2=next_power_of_2(plan.nodes),
-    )  # fmt: skip
-    return {name: values[name] for name in names}
-
-
-def net_slot_constants(plan: Plan) -> dict:
-    """The constexprs of a NetSlot (see the planner), by the names the kernels give them."""
-    slot = plan.net_slot
-    return dict(NET_COLS=slot.cols, DATA_OFF=slot.data_offset, SLOT_BYTES=slot.bytes)
 
 
 def _own_slices(rt: Runtime, expanders: int, cols: int, block: int) -> int:
