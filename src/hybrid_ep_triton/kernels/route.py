@@ -1,22 +1,36 @@
 """Dispatch layout: where every (token, expert) slot lands, computed on the device in one launch,
-with no host round trip.
+with no host round trip. One launch in two roles:
 
-Every program counts one chunk of CHUNK tokens: the slots per expert and the tokens per
-destination rank, and every slot's and every (token, rank) pair's position among the chunk's
-slots of the same expert / tokens of the same rank. It also checks the routing: ids outside
-[-1, E) and duplicate ids in a row.
+Counters: program c counts chunk c of CHUNK tokens (a launch without tokens has one program,
+which counts nothing): the slots per expert and the tokens per destination rank, and every
+slot's and every (token, rank) pair's position among the chunk's slots of the same expert /
+tokens of the same rank. It also checks the routing: ids outside [-1, E) and duplicate ids in a
+row. Then it takes a ticket.
 
-The last program to finish counting (a ticket, so no program waits for another and the launch
-needs no co-resident programs) then exchanges the layout with the peers: it turns the chunk
-counts into prefix sums, publishes this rank's per-expert totals and per-rank chunk offsets into
-every peer's heap (across nodes by a network put to the ranks of other nodes, with the chunk
-offsets of this rank's stream to their node), waits for every peer's, and derives from the full
-[world, E] count matrix
-- as a receiver: the padded segment of each local expert in the expert-major output;
-- as a sender: the base row, on the destination, of each expert's slots from this rank.
+The exchanger, the program that takes the last ticket (so no program waits for another and the
+launch needs no co-resident programs), exchanges the layout with the peers:
+1. it turns the chunk counts into prefix sums over the chunks;
+2. it publishes this rank's layout row into every peer's heap: its per-expert totals, tokens,
+   whether its dispatch can go ahead and pad_multiple, then the offsets of its chunks in its
+   stream to that peer and, across nodes, in its stream to that peer's node (peers of its own
+   node by stores, the ranks of other nodes by a network put), each with this rank's flag;
+3. it waits for every peer's row;
+4. it reads the received streams from them: every source's tokens and chunk offsets, and the
+   first source whose dispatch cannot go ahead;
+5. it derives from the full [world, E] count matrix
+   - as a sender: the base row, on the destination, of each expert's slots from this rank;
+   - as a receiver: the padded segment of each local expert in the expert-major output.
 A sender's slot of chunk c then lands on row
 ``chunk_expert_base[0, e] + chunk_expert_base[c + 1, e] + slot_pos`` of the destination.
+
+In the code each role is a function, with what it waits for and what it releases in its
+docstring: _count_role (_count_slots, _count_tokens) and _exchange_role, whose steps are
+_expert_prefix_sums, _publish_rows (_node_chunk_starts, _write_row), _wait_rows, _read_sources,
+_destination_segments, _own_segments and _report; layout_kernel bundles its arguments (Routing,
+HandleParts, LayoutHeap, LayoutSync, LayoutConsts) and _roles picks each program's role.
 """
+
+from collections import namedtuple
 
 import triton
 import triton.language as tl
@@ -54,6 +68,12 @@ from .primitives import (
 
 
 @triton.jit
+def _first_bad_row(bad):
+    """The first invalid row, from its control word ``bad``: the row, or 2**62 for none."""
+    return tl.where(bad > 0, 4611686018427387904 - bad, 4611686018427387904)
+
+
+@triton.jit
 def _flat_slots(topk_idx_ptr, chunk, first, num_tokens, topk, num_experts, n: tl.constexpr,
                 CHUNK: tl.constexpr, K_P2: tl.constexpr):  # fmt: skip
     """Slots [first, first + n) of the chunk, flat (slot i is entry i % K_P2 of the chunk's token
@@ -65,96 +85,6 @@ def _flat_slots(topk_idx_ptr, chunk, first, num_tokens, topk, num_experts, n: tl
     offs = token * topk + flat % K_P2
     ids = tl.load(topk_idx_ptr + offs, mask=in_chunk, other=-1)
     return token, offs, in_chunk, tl.where((ids < 0) | (ids >= num_experts), -1, ids).to(tl.int32)
-
-
-@triton.jit
-def _count_chunk(
-    chunk,
-    topk_idx_ptr,
-    num_tokens,
-    topk,
-    num_experts,
-    experts_per_rank,
-    world_size,
-    slot_pos_ptr,
-    token_rank_pos_ptr,
-    expert_count_ptr,
-    rank_count_ptr,
-    bad_row_ptr,
-    rank,
-    token_node_pos_ptr,
-    node_count_ptr,
-    CHUNK: tl.constexpr,
-    K_P2: tl.constexpr,
-    W_P2: tl.constexpr,
-    E_P2: tl.constexpr,
-    PAIRS: tl.constexpr,
-    TOKEN_ROWS: tl.constexpr,
-    R: tl.constexpr,
-    NODES: tl.constexpr,
-    N_P2: tl.constexpr,
-):
-    """Count chunk ``chunk``: slot_pos (unless TOKEN_ROWS: token rows need none) and
-    token_rank_pos of its tokens, its slots per expert (``expert_count_ptr`` [E]) and tokens per
-    rank (``rank_count_ptr`` [W]); the first invalid row goes into ``bad_row_ptr`` (as
-    2**62 - row). Across nodes also token_node_pos (the token's position among the chunk's
-    tokens to each other node, or -1) and the tokens per node (``node_count_ptr`` [N]; 0 for
-    this rank's own node, whose tokens go over NVLink)."""
-    # Per slot: its position among the chunk's slots of the same expert, the number of pairs of
-    # slots with that expert whose other slot belongs to an earlier token (tiles of pairs).
-    expert_count = tl.zeros([E_P2], tl.int32)
-    for i0 in range(0, CHUNK * K_P2, PAIRS):
-        token, offs, in_chunk, ids = _flat_slots(
-            topk_idx_ptr, chunk, i0, num_tokens, topk, num_experts, PAIRS, CHUNK, K_P2
-        )
-        if not TOKEN_ROWS:
-            pos = tl.zeros([PAIRS], tl.int32)
-            for j0 in range(0, CHUNK * K_P2, PAIRS):
-                other_token, _, _, other_ids = _flat_slots(
-                    topk_idx_ptr, chunk, j0, num_tokens, topk, num_experts, PAIRS, CHUNK, K_P2
-                )
-                earlier = (ids[:, None] == other_ids[None, :]) & (
-                    other_token[None, :] < token[:, None]
-                )
-                pos += tl.sum(earlier.to(tl.int32), axis=1)
-            tl.store(slot_pos_ptr + offs, tl.where(ids >= 0, pos, -1), mask=in_chunk)
-        expert_count += tl.histogram(tl.where(ids >= 0, ids, 0), E_P2, mask=ids >= 0)
-    experts = tl.arange(0, E_P2)
-    tl.store(expert_count_ptr + experts, expert_count, mask=experts < num_experts)
-
-    # Per token: validation (ids in range, in the ids' own width: int64 ids must not wrap into
-    # int32; no id twice), and a token goes once to each rank holding any of its experts.
-    tokens = chunk * CHUNK + tl.arange(0, CHUNK)
-    slots = tl.arange(0, K_P2)
-    token_ok = tokens < num_tokens
-    slot_mask = token_ok[:, None] & (slots[None, :] < topk)
-    raw_ids = tl.load(
-        topk_idx_ptr + tokens[:, None] * topk + slots[None, :], mask=slot_mask, other=-1
-    )
-    out_of_range = slot_mask & ((raw_ids < -1) | (raw_ids >= num_experts))
-    slot_ids = tl.where(out_of_range, -1, raw_ids).to(tl.int32)
-    same = (slot_ids[:, :, None] == slot_ids[:, None, :]) & (slot_ids >= 0)[:, :, None]
-    same = same & (slots[None, :, None] != slots[None, None, :])
-    bad_row = (
-        tl.sum(out_of_range.to(tl.int32), axis=1) + tl.sum(tl.sum(same.to(tl.int32), 2), 1)
-    ) > 0
-    first_bad = tl.min(tl.where(bad_row, tokens, 2147483647), axis=0)
-    if first_bad < 2147483647:
-        tl.atomic_max(bad_row_ptr, 4611686018427387904 - first_bad.to(tl.int64))
-    dest = tl.where(slot_ids >= 0, slot_ids // experts_per_rank, -1)
-    ranks = tl.arange(0, W_P2)
-    to_rank = tl.sum((dest[:, :, None] == ranks[None, None, :]).to(tl.int32), axis=1) > 0
-    _store_positions(
-        to_rank, tokens, token_ok, ranks, world_size, token_rank_pos_ptr, rank_count_ptr
-    )
-    if NODES > 1:
-        nodes = tl.arange(0, N_P2)
-        # Unused slots (dest -1) select no node: integer division truncates towards zero.
-        in_node = (dest[:, :, None] >= 0) & (dest[:, :, None] // R == nodes[None, None, :])
-        to_node = (tl.sum(in_node.to(tl.int32), axis=1) > 0) & (nodes[None, :] != rank // R)
-        _store_positions(
-            to_node, tokens, token_ok, nodes, NODES, token_node_pos_ptr, node_count_ptr
-        )
 
 
 @triton.jit
@@ -172,212 +102,396 @@ def _store_positions(to, tokens, token_ok, targets, num_targets, pos_ptr, count_
     tl.store(count_ptr + targets, tl.sum(sent, axis=0), mask=targets < num_targets)
 
 
-@triton.jit
-def _exchange(
-    rank,
-    world_size,
-    num_tokens,
-    num_chunks,
-    num_experts,
-    experts_per_rank,
-    pad_multiple,
-    max_rows,
-    chunk_expert_base_ptr,
-    send_chunk_start_ptr,
-    recv_chunk_start_ptr,
-    recv_src_tokens_ptr,
-    expert_layout_ptr,
-    tokens_per_expert_ptr,
-    info_ptr,
-    peer_bases_ptr,
-    control_ptr,
-    count_flags_off,
-    layout_in_off,
-    timeout_ns,
-    send_chunk_node_start_ptr,
-    recv_net_chunk_start_ptr,
-    net_bases_ptr,
-    layout_out_off,
-    heap_bytes,
-    report_addr,
-    report_tag,
-    refused,
-    W_P2: tl.constexpr,
-    E_P2: tl.constexpr,
-    L_P2: tl.constexpr,
-    NC_MAX: tl.constexpr,
-    ROW: tl.constexpr,
-    LR: tl.constexpr,
-    C_BLOCK: tl.constexpr,
-    TABLE_BLOCK: tl.constexpr,
-    CHUNK: tl.constexpr,
-    TOKEN_ROWS: tl.constexpr,
-    R: tl.constexpr,
-    NODES: tl.constexpr,
-    N_P2: tl.constexpr,
-):
-    """The layout exchange, run by the launch's last program once every chunk is counted."""
-    seq = tl.load(control_ptr + LAYOUT_SEQ) + 1
-    status_ptr = control_ptr + STATUS
-    # Written by the launch's other programs: loads bypass L1.
-    bad = tl.load(control_ptr + BAD_ROW, volatile=True)
-    tl.store(control_ptr + BAD_ROW, 0)
-    tl.store(info_ptr + INFO_BAD_ROW,
-             tl.where(bad > 0, 4611686018427387904 - bad, 4611686018427387904))  # fmt: skip
+# Each program of a launch has one role (module docstring); a role is a function that takes the
+# kernel's arguments in bundles by keyword, as in dispatch and combine: namedtuples of runtime
+# values, and LayoutConsts, built in the call that passes it (assigned to a name in a jit
+# function, a namedtuple's constexpr fields would become tensors). Everything is inlined: the
+# machine code is that of one kernel body, and the calls keep the order in which the kernel
+# used to evaluate its expressions.
+Routing = namedtuple(
+    "Routing",
+    "topk_idx_ptr num_tokens num_chunks topk num_experts experts_per_rank rank world_size "
+    "pad_multiple max_rows refused",
+)
+HandleParts = namedtuple(
+    "HandleParts",
+    "slot_pos_ptr token_rank_pos_ptr chunk_expert_base_ptr send_chunk_start_ptr "
+    "recv_chunk_start_ptr recv_src_tokens_ptr expert_layout_ptr tokens_per_expert_ptr info_ptr "
+    "token_node_pos_ptr send_chunk_node_start_ptr recv_net_chunk_start_ptr",
+)
+LayoutHeap = namedtuple(
+    "LayoutHeap",
+    "peer_bases_ptr count_flags_off layout_in_off net_bases_ptr layout_out_off heap_bytes",
+)
+LayoutSync = namedtuple("LayoutSync", "control_ptr timeout_ns report_addr report_tag")
+LayoutConsts = namedtuple(
+    "LayoutConsts",
+    "CHUNK K_P2 W_P2 E_P2 L_P2 PAIRS NC_MAX ROW C_BLOCK TABLE_BLOCK TOKEN_ROWS LR R NODES N_P2",
+)
 
-    # 1. Per expert, exclusive prefix over chunks of the counts (in place), and the totals.
-    experts = tl.arange(0, E_P2)
-    emask = experts < num_experts
-    totals = tl.zeros([E_P2], tl.int32)
-    for c0 in range(0, num_chunks, C_BLOCK):
-        chunks = c0 + tl.arange(0, C_BLOCK)
-        m = (chunks[:, None] < num_chunks) & emask[None, :]
-        ptrs = chunk_expert_base_ptr + (chunks[:, None] + 1) * num_experts + experts[None, :]
+
+@triton.jit
+def _count_role(chunk, bad_row_ptr, rt, out, k):
+    """Counter of chunk ``chunk`` (< num_chunks). Waits for nothing. Writes slot_pos (unless
+    TOKEN_ROWS: token rows need none), token_rank_pos, token_node_pos and the first invalid row
+    (into ``bad_row_ptr``), and its counts where their prefix sums will be: rows c + 1 of
+    chunk_expert_base, rows c of send_chunk_start and send_chunk_node_start. Releases them to
+    the exchanger by its ticket (_roles)."""
+    expert_count_ptr = out.chunk_expert_base_ptr + (chunk + 1) * rt.num_experts
+    rank_count_ptr = out.send_chunk_start_ptr + chunk * rt.world_size
+    node_count_ptr = out.send_chunk_node_start_ptr + chunk * k.NODES
+    _count_slots(chunk=chunk, expert_count_ptr=expert_count_ptr, rt=rt, out=out, k=k)
+    _count_tokens(chunk=chunk, rank_count_ptr=rank_count_ptr, bad_row_ptr=bad_row_ptr,
+                  node_count_ptr=node_count_ptr, rt=rt, out=out, k=k)  # fmt: skip
+
+
+@triton.jit
+def _count_slots(chunk, expert_count_ptr, rt, out, k):
+    """The chunk's slots per expert (``expert_count_ptr`` [E]) and, unless TOKEN_ROWS, each
+    slot's position among the chunk's slots of the same expert (slot_pos, -1 for none)."""
+    # Per slot: its position among the chunk's slots of the same expert, the number of pairs of
+    # slots with that expert whose other slot belongs to an earlier token (tiles of pairs).
+    expert_count = tl.zeros([k.E_P2], tl.int32)
+    for i0 in range(0, k.CHUNK * k.K_P2, k.PAIRS):
+        token, offs, in_chunk, ids = _flat_slots(
+            rt.topk_idx_ptr, chunk, i0, rt.num_tokens, rt.topk, rt.num_experts, k.PAIRS, k.CHUNK,
+            k.K_P2,
+        )  # fmt: skip
+        if not k.TOKEN_ROWS:
+            pos = tl.zeros([k.PAIRS], tl.int32)
+            for j0 in range(0, k.CHUNK * k.K_P2, k.PAIRS):
+                other_token, _, _, other_ids = _flat_slots(
+                    rt.topk_idx_ptr, chunk, j0, rt.num_tokens, rt.topk, rt.num_experts, k.PAIRS,
+                    k.CHUNK, k.K_P2,
+                )  # fmt: skip
+                earlier = (ids[:, None] == other_ids[None, :]) & (
+                    other_token[None, :] < token[:, None]
+                )
+                pos += tl.sum(earlier.to(tl.int32), axis=1)
+            tl.store(out.slot_pos_ptr + offs, tl.where(ids >= 0, pos, -1), mask=in_chunk)
+        expert_count += tl.histogram(tl.where(ids >= 0, ids, 0), k.E_P2, mask=ids >= 0)
+    experts = tl.arange(0, k.E_P2)
+    tl.store(expert_count_ptr + experts, expert_count, mask=experts < rt.num_experts)
+
+
+@triton.jit
+def _count_tokens(chunk, rank_count_ptr, bad_row_ptr, node_count_ptr, rt, out, k):
+    """Check the chunk's routing (the first invalid row into ``bad_row_ptr``, as 2**62 - row);
+    its tokens per rank (``rank_count_ptr`` [W]) and token_rank_pos; across nodes also
+    token_node_pos (the token's position among the chunk's tokens to each other node, or -1)
+    and the tokens per node (``node_count_ptr`` [N]; 0 for this rank's own node, whose tokens go
+    over NVLink)."""
+    # Per token: validation (ids in range, in the ids' own width: int64 ids must not wrap into
+    # int32; no id twice), and a token goes once to each rank holding any of its experts.
+    tokens = chunk * k.CHUNK + tl.arange(0, k.CHUNK)
+    slots = tl.arange(0, k.K_P2)
+    token_ok = tokens < rt.num_tokens
+    slot_mask = token_ok[:, None] & (slots[None, :] < rt.topk)
+    raw_ids = tl.load(
+        rt.topk_idx_ptr + tokens[:, None] * rt.topk + slots[None, :], mask=slot_mask, other=-1
+    )
+    out_of_range = slot_mask & ((raw_ids < -1) | (raw_ids >= rt.num_experts))
+    slot_ids = tl.where(out_of_range, -1, raw_ids).to(tl.int32)
+    same = (slot_ids[:, :, None] == slot_ids[:, None, :]) & (slot_ids >= 0)[:, :, None]
+    same = same & (slots[None, :, None] != slots[None, None, :])
+    bad_row = (
+        tl.sum(out_of_range.to(tl.int32), axis=1) + tl.sum(tl.sum(same.to(tl.int32), 2), 1)
+    ) > 0
+    first_bad = tl.min(tl.where(bad_row, tokens, 2147483647), axis=0)
+    if first_bad < 2147483647:
+        tl.atomic_max(bad_row_ptr, 4611686018427387904 - first_bad.to(tl.int64))
+    dest = tl.where(slot_ids >= 0, slot_ids // rt.experts_per_rank, -1)
+    ranks = tl.arange(0, k.W_P2)
+    to_rank = tl.sum((dest[:, :, None] == ranks[None, None, :]).to(tl.int32), axis=1) > 0
+    _store_positions(to_rank, tokens, token_ok, ranks, rt.world_size, out.token_rank_pos_ptr,
+                     rank_count_ptr)  # fmt: skip
+    if k.NODES > 1:
+        nodes = tl.arange(0, k.N_P2)
+        # Unused slots (dest -1) select no node: integer division truncates towards zero.
+        in_node = (dest[:, :, None] >= 0) & (dest[:, :, None] // k.R == nodes[None, None, :])
+        to_node = (tl.sum(in_node.to(tl.int32), axis=1) > 0) & (nodes[None, :] != rt.rank // k.R)
+        _store_positions(to_node, tokens, token_ok, nodes, k.NODES, out.token_node_pos_ptr,
+                         node_count_ptr)  # fmt: skip
+
+
+@triton.jit
+def _exchange_role(rt, out, heap, sync, k):
+    """The exchanger: the program that takes the launch's last ticket. Waits for every
+    counter's counts (the ticket, _roles) and, in _wait_rows, for every peer's layout row (its
+    flag in this rank's count flags reaching seq). Releases this rank's layout row to every peer
+    by this rank's flag in their count flags (_publish_rows); the handle's parts and LAYOUT_SEQ
+    to the launches that follow on the stream; in exact mode the report to the host, REPORT_TAG
+    last (_report)."""
+    seq = tl.load(sync.control_ptr + LAYOUT_SEQ) + 1
+    status_ptr = sync.control_ptr + STATUS
+    # Written by the launch's other programs: loads bypass L1. Reset for the next launch.
+    bad = tl.load(sync.control_ptr + BAD_ROW, volatile=True)
+    tl.store(sync.control_ptr + BAD_ROW, 0)
+    tl.store(out.info_ptr + INFO_BAD_ROW, _first_bad_row(bad))
+    totals = _expert_prefix_sums(rt=rt, out=out, k=k)
+    _publish_rows(seq=seq, bad=bad, totals=totals, rt=rt, out=out, heap=heap, k=k)
+    counts = _wait_rows(seq=seq, status_ptr=status_ptr, rt=rt, heap=heap, sync=sync, k=k)
+    first_invalid, first_cause = _read_sources(counts=counts, rt=rt, out=out, k=k)
+    seg_start, padded, total = _destination_segments(counts=counts, rt=rt, out=out, k=k)
+    needed = _own_segments(counts=counts, seg_start=seg_start, padded=padded, total=total, rt=rt,
+                           out=out, k=k)  # fmt: skip
+    tl.store(out.info_ptr + INFO_ROWS, needed)
+    tl.store(sync.control_ptr + LAYOUT_SEQ, seq)
+    if sync.report_tag != 0:
+        _report(needed=needed, first_invalid=first_invalid, bad=bad, status_ptr=status_ptr,
+                first_cause=first_cause, sync=sync, k=k)  # fmt: skip
+
+
+@triton.jit
+def _expert_prefix_sums(rt, out, k):
+    """Step 1: per expert, the exclusive prefix over chunks of the counts, in place in rows
+    c + 1 of chunk_expert_base (the offset of chunk c's first slot among this rank's slots of
+    each expert); returns this rank's per-expert totals [E_P2]."""
+    experts = tl.arange(0, k.E_P2)
+    emask = experts < rt.num_experts
+    totals = tl.zeros([k.E_P2], tl.int32)
+    for c0 in range(0, rt.num_chunks, k.C_BLOCK):
+        chunks = c0 + tl.arange(0, k.C_BLOCK)
+        m = (chunks[:, None] < rt.num_chunks) & emask[None, :]
+        ptrs = out.chunk_expert_base_ptr + (chunks[:, None] + 1) * rt.num_experts + experts[None, :]
+        # Written by the counters: loads bypass L1.
         cnt = tl.load(ptrs, mask=m, other=0, cache_modifier=".cg")
         tl.store(ptrs, totals[None, :] + tl.cumsum(cnt, 0) - cnt, mask=m)
         totals += tl.sum(cnt, axis=0)
+    return totals
 
-    # 2. To every peer, its layout row `rank` (at the parity of seq): the totals (per-expert
-    # totals, then tokens, why this rank's dispatch cannot go ahead (0: it can; 1: invalid
-    # routing; above: the host's refusal code), pad_multiple), the offsets of this rank's chunks in
-    # the stream to it (and column `peer` of send_chunk_start, in place) and, across nodes, in
-    # the stream to its node. Peers of this node get the row by peer stores; the others by a
-    # network put from this rank's layout_out.
-    invalid = tl.maximum(refused, (bad > 0).to(tl.int32))
-    node_first = node_first_rank(rank, R, NODES)
-    if NODES > 1:
-        for node in range(0, NODES):
-            carry = tl.zeros([], tl.int32)
-            for c0 in range(0, num_chunks + 1, TABLE_BLOCK):
-                chunks = c0 + tl.arange(0, TABLE_BLOCK)
-                ptrs = send_chunk_node_start_ptr + chunks * NODES + node
-                cnt = tl.load(ptrs, mask=chunks < num_chunks, other=0, cache_modifier=".cg")
-                tl.store(ptrs, carry + tl.cumsum(cnt, 0) - cnt, mask=chunks <= num_chunks)
-                carry += tl.sum(cnt, axis=0)
-    # Bytes from layout_in to this rank's row at the parity of seq.
-    row_off = ((seq % 2) * world_size + rank) * (LR * 4)
-    for peer in range(0, world_size):
-        near = (peer >= node_first) & (peer < node_first + R)
-        row = region(peer_bases_ptr, peer, layout_in_off, tl.int32) + row_off // 4
-        if NODES > 1:
+
+@triton.jit
+def _publish_rows(seq, bad, totals, rt, out, heap, k):
+    """Step 2: to every peer its layout row ``rank`` at the parity of seq (_write_row), and this
+    rank's flag in the peer's count flags set to seq: peers of this node get the row by stores
+    and the flag by a signal; the ranks of other nodes get both by a network put from this
+    rank's layout_out."""
+    # Why this rank's dispatch cannot go ahead (0: it can; 1: invalid routing; above: the host's
+    # refusal code): every rank learns it, and all of them then move nothing.
+    invalid = tl.maximum(rt.refused, (bad > 0).to(tl.int32))
+    node_first = node_first_rank(rt.rank, k.R, k.NODES)
+    if k.NODES > 1:
+        _node_chunk_starts(rt=rt, out=out, k=k)
+    # Bytes from layout_in to this rank's row at the parity of seq: layout_in holds two sets of
+    # rows, so that a peer already in the next exchange does not overwrite a row not yet read.
+    row_off = ((seq % 2) * rt.world_size + rt.rank) * (k.LR * 4)
+    for peer in range(0, rt.world_size):
+        near = (peer >= node_first) & (peer < node_first + k.R)
+        row = region(heap.peer_bases_ptr, peer, heap.layout_in_off, tl.int32) + row_off // 4
+        if k.NODES > 1:
             if not near:
-                row = region(peer_bases_ptr, rank, layout_out_off, tl.int32) + peer * LR
-        tl.store(row + experts, totals, mask=emask)
-        tl.store(row + num_experts + 0, num_tokens)
-        tl.store(row + num_experts + 1, invalid)
-        tl.store(row + num_experts + 2, pad_multiple)
-        carry = tl.zeros([], tl.int32)
-        for c0 in range(0, num_chunks + 1, TABLE_BLOCK):
-            chunks = c0 + tl.arange(0, TABLE_BLOCK)
-            ptrs = send_chunk_start_ptr + chunks * world_size + peer
-            cnt = tl.load(ptrs, mask=chunks < num_chunks, other=0, cache_modifier=".cg")
-            start = carry + tl.cumsum(cnt, 0) - cnt
-            tl.store(ptrs, start, mask=chunks <= num_chunks)
-            tl.store(row + ROW + chunks, start, mask=chunks <= num_chunks)
-            if NODES > 1:
-                node_starts = tl.load(send_chunk_node_start_ptr + chunks * NODES + peer // R,
-                                      mask=chunks <= num_chunks, cache_modifier=".cg")  # fmt: skip
-                tl.store(row + ROW + NC_MAX + 1 + chunks, node_starts, mask=chunks <= num_chunks)
-            carry += tl.sum(cnt, axis=0)
-        flag = region(peer_bases_ptr, peer, count_flags_off, tl.int64) + rank
-        if NODES > 1:
+                # Staged in this rank's heap: a network put reads only registered memory.
+                row = region(heap.peer_bases_ptr, rt.rank, heap.layout_out_off, tl.int32) + (
+                    peer * k.LR
+                )
+        _write_row(row=row, peer=peer, totals=totals, invalid=invalid, rt=rt, out=out, k=k)
+        flag = region(heap.peer_bases_ptr, peer, heap.count_flags_off, tl.int64) + rt.rank
+        if k.NODES > 1:
             if near:
                 signal(flag, seq)
             else:
                 net_put_signal(
-                    net_bases_ptr, rank, peer, layout_in_off + row_off, row, LR * 4,
-                    count_flags_off + rank * 8, seq, heap_bytes,
+                    heap.net_bases_ptr, rt.rank, peer, heap.layout_in_off + row_off, row,
+                    k.LR * 4, heap.count_flags_off + rt.rank * 8, seq, heap.heap_bytes,
                 )  # fmt: skip
         else:
             signal(flag, seq)
 
-    # 3. Wait for every peer's row.
-    my_flags = region(peer_bases_ptr, rank, count_flags_off, tl.int64)
-    for peer in range(0, world_size):
-        wait_at_least(my_flags + peer, seq, timeout_ns, status_ptr, peer, STAGE_LAYOUT)
-    counts = region(peer_bases_ptr, rank, layout_in_off, tl.int32) + (seq % 2) * world_size * LR
-    table = counts + ROW
 
-    # 4. Received streams: chunk offsets and token counts of every source; abort on bad routing.
-    srcs = tl.arange(0, W_P2)
-    smask = srcs < world_size
-    extra = counts + srcs * LR + num_experts
-    tl.store(recv_src_tokens_ptr + srcs, tl.load(extra + 0, mask=smask), mask=smask)
+@triton.jit
+def _node_chunk_starts(rt, out, k):
+    """Across nodes: per node, the exclusive prefix over chunks of this rank's tokens to it, in
+    place in send_chunk_node_start (the offsets of this rank's chunks in its stream to the
+    node, for the layout rows and the senders)."""
+    for node in range(0, k.NODES):
+        carry = tl.zeros([], tl.int32)
+        for c0 in range(0, rt.num_chunks + 1, k.TABLE_BLOCK):
+            chunks = c0 + tl.arange(0, k.TABLE_BLOCK)
+            ptrs = out.send_chunk_node_start_ptr + chunks * k.NODES + node
+            cnt = tl.load(ptrs, mask=chunks < rt.num_chunks, other=0, cache_modifier=".cg")
+            tl.store(ptrs, carry + tl.cumsum(cnt, 0) - cnt, mask=chunks <= rt.num_chunks)
+            carry += tl.sum(cnt, axis=0)
+
+
+@triton.jit
+def _write_row(row, peer, totals, invalid, rt, out, k):
+    """The layout row for ``peer`` at ``row``: this rank's per-expert totals, tokens, ``invalid``
+    and pad_multiple (the counts row, ROW words), then the offsets of this rank's chunks in its
+    stream to ``peer`` (also into column ``peer`` of send_chunk_start, in place, for the
+    senders) and, across nodes, in its stream to the node of ``peer``."""
+    experts = tl.arange(0, k.E_P2)
+    tl.store(row + experts, totals, mask=experts < rt.num_experts)
+    tl.store(row + rt.num_experts + 0, rt.num_tokens)
+    tl.store(row + rt.num_experts + 1, invalid)
+    tl.store(row + rt.num_experts + 2, rt.pad_multiple)
+    carry = tl.zeros([], tl.int32)
+    for c0 in range(0, rt.num_chunks + 1, k.TABLE_BLOCK):
+        chunks = c0 + tl.arange(0, k.TABLE_BLOCK)
+        ptrs = out.send_chunk_start_ptr + chunks * rt.world_size + peer
+        cnt = tl.load(ptrs, mask=chunks < rt.num_chunks, other=0, cache_modifier=".cg")
+        start = carry + tl.cumsum(cnt, 0) - cnt
+        tl.store(ptrs, start, mask=chunks <= rt.num_chunks)
+        tl.store(row + k.ROW + chunks, start, mask=chunks <= rt.num_chunks)
+        if k.NODES > 1:
+            node_starts = tl.load(out.send_chunk_node_start_ptr + chunks * k.NODES + peer // k.R,
+                                  mask=chunks <= rt.num_chunks, cache_modifier=".cg")  # fmt: skip
+            tl.store(row + k.ROW + k.NC_MAX + 1 + chunks, node_starts,
+                     mask=chunks <= rt.num_chunks)  # fmt: skip
+        carry += tl.sum(cnt, axis=0)
+
+
+@triton.jit
+def _wait_rows(seq, status_ptr, rt, heap, sync, k):
+    """Step 3: wait for every peer's layout row (its flag in this rank's count flags reaching
+    seq; a timeout records STAGE_LAYOUT); returns the [W, LR] rows at the parity of seq."""
+    my_flags = region(heap.peer_bases_ptr, rt.rank, heap.count_flags_off, tl.int64)
+    for peer in range(0, rt.world_size):
+        wait_at_least(my_flags + peer, seq, sync.timeout_ns, status_ptr, peer, STAGE_LAYOUT)
+    layout_in = region(heap.peer_bases_ptr, rt.rank, heap.layout_in_off, tl.int32)
+    return layout_in + (seq % 2) * rt.world_size * k.LR
+
+
+@triton.jit
+def _first_source(first_invalid, W_P2: tl.constexpr):
+    """The first source whose dispatch cannot go ahead, from ``first_invalid`` (W_P2: none), or
+    -1."""
+    return tl.where(first_invalid < W_P2, first_invalid, -1).to(tl.int64)
+
+
+@triton.jit
+def _read_sources(counts, rt, out, k):
+    """Step 4, the received streams: every source's tokens and chunk offsets (across nodes also
+    those of each node's stream to this node), and the first source whose dispatch cannot go
+    ahead with its cause, into info. Returns (first invalid source or W_P2, its cause)."""
+    table = counts + k.ROW
+    srcs = tl.arange(0, k.W_P2)
+    smask = srcs < rt.world_size
+    extra = counts + srcs * k.LR + rt.num_experts
+    tl.store(out.recv_src_tokens_ptr + srcs, tl.load(extra + 0, mask=smask), mask=smask)
     causes = tl.load(extra + 1, mask=smask, other=0)
-    first_invalid = tl.min(tl.where(causes != 0, srcs, W_P2), axis=0)
+    first_invalid = tl.min(tl.where(causes != 0, srcs, k.W_P2), axis=0)
     first_cause = tl.sum(tl.where(srcs == first_invalid, causes, 0), axis=0).to(tl.int64)
-    tl.store(info_ptr + INFO_SOURCE,
-             tl.where(first_invalid < W_P2, first_invalid, -1).to(tl.int64))  # fmt: skip
-    tl.store(info_ptr + INFO_CAUSE, first_cause)
-    for c0 in range(0, NC_MAX + 1, TABLE_BLOCK):
-        chunks = c0 + tl.arange(0, TABLE_BLOCK)
-        m = smask[:, None] & (chunks[None, :] <= NC_MAX)
-        tl.store(recv_chunk_start_ptr + srcs[:, None] * (NC_MAX + 1) + chunks[None, :],
-                 tl.load(table + srcs[:, None] * LR + chunks[None, :], mask=m), mask=m)  # fmt: skip
-        if NODES > 1:
+    tl.store(out.info_ptr + INFO_SOURCE, _first_source(first_invalid, k.W_P2))
+    tl.store(out.info_ptr + INFO_CAUSE, first_cause)
+    for c0 in range(0, k.NC_MAX + 1, k.TABLE_BLOCK):
+        chunks = c0 + tl.arange(0, k.TABLE_BLOCK)
+        m = smask[:, None] & (chunks[None, :] <= k.NC_MAX)
+        tl.store(
+            out.recv_chunk_start_ptr + srcs[:, None] * (k.NC_MAX + 1) + chunks[None, :],
+            tl.load(table + srcs[:, None] * k.LR + chunks[None, :], mask=m),
+            mask=m,
+        )
+        if k.NODES > 1:
             # From each node's rank of this rank's local index: its stream to this node.
-            nodes = tl.arange(0, N_P2)
-            nm = (nodes[:, None] < NODES) & (chunks[None, :] <= NC_MAX)
-            rail = nodes[:, None] * R + rank % R
-            tl.store(recv_net_chunk_start_ptr + nodes[:, None] * (NC_MAX + 1) + chunks[None, :],
-                     tl.load(table + rail * LR + NC_MAX + 1 + chunks[None, :], mask=nm),
-                     mask=nm)  # fmt: skip
+            nodes = tl.arange(0, k.N_P2)
+            nm = (nodes[:, None] < k.NODES) & (chunks[None, :] <= k.NC_MAX)
+            rail = nodes[:, None] * k.R + rt.rank % k.R
+            tl.store(
+                out.recv_net_chunk_start_ptr + nodes[:, None] * (k.NC_MAX + 1) + chunks[None, :],
+                tl.load(table + rail * k.LR + k.NC_MAX + 1 + chunks[None, :], mask=nm), mask=nm,
+            )  # fmt: skip
+    return first_invalid, first_cause
 
-    # 5. Segments of every destination's local experts, [destination, local expert]; this
-    # rank's offset inside them, as the base row of each expert's slots from this rank.
-    dsts = tl.arange(0, W_P2)
-    local = tl.arange(0, L_P2)
-    dl_mask = (dsts[:, None] < world_size) & (local[None, :] < experts_per_rank)
+
+@triton.jit
+def _destination_segments(counts, rt, out, k):
+    """Step 5, as a sender: the padded segments of every destination's local experts,
+    [destination, local expert], and this rank's offset inside them, stored as row 0 of
+    chunk_expert_base (the base row of each expert's slots from this rank). Returns the
+    segments' starts, padded rows and valid rows, [W_P2, L_P2]."""
+    srcs = tl.arange(0, k.W_P2)
+    smask = srcs < rt.world_size
+    dsts = tl.arange(0, k.W_P2)
+    local = tl.arange(0, k.L_P2)
+    dl_mask = (dsts[:, None] < rt.world_size) & (local[None, :] < rt.experts_per_rank)
     cmat = tl.load(
-        counts + srcs[:, None, None] * LR + (dsts[:, None] * experts_per_rank + local[None, :]),
+        counts
+        + srcs[:, None, None] * k.LR
+        + (dsts[:, None] * rt.experts_per_rank + local[None, :]),
         mask=smask[:, None, None] & dl_mask[None, :, :],
         other=0,
     )
     total = tl.sum(cmat, axis=0)
-    dst_pad = tl.load(counts + dsts * LR + num_experts + 2, mask=dsts < world_size, other=1)
+    # Each destination pads its segments to its own pad_multiple, from its row.
+    dst_pad = tl.load(counts + dsts * k.LR + rt.num_experts + 2, mask=dsts < rt.world_size, other=1)
     padded = (total + dst_pad[:, None] - 1) // dst_pad[:, None] * dst_pad[:, None]
     seg_start = tl.cumsum(padded, 1) - padded
-    my_offset = tl.sum(tl.where(srcs[:, None, None] < rank, cmat, 0), axis=0)
+    # Sources fill a segment in rank order.
+    my_offset = tl.sum(tl.where(srcs[:, None, None] < rt.rank, cmat, 0), axis=0)
     tl.store(
-        chunk_expert_base_ptr + dsts[:, None] * experts_per_rank + local[None, :],
+        out.chunk_expert_base_ptr + dsts[:, None] * rt.experts_per_rank + local[None, :],
         seg_start + my_offset,
         mask=dl_mask,
     )
-    # This rank's own segments.
-    mine = dsts[:, None] == rank
+    return seg_start, padded, total
+
+
+@triton.jit
+def _own_segments(counts, seg_start, padded, total, rt, out, k):
+    """Step 5, as a receiver: this rank's own segments into expert_layout, tokens_per_expert,
+    and the rows its output needs (returned)."""
+    dsts = tl.arange(0, k.W_P2)
+    local = tl.arange(0, k.L_P2)
+    mine = dsts[:, None] == rt.rank
     my_start = tl.sum(tl.where(mine, seg_start, 0), axis=0)
     my_padded = tl.sum(tl.where(mine, padded, 0), axis=0)
-    lmask = local < experts_per_rank
-    tl.store(expert_layout_ptr + local, my_start, mask=lmask)
-    tl.store(expert_layout_ptr + experts_per_rank + local, tl.sum(tl.where(mine, total, 0), 0),
-             mask=lmask)  # fmt: skip
-    tl.store(expert_layout_ptr + 2 * experts_per_rank + local, my_padded, mask=lmask)
-    if TOKEN_ROWS:
+    lmask = local < rt.experts_per_rank
+    tl.store(out.expert_layout_ptr + local, my_start, mask=lmask)
+    tl.store(out.expert_layout_ptr + rt.experts_per_rank + local,
+             tl.sum(tl.where(mine, total, 0), 0), mask=lmask)  # fmt: skip
+    tl.store(out.expert_layout_ptr + 2 * rt.experts_per_rank + local, my_padded, mask=lmask)
+    if k.TOKEN_ROWS:
         # One row per received token: every source's stream to this rank.
-        src_tokens = tl.load(extra + 0, mask=smask, other=0)
-        streamed = tl.load(table + srcs * LR + tl.cdiv(src_tokens, CHUNK), mask=smask, other=0)
-        tl.store(tokens_per_expert_ptr + local, my_padded.to(tl.int64), mask=lmask)
+        srcs = tl.arange(0, k.W_P2)
+        smask = srcs < rt.world_size
+        src_tokens = tl.load(counts + srcs * k.LR + rt.num_experts + 0, mask=smask, other=0)
+        streamed = tl.load(counts + k.ROW + srcs * k.LR + tl.cdiv(src_tokens, k.CHUNK),
+                           mask=smask, other=0)  # fmt: skip
+        tl.store(out.tokens_per_expert_ptr + local, my_padded.to(tl.int64), mask=lmask)
         needed = tl.sum(streamed, axis=0).to(tl.int64)
     else:
-        present = tl.minimum(my_start + my_padded, max_rows) - my_start
-        tl.store(tokens_per_expert_ptr + local, tl.maximum(present, 0).to(tl.int64), mask=lmask)
+        # Rows past max_rows are dropped: tokens_per_expert counts those in the output.
+        present = tl.minimum(my_start + my_padded, rt.max_rows) - my_start
+        tl.store(out.tokens_per_expert_ptr + local, tl.maximum(present, 0).to(tl.int64),
+                 mask=lmask)  # fmt: skip
         needed = tl.sum(my_padded, axis=0).to(tl.int64)
-    tl.store(info_ptr + INFO_ROWS, needed)
-    tl.store(control_ptr + LAYOUT_SEQ, seq)
-    if report_tag != 0:
-        # Exact mode: what the host waits for, straight into its pinned memory, the tag last,
-        # so that the host polls host memory instead of synchronising with the stream.
-        report = report_addr.to(tl.pointer_type(tl.int64))
-        tl.store(report + REPORT_ROWS, needed)
-        tl.store(report + REPORT_SOURCE,
-                 tl.where(first_invalid < W_P2, first_invalid, -1).to(tl.int64))  # fmt: skip
-        tl.store(report + REPORT_BAD_ROW,
-                 tl.where(bad > 0, 4611686018427387904 - bad, 4611686018427387904))  # fmt: skip
-        for i in tl.static_range(STATUS_WORDS):
-            tl.store(report + REPORT_STATUS + i, tl.load(status_ptr + i, volatile=True))
-        tl.store(report + REPORT_CAUSE, first_cause)
-        fence_system()
-        tl.store(report + REPORT_TAG, report_tag + tl.zeros([], tl.int64))
+    return needed
+
+
+@triton.jit
+def _report(needed, first_invalid, bad, status_ptr, first_cause, sync, k):
+    """Exact mode: what the host waits for, straight into its pinned memory, the tag last, so
+    that the host polls host memory instead of synchronising with the stream."""
+    report = sync.report_addr.to(tl.pointer_type(tl.int64))
+    tl.store(report + REPORT_ROWS, needed)
+    tl.store(report + REPORT_SOURCE, _first_source(first_invalid, k.W_P2))
+    tl.store(report + REPORT_BAD_ROW, _first_bad_row(bad))
+    for i in tl.static_range(STATUS_WORDS):
+        tl.store(report + REPORT_STATUS + i, tl.load(status_ptr + i, volatile=True))
+    tl.store(report + REPORT_CAUSE, first_cause)
+    # The words above reach the host before the tag that says they are there.
+    fence_system()
+    tl.store(report + REPORT_TAG, sync.report_tag + tl.zeros([], tl.int64))
+
+
+@triton.jit
+def _roles(chunk, rt, out, heap, sync, k):
+    """Program ``chunk``'s roles: counter of its chunk (if any), then, for the program that
+    takes the last ticket, the exchanger."""
+    bad_row_ptr = sync.control_ptr + BAD_ROW
+    if chunk < rt.num_chunks:
+        _count_role(chunk=chunk, bad_row_ptr=bad_row_ptr, rt=rt, out=out, k=k)
+    # Every thread's counts are stored before the program's ticket is taken; the ticket's
+    # acq_rel publishes them to the program that takes the last one, and the barrier after it
+    # lets every thread of that program see what the ticket acquired.
+    tl.debug_barrier()
+    ticket = tl.atomic_add(sync.control_ptr + LAYOUT_TICKET, 1, sem="acq_rel", scope="gpu")
+    if ticket == tl.num_programs(0) - 1:
+        tl.debug_barrier()
+        # Every ticket is taken: reset for the next launch.
+        tl.store(sync.control_ptr + LAYOUT_TICKET, 0)
+        _exchange_role(rt=rt, out=out, heap=heap, sync=sync, k=k)
 
 
 @triton.jit
@@ -440,28 +554,19 @@ def layout_kernel(
     N_P2: tl.constexpr,
 ):
     chunk = tl.program_id(0)
-    bad_row_ptr = control_ptr + BAD_ROW
-    # Counts land where their prefix sums will be: rows c + 1 of chunk_expert_base, rows c of
-    # send_chunk_start.
-    if chunk < num_chunks:
-        _count_chunk(
-            chunk, topk_idx_ptr, num_tokens, topk, num_experts, experts_per_rank, world_size,
-            slot_pos_ptr, token_rank_pos_ptr, chunk_expert_base_ptr + (chunk + 1) * num_experts,
-            send_chunk_start_ptr + chunk * world_size, bad_row_ptr, rank, token_node_pos_ptr,
-            send_chunk_node_start_ptr + chunk * NODES, CHUNK, K_P2, W_P2, E_P2, PAIRS, TOKEN_ROWS,
-            R, NODES, N_P2,
-        )  # fmt: skip
-    tl.debug_barrier()
-    ticket = tl.atomic_add(control_ptr + LAYOUT_TICKET, 1, sem="acq_rel", scope="gpu")
-    if ticket == tl.num_programs(0) - 1:
-        tl.debug_barrier()
-        tl.store(control_ptr + LAYOUT_TICKET, 0)
-        _exchange(
-            rank, world_size, num_tokens, num_chunks, num_experts, experts_per_rank,
-            pad_multiple, max_rows, chunk_expert_base_ptr, send_chunk_start_ptr,
-            recv_chunk_start_ptr, recv_src_tokens_ptr, expert_layout_ptr, tokens_per_expert_ptr,
-            info_ptr, peer_bases_ptr, control_ptr, count_flags_off, layout_in_off, timeout_ns,
-            send_chunk_node_start_ptr, recv_net_chunk_start_ptr, net_bases_ptr, layout_out_off,
-            heap_bytes, report_addr, report_tag, refused, W_P2, E_P2, L_P2, NC_MAX, ROW, LR,
-            C_BLOCK, TABLE_BLOCK, CHUNK, TOKEN_ROWS, R, NODES, N_P2,
-        )  # fmt: skip
+    # The arguments in bundles for the roles (positional: in the order of the bundles' fields).
+    rt = Routing(topk_idx_ptr, num_tokens, num_chunks, topk, num_experts, experts_per_rank, rank,
+                 world_size, pad_multiple, max_rows, refused)  # fmt: skip
+    out = HandleParts(slot_pos_ptr, token_rank_pos_ptr, chunk_expert_base_ptr,
+                      send_chunk_start_ptr, recv_chunk_start_ptr, recv_src_tokens_ptr,
+                      expert_layout_ptr, tokens_per_expert_ptr, info_ptr, token_node_pos_ptr,
+                      send_chunk_node_start_ptr, recv_net_chunk_start_ptr)  # fmt: skip
+    heap = LayoutHeap(peer_bases_ptr, count_flags_off, layout_in_off, net_bases_ptr,
+                      layout_out_off, heap_bytes)  # fmt: skip
+    sync = LayoutSync(control_ptr, timeout_ns, report_addr, report_tag)
+    # Built in the call: assigned to a name, its constexpr fields would become tensors.
+    _roles(
+        chunk=chunk, rt=rt, out=out, heap=heap, sync=sync,
+        k=LayoutConsts(CHUNK, K_P2, W_P2, E_P2, L_P2, PAIRS, NC_MAX, ROW, C_BLOCK, TABLE_BLOCK,
+                       TOKEN_ROWS, LR, R, NODES, N_P2),
+    )  # fmt: skip
