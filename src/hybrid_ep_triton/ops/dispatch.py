@@ -345,7 +345,7 @@ def _quantizing_move_launcher(rt: Runtime, name: str) -> KernelLauncher:
     items = plan.max_chunks * _quantizer_slices(plan)
     return _data_move_launcher(
         rt, rows.words, rows.data_words, rows.block, rows.net_cols, rows.scale_words,
-        QUANTIZE=QUANTIZERS[name], CHANNEL_GROUPS=plan.hidden // FP8_GROUP,
+        QUANTIZE=QUANTIZERS[name], CHANNEL_GROUPS=_channel_groups(plan),
         x_ptr=words(rows.data_words), x_stride=rows.data_words,
         x_scales_ptr=words(rows.scale_words), x_scales_stride=rows.scale_words,
         quantized_flags_ptr=torch.zeros(items, dtype=torch.int64, device=rt.device),
@@ -361,10 +361,15 @@ def _quantizers(rt: Runtime, num_tokens: int) -> int:
     return max(1, min(programs_beside_senders(rt), items))
 
 
+def _channel_groups(plan: Plan) -> int:
+    """128-channel groups of a row, which the quantizers take QUANT_GROUPS at a time."""
+    return plan.hidden // FP8_GROUP
+
+
 def _quantizer_slices(plan: Plan) -> int:
     """Quantizer work items per chunk of tokens: column slices of QUANT_GROUPS 128-channel
     groups (the kernel's QUANT_SLICES)."""
-    return ceil_div(plan.hidden // FP8_GROUP, QUANT_GROUPS.value)
+    return ceil_div(_channel_groups(plan), QUANT_GROUPS.value)
 
 
 def _data_move_launcher(
@@ -469,7 +474,7 @@ class PreparedMove:
             placeholder(torch.float32) if self.has_weights else None,
             placeholder(torch.int32) if self.rt.plan.token_rows and not self.cached else None,
         )  # fmt: skip
-        self._launch(0, tag, *self._arguments(outputs, as_words=False))
+        self._launch(0, tag, *self._arguments(outputs, outputs_are_words=True))
 
     def deliver(self, num_rows: int, tag: int) -> Moved:
         """The outputs of a launch_awaiting_outputs(tag) launch, for N = ``num_rows``."""
@@ -506,7 +511,7 @@ class PreparedMove:
             self.handle.recv_topk_idx = recv_topk_idx
         return recv_x, recv_scales, recv_weights, recv_topk_idx
 
-    def _arguments(self, outputs: tuple, as_words: bool = True) -> tuple:
+    def _arguments(self, outputs: tuple, outputs_are_words: bool = False) -> tuple:
         """The launch's output arguments (unused ones: any tensor of their type) and, without
         weights, the unused topk_weights: (topk_weights, recv_x, [recv_scales,] recv_weights,
         recv_topk_idx); a pair's outputs as words (placeholders are words already)."""
@@ -518,8 +523,8 @@ class PreparedMove:
         rows = (recv_x,)
         if self.scaled is not None:
             rows = (recv_x, recv_scales)
-            if as_words:  # (the scales' words: the whole rows that recv_scales is a view of)
-                rows = (recv_x.view(torch.int32), _whole_words(recv_scales, self.scaled))
+            if not outputs_are_words:  # (the scales' words: the rows recv_scales is a view of)
+                rows = (as_words(recv_x), _whole_words(recv_scales, self.scaled))
         return topk_weights, *rows, recv_weights, recv_topk_idx
 
     def _launch(self, num_rows: int, tag: int, topk_weights, *outputs) -> None:
