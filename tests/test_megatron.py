@@ -303,7 +303,9 @@ def _errors(world: int) -> list[str]:
         setattr(bad.config, name, True)
         expect(f"config.{name}", lambda bad=bad: use_hybrid_ep(bad, max_tokens_per_rank=4))
     # FP8 and FP4 training pad each expert's rows as Megatron-Core's HybridEP backend does (its
-    # config refuses fp8 for MoE without Transformer Engine: set on a built one).
+    # config refuses fp8 for MoE without Transformer Engine: set on a built one), and the MXFP8
+    # recipe sends MXFP8 rows, which need H % 128 == 0 (CPU ranks' H is 16: there the default
+    # is a ValueError, and wire_format=None sends the params dtype).
     for name, value, pad, want in [("fp8", "e4m3", 1, 16), ("fp8_recipe", "mxfp8", 64, 64),
                                    ("fp4", "nvfp4", 3, 384)]:  # fmt: skip
         quantized = copy.copy(layer)
@@ -311,10 +313,19 @@ def _errors(world: int) -> list[str]:
         if name == "fp8_recipe":
             quantized.config.fp8 = "e4m3"
         setattr(quantized.config, name, value)
-        with use_hybrid_ep(quantized, max_tokens_per_rank=4, pad_multiple=pad):
-            got = quantized.token_dispatcher.dispatcher.pad_multiple
+        mxfp8 = name == "fp8_recipe"
+        wire = "config"
+        if mxfp8 and HIDDEN % 128:
+            expect("multiple of 128", lambda q=quantized: use_hybrid_ep(q, max_tokens_per_rank=4))
+            wire = None
+        with use_hybrid_ep(quantized, max_tokens_per_rank=4, pad_multiple=pad, wire_format=wire):
+            dispatcher = quantized.token_dispatcher.dispatcher
+            got = dispatcher.pad_multiple, dispatcher.wire_format
+        want = want, "mxfp8" if mxfp8 and wire else None
         if got != want:
-            failures.append(f"{name}={value}, pad_multiple {pad}: padded to {got}, not {want}")
+            failures.append(
+                f"{name}={value}, pad_multiple {pad}: (padding, wire format) {got}, not {want}"
+            )
     if _dp_size() > 1 and not ON_GPU:
         # A Buffer over the world is not the expert-parallel group (collective: every rank).
         # CPU ranks only: on GPUs a process has one NVSHMEM world, the expert-parallel group's.

@@ -37,6 +37,7 @@ pytestmark = pytest.mark.skipif(
 )
 
 HIDDEN, FFN, EXPERTS_PER_RANK, MAX_TOKENS = 8, 8, 2, 6
+WIRE_HIDDEN = 128  # a quantizing dispatch quantizes 128 channels at a time
 TOL = {"rtol": 1e-4, "atol": 1e-5}
 LR = 1.0
 
@@ -178,6 +179,8 @@ def _argument_errors(buf: Buffer) -> list[str]:
         ("router_topk", TokenDispatcher, {"router_topk": experts + 1}),
         ("max_recv_tokens", TokenDispatcher, {"router_topk": 2, "max_recv_tokens": -1}),
         ("pad_multiple", TokenDispatcher, {"router_topk": 2, "pad_multiple": 0}),
+        ("wire_format", TokenDispatcher, {"router_topk": 2, "wire_format": "int8"}),
+        ("multiple of 128", TokenDispatcher, {"router_topk": 2, "wire_format": "mxfp8"}),
         ("multiples of 8", MoELayer, {"ffn_hidden_size": 12, "router_topk": 2}),
     ]:
         _expect_error(failures, ValueError, words, partial(make, buf, **kwargs))
@@ -195,6 +198,48 @@ def _argument_errors(buf: Buffer) -> list[str]:
         ("topk_idx", (x, probs[:, :2]), {"topk_idx": idx.float()}),
     ]:
         _expect_error(failures, ValueError, words, partial(d.dispatch, *args, **kwargs))
+    return failures
+
+
+def _wire_format_case(rank: int, world: int) -> list[str]:
+    """wire_format: permuted_tokens are exactly the reference's rows of the tokens quantized
+    and dequantized (the format's rule in plain torch), plain tensors of the Buffer's dtype;
+    probs, counts and combine as without it; the tokens' gradient straight through. Rows that
+    require grad (a ScaledValues underneath) and rows that do not (a pair) in turn."""
+    failures, experts, dtype = [], world * EXPERTS_PER_RANK, torch.bfloat16
+    with Buffer(None, hidden_size=WIRE_HIDDEN, max_tokens_per_rank=MAX_TOKENS,
+                num_experts=experts, dtype=dtype, num_sms=1) as buf:  # fmt: skip
+        for i, fmt in enumerate(reference.QUANTIZERS):
+            what = f"wire_format={fmt}"
+            g = torch.Generator().manual_seed(1000 * i + rank)
+            tokens = MAX_TOKENS - 2 * rank
+            # Blocks of very different magnitudes, so that the scales differ.
+            magnitudes = torch.logspace(-6, 6, WIRE_HIDDEN // 16, base=2).repeat_interleave(16)
+            x = (torch.randn(tokens, WIRE_HIDDEN, generator=g) * magnitudes).to(dtype)
+            idx, _, full_probs = _routing(g, tokens, experts, 2)
+            probs = full_probs.gather(1, idx.clamp(min=0))
+            hidden = x.clone().requires_grad_(i % 2 == 0)
+            d = TokenDispatcher(buf, 2, wire_format=fmt)
+            rows, counts, row_probs = d.dispatch(hidden, probs, topk_idx=idx)
+            on_wire = reference.DEQUANTIZERS[fmt](*reference.QUANTIZERS[fmt](x)).to(dtype)
+            ref_rows, ref_probs, ref_counts, handle = reference.dispatch(
+                None, on_wire, idx, probs, num_experts=experts
+            )
+            if type(rows) is not torch.Tensor:
+                failures.append(f"{what}: permuted_tokens is a {type(rows).__name__}")
+            for name, got, want in [("permuted_tokens", rows, ref_rows),
+                                    ("tokens_per_expert", counts, ref_counts),
+                                    ("permuted_probs", row_probs, ref_probs)]:  # fmt: skip
+                if got.shape != want.shape or not torch.equal(got.detach(), want):
+                    failures.append(f"{what}: {name} differs from the reference")
+            out = d.combine(rows)
+            _compare(failures, f"{what}: combine", out.detach().float(),
+                     reference.combine(None, rows.detach(), handle).float())  # fmt: skip
+            if hidden.requires_grad:  # out[t] = (t's routed slots) * on_wire[t]
+                proj = torch.randn(tokens, WIRE_HIDDEN, generator=g).to(dtype)
+                (out.float() * proj.float()).sum().backward()
+                routed = (idx >= 0).sum(dim=1, keepdim=True)
+                _compare(failures, f"{what}: grad", hidden.grad.float(), (routed * proj).float())
     return failures
 
 
@@ -308,6 +353,7 @@ def _body(rank: int, world: int, cases: dict[str, list[Case]]) -> dict[str, list
                 m for c in cases["dispatcher"] for m in _dispatcher_case(buf, rank, world, c)
             ],
             "errors": _argument_errors(buf),
+            "wire_format": _wire_format_case(rank, world),
             "layer": [m for c in cases["layer"] for m in _layer_case(buf, rank, world, c)],
         }
     return {part: [f"rank {rank}: {m}" for m in msgs] for part, msgs in results.items()}
@@ -341,6 +387,12 @@ def test_dispatcher_matches_the_reference(launch, world):
 @pytest.mark.parametrize("world", [2, pytest.param(3, marks=pytest.mark.slow)])
 def test_bad_arguments_raise_value_errors(launch, world):
     failures = _failures(launch, world, "errors")
+    assert not failures, failures
+
+
+@pytest.mark.parametrize("world", [2, pytest.param(3, marks=pytest.mark.slow)])
+def test_wire_formats_deliver_the_dequantized_rows(launch, world):
+    failures = _failures(launch, world, "wire_format")
     assert not failures, failures
 
 

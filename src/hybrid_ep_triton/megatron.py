@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from .buffer import DEFAULT_TIMEOUT_S, Buffer
-from .moe import TokenDispatcher
+from .moe import TokenDispatcher, check_wire_format
 from .runtime.checks import describe
 
 try:
@@ -73,9 +73,18 @@ class HybridEPTokenDispatcher(MoETokenDispatcher):
         pad_multiple: pad each local expert's rows to a multiple of it (grouped GEMMs). With
             config.fp8 or config.fp4, to a multiple of it and of Megatron-Core's quantization
             alignment too (``get_align_size_for_quantization``: 16 for FP8, 32 for MXFP8, 128
-            for FP4), as Megatron-Core's own HybridEP backend pads. The rows still cross the
-            links in the config's params dtype: Megatron-Core's FP8 experts (Transformer
-            Engine's) quantize them.
+            for FP4), as Megatron-Core's own HybridEP backend pads.
+        wire_format: the format rows cross the links in (``TokenDispatcher``'s: dequantized
+            into the params dtype on arrival, for Megatron-Core's experts, which take rows of
+            that dtype and, with FP8 or FP4 training, quantize them again in Transformer
+            Engine). "config" (default): "mxfp8" when the config trains with the MXFP8 recipe
+            (config.fp8 with fp8_recipe "mxfp8"), else None, the params dtype. MXFP8 alone is
+            the default because Transformer Engine's own row-wise MXFP8 quantization of
+            dequantized MXFP8 rows gives the same values and scales back (its scale exponent,
+            amax / 448 rounded up to a power of two, is the one the rows had); its column-wise
+            copy for the weight gradient, and every other recipe (blockwise FP8's fp32 scales,
+            NVFP4's second-level scale), would round twice: pass "fp8" or "nvfp4" to choose
+            that, or None to send the params dtype always.
         async_finish: run dispatch and combine on the Buffer's communication stream; the
             calling stream waits for each before its next work.
     """
@@ -91,6 +100,7 @@ class HybridEPTokenDispatcher(MoETokenDispatcher):
         max_recv_tokens: int | None = None,
         pad_multiple: int = 1,
         async_finish: bool = False,
+        wire_format: str | None = "config",
     ):
         super().__init__(config=config, pg_collection=pg_collection)
         _check_expert_tp(self.tp_size)
@@ -118,6 +128,7 @@ class HybridEPTokenDispatcher(MoETokenDispatcher):
             config.moe_router_topk,
             max_recv_tokens=max_recv_tokens,
             pad_multiple=_quantization_padding(config, pad_multiple),
+            wire_format=_wire_format(config, wire_format),
         )
         self.hidden_shape = None
         self._topk_idx = None  # dispatch_preprocess -> token_dispatch
@@ -175,6 +186,7 @@ def use_hybrid_ep(
     max_recv_tokens: int | None = None,
     pad_multiple: int = 1,
     async_finish: bool = False,
+    wire_format: str | None = "config",
     timeout_s: float = DEFAULT_TIMEOUT_S,
     ranks_per_node: int | None = None,
 ) -> Buffer:
@@ -195,7 +207,7 @@ def use_hybrid_ep(
         max_tokens_per_rank: the most tokens one rank passes to one layer: sequence length /
             tensor-parallel size x micro-batch size.
         num_sms, timeout_s, ranks_per_node: the Buffer's (see ``Buffer``).
-        max_recv_tokens, pad_multiple, async_finish: the dispatchers' (see
+        max_recv_tokens, pad_multiple, async_finish, wire_format: the dispatchers' (see
             ``HybridEPTokenDispatcher``); max_recv_tokens needs experts other than
             SequentialMLP (e.g. TEGroupedMLP).
 
@@ -212,6 +224,7 @@ def use_hybrid_ep(
     for layer in layers:
         _check_layer(layer, layers[0].config, max_recv_tokens)
     config = layers[0].config
+    check_wire_format(_wire_format(config, wire_format), config.hidden_size)
     buffer = Buffer(
         layers[0].ep_group,
         hidden_size=config.hidden_size,
@@ -235,6 +248,7 @@ def use_hybrid_ep(
             max_recv_tokens=max_recv_tokens,
             pad_multiple=pad_multiple,
             async_finish=async_finish,
+            wire_format=wire_format,
         )
     return buffer
 
@@ -274,6 +288,16 @@ def _quantization_padding(config, pad_multiple: int) -> int:
     if config.fp8 or config.fp4:
         return math.lcm(pad_multiple, get_align_size_for_quantization(config))
     return pad_multiple
+
+
+def _wire_format(config, wire_format: str | None) -> str | None:
+    """The dispatchers' wire format: ``wire_format``, or for "config" the one the config's
+    recipe takes back without a second rounding (see ``HybridEPTokenDispatcher``)."""
+    if wire_format != "config":
+        return wire_format
+    if config.fp8 and not config.fp4 and config.fp8_recipe == "mxfp8":
+        return "mxfp8"
+    return None
 
 
 def _check_expert_tp(size: int) -> None:

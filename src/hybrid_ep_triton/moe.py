@@ -19,7 +19,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from .buffer import Buffer
+from .ops.scaled_rows import ScaledValues
 from .runtime.checks import check_int, check_tensor, describe
+from .runtime.planner import FP8_GROUP, SCALED_FORMATS
 
 __all__ = ["MoELayer", "TokenDispatcher"]
 
@@ -48,9 +50,15 @@ class TokenDispatcher:
             dropped and ``check()`` raises OverflowError. M = world * max_tokens_per_rank *
             min(K, L) + L * (pad_multiple - 1) never drops a row.
         pad_multiple: pad each local expert's rows with zero rows (prob 0) to a multiple of it.
+        wire_format: None: rows cross the links in the Buffer's dtype. "fp8", "mxfp8" or
+            "nvfp4": the dispatch quantizes them as it sends (``Buffer.dispatch``'s quantize;
+            H a multiple of 128), and permuted_tokens are the rows dequantized on arrival, in
+            the Buffer's dtype (each value times its block's scale, rounded once), their
+            gradient passed straight through. Fewer bytes cross the links (per channel: 2 in
+            bf16, 1.03 in fp8 and mxfp8, 0.56 in nvfp4) and the experts see the format's error.
 
-    Attributes: buffer, router_topk, max_recv_tokens, pad_multiple, num_experts (E),
-    num_local_experts (L) and device (the Buffer's).
+    Attributes: buffer, router_topk, max_recv_tokens, pad_multiple, wire_format, num_experts
+    (E), num_local_experts (L) and device (the Buffer's).
     """
 
     def __init__(
@@ -60,9 +68,11 @@ class TokenDispatcher:
         *,
         max_recv_tokens: int | None = None,
         pad_multiple: int = 1,
+        wire_format: str | None = None,
     ):
         if not isinstance(buffer, Buffer):
             raise ValueError(f"buffer must be a hybrid_ep_triton.Buffer, got {type(buffer)}")
+        check_wire_format(wire_format, buffer.hidden_size)
         if not buffer.expand:
             raise ValueError("buffer must expand into expert-major rows (expand=True)")
         check_int("router_topk", router_topk, 1, buffer.num_experts)
@@ -73,6 +83,7 @@ class TokenDispatcher:
         self.router_topk = router_topk
         self.max_recv_tokens = max_recv_tokens
         self.pad_multiple = pad_multiple
+        self.wire_format = wire_format
         self.num_experts = buffer.num_experts
         self.num_local_experts = buffer.num_experts // dist.get_world_size(buffer.group)
         self.device = buffer.device
@@ -176,8 +187,11 @@ class TokenDispatcher:
             pad_multiple=self.pad_multiple,
             max_recv_tokens=self.max_recv_tokens,
             async_finish=async_finish,
+            quantize=self.wire_format or False,
         )
         permuted, permuted_probs, tokens_per_expert, handle = _wait(outputs, async_finish)
+        if self.wire_format is not None:
+            permuted = _dequantized(permuted, self.wire_format, self.buffer.dtype)
         self._pending = (handle, tokens.shape if shape is None else shape, permuted.shape[0])
         self._last_handle = handle
         return permuted, tokens_per_expert, permuted_probs
@@ -332,6 +346,31 @@ def _grouped_mm(x, w, offs, valid):
     every tensor of the forward and the backward pass."""
     x = torch.where(valid, x, 0)  # the same values; zeroes the gradient rows past offs[-1]
     return torch.where(valid, torch._grouped_mm(x, w, offs=offs), 0)
+
+
+def check_wire_format(wire_format, hidden_size: int) -> None:
+    if wire_format is None:
+        return
+    if wire_format not in SCALED_FORMATS:
+        raise ValueError(
+            f"wire_format must be None or one of {tuple(SCALED_FORMATS)}, got "
+            f"{describe(wire_format)}"
+        )
+    if hidden_size % FP8_GROUP:
+        raise ValueError(
+            f"wire_format={wire_format!r} needs a hidden size that is a multiple of "
+            f"{FP8_GROUP} (the dispatch quantizes {FP8_GROUP} channels at a time), got "
+            f"{hidden_size}"
+        )
+
+
+def _dequantized(rows, wire_format: str, dtype: torch.dtype) -> torch.Tensor:
+    """A quantizing dispatch's (values, scales) as plain [N, H] rows of ``dtype``; values that
+    are a ScaledValues (rows that required grad) pass the gradient straight through."""
+    values, scales = rows
+    if not isinstance(values, ScaledValues):
+        values = ScaledValues(values, scales, SCALED_FORMATS[wire_format], dtype)
+    return values.dequantize()
 
 
 def _wait(outputs, async_finish: bool):
