@@ -8,7 +8,7 @@ quantized rows, exact mode and max_recv_tokens, pad_multiple, -1 slots, empty ra
 counts, FP8 rows along a handle of a bf16 dispatch and bf16 rows along an FP8 one, and a
 combine (in the Buffer's dtype) after an FP8 dispatch. With 2 ranks also the gradients of
 quantize=True dispatches of rows that require grad (straight through the quantization); on GPUs
-also FP8 dispatches replayed from a CUDA graph.
+also dispatches of the format (pairs, and quantize=format) replayed from a CUDA graph.
 """
 
 from __future__ import annotations
@@ -179,7 +179,7 @@ def _rank_body(
         if world == 2 and hidden % 128 == 0:  # (quantize needs whole 128-channel groups)
             failures += _gradients_match_reference(buf, dev, hidden, rank, expand, fmt)
         if dev.type == "cuda":
-            failures += _graph_replays_match_eager(buf, dev, hidden, rank, world)
+            failures += _graph_replays_match_eager(buf, dev, hidden, rank, world, fmt)
         for index in cases:
             name, tokens, topk, unused, pad, recv, source = CASES[index]
             if not expand:
@@ -412,26 +412,30 @@ def _compiled_matches_eager(buf: Buffer, dev, hidden: int, rank: int, fmt: str) 
     return [f"an {fmt} dispatch under torch.compile differs from eager mode"]
 
 
-def _graph_replays_match_eager(buf: Buffer, dev, hidden: int, rank: int, world: int) -> list[str]:
-    """FP8 dispatches captured in a CUDA graph (max_recv_tokens mode: a given pair, then
-    quantize=True), replayed on new rows copied into the captured inputs: the outputs of eager
-    calls on those rows, bit for bit (GPUs only)."""
+def _graph_replays_match_eager(
+    buf: Buffer, dev, hidden: int, rank: int, world: int, fmt: str
+) -> list[str]:
+    """Dispatches of ``fmt`` captured in a CUDA graph (max_recv_tokens mode: a given pair, then
+    quantize=fmt where H is a multiple of 128), replayed on new rows copied into the captured
+    inputs: the outputs of eager calls on those rows, bit for bit (GPUs only)."""
     gen = torch.Generator().manual_seed(55 + rank)
     num_tokens, topk = 7, 2
     idx = torch.rand(num_tokens, 8, generator=gen).topk(topk, dim=1).indices.to(dev)
     w = torch.rand(num_tokens, topk, generator=gen).to(dev)
     x = _awkward_rows(num_tokens, hidden, gen).to(dev)
-    pair = [t.to(dev) for t in reference.quantize_fp8(x.cpu())]
+    pair = [t.to(dev) for t in QUANTIZERS[fmt](x.cpu())]
     max_recv = world * num_tokens * topk
 
     def calls():
         # Either layout: the rows, then weights, ids or tokens_per_expert, then the handle.
         (values, scales), *rest, _ = buf.dispatch(tuple(pair), idx, w, max_recv_tokens=max_recv)
-        (quantized, quantized_scales), *_ = buf.dispatch(
-            x, idx, max_recv_tokens=max_recv, quantize=True
-        )
-        return [values.view(torch.uint8), scales, *rest, quantized.view(torch.uint8),
-                quantized_scales]  # fmt: skip
+        outputs = [_bits(values), _bits(scales), *rest]
+        if hidden % 128 == 0:
+            (quantized, quantized_scales), *_ = buf.dispatch(
+                x, idx, max_recv_tokens=max_recv, quantize=fmt
+            )
+            outputs += [_bits(quantized), _bits(quantized_scales)]
+        return outputs
 
     calls()  # warm-up outside the capture
     graph = torch.cuda.CUDAGraph()
@@ -439,14 +443,14 @@ def _graph_replays_match_eager(buf: Buffer, dev, hidden: int, rank: int, world: 
         captured = calls()
     fresh = _awkward_rows(num_tokens, hidden, gen).flip(0)
     x.copy_(fresh.to(dev))
-    for t, new in zip(pair, reference.quantize_fp8(fresh), strict=True):
+    for t, new in zip(pair, QUANTIZERS[fmt](fresh), strict=True):
         t.copy_(new.to(dev))
     graph.replay()
     torch.cuda.synchronize()
     eager = calls()
     if all(torch.equal(a, b) for a, b in zip(captured, eager, strict=True)):
         return []
-    return ["FP8 dispatches replayed from a CUDA graph differ from eager calls on the same rows"]
+    return [f"{fmt} dispatches replayed from a CUDA graph differ from eager calls on the same rows"]
 
 
 # hidden 256: two 128-channel scale blocks, 66 words a row, past one 64-word tile on CPU. One
