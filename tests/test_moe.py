@@ -1,10 +1,12 @@
-"""``hybrid_ep_triton.moe`` on CPU ranks, fp32.
+"""``hybrid_ep_triton.moe`` on CPU ranks, fp32 (the wire formats in bf16, also on GPUs).
 
 TokenDispatcher: its rows, counts and probs must equal the plain-torch reference dispatcher's
 (both input forms, exact and max_recv_tokens modes, -1 slots, a token routed nowhere, a rank
 with no tokens), its combine the reference combine's; gradients are checked against the closed
 form of combine(rows * probs): out[t] = (sum of t's routed probs) * x[t]. Bad arguments raise
-ValueError naming them.
+ValueError naming them. Its wire formats (bf16 rows sent as fp8, mxfp8 or nvfp4, dequantized on
+arrival) against the reference's rows of the quantized-then-dequantized tokens, on CPU ranks and
+on GPUs (the rest of this file runs on CPU ranks only).
 
 MoELayer: every rank builds the full model from one seed and keeps its experts; a
 single-process model with every expert and every token (plain matmuls, a loop over experts)
@@ -29,10 +31,12 @@ import torch.nn.functional as F
 
 from hybrid_ep_triton import Buffer, reference
 from hybrid_ep_triton.moe import MoELayer, TokenDispatcher
+from hybrid_ep_triton.tools.launcher import rank_device
 
 # fp32 experts: torch._grouped_mm takes fp32 on CPUs only. On GPUs the layer is checked in
 # bf16 by tests/test_streams.py (CUDA-graph replay of its forward and backward against eager).
-pytestmark = pytest.mark.skipif(
+# The wire formats' test (bf16, no experts) runs on both.
+cpu_only = pytest.mark.skipif(
     os.environ.get("HEP_TEST_DEVICE") == "cuda", reason="fp32 CPU ranks only"
 )
 
@@ -206,18 +210,19 @@ def _wire_format_case(rank: int, world: int) -> list[str]:
     and dequantized (the format's rule in plain torch), plain tensors of the Buffer's dtype;
     probs, counts and combine as without it; the tokens' gradient straight through. Rows that
     require grad (a ScaledValues underneath) and rows that do not (a pair) in turn."""
-    failures, experts, dtype = [], world * EXPERTS_PER_RANK, torch.bfloat16
+    failures, experts, dtype, dev = [], world * EXPERTS_PER_RANK, torch.bfloat16, rank_device()
     with Buffer(None, hidden_size=WIRE_HIDDEN, max_tokens_per_rank=MAX_TOKENS,
-                num_experts=experts, dtype=dtype, num_sms=1) as buf:  # fmt: skip
+                num_experts=experts, dtype=dtype, num_sms=1, device=dev) as buf:  # fmt: skip
         for i, fmt in enumerate(reference.QUANTIZERS):
             what = f"wire_format={fmt}"
             g = torch.Generator().manual_seed(1000 * i + rank)
             tokens = MAX_TOKENS - 2 * rank
             # Blocks of very different magnitudes, so that the scales differ.
             magnitudes = torch.logspace(-6, 6, WIRE_HIDDEN // 16, base=2).repeat_interleave(16)
-            x = (torch.randn(tokens, WIRE_HIDDEN, generator=g) * magnitudes).to(dtype)
+            x = (torch.randn(tokens, WIRE_HIDDEN, generator=g) * magnitudes).to(dtype).to(dev)
             idx, _, full_probs = _routing(g, tokens, experts, 2)
-            probs = full_probs.gather(1, idx.clamp(min=0))
+            probs = full_probs.gather(1, idx.clamp(min=0)).to(dev)
+            idx = idx.to(dev)
             hidden = x.clone().requires_grad_(i % 2 == 0)
             d = TokenDispatcher(buf, 2, wire_format=fmt)
             rows, counts, row_probs = d.dispatch(hidden, probs, topk_idx=idx)
@@ -236,7 +241,7 @@ def _wire_format_case(rank: int, world: int) -> list[str]:
             _compare(failures, f"{what}: combine", out.detach().float(),
                      reference.combine(None, rows.detach(), handle).float())  # fmt: skip
             if hidden.requires_grad:  # out[t] = (t's routed slots) * on_wire[t]
-                proj = torch.randn(tokens, WIRE_HIDDEN, generator=g).to(dtype)
+                proj = torch.randn(tokens, WIRE_HIDDEN, generator=g).to(dtype).to(dev)
                 (out.float() * proj.float()).sum().backward()
                 routed = (idx >= 0).sum(dim=1, keepdim=True)
                 _compare(failures, f"{what}: grad", hidden.grad.float(), (routed * proj).float())
@@ -353,7 +358,6 @@ def _body(rank: int, world: int, cases: dict[str, list[Case]]) -> dict[str, list
                 m for c in cases["dispatcher"] for m in _dispatcher_case(buf, rank, world, c)
             ],
             "errors": _argument_errors(buf),
-            "wire_format": _wire_format_case(rank, world),
             "layer": [m for c in cases["layer"] for m in _layer_case(buf, rank, world, c)],
         }
     return {part: [f"rank {rank}: {m}" for m in msgs] for part, msgs in results.items()}
@@ -378,24 +382,31 @@ def _failures(launch, world: int, part: str) -> str:
     return "\n".join(_RESULTS[world][part])
 
 
+@cpu_only
 @pytest.mark.parametrize("world", [2, pytest.param(3, marks=pytest.mark.slow)])
 def test_dispatcher_matches_the_reference(launch, world):
     failures = _failures(launch, world, "dispatcher")
     assert not failures, failures
 
 
+@cpu_only
 @pytest.mark.parametrize("world", [2, pytest.param(3, marks=pytest.mark.slow)])
 def test_bad_arguments_raise_value_errors(launch, world):
     failures = _failures(launch, world, "errors")
     assert not failures, failures
 
 
+def _wire_format_body(rank: int, world: int) -> list[str]:
+    return [f"rank {rank}: {m}" for m in _wire_format_case(rank, world)]
+
+
 @pytest.mark.parametrize("world", [2, pytest.param(3, marks=pytest.mark.slow)])
 def test_wire_formats_deliver_the_dequantized_rows(launch, world):
-    failures = _failures(launch, world, "wire_format")
+    failures = [m for per_rank in launch(_wire_format_body, world) for m in per_rank]
     assert not failures, failures
 
 
+@cpu_only
 @pytest.mark.parametrize("world", [2, pytest.param(3, marks=pytest.mark.slow)])
 def test_moe_layer_trains_like_a_single_process_model(launch, world):
     failures = _failures(launch, world, "layer")
