@@ -150,6 +150,7 @@ def _exchange_body(rank: int, world_size: int) -> tuple[list[str], list[str]]:
         heap.local,
         torch.zeros(_heap_bytes(world_size), dtype=torch.uint8),
     )
+    dist.barrier()  # every heap checked fresh before any peer writes into it
     status = torch.zeros(3, dtype=torch.int64, device=dev)
     for round_no in (1, 2):  # round 2 overwrites round 1: a stale flag must not satisfy it
         _exchange(heap, rank, world_size, round_no, status, NEVER_NS)
