@@ -349,6 +349,9 @@ def _grouped_mm(x, w, offs, valid):
 
 
 def check_wire_format(wire_format, hidden_size: int) -> None:
+    """ValueError unless ``wire_format`` is None or a format that a Buffer of ``hidden_size``
+    channels can quantize into as it sends (``Buffer.dispatch``'s quantize rule, checked here
+    before any Buffer exists: the Megatron adapter checks before it builds one)."""
     if wire_format is None:
         return
     if wire_format not in SCALED_FORMATS:
