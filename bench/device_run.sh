@@ -16,7 +16,7 @@
 #          one node, in the same run
 #   fp8    the FP8 dispatch tests (the quantizer, one rank at hidden 7168, and with 2 or 4 GPUs
 #          the groups of 2 and 4 ranks)
-#   bench-fp8  S1 and S2 at $BENCH_SMS SMs (default 8), both layouts, bf16 beside FP8 rows
+#   bench-fp8  $BENCH_SHAPES (default S1,S2) at $BENCH_SMS SMs (default 8), both layouts, bf16 beside FP8 rows
 #          (given pair, quantize=True), and the quantizing copy beside a plain copy
 #   bench-fp8-ab  the S1 part of bench-fp8 for the tree in $AB_OLD (see eager-ab), then this
 #          tree: an A/B of FP8 dispatch speed in one call (results in $OUT/old, $OUT/new)
@@ -113,7 +113,7 @@ for step in $STEPS; do
         fp8) cmd=(env HEP_TEST_DEVICE=cuda HEP_TEST_TIMEOUT=120 python3 -m pytest -q -rs
                   tests/test_fp8.py) ;;
         bench-fp8) cmd=(python3 bench/run.py --iters 50 --warmup 10 --timeout 400
-                        --shapes S1,S2 --sms "${BENCH_SMS:-8}" --spot-sms "${BENCH_SMS:-8}"
+                        --shapes "${BENCH_SHAPES:-S1,S2}" --sms "${BENCH_SMS:-8}" --spot-sms "${BENCH_SMS:-8}"
                         --out "$OUT") ;;
         bench-fp8-ab) cmd=(bash -c 'for tree in old new; do src=$PWD/src; \
                            if [ $tree = old ]; then src=$AB_OLD/src; fi; mkdir -p $OUT/$tree; \

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import collections
 import os
+import sys
 import time
 
 import pytest
@@ -37,6 +38,16 @@ if DEVICE == "cpu":
 def pytest_runtest_setup(item):
     if time.monotonic() - _SESSION_START > BUDGET_S:
         pytest.skip(f"HEP_TEST_BUDGET_S={BUDGET_S:g} spent before this test started")
+
+
+def pytest_runtest_logreport(report):
+    """With a budget (a run inside a device call, whose time limit may kill pytest before its
+    summary): each test's outcome and seconds, and a failure's report, as they happen."""
+    if BUDGET_S == float("inf") or (report.when != "call" and not report.failed):
+        return
+    print(f"[{report.outcome} in {report.duration:.1f} s] {report.nodeid}", file=sys.__stderr__)
+    if report.failed:
+        print(report.longreprtext, file=sys.__stderr__, flush=True)
 
 
 def pytest_collection_modifyitems(config, items):

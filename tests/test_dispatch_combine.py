@@ -380,7 +380,7 @@ def _run_case(buf: Buffer, rank: int, world: int, grp: Group, index: int, case: 
     )  # fmt: skip
     _check_dispatch(fail, "dispatch", got, want, num_valid)
     # expert_recv_stats: every rank's valid slots on this rank's experts (dropped rows too).
-    expected = index + reference.tokens_routed_per_local_expert(group, idx, num_experts)
+    expected = index + reference.tokens_routed_per_local_expert(group, _to(idx, dev), num_experts)
     if not torch.equal(stats.cpu(), expected):
         fail(f"expert_recv_stats {stats.tolist()}, expected {expected.tolist()}")
     # Each token crosses the network once per other node that holds one of its experts.
