@@ -37,7 +37,7 @@ def _install_for_tests(session: nox.Session) -> None:
     session.install(CPU_TORCH)
     # [cu13] too, for NVSHMEM's device bitcode: the kernels of the path across nodes are
     # compiled for sm_90 with it linked (tests/test_sm90_compile.py). No CUDA torch comes with it.
-    session.install("-e", ".[test,cu13]")
+    session.install("-e", ".[test,cu13,bench]")
     session.install("--no-deps", "--ignore-requires-python", MEGATRON, "packaging>=24.2")
     session.install("--no-deps", TORCHAO)
 

@@ -406,36 +406,68 @@ def _write(result: dict, out_dir: str) -> str:
 
 
 def _plot(result: dict, path: str) -> None:
+    """One panel per shape that ran (algo GB/s of bf16 rows over num_sms, the ceiling and the
+    NCCL baseline), and where formats ran a panel of their graph-mode dispatch times."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
-    for ax, shape in zip(axes, ("S1", "S2"), strict=True):
-        for op, mode, expand, style in _PLOTTED:
-            pts = sorted(
-                (r["num_sms"], r["algo_GBps"])
-                for r in result["rows"]
-                if (r["shape"], r["op"], r["mode"], r["expand"]) == (shape, op, mode, expand)
-                and r["ranks_per_node"] == result["ranks"]
-                and r["dtype"] == "bf16"
-            )
-            label = f"{op} ({mode}{'' if expand else ', token rows'})"
-            if pts:
-                ax.plot([p[0] for p in pts], [p[1] for p in pts], style, label=label)
-        ax.axhline(result["ceiling_GBps"], color="k", ls=":", label="copy-engine ceiling")
-        for b in result["baselines"]:
-            if b["shape"] == shape:
-                ax.axhline(b["algo_GBps"], color="gray" if b["op"] == "dispatch" else "silver",
-                           ls="-.", label=f"NCCL reference {b['op']}")  # fmt: skip
-        ax.set_title(f"{shape}, EP{result['ranks']}, {result['machine']}")
-        ax.set_xlabel("num_sms (the senders' SM budget)")
-        ax.grid(alpha=0.3)
-    axes[0].set_ylabel("algo GB/s")
-    axes[1].legend(fontsize=7)
+    shapes = [s for s in ("S1", "S2") if any(r["shape"] == s for r in result["rows"])]
+    formats = sorted({r["dtype"] for r in result["rows"]} - {"bf16"})
+    panels = len(shapes) + bool(formats)
+    fig, axes = plt.subplots(1, max(panels, 1), figsize=(5.5 * max(panels, 1), 4), squeeze=False)
+    axes = list(axes[0])
+    for ax, shape in zip(axes[: len(shapes)], shapes, strict=True):
+        _plot_shape(ax, result, shape)
+    if formats:
+        _plot_formats(axes[len(shapes)], result, ["bf16", *formats])
     fig.tight_layout()
     fig.savefig(path, dpi=120)
+
+
+def _plot_shape(ax, result: dict, shape: str) -> None:
+    for op, mode, expand, style in _PLOTTED:
+        pts = sorted(
+            (r["num_sms"], r["algo_GBps"])
+            for r in result["rows"]
+            if (r["shape"], r["op"], r["mode"], r["expand"]) == (shape, op, mode, expand)
+            and r["ranks_per_node"] == result["ranks"]
+            and r["dtype"] == "bf16"
+        )
+        label = f"{op} ({mode}{'' if expand else ', token rows'})"
+        if pts:
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], style, label=label)
+    ax.axhline(result["ceiling_GBps"], color="k", ls=":", label="copy-engine ceiling")
+    for b in result["baselines"]:
+        if b["shape"] == shape:
+            ax.axhline(b["algo_GBps"], color="gray" if b["op"] == "dispatch" else "silver",
+                       ls="-.", label=f"NCCL reference {b['op']}")  # fmt: skip
+    ax.set_title(f"{shape}, EP{result['ranks']}, {result['machine']}")
+    ax.set_xlabel("num_sms (the senders' SM budget)")
+    ax.set_ylabel("algo GB/s")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+
+
+def _plot_formats(ax, result: dict, kinds: list[str]) -> None:
+    """Graph-mode dispatch µs of each row format, both layouts, at the first shape and the
+    fewest SMs that ran it (one node)."""
+    rows = [r for r in result["rows"] if r["op"] == "dispatch" and r["mode"] == "graph"
+            and r["ranks_per_node"] == result["ranks"]]  # fmt: skip
+    shape, sms = rows[0]["shape"], min(r["num_sms"] for r in rows)
+    width = 0.4
+    for offset, expand in ((-width / 2, True), (width / 2, False)):
+        times = {r["dtype"]: r["time_us"] for r in rows
+                 if (r["shape"], r["num_sms"], r["expand"]) == (shape, sms, expand)}  # fmt: skip
+        xs = [i + offset for i, kind in enumerate(kinds) if kind in times]
+        ax.bar(xs, [times[k] for k in kinds if k in times], width,
+               label="expert rows" if expand else "token rows")  # fmt: skip
+    ax.set_xticks(range(len(kinds)), kinds, rotation=30, ha="right", fontsize=8)
+    ax.set_ylabel("dispatch µs (graph replay)")
+    ax.set_title(f"{shape}, row formats, {sms} SMs, EP{result['ranks']}")
+    ax.grid(alpha=0.3, axis="y")
+    ax.legend(fontsize=7)
 
 
 def _commit() -> str:

@@ -1,0 +1,82 @@
+"""bench's report (tools/bench.py ``_write``): the JSON, the Markdown table of every row, copy and
+baseline, and the plot, from a result as a run on the GPU leaves it (no GPU needed)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from hybrid_ep_triton.tools import bench
+
+
+def _result(shapes: tuple[str, ...], kinds: tuple[str, ...]) -> dict:
+    rows = [
+        dict(
+            dtype=kind,
+            shape=shape,
+            tokens=4096,
+            hidden=7168,
+            topk=8,
+            experts=256,
+            ranks=1,
+            op="dispatch",
+            mode=mode,
+            expand=expand,
+            num_sms=sms,
+            time_us=100.0 + i,
+            host_us=10.0,
+            ranks_per_node=1,
+            net_rows=0,
+            algo_GBps=500.0 - i,
+            nvlink_GBps=0.0,
+            net_GBps=0.0,
+        )  # fmt: skip
+        for i, (shape, kind, mode, expand, sms) in enumerate(
+            (shape, kind, mode, expand, sms)
+            for shape in shapes
+            for kind in kinds
+            for mode in ("exact", "graph")
+            for expand in (True, False)
+            for sms in (8, 24)
+        )
+    ]
+    copies = [dict(name="bf16 copy (torch clone)", tokens=4096, hidden=7168, time_us=31.6,
+                   GBps=3713.0)]  # fmt: skip
+    baselines = [dict(shape=shapes[0], name="nccl_alltoall", op="dispatch", time_us=2986.5,
+                      algo_GBps=20.0)]  # fmt: skip
+    return dict(machine="1x NVIDIA H200", machine_slug="1xH200", date="2026-12-03",
+                commit="abc1234", ranks=1, ceiling_GBps=2083.0, rows=rows, baselines=baselines,
+                copies=copies, errors=[])  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "shapes, kinds",
+    [(("S1",), ("bf16", "fp8", "nvfp4-quantize")), (("S1", "S2"), ("bf16",))],
+    ids=["one shape with formats", "two shapes, bf16"],
+)
+def test_report_has_every_row_and_a_plot(tmp_path, monkeypatch, shapes, kinds):
+    figure = pytest.importorskip("matplotlib.figure")  # the bench extra (nox -s tests has it)
+    titles = []
+    save = figure.Figure.savefig
+
+    def savefig(fig, *args, **kwargs):
+        titles.extend(ax.get_title() for ax in fig.axes)
+        return save(fig, *args, **kwargs)
+
+    monkeypatch.setattr(figure.Figure, "savefig", savefig)
+    result = _result(shapes, kinds)
+    stem = bench._write(result, str(tmp_path))
+    # A panel per shape that ran, and one of the row formats where formats ran.
+    want = [f"{s}, EP1, 1x NVIDIA H200" for s in shapes]
+    want += ["S1, row formats, 8 SMs, EP1"] if len(kinds) > 1 else []
+    assert titles == want
+    assert json.loads(open(stem + ".json").read()) == result
+    md = open(stem + ".md").read()
+    table = [line for line in md.splitlines() if line.startswith(f"| {shapes[0]} | 1x1 |")]
+    table += [line for line in md.splitlines() if len(shapes) > 1 and line.startswith("| S2 |")]
+    assert len(table) == len(result["rows"])
+    assert "| bf16 copy (torch clone) (4096x7168) | 31.6 | 3713 |" in md
+    assert "| S1 | nccl_alltoall | dispatch | 2986.5 | 20 |" in md
+    with open(stem + ".png", "rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n"
