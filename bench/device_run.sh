@@ -51,6 +51,7 @@
 #          expert-major and token rows, then hybrid-ep demo with 8 ranks (1024 tokens per rank)
 # megatron-core travels as a wheel in .whl-megatron/ (carry it too), installed beside nvshmem4py.
 # Usage there: OUT=... STEPS="tests bench" HEP_COMMIT=<hash> bash bench/device_run.sh
+# (HEP_COMMIT as a literal from here: the machine's git reported 4dccc89 for a41979f's tree.)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
