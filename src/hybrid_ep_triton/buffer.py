@@ -13,10 +13,11 @@ from .runtime.checks import (
     check_contiguous_rows,
     check_int,
     check_interpreted_on_cpu,
+    check_quantize_format,
     check_tensor,
     describe,
 )
-from .runtime.planner import FP8_GROUP, MAX_SMS, MAX_TOPK, SCALED_FORMATS, ScaledFormat, make_plan
+from .runtime.planner import MAX_SMS, MAX_TOPK, SCALED_FORMATS, ScaledFormat, make_plan
 from .runtime.tuning import cache_key, select_config
 
 DEFAULT_TIMEOUT_S = 60.0
@@ -330,7 +331,10 @@ class Buffer:
         rt = self._rt
         x_scales = None
         with _refusing("quantize"):
-            scaled = self._quantized_format(quantize)
+            scaled = check_quantize_format(
+                "quantize", quantize, self.hidden_size, takes_bools=True,
+                hint=" (pass rows quantized beforehand as a (values, scales) pair instead)",
+            )  # fmt: skip
         with _refusing("x"):
             if isinstance(x, tuple):
                 if scaled is not None:
@@ -526,25 +530,6 @@ class Buffer:
                 f"{self.max_tokens_per_rank}"
             )
         check_contiguous_rows(name, x)
-
-    def _quantized_format(self, quantize) -> str | None:
-        """The format that ``quantize`` asks the launch to quantize into (None: none)."""
-        if quantize is False or quantize is None:
-            return None
-        name = "fp8" if quantize is True else quantize
-        if not isinstance(name, str) or name not in SCALED_FORMATS:
-            raise ValueError(
-                f"quantize must be False, True (fp8) or one of {tuple(SCALED_FORMATS)}, got "
-                f"{describe(quantize)}"
-            )
-        # The launch quantizes 128 channels at a time (kernels/quantize.py).
-        if self.hidden_size % FP8_GROUP:
-            raise ValueError(
-                f"quantize={quantize!r} needs a hidden size that is a multiple of {FP8_GROUP}, "
-                f"this Buffer's is {self.hidden_size} (pass rows quantized beforehand as a "
-                "(values, scales) pair instead)"
-            )
-        return name
 
     def _check_pair(self, pair) -> tuple[torch.Tensor, torch.Tensor, str]:
         """A (values, scales) pair of rows of a block-scaled format, checked; returns values,

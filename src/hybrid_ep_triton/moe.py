@@ -20,8 +20,8 @@ import torch.nn.functional as F
 
 from .buffer import Buffer
 from .ops.scaled_rows import ScaledValues
-from .runtime.checks import check_int, check_tensor, describe
-from .runtime.planner import FP8_GROUP, SCALED_FORMATS
+from .runtime.checks import check_int, check_quantize_format, check_tensor, describe
+from .runtime.planner import SCALED_FORMATS
 
 __all__ = ["MoELayer", "TokenDispatcher"]
 
@@ -352,19 +352,7 @@ def check_wire_format(wire_format, hidden_size: int) -> None:
     """ValueError unless ``wire_format`` is None or a format that a Buffer of ``hidden_size``
     channels can quantize into as it sends (``Buffer.dispatch``'s quantize rule, checked here
     before any Buffer exists: the Megatron adapter checks before it builds one)."""
-    if wire_format is None:
-        return
-    if wire_format not in SCALED_FORMATS:
-        raise ValueError(
-            f"wire_format must be None or one of {tuple(SCALED_FORMATS)}, got "
-            f"{describe(wire_format)}"
-        )
-    if hidden_size % FP8_GROUP:
-        raise ValueError(
-            f"wire_format={wire_format!r} needs a hidden size that is a multiple of "
-            f"{FP8_GROUP} (the dispatch quantizes {FP8_GROUP} channels at a time), got "
-            f"{hidden_size}"
-        )
+    check_quantize_format("wire_format", wire_format, hidden_size, takes_bools=False)
 
 
 def _dequantized(rows, wire_format: str, dtype: torch.dtype) -> torch.Tensor:

@@ -300,6 +300,18 @@ def _publish_rows(seq, bad, totals, rt, out, heap, k):
 
 
 @triton.jit
+def _chunk_starts_in_place(ptrs, chunks, num_chunks, carry):
+    """One block of an exclusive prefix over chunks, in place: the counts at ``ptrs`` of the
+    ``chunks`` below num_chunks become their starts after ``carry`` (chunk num_chunks: the
+    total). Returns the starts and the counts (their sum carries to the next block, added by
+    the caller after its own stores, which keeps the machine code as it was)."""
+    cnt = tl.load(ptrs, mask=chunks < num_chunks, other=0, cache_modifier=".cg")
+    start = carry + tl.cumsum(cnt, 0) - cnt
+    tl.store(ptrs, start, mask=chunks <= num_chunks)
+    return start, cnt
+
+
+@triton.jit
 def _node_chunk_starts(rt, out, k):
     """Across nodes: per node, the exclusive prefix over chunks of this rank's tokens to it, in
     place in send_chunk_node_start (the offsets of this rank's chunks in its stream to the
@@ -309,8 +321,7 @@ def _node_chunk_starts(rt, out, k):
         for c0 in range(0, rt.num_chunks + 1, k.TABLE_BLOCK):
             chunks = c0 + tl.arange(0, k.TABLE_BLOCK)
             ptrs = out.send_chunk_node_start_ptr + chunks * k.NODES + node
-            cnt = tl.load(ptrs, mask=chunks < rt.num_chunks, other=0, cache_modifier=".cg")
-            tl.store(ptrs, carry + tl.cumsum(cnt, 0) - cnt, mask=chunks <= rt.num_chunks)
+            _, cnt = _chunk_starts_in_place(ptrs, chunks, rt.num_chunks, carry)
             carry += tl.sum(cnt, axis=0)
 
 
@@ -329,9 +340,7 @@ def _write_row(row, peer, totals, invalid, rt, out, k):
     for c0 in range(0, rt.num_chunks + 1, k.TABLE_BLOCK):
         chunks = c0 + tl.arange(0, k.TABLE_BLOCK)
         ptrs = out.send_chunk_start_ptr + chunks * rt.world_size + peer
-        cnt = tl.load(ptrs, mask=chunks < rt.num_chunks, other=0, cache_modifier=".cg")
-        start = carry + tl.cumsum(cnt, 0) - cnt
-        tl.store(ptrs, start, mask=chunks <= rt.num_chunks)
+        start, cnt = _chunk_starts_in_place(ptrs, chunks, rt.num_chunks, carry)
         tl.store(row + k.ROW + chunks, start, mask=chunks <= rt.num_chunks)
         if k.NODES > 1:
             node_starts = tl.load(out.send_chunk_node_start_ptr + chunks * k.NODES + peer // k.R,

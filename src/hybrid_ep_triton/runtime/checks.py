@@ -4,6 +4,8 @@ expected and the actual value."""
 import torch
 import triton
 
+from .planner import FP8_GROUP, SCALED_FORMATS
+
 
 def describe(value) -> str:
     if isinstance(value, torch.Tensor):
@@ -16,6 +18,29 @@ def check_int(name: str, value, minimum: int, maximum: int | None = None) -> Non
         raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
     if maximum is not None and value > maximum:
         raise ValueError(f"{name} must be <= {maximum}, got {value!r}")
+
+
+def check_quantize_format(
+    name: str, value, hidden_size: int, *, takes_bools: bool, hint: str = ""
+) -> str | None:
+    """The block-scaled format that ``value`` asks a dispatch to quantize rows of
+    ``hidden_size`` channels into as it sends: a name of SCALED_FORMATS, or None for none (with
+    ``takes_bools``, as dispatch's quantize, also False for none and True for "fp8"). ValueError
+    naming ``name`` otherwise, or when the hidden size is not a multiple of the 128 channels
+    the quantizers take at a time (kernels/quantize.py); ``hint`` ends that message."""
+    if value is None or (takes_bools and value is False):
+        return None
+    fmt = "fp8" if takes_bools and value is True else value
+    if not isinstance(fmt, str) or fmt not in SCALED_FORMATS:
+        choices = "False, True (fp8)" if takes_bools else "None"
+        got = repr(value) if isinstance(value, str) else describe(value)
+        raise ValueError(f"{name} must be {choices} or one of {tuple(SCALED_FORMATS)}, got {got}")
+    if hidden_size % FP8_GROUP:
+        raise ValueError(
+            f"{name}={value!r} needs a hidden size that is a multiple of {FP8_GROUP} (the "
+            f"dispatch quantizes {FP8_GROUP} channels at a time), got {hidden_size}{hint}"
+        )
+    return fmt
 
 
 def check_tensor(
