@@ -40,8 +40,11 @@
 #          machine (sessions of pytest-xdist side by side broke it at 4d2f6c7). The MPS control
 #          log is copied into $OUT
 # Triton's cache lives in /tmp/triton-cache: restored from .triton-cache/ where a call carries it
-# (the parts of $OUT/triton-cache.txz.* from an earlier call), and saved into $OUT when
-# SAVE_TRITON_CACHE=1 (kernels compile in tens of seconds each; the source must be unchanged).
+# (the parts $OUT/triton-cache-<label>.txz.* of earlier calls, any number of labels), and when
+# SAVE_TRITON_CACHE=1 the builds this call added are saved into $OUT under the label
+# $CACHE_LABEL (default: the time), so that the calls that split a suite each add theirs and a
+# later call (or session) carries them all (kernels compile in tens of seconds each; a build is
+# reused only while the kernels' source is unchanged).
 # xz, not gzip: at e332f1c the cache of one call was 628 MB, 86 MB gzipped, in 6 parts, of which
 # only 4 came back (a call returns 8 files of at most 16 MiB); xz packs such a cache 2.2x
 # smaller (310 MB of sm_90 builds here: 47 MB gzipped, 21 MB with xz).
@@ -60,14 +63,15 @@ export PYTHONPATH=/tmp/site:$PWD/src PYTHONUNBUFFERED=1
 export NCCL_NVLS_ENABLE=0 NVSHMEM_DISABLE_NVLS=1 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
 export TRITON_CACHE_DIR=/tmp/triton-cache
 mkdir -p "$TRITON_CACHE_DIR"
-# (gzip where the machine has no xz: parts triton-cache.tgz.*)
+# (gzip where the machine has no xz: parts triton-cache-<label>.tgz.*)
 PACK=(xz -T0 -6) PACKED=txz
 command -v xz > /dev/null || PACK=(gzip -6) PACKED=tgz
-for packed in txz:xz tgz:gzip; do
-    if ls .triton-cache/triton-cache.${packed%:*}.* > /dev/null 2>&1; then
-        cat .triton-cache/triton-cache.${packed%:*}.* | "${packed#*:}" -d | tar xf - -C /tmp
-    fi
+for packed in $(ls .triton-cache 2> /dev/null | sed -n 's/^\(triton-cache.*\.\(txz\|tgz\)\)\.[a-z]*$/\1/p' \
+                | sort -u); do
+    case $packed in *.txz) unpack=xz ;; *) unpack=gzip ;; esac
+    cat .triton-cache/"$packed".* | "$unpack" -d | tar xf - -C /tmp
 done
+touch /tmp/triton-cache-restored  # builds newer than this are the ones this call adds
 : "${OUT:?set OUT}" "${STEPS:=tests}" "${STEP_TIMEOUT:=240}"
 nvidia-smi --query-gpu=name,driver_version --format=csv > "$OUT/gpus.txt" 2>&1
 MPS_DIRS=(CUDA_MPS_PIPE_DIRECTORY=/tmp/mps CUDA_MPS_LOG_DIRECTORY=/tmp/mpslog)
@@ -149,7 +153,9 @@ for step in $STEPS; do
     [ $rc -ne 0 ] && status=$rc
 done
 if [ "${SAVE_TRITON_CACHE:-0}" = 1 ]; then
-    tar cf - -C /tmp triton-cache | "${PACK[@]}" | split -b 15m - "$OUT/triton-cache.$PACKED."
-    du -sh "$TRITON_CACHE_DIR" "$OUT"/triton-cache.$PACKED.* | tee -a "$OUT/summary.txt"
+    saved="$OUT/triton-cache-${CACHE_LABEL:-$(date +%m%d-%H%M%S)}.$PACKED"
+    (cd /tmp && find triton-cache -mindepth 1 -maxdepth 1 -newer triton-cache-restored -print0 \
+        | tar cf - --null -T -) | "${PACK[@]}" | split -b 15m - "$saved."
+    du -sh "$TRITON_CACHE_DIR" "$saved".* | tee -a "$OUT/summary.txt"
 fi
 exit $status
