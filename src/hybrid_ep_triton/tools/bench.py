@@ -455,6 +455,8 @@ def _plot_formats(ax, result: dict, kinds: list[str]) -> None:
     fewest SMs that ran it (one node)."""
     rows = [r for r in result["rows"] if r["op"] == "dispatch" and r["mode"] == "graph"
             and r["ranks_per_node"] == result["ranks"]]  # fmt: skip
+    if not rows:  # every configuration failed its check: the report lists why
+        return
     shape, sms = rows[0]["shape"], min(r["num_sms"] for r in rows)
     width = 0.4
     for offset, expand in ((-width / 2, True), (width / 2, False)):
