@@ -136,7 +136,7 @@ for step in $STEPS; do
                        -q -rs -s -p no:warnings tests/test_megatron.py \
                        && python3 examples/megatron_moe.py --steps 10') ;;
         megatron-bench) cmd=(python3 bench/megatron_bench.py --out "$OUT") ;;
-        shared) cmd=(env "${MPS_DIRS[@]}" HEP_TEST_DEVICE=cuda HEP_TEST_TIMEOUT=300
+        shared) cmd=(env "${MPS_DIRS[@]}" HEP_TEST_DEVICE=cuda HEP_TEST_TIMEOUT="${HEP_TEST_TIMEOUT:-300}"
                      HEP_TEST_BUDGET_S="${SHARED_BUDGET:-450}" HEP_TEST_MAX_POOLS=6
                      python3 -m pytest -rs -v --durations=40 -p no:cacheprovider
                      ${SHARED_TESTS:-tests}) ;;
