@@ -99,10 +99,15 @@ def median_us(fn, args_list, warmup: int, iters: int) -> tuple[float, float]:
     if on_gpu:
         torch.cuda.synchronize()
     device = [s.elapsed_time(e) * 1e3 for s, e in events] if on_gpu else host
-    mine = [statistics.median(device), statistics.median(host)]
-    worst = torch.tensor(mine, device="cuda" if on_gpu else "cpu")
+    return tuple(_largest_over_ranks([statistics.median(device), statistics.median(host)]))
+
+
+def _largest_over_ranks(values: list[float]) -> list[float]:
+    """Each of ``values``, the largest over the group's ranks (collective)."""
+    on_gpu = dist.get_backend() == "nccl"
+    worst = torch.tensor(values, device="cuda" if on_gpu else "cpu")
     dist.all_reduce(worst, op=dist.ReduceOp.MAX)
-    return tuple(worst.tolist())
+    return worst.tolist()
 
 
 def _capture(fn):
@@ -288,9 +293,7 @@ def _kernel_us(fn) -> float:
     issuing time whenever the GPU has caught up, which for a kernel of tens of µs is much of it."""
     from triton.testing import do_bench
 
-    mine = torch.tensor([do_bench(fn, return_mode="median") * 1e3], device="cuda")
-    dist.all_reduce(mine, op=dist.ReduceOp.MAX)
-    return mine.item()
+    return _largest_over_ranks([do_bench(fn, return_mode="median") * 1e3])[0]
 
 
 def _bench_rank(rank: int, world: int, opts: dict) -> dict:
@@ -427,8 +430,8 @@ def _plot(result: dict, path: str) -> None:
 
     shapes = [s for s in ("S1", "S2") if any(r["shape"] == s for r in result["rows"])]
     formats = sorted({r["dtype"] for r in result["rows"]} - {"bf16"})
-    panels = len(shapes) + bool(formats)
-    fig, axes = plt.subplots(1, max(panels, 1), figsize=(5.5 * max(panels, 1), 4), squeeze=False)
+    panels = max(len(shapes) + bool(formats), 1)
+    fig, axes = plt.subplots(1, panels, figsize=(5.5 * panels, 4), squeeze=False)
     axes = list(axes[0])
     for ax, shape in zip(axes[: len(shapes)], shapes, strict=True):
         _plot_shape(ax, result, shape)
