@@ -252,7 +252,8 @@ def _rank_body(
 
 def _refused_calls(buf: Buffer, dev, hidden: int) -> list[str]:
     """Bad FP8 calls: a clear ValueError before anything moves (every rank makes the same
-    calls, so none waits for a peer); then an empty pair, strided as torch may make it, taken."""
+    calls, so none waits for a peer); one rank's bad pair along a handle; then an empty pair,
+    strided as torch may make it, taken."""
     failures = []
     x = torch.randn(4, hidden).to(torch.bfloat16).to(dev)
     idx = torch.zeros(4, 2, dtype=torch.int64, device=dev)
@@ -276,6 +277,24 @@ def _refused_calls(buf: Buffer, dev, hidden: int) -> list[str]:
         except ValueError as e:
             if match not in str(e):
                 failures.append(f"{what}: ValueError {str(e)!r} does not mention {match!r}")
+    # Rank 1's bad pair along a handle: it raises, and runs the call with zero rows of the
+    # Buffer's dtype, which rank 0, receiving FP8 pairs from it, neither waits for nor faults
+    # on; the next new-layout dispatch is a ValueError on both ranks.
+    handle = buf.dispatch((values, scales), idx)[-1]
+    bad = dist.get_rank() == 1
+    try:
+        buf.dispatch((values, scales[:, :1] if bad else scales), handle=handle)
+        if bad:
+            failures.append("a bad pair along a handle on rank 1: no ValueError")
+    except ValueError as e:
+        if not bad or "scales" not in str(e):
+            failures.append(f"a bad pair along a handle on rank 1: {e!r}")
+    try:
+        buf.dispatch((values, scales), idx)
+        failures.append("the dispatch after a bad pair along a handle: no ValueError")
+    except ValueError as e:
+        if "refused its cached dispatch's x" not in str(e):
+            failures.append(f"the dispatch after a bad pair along a handle: {e!r}")
     # No rows: any strides (torch.where makes [0, N] tensors strided (1, 0)), on every rank.
     empty_scales = torch.zeros(0, dtype=torch.float32, device=dev).as_strided(
         (0, hidden // 128), (1, 0)
@@ -375,6 +394,12 @@ def _gradients_match_reference(buf: Buffer, dev, hidden: int, rank: int, expand:
     except ValueError as e:
         if ".quantized" not in str(e):
             fail(f"a ScaledValues in a pair: ValueError {str(e)!r} does not mention .quantized")
+    try:  # every rank refused that call along a handle: the next new-layout dispatch says so
+        buf.dispatch(xs[0].to(dev), idx)
+        fail("the dispatch after a refused call along a handle: no ValueError")
+    except ValueError as e:
+        if "(this rank) refused its cached dispatch's x" not in str(e):
+            fail(f"the dispatch after a refused call along a handle: {e!r}")
     weight = (torch.randn(hidden, 8, generator=gen) / hidden**0.5).to(dev)  # rows of ~0.2
     grad_out = torch.randn(values.shape[0], 8, generator=gen).to(dev)
     (_Fp8GemmStandIn.apply(values, scales, weight) * grad_out).sum().backward()

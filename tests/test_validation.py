@@ -112,9 +112,10 @@ def _bad_call_body(rank: int, world_size: int) -> list[str]:
         dist.barrier()
 
     def refused_by_all(what: str, call, match: str | None = None) -> None:
-        """A new-layout dispatch whose input every rank's host refuses: the ranks still make
-        the layout exchange, to learn whether any peer refused (see
-        test_a_bad_input_on_one_rank_is_an_error_on_every_rank), and each raises its own."""
+        """A call whose input every rank's host refuses, and each raises its own: the ranks
+        still make a new-layout dispatch's layout exchange, to learn whether any peer refused
+        (test_a_bad_input_on_one_rank_is_an_error_on_every_rank), and run a call along a
+        handle with zero rows (test_a_bad_call_along_a_handle_on_one_rank_...)."""
         _expect_value_error(failures, f"rank {rank}: {what}", call, match)
 
     x, idx, w = _inputs(100 + rank, 4, H, E, K, BF16)
@@ -163,34 +164,44 @@ def _bad_call_body(rank: int, world_size: int) -> list[str]:
         refused_by_all(f"expert_recv_stats {what}", lambda bad=bad: buf.dispatch(x, idx, w,
                        expert_recv_stats=bad), "expert_recv_stats")  # fmt: skip
 
-    # A correct dispatch gives a handle for the bad cached dispatches and combines.
+    # A correct dispatch gives a handle for the bad cached dispatches and combines. Each rank
+    # still runs a refused call along a handle, with zero rows, so that no peer waits for it;
+    # its next dispatch with a new layout tells every rank of the first such refusal.
     failures += _check_round_trip(buf, 200 + rank, 3 + rank, K, "dispatch between bad calls")
     rx, rw, _, h = buf.dispatch(x, idx, w)
     n = rx.shape[0]
     y = torch.randn(n, H).to(BF16).to(dev)
-    refused("cached dispatch with fewer tokens", lambda: buf.dispatch(x[:3], handle=h), "handle")
+    refused_by_all("cached dispatch with fewer tokens", lambda: buf.dispatch(x[:3], handle=h),
+                   "handle")  # fmt: skip
     w_wide = torch.cat([w, w[:, :1]], 1)
-    refused("cached dispatch, weights [T, K+1]", lambda: buf.dispatch(x, None, w_wide, handle=h))
+    refused_by_all("cached dispatch, weights [T, K+1]",
+                   lambda: buf.dispatch(x, None, w_wide, handle=h))  # fmt: skip
     cached_counted = lambda: buf.dispatch(x, handle=h, expert_recv_stats=stats)  # noqa: E731
-    refused("cached dispatch with expert_recv_stats", cached_counted, "without a handle")
+    refused_by_all("cached dispatch with expert_recv_stats", cached_counted, "without a handle")
     if stats.any():
         failures.append(f"rank {rank}: refused calls added into expert_recv_stats: {stats}")
-    refused("y with a row too many", lambda: buf.combine(torch.cat([y, y[:1]]), h), "y must")
-    refused("y with the wrong hidden size", lambda: buf.combine(y[:, :4], h), "y must")
-    refused("y float32", lambda: buf.combine(y.float(), h), "y must be torch.bfloat16")
-    refused("1-D y", lambda: buf.combine(y.flatten(), h), "y must")
+    refused_by_all("y with a row too many", lambda: buf.combine(torch.cat([y, y[:1]]), h),
+                   "y must")  # fmt: skip
+    refused_by_all("y with the wrong hidden size", lambda: buf.combine(y[:, :4], h), "y must")
+    refused_by_all("y float32", lambda: buf.combine(y.float(), h), "y must be torch.bfloat16")
+    refused_by_all("1-D y", lambda: buf.combine(y.flatten(), h), "y must")
     y_cols = torch.zeros(H, n, dtype=BF16, **z).t()
-    refused("y with non-contiguous rows", lambda: buf.combine(y_cols, h), "contiguous")
-    refused("weights [N+1]", lambda: buf.combine(y, h, weights=torch.zeros(n + 1, **z)), "weights")
-    refused("weights [N, 1]", lambda: buf.combine(y, h, weights=rw[:, None]), "weights")
-    refused("weights bf16", lambda: buf.combine(y, h, weights=rw.to(BF16)), "weights")
+    refused_by_all("y with non-contiguous rows", lambda: buf.combine(y_cols, h), "contiguous")
+    refused_by_all("weights [N+1]", lambda: buf.combine(y, h, weights=torch.zeros(n + 1, **z)),
+                   "weights")  # fmt: skip
+    refused_by_all("weights [N, 1]", lambda: buf.combine(y, h, weights=rw[:, None]), "weights")
+    refused_by_all("weights bf16", lambda: buf.combine(y, h, weights=rw.to(BF16)), "weights")
     refused("combine without a handle", lambda: buf.combine(y, None), "handle")
-    refused("combine, previous_event a tensor", lambda: buf.combine(y, h, previous_event=y))
+    refused_by_all("combine, previous_event a tensor", lambda: buf.combine(y, h, previous_event=y))
 
-    # Still usable: the pending handle, then fresh calls in both modes.
+    # Still usable: the pending handle; the next new-layout dispatch tells of the first refusal
+    # along a handle, on every rank, and moves nothing; then fresh calls in both modes.
     out = buf.combine(y, h, weights=rw)
     if out.shape != (4, H):
         failures.append(f"rank {rank}: combine after the bad calls returned {tuple(out.shape)}")
+    _expect_value_error(failures, f"rank {rank}: the dispatch after refusals along a handle",
+                        lambda: buf.dispatch(x, idx, w),
+                        "(this rank) refused its cached dispatch's handle")  # fmt: skip
     failures += _check_round_trip(buf, 300 + rank, 5 - rank, K, "after the bad calls")
     failures += _check_round_trip(
         buf, 400 + rank, T_MAX, K, "after the bad calls, max mode", max_recv_tokens=30
@@ -290,6 +301,100 @@ def test_a_bad_input_on_one_rank_is_an_error_on_every_rank(launch, world):
         kinds = ["x float32", "topk_idx float", "topk_weights bf16", "pad_multiple 0",
                  "max_recv_tokens -1", "expert_recv_stats int32"]  # fmt: skip
     results = launch(_one_bad_rank_body, world, kinds)
+    failures = [msg for per_rank in results for msg in per_rank]
+    assert not failures, "\n".join(failures)
+
+
+# Rank BAD passes one bad argument to a call along a handle (a cached dispatch or a combine), the
+# others good ones: the bad rank raises its ValueError at once and still runs the call with zero
+# rows, so its peers' calls return (no peer waits out timeout_s), their outputs not valid; the
+# next dispatch with a new layout is a ValueError on every rank, naming the bad rank and the
+# argument, and moves nothing (in exact and max_recv_tokens mode); the one after succeeds.
+
+
+def _bad_call_along_a_handle(kind: str, x, w, y, rw):
+    """(the bad call's arguments: a cached dispatch's x / topk_weights / ..., or a combine's y /
+    weights / ...; the refused argument as the peers hear of it; what the bad rank's own
+    ValueError mentions)."""
+    z = dict(device=x.device)
+    bad = {
+        "cached dispatch, x float32": (dict(x=x.float()), "cached dispatch's x", "x must"),
+        "cached dispatch, x of a token too few": (
+            dict(x=x[1:]), "cached dispatch's handle", "the handle's"
+        ),
+        "cached dispatch, topk_weights [T, K+1]": (
+            dict(topk_weights=torch.cat([w, w[:, :1]], 1)), "cached dispatch's topk_weights",
+            "topk_weights",
+        ),
+        "cached dispatch, expert_recv_stats": (
+            dict(expert_recv_stats=torch.zeros(E // 2, dtype=torch.int64, **z)),
+            "cached dispatch's expert_recv_stats", "without a handle",
+        ),
+        "cached dispatch, previous_event a tensor": (
+            dict(previous_event=x), "cached dispatch's previous_event", "previous_event"
+        ),
+        "combine, y float32": (dict(y=y.float()), "combine's y", "y must"),
+        "combine, y with a row too many": (dict(y=torch.cat([y, y[:1]])), "combine's y", "y must"),
+        "combine, weights bf16": (dict(weights=rw.to(BF16)), "combine's weights", "weights"),
+        "combine, previous_event a tensor": (
+            dict(previous_event=y), "combine's previous_event", "previous_event"
+        ),
+    }  # fmt: skip
+    return bad[kind]
+
+
+def _one_bad_call_along_a_handle_body(
+    rank: int, world_size: int, ranks_per_node: int | None, kinds: list[str]
+) -> list[str]:
+    failures: list[str] = []
+    bad_rank = world_size - 1
+    buf = Buffer(None, hidden_size=H, max_tokens_per_rank=T_MAX, num_experts=E * world_size // 2,
+                 dtype=BF16, timeout_s=120, ranks_per_node=ranks_per_node,
+                 device=rank_device())  # fmt: skip
+    for i, kind in enumerate(kinds):
+        handle_mode = (None, 40)[i % 2]  # the handle's dispatch
+        x, idx, w = _inputs(20 * i + rank, 3 + rank % 2, H, buf.num_experts, K, BF16)
+        rx, rw, _, h = buf.dispatch(x, idx, w, max_recv_tokens=handle_mode)
+        y = torch.randn(rx.shape, generator=torch.Generator().manual_seed(i)).to(BF16)
+        y = y.to(x.device)
+        args = dict(x=x, topk_weights=w) if kind.startswith("cached") else dict(y=y, weights=rw)
+        change, argument, match = _bad_call_along_a_handle(kind, x, w, y, rw)
+        call = buf.dispatch if kind.startswith("cached") else buf.combine
+        what = f"rank {rank}, {kind} on rank {bad_rank}"
+        if rank == bad_rank:
+            bad_args = {**args, **change, "handle": h}
+            _expect_value_error(failures, what, lambda a=bad_args, c=call: c(**a), match)
+        else:  # returns: its outputs are not valid, which the next dispatch says
+            call(**args, handle=h)
+        for mode in (None, 40):
+            seed = 20 * i + 10 + rank
+            if mode is None:  # told once, by the first new-layout dispatch (exact mode)
+                told = f"rank {bad_rank} refused its {argument} in an earlier call along a handle"
+                if rank == bad_rank:
+                    told = f"rank {bad_rank} (this rank) refused its {argument}"
+                next_args = _inputs(seed, 2 + rank % 3, H, buf.num_experts, K, BF16)
+                _expect_value_error(failures, f"{what}: the next dispatch",
+                                    lambda a=next_args: buf.dispatch(*a), told)  # fmt: skip
+            failures += _check_round_trip(
+                buf, seed + 5, 2 + rank, K, f"{what}: the dispatch after it", max_recv_tokens=mode
+            )
+    buf.destroy()
+    return failures
+
+
+@pytest.mark.parametrize("world, ranks_per_node", [(2, None), (4, 2)], ids=["W2", "W4-2x2"])
+def test_a_bad_call_along_a_handle_on_one_rank_is_an_error_on_every_rank(
+    launch, world, ranks_per_node
+):
+    kinds = [
+        "cached dispatch, x float32", "combine, y float32", "cached dispatch, x of a token too few",
+        "combine, weights bf16", "cached dispatch, topk_weights [T, K+1]",
+        "combine, y with a row too many", "cached dispatch, expert_recv_stats",
+        "combine, previous_event a tensor", "cached dispatch, previous_event a tensor",
+    ]  # fmt: skip
+    if world == 4:  # across 2 nodes: one of each call
+        kinds = ["cached dispatch, x float32", "combine, weights bf16"]
+    results = launch(_one_bad_call_along_a_handle_body, world, ranks_per_node, kinds)
     failures = [msg for per_rank in results for msg in per_rank]
     assert not failures, "\n".join(failures)
 

@@ -154,6 +154,9 @@ class Buffer:
         # max_recv_tokens dispatches whose overflow nobody has checked yet: (the handle's state,
         # whose [0] is the rows it needed, M).
         self._unchecked: list[tuple[torch.Tensor, int]] = []
+        # A refused call along a handle that the next new-layout dispatch must tell the peers
+        # of: the argument (ops/dispatch.ALONG_A_HANDLE), or None.
+        self._refused_along: str | None = None
         self._rt = make_runtime(plan, group, device, timeout_s, context_sms)
         self._id = library.register(self._rt)
         self._comm_stream: torch.cuda.Stream | None = None
@@ -212,7 +215,9 @@ class Buffer:
             handle: the handle of an earlier dispatch: send new rows ``x`` along the same routing
                 without recomputing the layout (topk_idx, pad_multiple and max_recv_tokens are
                 taken from it). Pairs of any format and rows of the Buffer's dtype may share a
-                handle.
+                handle. An input refused along a handle is a ValueError here while the call
+                still runs with zero rows (no peer waits); this rank's next dispatch with a new
+                layout is then a ValueError on every rank, which moves nothing (README, Errors).
             quantize: "fp8" (or True), "mxfp8" or "nvfp4": x in the Buffer's dtype is
                 quantized by the dispatch launch as it sends it (``reference.quantize_fp8``,
                 ``quantize_mxfp8`` and ``quantize_nvfp4``, without a per-tensor scale, state
@@ -266,16 +271,23 @@ class Buffer:
         self._check_usable()
         rt = self._rt
         new_layout = handle is None
+        if not new_layout:  # (without one of this Buffer's handles this rank cannot take part)
+            self._check_handle(handle)
         try:
             x, x_scales, scaled = self._checked_dispatch_inputs(
                 x, topk_idx, topk_weights, pad_multiple, max_recv_tokens, handle, quantize,
                 expert_recv_stats, previous_event,
             )  # fmt: skip
         except _Refused as refused:
-            if new_layout:  # no peer may wait for this rank, and every one must hear why
+            # No peer may wait for this rank, and every one must hear why.
+            if new_layout:
                 mode = max_recv_tokens if _is_count(max_recv_tokens) else None
                 library.run_refused_dispatch(rt, refused.argument, mode)
+            else:
+                self._refuse_along(handle, "dispatch", f"cached dispatch's {refused.argument}")
             raise refused.error from None
+        if new_layout and self._refused_along is not None:
+            self._tell_refusal_along(max_recv_tokens)
 
         if new_layout:
             topk_idx = topk_idx.contiguous()
@@ -361,7 +373,6 @@ class Buffer:
                     check_int("max_recv_tokens", max_recv_tokens, 0)
         else:
             with _refusing("handle"):
-                self._check_handle(handle)
                 if x.shape[0] != handle.num_tokens:
                     raise ValueError(
                         f"x must have the handle's {handle.num_tokens} tokens, got {x.shape[0]}"
@@ -400,6 +411,7 @@ class Buffer:
             weights: [N] float32 per-row factors (e.g. recv_weights with ``expand=True``), or
                 None for 1.
             previous_event, async_finish: as for ``dispatch``.
+        A refused y, weights or previous_event: as for a dispatch along a handle.
 
         Returns:
             out: [T, H] in y's dtype, out[t] = sum over t's valid slots of weight * y[row],
@@ -407,13 +419,22 @@ class Buffer:
             event: only with async_finish: completes with the call.
         """
         self._check_usable()
-        self._check_handle(handle)
+        self._check_handle(handle)  # (without one of this Buffer's handles it cannot take part)
         rt = self._rt
-        check_tensor("y", y, (handle.num_recv_rows, self.hidden_size), self.dtype, rt.device)
-        check_contiguous_rows("y", y)
-        if weights is not None:
-            check_tensor("weights", weights, (handle.num_recv_rows,), torch.float32, rt.device)
-        self._check_event(previous_event)
+        try:
+            with _refusing("y"):
+                check_tensor("y", y, (handle.num_recv_rows, self.hidden_size), self.dtype,
+                             rt.device)  # fmt: skip
+                check_contiguous_rows("y", y)
+            if weights is not None:
+                with _refusing("weights"):
+                    check_tensor("weights", weights, (handle.num_recv_rows,), torch.float32,
+                                 rt.device)  # fmt: skip
+            with _refusing("previous_event"):
+                self._check_event(previous_event)
+        except _Refused as refused:
+            self._refuse_along(handle, "combine", f"combine's {refused.argument}")
+            raise refused.error from None
         y = _readable_rows(y)
         out, event = self._launch(
             lambda: library.run_combine(rt, self._id, y, weights, handle),
@@ -486,6 +507,26 @@ class Buffer:
             elif out is not None:
                 out.record_stream(caller)
         return outputs, comm.record_event()
+
+    def _refuse_along(self, handle: DispatchHandle, call: str, argument: str) -> None:
+        """This rank's host refused ``argument`` (ops/dispatch.ALONG_A_HANDLE) of a ``call``
+        along ``handle``: run the call with zero rows, so that no peer waits for this rank, and
+        remember the refusal for the next dispatch with a new layout to publish."""
+        library.run_refused_call_along(self._rt, handle, call)
+        if self._refused_along is None:  # (the first that the peers have not heard of)
+            self._refused_along = argument
+
+    def _tell_refusal_along(self, max_recv_tokens: int | None) -> None:
+        """A dispatch with a new layout after a refused call along a handle: its layout
+        publishes that refusal instead of this rank's counts, so that every rank raises
+        ValueError (as for a refused input of this dispatch) and nothing moves."""
+        argument, self._refused_along = self._refused_along, None
+        library.run_refused_dispatch(self._rt, argument, max_recv_tokens)
+        raise ValueError(
+            f"rank {self._rt.rank} (this rank) refused its {argument} in an earlier call along a "
+            "handle, so that call's outputs on the other ranks are not valid: this dispatch "
+            "tells every rank and moved nothing (the next one goes ahead)"
+        )
 
     def _track_overflow(self, handle: DispatchHandle) -> None:
         """Remember an unchecked max_recv_tokens dispatch; after an exact-mode one (which has

@@ -36,11 +36,19 @@ _PAIRS = 128
 # memory, in a single program.
 _EXCHANGE_TILE = 8192
 # Why a rank's dispatch cannot go ahead, as its layout publishes it to every rank (0: it can):
-# the device found its topk_idx invalid, or its host refused one of REFUSABLE.
+# the device found its topk_idx invalid, or its host refused one of REFUSABLE: an argument of
+# this dispatch, or one of ALONG_A_HANDLE, an argument of an earlier call along a handle (a
+# cached dispatch or a combine), which the refusing rank still ran with zero rows so that no
+# peer waited for it, and whose refusal its next dispatch with a new layout publishes instead.
 INVALID_ROUTING = 1
+ALONG_A_HANDLE = (
+    *(f"cached dispatch's {argument}" for argument in
+      ("quantize", "x", "topk_weights", "handle", "expert_recv_stats", "previous_event")),
+    *(f"combine's {argument}" for argument in ("y", "weights", "previous_event")),
+)  # fmt: skip
 REFUSABLE = (
     "x", "topk_idx", "topk_weights", "pad_multiple", "max_recv_tokens", "previous_event",
-    "expert_recv_stats", "quantize",
+    "expert_recv_stats", "quantize", *ALONG_A_HANDLE,
 )  # fmt: skip
 
 

@@ -127,6 +127,20 @@ def run_refused_dispatch(rt: Runtime, argument: str, max_recv_tokens: int | None
         pass
 
 
+def run_refused_call_along(rt: Runtime, handle: DispatchHandle, call: str) -> None:
+    """This rank's part of a ``call`` ("combine", or "dispatch": a cached one) along ``handle``
+    whose input its host refused, so that no peer waits for it: the same launch with zero rows
+    (a cached dispatch's x [T, H], a combine's y [N, H], of the Buffer's dtype, no weights,
+    whatever format the peers move), its outputs dropped. The peers' outputs of the call are
+    then not valid, which this rank's next dispatch with a new layout tells them (Buffer)."""
+    rows = handle.num_recv_rows if call == "combine" else handle.num_tokens
+    zeros = torch.zeros(rows, rt.plan.hidden, dtype=rt.plan.dtype, device=rt.device)
+    if call == "combine":
+        _combine_with_handle(rt, zeros, None, handle)
+    else:
+        _move_cached(rt, zeros, None, None, handle)
+
+
 def _exact_move(rt: Runtime, handle: DispatchHandle, move: PreparedMove, tag: int):
     """The data move of an exact-mode dispatch, whose layout launch wrote its row count into
     the host report under ``tag``; sets handle.num_recv_rows. On GPUs it is launched before

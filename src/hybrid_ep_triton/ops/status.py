@@ -3,7 +3,7 @@ block STATUS words) and an exact-mode layout's report (REPORT_* words in pinned 
 
 A timed-out wait leaves the Buffer unusable (``Runtime.broken``): a peer did not answer, and the
 ranks' sequence numbers no longer agree. Invalid routing and refused inputs do not: every rank
-saw them in the same layout exchange.
+saw them in the same layout exchange (a refused call along a handle in the next one).
 """
 
 import time
@@ -31,7 +31,7 @@ from ..kernels.control import (
     STATUS_WORDS,
 )
 from . import Runtime
-from .dispatch import INVALID_ROUTING, DispatchHandle, refused_argument
+from .dispatch import ALONG_A_HANDLE, INVALID_ROUTING, DispatchHandle, refused_argument
 
 _STAGES = {
     int(STAGE_LAYOUT): "the dispatch layout exchange",
@@ -92,8 +92,15 @@ def read_report(rt: Runtime, handle: DispatchHandle, tag: int = 0) -> int:
     if src < 0:
         return needed
     if cause != INVALID_ROUTING:
+        argument = refused_argument(cause)
+        if argument in ALONG_A_HANDLE:
+            raise ValueError(
+                f"rank {src} refused its {argument} in an earlier call along a handle (its own "
+                "ValueError said why), so that call's outputs on the other ranks are not "
+                "valid; nothing was dispatched"
+            )
         raise ValueError(
-            f"rank {src} refused its {refused_argument(cause)} (its own ValueError says why); "
+            f"rank {src} refused its {argument} (its own ValueError says why); "
             "nothing was dispatched"
         )
     if src == rt.rank:
