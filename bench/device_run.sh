@@ -38,7 +38,10 @@
 #          (default: tests/) picks files or tests, in order; $SHARED_BUDGET seconds (default 450)
 #          after which tests are skipped (the report is kept). One session: MPS has one daemon per
 #          machine (sessions of pytest-xdist side by side broke it at 4d2f6c7). The MPS control
-#          log is copied into $OUT
+#          log is copied into $OUT. The fuzz draws the same scenarios in every call
+#          ($HYPOTHESIS_SEED, default 1203; the soaks' seeds are fixed too), so that the builds
+#          one call saves (SAVE_TRITON_CACHE) serve the next: its scenarios compile more than one
+#          call can (2026-12-03-1xH200-shared-f0b909e-validation.log)
 # Triton's cache lives in /tmp/triton-cache: restored from .triton-cache/ where a call carries it
 # (the parts $OUT/triton-cache-<label>.txz.* of earlier calls, any number of labels), and when
 # SAVE_TRITON_CACHE=1 the builds this call added are saved into $OUT under the label
@@ -139,7 +142,7 @@ for step in $STEPS; do
         shared) cmd=(env "${MPS_DIRS[@]}" HEP_TEST_DEVICE=cuda HEP_TEST_TIMEOUT="${HEP_TEST_TIMEOUT:-300}"
                      HEP_TEST_BUDGET_S="${SHARED_BUDGET:-450}" HEP_TEST_MAX_POOLS=6
                      python3 -m pytest -rs -v --durations=40 -p no:cacheprovider
-                     ${SHARED_TESTS:-tests}) ;;
+                     --hypothesis-seed="${HYPOTHESIS_SEED:-1203}" ${SHARED_TESTS:-tests}) ;;
         soak-shared) cmd=(env "${MPS_DIRS[@]}" bash -c "$SOAK_SHARED") ;;
         *) echo "unknown step $step" >&2; exit 2 ;;
     esac
