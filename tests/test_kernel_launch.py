@@ -172,6 +172,7 @@ def test_first_launch_of_a_specialisation_goes_through_triton(fake_triton):
                  (data[:64], 2**31)]:  # fmt: skip
         call(x, n)
     assert len(through_triton) == 6 and len(compiled.launches) == 1
+    assert launcher.builds == 6
 
 
 def test_constexprs_are_keyed_by_value(fake_triton):

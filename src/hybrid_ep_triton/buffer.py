@@ -462,6 +462,15 @@ class Buffer:
         Synchronises."""
         return self._rt.network_rows
 
+    @property
+    def kernel_builds(self) -> int:
+        """Kernel specialisations this Buffer's calls have taken so far. Triton compiles each at
+        its first launch (20 to 75 s on an H200 host) unless its cache has it: the token
+        count's class (1, a multiple of 16, other), the mode, weights and the ids' dtype pick
+        one, so the first calls of a job may compile several. 0 on CPU ranks (the interpreter
+        compiles nothing)."""
+        return self._rt.kernel_builds
+
     def destroy(self) -> None:
         """Free the symmetric buffers (collective; idempotent)."""
         if getattr(self, "_rt", None) is not None:

@@ -96,6 +96,11 @@ class Runtime:
         """Token rows this rank has put over the network in its dispatches (synchronises)."""
         return int(self.control[int(NET_ROWS)])
 
+    @property
+    def kernel_builds(self) -> int:
+        """Kernel specialisations this runtime's launches have taken so far."""
+        return sum(launcher.builds for launcher in self.launchers.values())
+
     def launcher(self, make: Callable[["Runtime"], KernelLauncher]) -> KernelLauncher:
         """The launcher ``make(self)`` returns, made on first use."""
         found = self.launchers.get(make)

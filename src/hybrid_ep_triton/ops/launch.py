@@ -158,6 +158,11 @@ class KernelLauncher:
             launch = _DriverLaunch(compiled, grid, args, parameters, device)
         return Relaunch(launch, [index[name] for name in changing], checked, views)
 
+    @property
+    def builds(self) -> int:
+        """Specialisations launched so far (0 under the interpreter, which compiles nothing)."""
+        return len(self._specialisations)
+
     def _through_triton(self, grid, specialized: dict, aligned: dict):
         """Launch through Triton; returns the compiled kernel (None where Triton returns
         none)."""

@@ -131,10 +131,12 @@ def soak_rank(rank: int, world_size: int, cfg: SoakConfig) -> dict:
             memory.append(in_use)
             peak.append(most)
             if rank == 0 and cfg.progress_every and (r + 1) % cfg.progress_every == 0:
+                # A round whose call takes a new kernel specialisation compiles it first.
+                builds = f", {buf.kernel_builds} kernel builds so far" if on_gpu else ""
                 print(
                     f"soak: round {r + 1}/{cfg.rounds}, {failed_rounds} failing, memory "
                     f"{human_bytes(in_use)}, median dispatch+combine "
-                    f"{statistics.median(seconds[-cfg.progress_every :]) * 1e3:.2f} ms",
+                    f"{statistics.median(seconds[-cfg.progress_every :]) * 1e3:.2f} ms{builds}",
                     flush=True,
                 )
     finally:
