@@ -446,7 +446,8 @@ class Buffer:
         """Synchronise and raise what the device recorded for ``handle``'s dispatch.
 
         TimeoutError: a peer did not answer within timeout_s (the Buffer is then unusable);
-        ValueError: some rank's topk_idx was invalid (nothing was moved);
+        ValueError: some rank's topk_idx was invalid, or its host refused an input of this
+            dispatch or of an earlier call along a handle (nothing was moved);
         OverflowError: more rows were needed than max_recv_tokens (the excess was dropped).
         """
         self._check_handle(handle)
