@@ -18,8 +18,12 @@
 #          the groups of 2 and 4 ranks)
 #   bench-fp8  $BENCH_SHAPES (default S1,S2) at $BENCH_SMS SMs (default 8), both layouts, bf16 beside FP8 rows
 #          (given pair, quantize=True), and the quantizing copy beside a plain copy
-#   bench-fp8-ab  the S1 part of bench-fp8 for the tree in $AB_OLD (see eager-ab), then this
-#          tree: an A/B of FP8 dispatch speed in one call (results in $OUT/old, $OUT/new)
+#   bench-fp8-ab  the S1 part of bench-fp8 for each tree in $AB_OLD (folders holding src/, see
+#          eager-ab; several, space-separated; "." is this tree), then this tree: an A/B of
+#          dispatch and combine speed in one call. Results in $OUT/<folder name> ($OUT/new for
+#          this tree; a tree's second run in <name>-again, to see the spread); $BENCH_FORMATS
+#          (default fp8,mxfp8,nvfp4) picks the block-scaled formats where a tree's bench has
+#          --formats (older trees time what they know); bench/compare.py tabulates them
 #   eager  bench/eager_ab.py on every local GPU: eager calls back to back (issue 20's targets)
 #   eager-ab  bench/eager_ab.py on one GPU for the tree in $AB_OLD (a folder holding src/, e.g.
 #          `git archive <commit> src | tar -x -C .ab/old`, carried) and this tree, alternated
@@ -123,11 +127,15 @@ for step in $STEPS; do
         bench-fp8) cmd=(python3 bench/run.py --iters 50 --warmup 10 --timeout 400
                         --shapes "${BENCH_SHAPES:-S1,S2}" --sms "${BENCH_SMS:-8}" --spot-sms "${BENCH_SMS:-8}"
                         --out "$OUT") ;;
-        bench-fp8-ab) cmd=(bash -c 'for tree in old new; do src=$PWD/src; \
-                           if [ $tree = old ]; then src=$AB_OLD/src; fi; mkdir -p $OUT/$tree; \
-                           PYTHONPATH=/tmp/site:$src python3 bench/run.py --iters 50 \
-                           --warmup 10 --timeout 300 --shapes S1 --sms 8 --spot-sms 8 \
-                           --out $OUT/$tree || exit 1; done') ;;
+        bench-fp8-ab) cmd=(bash -c 'for tree in $AB_OLD .; do src=$tree/src; \
+                           label=$(basename $tree); [ $tree = . ] && label=new; \
+                           [ -e $OUT/$label ] && label=$label-again; mkdir -p $OUT/$label; \
+                           formats=(); grep -q -- --formats $src/hybrid_ep_triton/tools/cli.py \
+                           && formats=(--formats "${BENCH_FORMATS-fp8,mxfp8,nvfp4}"); \
+                           start=$SECONDS; PYTHONPATH=/tmp/site:$src python3 bench/run.py \
+                           --iters 50 --warmup 10 --timeout 400 --shapes S1 --sms 8 \
+                           --spot-sms 8 "${formats[@]}" --out $OUT/$label || exit 1; \
+                           echo "== tree $tree ($label): $((SECONDS - start)) s"; done') ;;
         eager) cmd=(python3 bench/eager_ab.py --ranks 0 --label "${HEP_COMMIT:-}") ;;
         eager-ab) cmd=(bash -c 'for run in 1 2; do for tree in old new; do src=$PWD/src; \
                        if [ $tree = old ]; then src=$AB_OLD/src; fi; \

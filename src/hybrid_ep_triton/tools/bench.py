@@ -328,7 +328,8 @@ def _bench_rank(rank: int, world: int, opts: dict) -> dict:
             # Block-scaled rows on the single-node path of the main shapes, beside bf16 ones.
             kinds = [("bf16", row_bytes)]
             if main_shape and per_node is None:
-                for fmt, size in SCALED_ROW_BYTES.items():
+                for fmt in opts["formats"]:
+                    size = SCALED_ROW_BYTES[fmt]
                     error = error or _check_scaled(buf, reference, shape, fmt, *sets[0])
                     kinds += [(fmt, size(shape.hidden)), (f"{fmt}-quantize", size(shape.hidden))]
             if error:
@@ -507,10 +508,16 @@ def run(args: argparse.Namespace) -> int:
         print(f"hybrid-ep bench times one rank per GPU: {world} ranks would share {gpus} GPU(s), "
               "and times under MPS are not speeds")  # fmt: skip
         return 2
+    unknown = set(args.formats.split(",")) - set(SCALED_ROW_BYTES) - {""}
+    if unknown:
+        print(f"hybrid-ep bench: unknown --formats {sorted(unknown)}; known: "
+              f"{', '.join(SCALED_ROW_BYTES)}")  # fmt: skip
+        return 2
     opts = dict(
         sms=[int(s) for s in args.sms.split(",")],
         spot_sms=[int(s) for s in args.spot_sms.split(",")],
         shapes=args.shapes.split(","),
+        formats=[f for f in args.formats.split(",") if f],
         ranks_per_node=args.ranks_per_node,
         warmup=args.warmup,
         iters=args.iters,

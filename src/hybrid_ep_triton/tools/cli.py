@@ -267,6 +267,12 @@ def _bench_arguments(p: argparse.ArgumentParser) -> None:
         help="also run S1 and S2 with the GPUs split into nodes of this many, at the spot SMs "
         "(default: one node only)",
     )
+    p.add_argument(
+        "--formats",
+        default="fp8,mxfp8,nvfp4",
+        help="block-scaled row formats whose dispatch is timed beside bf16 on S1 and S2 (empty: "
+        "bf16 only; the quantizing copies are timed for every format)",
+    )
     p.add_argument("--warmup", type=int, default=10, help="untimed calls before each measurement")
     p.add_argument("--iters", type=int, default=50, help="timed calls (the median counts)")
     p.add_argument("--out", default="bench/results", help="folder of the .json, .md and .png")
