@@ -20,8 +20,9 @@
 #          (given pair, quantize=True), and the quantizing copy beside a plain copy
 #   bench-fp8-ab  the S1 part of bench-fp8 for each tree in $AB_OLD (folders holding src/, see
 #          eager-ab; several, space-separated; "." is this tree), then this tree: an A/B of
-#          dispatch and combine speed in one call. Results in $OUT/<folder name> ($OUT/new for
-#          this tree; a tree's second run in <name>-again, to see the spread); $BENCH_FORMATS
+#          dispatch and combine speed in one call. Results in $OUT/bench-ab.tgz, a folder per run
+#          (ab/<folder name>, ab/new for this tree, ab/<name>-again for a tree's second run, to
+#          see the spread: one archive, since a call returns at most 8 files); $BENCH_FORMATS
 #          (default fp8,mxfp8,nvfp4) picks the block-scaled formats where a tree's bench has
 #          --formats (older trees time what they know); bench/compare.py tabulates them
 #   eager  bench/eager_ab.py on every local GPU: eager calls back to back (issue 20's targets)
@@ -127,15 +128,16 @@ for step in $STEPS; do
         bench-fp8) cmd=(python3 bench/run.py --iters 50 --warmup 10 --timeout 400
                         --shapes "${BENCH_SHAPES:-S1,S2}" --sms "${BENCH_SMS:-8}" --spot-sms "${BENCH_SMS:-8}"
                         --out "$OUT") ;;
-        bench-fp8-ab) cmd=(bash -c 'for tree in $AB_OLD .; do src=$tree/src; \
+        bench-fp8-ab) cmd=(bash -c 'rc=0; for tree in $AB_OLD .; do src=$tree/src; \
                            label=$(basename $tree); [ $tree = . ] && label=new; \
-                           [ -e $OUT/$label ] && label=$label-again; mkdir -p $OUT/$label; \
+                           [ -e $OUT/ab/$label ] && label=$label-again; mkdir -p $OUT/ab/$label; \
                            formats=(); grep -q -- --formats $src/hybrid_ep_triton/tools/cli.py \
                            && formats=(--formats "${BENCH_FORMATS-fp8,mxfp8,nvfp4}"); \
                            start=$SECONDS; PYTHONPATH=/tmp/site:$src python3 bench/run.py \
                            --iters 50 --warmup 10 --timeout 400 --shapes S1 --sms 8 \
-                           --spot-sms 8 "${formats[@]}" --out $OUT/$label || exit 1; \
-                           echo "== tree $tree ($label): $((SECONDS - start)) s"; done') ;;
+                           --spot-sms 8 "${formats[@]}" --out $OUT/ab/$label || { rc=1; break; }; \
+                           echo "== tree $tree ($label): $((SECONDS - start)) s"; done; \
+                           tar czf $OUT/bench-ab.tgz -C $OUT ab && rm -r $OUT/ab; exit $rc') ;;
         eager) cmd=(python3 bench/eager_ab.py --ranks 0 --label "${HEP_COMMIT:-}") ;;
         eager-ab) cmd=(bash -c 'for run in 1 2; do for tree in old new; do src=$PWD/src; \
                        if [ $tree = old ]; then src=$AB_OLD/src; fi; \

@@ -173,6 +173,10 @@ def test_first_launch_of_a_specialisation_goes_through_triton(fake_triton):
         call(x, n)
     assert len(through_triton) == 6 and len(compiled.launches) == 1
     assert launcher.builds == 6
+    # Another grid takes its own launcher entry but compiles nothing new.
+    out = TensorView(base, (BLOCK,), (1,), 0)
+    launcher((3,), specialized=dict(x_ptr=data[:64], n=9), aligned=dict(out_ptr=out))
+    assert len(through_triton) == 7 and launcher.builds == 6
 
 
 def test_constexprs_are_keyed_by_value(fake_triton):

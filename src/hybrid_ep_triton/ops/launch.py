@@ -160,8 +160,10 @@ class KernelLauncher:
 
     @property
     def builds(self) -> int:
-        """Specialisations launched so far (0 under the interpreter, which compiles nothing)."""
-        return len(self._specialisations)
+        """Specialisations launched so far, each a compile unless Triton's cache has it (0 under
+        the interpreter, which compiles nothing). A new grid is a new launcher entry but not a
+        new build: the keys are counted without it."""
+        return len({(device, *spec) for device, _grid, *spec in self._specialisations})
 
     def _through_triton(self, grid, specialized: dict, aligned: dict):
         """Launch through Triton; returns the compiled kernel (None where Triton returns
