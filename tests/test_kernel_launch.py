@@ -179,6 +179,22 @@ def test_first_launch_of_a_specialisation_goes_through_triton(fake_triton):
     assert len(through_triton) == 7 and launcher.builds == 6
 
 
+def test_integers_not_specialised_take_one_build(fake_triton, monkeypatch):
+    """An integer the kernel does not specialise on (do_not_specialize, as the kernels'
+    UNSPECIALISED) takes the same compiled kernel for 1, multiples of 16 and others; beyond int32
+    another."""
+    _, compiled, through_triton = fake_triton
+    kernel = JITFunction(_scale_kernel.fn, do_not_specialize=["n"])
+    monkeypatch.setattr(kernel, "run", lambda *a, grid, warmup, **k: through_triton.append(a)
+                        or compiled)  # fmt: skip
+    launcher = KernelLauncher(kernel, scale=2.0, offset_ptr=torch.zeros(1), BLOCK=BLOCK)
+    x, out = torch.zeros(64), torch.zeros(64)
+    for n in (7, 1, 32, 9, 2**31):
+        launcher((1,), specialized=dict(x_ptr=x, n=n), aligned=dict(out_ptr=out))
+    assert [args[2] for args in through_triton] == [7, 2**31]
+    assert [args[2] for _, args, _ in compiled.launches] == [1, 32, 9]
+
+
 def test_constexprs_are_keyed_by_value(fake_triton):
     """A constexpr passed per call selects its compiled kernel by value (BLOCK 64 and 32 are
     both integers Triton would not tell apart as arguments)."""

@@ -45,6 +45,16 @@ from .control import (
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
+# The kernels' integer arguments whose value class (1, a multiple of 16, other) changes from
+# call to call but not their machine code: the layout and dispatch kernels take them as
+# do_not_specialize, so that Triton compiles one build for all their values instead of one per
+# combination of classes (what made a soak compile for hundreds of rounds). Measured with
+# tests/sm90_compile.py's builder: marking each of them, or all, divisible by 16 gives the same
+# sm_90 code as leaving them unmarked, at EP2, EP8 and 2 nodes of 8; num_tokens, num_chunks do
+# change it (so does making every count unspecialised: combine 4.8% slower on one H200), and
+# pad_multiple, num_quantizers stay per job (bench/results/2026-12-03-sm90-unspecialised.log).
+UNSPECIALISED = ("max_rows", "num_out_rows", "report_tag", "refused", "outputs_tag")
+
 if INTERPRETED:
 
     @triton.jit

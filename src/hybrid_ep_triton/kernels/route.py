@@ -54,6 +54,7 @@ from .control import (
     STATUS_WORDS,
 )
 from .primitives import (
+    UNSPECIALISED,
     fence_system,
     net_put_signal,
     node_first_rank,
@@ -503,7 +504,7 @@ def _roles(chunk, rt, out, heap, sync, k):
         _exchange_role(rt=rt, out=out, heap=heap, sync=sync, k=k)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=UNSPECIALISED)
 def layout_kernel(
     topk_idx_ptr,  # in [T, K] int32 or int64
     num_tokens,

@@ -97,9 +97,14 @@ class KernelLauncher:
         self._specialisations: dict[tuple, tuple] = {}
         # Under the interpreter kernels are InterpretedFunctions, launched through Triton only.
         self._compiled = isinstance(kernel, JITFunction)
-        # A constexpr is in the key by its value.
+        # A constexpr is in the key by its value; an integer Triton does not specialise on (the
+        # kernel's do_not_specialize) by its type alone (int32 or not), and a Relaunch does not
+        # check it (the kernels' are counts, in int32 range).
         self._constexprs = (
             {p.name for p in kernel.params if p.is_constexpr} if self._compiled else ()
+        )
+        self._unspecialized = (
+            {p.name for p in kernel.params if p.do_not_specialize} if self._compiled else ()
         )
 
     def __call__(
@@ -115,7 +120,7 @@ class KernelLauncher:
         the same names in every call. Returns the Relaunch of this launch for the arguments
         named in ``changing`` (never a constexpr) and the TensorViews of ``views_of``, or None
         under the interpreter."""
-        constexprs = self._constexprs
+        constexprs, unspecialized = self._constexprs, self._unspecialized
         if changing and any(name in constexprs for name in changing):
             raise TypeError(f"{self._kernel.__name__}: a constexpr cannot change: {changing}")
         if not self._compiled:
@@ -124,7 +129,8 @@ class KernelLauncher:
         driver = triton.runtime.driver.active
         device = driver.get_current_device()
         key = (device, grid, *[
-            value if name in constexprs else _specialization(value)
+            value if name in constexprs else value in _INT32 if name in unspecialized
+            else _specialization(value)
             for name, value in specialized.items()
         ])  # fmt: skip
         entry = self._specialisations.get(key)
@@ -145,7 +151,7 @@ class KernelLauncher:
             runner(*args, stream=driver.get_current_stream(device))
         checked = {
             i: _specialization(specialized[name])
-            for i, name in enumerate(changing) if name in specialized
+            for i, name in enumerate(changing) if name in specialized and name not in unspecialized
         }  # fmt: skip
         views = [
             (index[name], value.address - views_of.data_ptr())
