@@ -10,6 +10,7 @@ record the checkout's commit). Rows that not every run has are left out and coun
 import argparse
 import json
 import os
+import pathlib
 
 
 def _key(row: dict) -> tuple:
@@ -20,7 +21,7 @@ def _key(row: dict) -> tuple:
 
 
 def compare(paths: list[str]) -> str:
-    runs = [json.load(open(p)) for p in paths]
+    runs = [json.loads(pathlib.Path(p).read_text()) for p in paths]
     times = [{_key(r): r["time_us"] for r in run["rows"]} for run in runs]
     common = [k for k in times[0] if all(k in t for t in times[1:])]
     names = [os.path.basename(os.path.dirname(os.path.abspath(p))) for p in paths]

@@ -1,5 +1,6 @@
 """bench's report (tools/bench.py ``_write``): the JSON, the Markdown table of every row, copy and
-baseline, and the plot, from a result as a run on the GPU leaves it (no GPU needed)."""
+baseline, and the plot, from a result as a run on the GPU leaves it (no GPU needed); and
+bench/compare.py's table of several runs."""
 
 from __future__ import annotations
 
@@ -80,3 +81,32 @@ def test_report_has_every_row_and_a_plot(tmp_path, monkeypatch, shapes, kinds):
     assert "| S1 | nccl_alltoall | dispatch | 2986.5 | 20 |" in md
     with open(stem + ".png", "rb") as f:
         assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+def test_compare_tabulates_the_rows_every_run_has(tmp_path):
+    """bench/compare.py: one line per row that every run has, each run's time and each later
+    run's over the first one's, runs named by their folders; rows of single runs counted."""
+    import importlib.util
+    import pathlib
+
+    path = pathlib.Path(__file__).parent.parent / "bench" / "compare.py"
+    spec = importlib.util.spec_from_file_location("compare", path)
+    compare = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(compare)
+    old, new = _result(("S1",), ("bf16",)), _result(("S1",), ("bf16", "fp8"))
+    for row in new["rows"]:
+        row["time_us"] *= 1.5
+    paths = []
+    for name, result in (("main", old), ("branch", new)):
+        (tmp_path / name).mkdir()
+        paths.append(str(tmp_path / name / "run.json"))
+        (tmp_path / name / "run.json").write_text(json.dumps(result))
+    table = compare.compare(paths).splitlines()
+    assert "| main µs | branch µs | branch / main |" in table[0]
+    t, n = old["rows"][0]["time_us"], len(old["rows"])
+    assert (
+        table[2]
+        == f"| S1 | expert | 1x1 | bf16 | dispatch | exact | 8 | {t:.1f} | {t * 1.5:.1f} | 1.500 |"
+    )
+    assert len(table) == 2 + n + 2  # header, rule, the rows, a blank line, the count
+    assert table[-1] == f"{n} rows in every run; {n} rows of single runs left out."
