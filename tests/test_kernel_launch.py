@@ -179,6 +179,19 @@ def test_first_launch_of_a_specialisation_goes_through_triton(fake_triton):
     assert len(through_triton) == 7 and launcher.builds == 6
 
 
+def test_build_seconds_are_those_of_first_launches(fake_triton, monkeypatch):
+    """build_seconds adds the host time of launches that go through Triton (compiling or
+    loading), none of those that reuse a specialisation."""
+    kernel, compiled, through_triton = fake_triton
+    clock = iter([10.0, 13.5, 20.0, 20.25])  # read before and after each first launch only
+    monkeypatch.setattr(launch, "perf_counter", lambda: next(clock))
+    launcher = KernelLauncher(kernel, scale=2.0, offset_ptr=torch.zeros(1), BLOCK=BLOCK)
+    x, out = torch.zeros(64), torch.zeros(64)
+    for n in (7, 9, 32, 5):  # 7, 9 and 5 one specialisation, 32 another
+        launcher((1,), specialized=dict(x_ptr=x, n=n), aligned=dict(out_ptr=out))
+    assert len(through_triton) == 2 and launcher.build_seconds == 3.75
+
+
 def test_integers_not_specialised_take_one_build(fake_triton, monkeypatch):
     """An integer the kernel does not specialise on (do_not_specialize, as the kernels'
     UNSPECIALISED) takes the same compiled kernel for 1, multiples of 16 and others; beyond int32

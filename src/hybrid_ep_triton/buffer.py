@@ -471,6 +471,14 @@ class Buffer:
         (the interpreter compiles nothing)."""
         return self._rt.kernel_builds
 
+    @property
+    def kernel_build_seconds(self) -> float:
+        """Host seconds this Buffer's calls have spent in the first launch of each kernel
+        specialisation (see ``kernel_builds``): Triton compiling it, or loading it from its
+        cache. A call that is slow while this grows was compiling; one that is slow while it
+        stays was waiting (for a peer or the device). 0 on CPU ranks."""
+        return self._rt.kernel_build_seconds
+
     def destroy(self) -> None:
         """Free the symmetric buffers (collective; idempotent)."""
         if getattr(self, "_rt", None) is not None:

@@ -101,6 +101,11 @@ class Runtime:
         """Kernel specialisations this runtime's launches have taken so far."""
         return sum(launcher.builds for launcher in self.launchers.values())
 
+    @property
+    def kernel_build_seconds(self) -> float:
+        """Host seconds this runtime's launches have spent in first launches (compiling)."""
+        return sum(launcher.build_seconds for launcher in self.launchers.values())
+
     def launcher(self, make: Callable[["Runtime"], KernelLauncher]) -> KernelLauncher:
         """The launcher ``make(self)`` returns, made on first use."""
         found = self.launchers.get(make)

@@ -30,6 +30,7 @@ driver call itself is most (bench/results/2026-12-01-1xH200-host-profile-3ccb8fb
 
 import functools
 import struct
+from time import perf_counter
 
 import numpy as np
 import torch
@@ -95,6 +96,9 @@ class KernelLauncher:
         # By specialisation key: the compiled kernel, its launcher for the key's grid, and its
         # parameters for a driver launch (None: Relaunches take the launcher).
         self._specialisations: dict[tuple, tuple] = {}
+        # Host seconds in the first launches of specialisations, which compile them (or load
+        # them from Triton's cache): what tells a slow call that compiled from one that waited.
+        self.build_seconds = 0.0
         # Under the interpreter kernels are InterpretedFunctions, launched through Triton only.
         self._compiled = isinstance(kernel, JITFunction)
         # A constexpr is in the key by its value; an integer Triton does not specialise on (the
@@ -136,7 +140,9 @@ class KernelLauncher:
         entry = self._specialisations.get(key)
         through_triton = entry is None  # which also launched it
         if through_triton:
+            started = perf_counter()
             compiled = self._through_triton(grid, specialized, aligned)
+            self.build_seconds += perf_counter() - started
             if compiled is None:
                 return None
             runner, parameters = compiled[(*grid, 1, 1)[:3]], _driver_parameters(compiled)

@@ -132,7 +132,10 @@ def soak_rank(rank: int, world_size: int, cfg: SoakConfig) -> dict:
             peak.append(most)
             if rank == 0 and cfg.progress_every and (r + 1) % cfg.progress_every == 0:
                 # A round whose call takes a new kernel specialisation compiles it first.
-                builds = f", {buf.kernel_builds} kernel builds so far" if on_gpu else ""
+                builds = (
+                    f", {buf.kernel_builds} kernel builds so far "
+                    f"({buf.kernel_build_seconds:.1f} s in them)" if on_gpu else ""
+                )  # fmt: skip
                 print(
                     f"soak: round {r + 1}/{cfg.rounds}, {failed_rounds} failing, memory "
                     f"{human_bytes(in_use)}, median dispatch+combine "
