@@ -53,6 +53,9 @@
 # $CACHE_LABEL (default: the time), so that the calls that split a suite each add theirs and a
 # later call (or session) carries them all (kernels compile in tens of seconds each; a build is
 # reused only while the kernels' source is unchanged).
+# Saved of each build: what a cache hit reads (bench/slim_triton_cache.py deletes the IR and
+# lists the rest in the build's group file): the 289 builds of
+# 2026-12-03-1xH200-soak-shared-0810ddd.log were 35.5 MB with xz, 5.5 MB so.
 # xz, not gzip: at e332f1c the cache of one call was 628 MB, 86 MB gzipped, in 6 parts, of which
 # only 4 came back (a call returns 8 files of at most 16 MiB); xz packs such a cache 2.2x
 # smaller (310 MB of sm_90 builds here: 47 MB gzipped, 21 MB with xz).
@@ -65,6 +68,7 @@
 # (HEP_COMMIT as a literal from here: the machine's git reported 4dccc89 for a41979f's tree.)
 set -uo pipefail
 cd "$(dirname "$0")/.."
+REPO=$PWD
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target /tmp/site .whl/*.whl $(ls .whl-megatron/*.whl 2>/dev/null) || exit 1
 export PYTHONPATH=/tmp/site:$PWD/src PYTHONUNBUFFERED=1
@@ -168,6 +172,8 @@ done
 if [ "${SAVE_TRITON_CACHE:-0}" = 1 ]; then
     saved="$OUT/triton-cache-${CACHE_LABEL:-$(date +%m%d-%H%M%S)}.$PACKED"
     (cd /tmp && find triton-cache -mindepth 1 -maxdepth 1 -newer triton-cache-restored -print0 \
+        | xargs -0 -r python3 "$REPO/bench/slim_triton_cache.py" >> "$OUT/summary.txt" \
+        && find triton-cache -mindepth 1 -maxdepth 1 -newer triton-cache-restored -print0 \
         | tar cf - --null -T -) | "${PACK[@]}" | split -b 15m - "$saved."
     du -sh "$TRITON_CACHE_DIR" "$saved".* | tee -a "$OUT/summary.txt"
 fi

@@ -22,3 +22,53 @@ def test_kernels_compile_for_sm90():
     # NVFP4 and the exact-mode move whose outputs come from the host, at EP2; the MXFP8 / NVFP4
     # quantizer alone (3).
     assert result.stdout.count("REG:") == 24, result.stdout
+
+
+_CACHE_HIT_SCRIPT = """
+import os, pathlib, sys
+import triton
+import triton.language as tl
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+sys.path.insert(0, sys.argv[1])
+from slim_triton_cache import slim
+
+@triton.jit
+def copy(x_ptr, y_ptr, n, BLOCK: tl.constexpr):
+    offs = tl.arange(0, BLOCK)
+    tl.store(y_ptr + offs, tl.load(x_ptr + offs, mask=offs < n), mask=offs < n)
+
+def build():
+    signature = {"x_ptr": "*fp32", "y_ptr": "*fp32", "n": "i32", "BLOCK": "constexpr"}
+    return triton.compile(ASTSource(copy, signature, {"BLOCK": 64}),
+                          target=GPUTarget("cuda", 90, 32))
+
+first = build()
+cache = pathlib.Path(os.environ["TRITON_CACHE_DIR"])
+files = lambda: sorted(str(f) for f in cache.rglob("*") if f.is_file())
+assert slim([str(d) for d in cache.iterdir()]) > 0
+kept = files()
+assert not [f for f in kept if not f.endswith((".json", ".cubin", ".so"))]
+second = build()
+assert files() == kept, "compiled again"
+assert set(second.asm) == {"cubin"} and second.asm["cubin"] == first.asm["cubin"]
+print("served by", len(kept), "files")
+"""
+
+
+def test_a_slimmed_cache_serves(tmp_path):
+    """bench/slim_triton_cache.py keeps of Triton's cache only what a hit reads (what
+    bench/device_run.sh carries between calls): a build slimmed so is found, not compiled
+    again, and gives the same machine code."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_CACHE_DIR"] = str(tmp_path / "cache")
+    script = tmp_path / "build_twice.py"  # Triton reads a kernel's source from its file
+    script.write_text(_CACHE_HIT_SCRIPT)
+    bench = Path(__file__).parent.parent / "bench"
+    result = subprocess.run(
+        [sys.executable, str(script), str(bench)], env=env, capture_output=True, text=True,
+        timeout=300,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "served by" in result.stdout
