@@ -62,7 +62,8 @@
 # pytest runs the node ids of one file together, in the file's order, whatever $SHARED_TESTS's
 # order: a file's tests ahead of a budget must be named in a file of their own or come first.
 #   soak-shared  under MPS: 1000 soak rounds at 4 ranks in one node and at 2 nodes of 2, each with
-#          expert-major and token rows, then hybrid-ep demo with 8 ranks (1024 tokens per rank)
+#          expert-major and token rows (the four at once), then hybrid-ep demo with 8 ranks (1024
+#          tokens per rank)
 # megatron-core travels as a wheel in .whl-megatron/ (carry it too), installed beside nvshmem4py.
 # Usage there: OUT=... STEPS="tests bench" HEP_COMMIT=<hash> bash bench/device_run.sh
 # (HEP_COMMIT as a literal from here: the machine's git reported 4dccc89 for a41979f's tree.)
@@ -96,10 +97,18 @@ mps() {  # start | stop the MPS control daemon (the compute mode is left as it i
 }
 # Sizes where the reference (all_to_all through gloo, over the host) keeps up: 512 tokens of
 # 2048 channels, top-8 of 64 experts.
-SOAK_SHARED='for nodes in "" "--ranks-per-node 2"; do for rows in "" --token-rows; do
-    python3 -m hybrid_ep_triton soak --device cuda --ranks 4 --rounds 1000 --tokens 512 \
-    --hidden 2048 --experts 64 --topk 8 $nodes $rows || exit 1; done; done;
-    python3 -m hybrid_ep_triton demo --device cuda --ranks 8 --tokens 1024'
+# The four soaks run at once, their 16 ranks at 6% of the SMs each (96% in all: no launch waits
+# for programs the GPU cannot make resident), so that their builds, mostly different, compile
+# side by side on the host's cores (at 2026-12-03 the first soak alone compiled 289 builds in
+# 250 rounds, about 500 s); each soak's log is appended to the step's once the step is over. A
+# soak is its own process group (setsid), so that the step's timeout ends its ranks with it.
+SOAK_SHARED='pids=(); trap "for pid in \${pids[*]}; do kill -- -\$pid; done; exit 143" TERM; n=0
+    for nodes in "" "--ranks-per-node 2"; do for rows in "" --token-rows; do n=$((n + 1))
+    CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=6 setsid python3 -m hybrid_ep_triton soak --device cuda \
+    --ranks 4 --rounds 1000 --tokens 512 --hidden 2048 --experts 64 --topk 8 $nodes $rows \
+    > /tmp/soak-$n.log 2>&1 & pids+=($!); done; done; rc=0
+    for pid in "${pids[@]}"; do wait $pid || rc=1; done
+    python3 -m hybrid_ep_triton demo --device cuda --ranks 8 --tokens 1024 || rc=1; exit $rc'
 status=0
 for step in $STEPS; do
     case $step in
@@ -165,6 +174,8 @@ for step in $STEPS; do
     timeout "$STEP_TIMEOUT" "${cmd[@]}" > "$OUT/$step.log" 2>&1
     rc=$?
     case $step in shared|soak-shared) mps stop; cp /tmp/mpslog/control.log "$OUT/$step-mps.log" ;; esac
+    case $step in soak-shared) for log in /tmp/soak-[1-4].log; do echo "== $log"; cat "$log"
+                               done >> "$OUT/$step.log" ;; esac
     echo "== $step: exit $rc" | tee -a "$OUT/summary.txt"
     tail -3 "$OUT/$step.log" | tee -a "$OUT/summary.txt"
     [ $rc -ne 0 ] && status=$rc
