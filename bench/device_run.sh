@@ -51,8 +51,8 @@
 # (the parts $OUT/triton-cache-<label>.txz.* of earlier calls, any number of labels), and when
 # SAVE_TRITON_CACHE=1 the builds this call added are saved into $OUT under the label
 # $CACHE_LABEL (default: the time), so that the calls that split a suite each add theirs and a
-# later call (or session) carries them all (kernels compile in tens of seconds each; a build is
-# reused only while the kernels' source is unchanged).
+# later call (or session) carries them all (a build compiles in seconds, tens of seconds across
+# nodes; it is reused only while the kernels' source is unchanged).
 # Saved of each build: what a cache hit reads (bench/slim_triton_cache.py deletes the IR and
 # lists the rest in the build's group file): the 289 builds of
 # 2026-12-03-1xH200-soak-shared-0810ddd.log were 35.5 MB with xz, 5.5 MB so.

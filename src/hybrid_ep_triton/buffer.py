@@ -465,10 +465,11 @@ class Buffer:
     @property
     def kernel_builds(self) -> int:
         """Kernel specialisations this Buffer's calls have taken so far. Triton compiles each at
-        its first launch (20 to 75 s on an H200 host) unless its cache has it: the token
-        count's class (1, a multiple of 16, other), the mode, weights, the ids' dtype and the
-        row format pick one, so the first calls of a job may compile several. 0 on CPU ranks
-        (the interpreter compiles nothing)."""
+        its first launch (seconds; tens of seconds where it links NVSHMEM's device library,
+        across nodes) unless its cache has it: the token count's class (1, a multiple of 16,
+        other), the mode, weights, the ids' dtype and the row format pick one, so the first
+        calls of a job may compile several. 0 on CPU ranks (the interpreter compiles
+        nothing)."""
         return self._rt.kernel_builds
 
     @property
