@@ -74,3 +74,25 @@ def test_cache_entry_of_another_version_falls_back_to_the_heuristic(tmp_path, mo
         got = dataclasses.asdict(select_config("k", 6, 4, None, False))
         assert got == (config if name == "current" else dataclasses.asdict(
             default_config(6, 4, None, False))), name  # fmt: skip
+
+
+def test_the_default_budget_fits_the_context(tmp_path, monkeypatch):
+    """Without num_sms a GPU configuration takes at most the SMs the process's context may use
+    (6, as a 6% MPS share of an H200 leaves: below the heuristic's 8), a tuned one too; a num_sms
+    that is given is kept (the Buffer refuses it then)."""
+    from hybrid_ep_triton.runtime.tuning import select_config
+
+    monkeypatch.setenv("HEP_CACHE_DIR", str(tmp_path))
+    assert select_config("k", 7168, 4096, None, True) == default_config(7168, 4096, None, True)
+    assert select_config("k", 7168, 4096, None, True, available_sms=132).num_sms == 8
+    assert select_config("k", 7168, 4096, None, True, available_sms=6) == default_config(
+        7168, 4096, 6, True
+    )
+    assert select_config("k", 7168, 4096, 8, True, available_sms=6).num_sms == 8
+    tuned = dataclasses.replace(default_config(7168, 4096, 16, True), chunk_tokens=64)
+    entry = {"config": dataclasses.asdict(tuned)}
+    (tmp_path / "kernel_configs.json").write_text(json.dumps({"k": entry}))
+    assert select_config("k", 7168, 4096, None, True, available_sms=32) == tuned
+    assert select_config("k", 7168, 4096, None, True, available_sms=6) == dataclasses.replace(
+        tuned, num_sms=6
+    )

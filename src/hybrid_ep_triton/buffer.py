@@ -61,9 +61,11 @@ class Buffer:
             expert rows and its final sum) runs in the same launches on the rest of the GPU,
             overlapped with the transfer.
             Default: the tuned configuration's (``hybrid-ep tune``), else 8 on GPUs and 2 on
-            CPU ranks. The other kernel parameters come from the tuning cache when it has an
-            entry for this GPU, Triton version, group size, hidden size, dtype and ``expand``,
-            else from the planner's heuristic.
+            CPU ranks; on a GPU at most the SMs this process's CUDA context may use (an MPS
+            share may give it fewer). A num_sms given above those is a ValueError. The other
+            kernel parameters come from the tuning cache when it has an entry for this GPU,
+            Triton version, group size, hidden size, dtype and ``expand``, else from the
+            planner's heuristic.
         timeout_s: seconds any wait on another rank may last before TimeoutError (default 60).
         ranks_per_node: R, consecutive ranks that reach each other over NVLink (a node); it must
             divide the group size. None (default): the ranks that share a host (they must be
@@ -112,11 +114,13 @@ class Buffer:
             ranks_per_node = ranks_per_host(hosts)
         on_gpu = device.type == "cuda"
         key = cache_key(device, world, hidden_size, dtype, expand, ranks_per_node)
-        config = select_config(key, hidden_size, max_tokens_per_rank, num_sms, on_gpu)
         # The SMs this process's context may use: under an MPS share (ranks sharing a GPU) the
         # context reports and gets that share alone (bench/results/*-mps-probe.log).
         context_sms = (
             torch.cuda.get_device_properties(device).multi_processor_count if on_gpu else None
+        )
+        config = select_config(
+            key, hidden_size, max_tokens_per_rank, num_sms, on_gpu, available_sms=context_sms
         )
         if on_gpu and config.num_sms > context_sms:
             refused = ValueError(

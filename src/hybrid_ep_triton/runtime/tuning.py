@@ -56,10 +56,26 @@ def store(key: str, config: KernelConfig, measured: dict) -> None:
 
 
 def select_config(
-    key: str, hidden: int, max_tokens: int, num_sms: int | None, on_gpu: bool
+    key: str,
+    hidden: int,
+    max_tokens: int,
+    num_sms: int | None,
+    on_gpu: bool,
+    available_sms: int | None = None,
 ) -> KernelConfig:
     """The cached configuration for ``key`` (with a budget of ``num_sms`` when given), else the
-    heuristic ``default_config``."""
+    heuristic ``default_config``. Without ``num_sms``, a budget of at most ``available_sms``
+    (the SMs this process's context may use: an MPS share may give it fewer than the default
+    8), so that the default never asks for more than the context has."""
+    config = _cached_or_default(key, hidden, max_tokens, num_sms, on_gpu)
+    if num_sms is None and available_sms is not None and config.num_sms > available_sms:
+        return _cached_or_default(key, hidden, max_tokens, available_sms, on_gpu)
+    return config
+
+
+def _cached_or_default(
+    key: str, hidden: int, max_tokens: int, num_sms: int | None, on_gpu: bool
+) -> KernelConfig:
     if _FORCED:
         return _FORCED[-1]
     entry = _load().get(key)
