@@ -99,10 +99,10 @@ mps() {  # start | stop the MPS control daemon (the compute mode is left as it i
 # 2048 channels, top-8 of 64 experts.
 # The four soaks run at once, their 16 ranks at 6% of the SMs each (96% in all: no launch waits
 # for programs the GPU cannot make resident; 6 SMs a context, which the Buffer's default
-# num_sms then takes), so that their builds, mostly different, compile
-# side by side on the host's cores (at 2026-12-03 the first soak alone compiled 289 builds in
-# 250 rounds, about 500 s); each soak's log is appended to the step's once the step is over. A
-# soak is its own process group (setsid), so that the step's timeout ends its ranks with it.
+# num_sms then takes), so that their builds, mostly different, compile side by side on the
+# host's cores (at 2026-12-03 the first soak alone compiled 289 builds in 250 rounds, about
+# 500 s); each soak's log is appended to the step's once the step is over. A soak is its own
+# process group (setsid), so that the step's timeout ends its ranks with it.
 SOAK_SHARED='pids=(); trap "for pid in \${pids[*]}; do kill -- -\$pid; done; exit 143" TERM; n=0
     for nodes in "" "--ranks-per-node 2"; do for rows in "" --token-rows; do n=$((n + 1))
     CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=6 setsid python3 -m hybrid_ep_triton soak --device cuda \
