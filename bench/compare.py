@@ -9,7 +9,6 @@ record the checkout's commit). Rows that not every run has are left out and coun
 
 import argparse
 import json
-import os
 import pathlib
 
 
@@ -24,7 +23,7 @@ def compare(paths: list[str]) -> str:
     runs = [json.loads(pathlib.Path(p).read_text()) for p in paths]
     times = [{_key(r): r["time_us"] for r in run["rows"]} for run in runs]
     common = [k for k in times[0] if all(k in t for t in times[1:])]
-    names = [os.path.basename(os.path.dirname(os.path.abspath(p))) for p in paths]
+    names = [pathlib.Path(p).resolve().parent.name for p in paths]
     heads = [f"{name} µs" for name in names]
     ratios = [f"{name} / {names[0]}" for name in names[1:]]
     cols = ["shape", "rows", "nodes", "dtype", "op", "mode", "SMs", *heads, *ratios]
