@@ -231,7 +231,11 @@ def test_refused_shapes_and_scales():
     for bad in (torch.tensor(0.0), torch.tensor(-1.0), torch.tensor(float("inf")), torch.ones(2)):
         with pytest.raises(ValueError, match="per_tensor_scale"):
             reference.quantize_nvfp4(torch.zeros(2, 32), bad)
-    # The kernels work in 128-channel groups.
+    # The kernels work in 128-channel groups, on rows of a float dtype.
+    with pytest.raises(ValueError, match="multiple of 128"):
+        ops.quantize_fp8(torch.zeros(2, 192))
+    with pytest.raises(ValueError, match="bf16/fp16/fp32"):
+        ops.quantize_fp8(torch.zeros(2, 128, dtype=torch.int32))
     with pytest.raises(ValueError, match="multiple of 128"):
         ops.quantize_mxfp8(torch.zeros(2, 96))
     with pytest.raises(ValueError, match="multiple of 128"):

@@ -16,12 +16,11 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-import triton
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from hybrid_ep_triton import Buffer, reference
-from hybrid_ep_triton.kernels.quantize import quantize_fp8_kernel
+from hybrid_ep_triton.ops.quantize import quantize_fp8
 from hybrid_ep_triton.ops.scaled_rows import ScaledValues
 from hybrid_ep_triton.runtime.planner import SCALED_FORMATS
 from hybrid_ep_triton.tools.launcher import rank_device
@@ -50,15 +49,11 @@ def _awkward_rows(num: int, hidden: int, gen) -> torch.Tensor:
 
 
 def _quantize(x: torch.Tensor, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """kernels/quantize.py's quantizer on ``x`` [T, H], run on ``device``: (e4m3 bits [T, H]
-    uint8, scales [T, H / 128] float32), copied back to the CPU."""
-    num_tokens, hidden = x.shape
-    values = torch.empty(num_tokens, hidden, dtype=torch.uint8, device=device)
-    scales = torch.empty(num_tokens, hidden // 128, device=device)
-    grid = (triton.cdiv(num_tokens, 16), triton.cdiv(hidden // 128, 2))
-    quantize_fp8_kernel[grid](x.to(device), x.stride(0), values, scales, num_tokens, hidden,
-                              BLOCK_T=16, GROUPS=2)  # fmt: skip
-    return values.cpu(), scales.cpu()
+    """ops.quantize_fp8 (kernels/quantize.py's quantizer) on ``x`` [T, H], run on ``device``:
+    (e4m3 bits [T, H] uint8, scales [T, H / 128] float32), copied back to the CPU."""
+    values, scales = quantize_fp8(x.to(device))
+    assert (values.dtype, scales.dtype) == (torch.float8_e4m3fn, torch.float32)
+    return values.view(torch.uint8).cpu(), scales.cpu()
 
 
 def _assert_quantized_as_reference(x: torch.Tensor, values, scales) -> None:
@@ -69,7 +64,10 @@ def _assert_quantized_as_reference(x: torch.Tensor, values, scales) -> None:
 
 
 def test_quantizer_matches_reference(device):
-    """The quantizing kernel against reference.quantize_fp8, bit for bit (one process)."""
+    """The quantizing kernel against reference.quantize_fp8, bit for bit (one process), also
+    where a row's 128-channel groups outnumber a program's (1152 channels: 8 and 1)."""
+    wide = _awkward_rows(19, 1152, torch.Generator().manual_seed(5))
+    _assert_quantized_as_reference(wide, *_quantize(wide, device))
     x = _awkward_rows(37, 384, torch.Generator().manual_seed(0))
     values, scales = _quantize(x, device)
     _assert_quantized_as_reference(x, values, scales)

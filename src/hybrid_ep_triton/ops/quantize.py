@@ -1,41 +1,17 @@
-"""FP8 quantization of a Buffer's token rows on their own (kernels/quantize.py says the rule):
-what a quantize=True dispatch's quantizers do as it sends, for the benchmark's copy rows. And
-MXFP8 / NVFP4 quantization of rows (``quantize_mxfp8``, ``quantize_nvfp4``; the rules are
-torchao's, stated by ``reference.quantize_mxfp8`` / ``reference.quantize_nvfp4``), which need no
-Buffer: for tests and the benchmark."""
+"""Quantization of token rows on their own, without a Buffer, for tests and the benchmark's copy
+rows: FP8 1x128 (``quantize_fp8``: what a quantize=True dispatch's quantizers do as it sends;
+kernels/quantize.py says the rule, ``reference.quantize_fp8`` states it), MXFP8 and NVFP4
+(``quantize_mxfp8``, ``quantize_nvfp4``; the rules are torchao's, stated by
+``reference.quantize_mxfp8`` / ``reference.quantize_nvfp4``)."""
 
 import torch
 import triton
 
 from ..kernels.quantize import quantize_block_scaled_kernel, quantize_fp8_kernel
-from ..runtime.planner import FP8_GROUP, ceil_div
-from . import Runtime
-from .launch import KernelLauncher
+from ..runtime.planner import FP8_GROUP
 
 _BLOCK_T = 16
 _GROUPS = 8
-
-
-def quantize_rows(rt: Runtime, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``x`` [T, H] (rows contiguous, H % 128 == 0) as (values [T, H] float8_e4m3fn, scales
-    [T, H / 128] float32), on the current stream."""
-    num_tokens, hidden = x.shape
-    values = torch.empty(num_tokens, hidden, dtype=torch.float8_e4m3fn, device=x.device)
-    scales = torch.empty(num_tokens, hidden // FP8_GROUP, dtype=torch.float32, device=x.device)
-    if num_tokens:
-        grid = (ceil_div(num_tokens, _BLOCK_T), ceil_div(hidden // FP8_GROUP, _GROUPS))
-        rt.launcher(_quantize_launcher)(
-            grid,
-            specialized=dict(x_ptr=x, x_stride=x.stride(0), num_tokens=num_tokens),
-            aligned=dict(values_ptr=values.view(torch.uint8), scales_ptr=scales),
-        )
-    return values, scales
-
-
-def _quantize_launcher(rt: Runtime) -> KernelLauncher:
-    return KernelLauncher(
-        quantize_fp8_kernel, hidden=rt.plan.hidden, BLOCK_T=_BLOCK_T, GROUPS=_GROUPS
-    )
 
 
 def _check_rows(x: torch.Tensor, name: str) -> tuple[int, int]:
@@ -53,6 +29,20 @@ def _check_rows(x: torch.Tensor, name: str) -> tuple[int, int]:
 
 def _grid(num_tokens: int, hidden: int) -> tuple[int, int]:
     return triton.cdiv(num_tokens, _BLOCK_T), triton.cdiv(hidden // FP8_GROUP, _GROUPS)
+
+
+def quantize_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x`` [T, H] bf16/fp16/fp32 (channels contiguous, H % 128 == 0, else ValueError) as FP8
+    1x128 (values [T, H] float8_e4m3fn, scales [T, H / 128] float32, row-major), on the
+    current stream: bit for bit ``reference.quantize_fp8``."""
+    num_tokens, hidden = _check_rows(x, "FP8")
+    values = torch.empty(num_tokens, hidden, dtype=torch.uint8, device=x.device)
+    scales = torch.empty(num_tokens, hidden // FP8_GROUP, dtype=torch.float32, device=x.device)
+    if num_tokens:
+        quantize_fp8_kernel[_grid(num_tokens, hidden)](
+            x, x.stride(0), values, scales, num_tokens, hidden, BLOCK_T=_BLOCK_T, GROUPS=_GROUPS
+        )
+    return values.view(torch.float8_e4m3fn), scales
 
 
 def quantize_mxfp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -262,18 +262,18 @@ def _time_buffer(buf, sets, warmup: int, iters: int, rows: str = "bf16") -> dict
     return times
 
 
-def _time_copies(buf, reference, x: torch.Tensor) -> list[dict]:
+def _time_copies(reference, x: torch.Tensor) -> list[dict]:
     """The quantizing copies (what a quantizing dispatch's quantizers do, as a kernel alone,
     for FP8, MXFP8 and NVFP4, and the FP8 reference quantizer in plain torch) beside a plain
     copy of the same bf16 rows: µs and GB/s of bytes read and written."""
-    from ..ops.quantize import quantize_mxfp8, quantize_nvfp4, quantize_rows
+    from ..ops.quantize import quantize_fp8, quantize_mxfp8, quantize_nvfp4
 
     tokens, hidden = x.shape
     bf16_bytes = 2 * tokens * hidden
     moved = {fmt: bf16_bytes + tokens * size(hidden) for fmt, size in SCALED_ROW_BYTES.items()}
     copies = [
         ("bf16 copy (torch clone)", torch.clone, 2 * bf16_bytes),
-        ("quantize fp8, kernels/quantize.py", partial(quantize_rows, buf._rt), moved["fp8"]),
+        ("quantize fp8, kernels/quantize.py", quantize_fp8, moved["fp8"]),
         ("quantize mxfp8, kernels/quantize.py", quantize_mxfp8, moved["mxfp8"]),
         ("quantize nvfp4, kernels/quantize.py", quantize_nvfp4, moved["nvfp4"]),
         ("quantize fp8, reference (torch)", reference.quantize_fp8, moved["fp8"]),
@@ -349,7 +349,7 @@ def _bench_rank(rank: int, world: int, opts: dict) -> dict:
                              net_GBps=net_rows * nbytes / t / 1e3)
                     )  # fmt: skip
             if main_shape and per_node is None and not result["copies"] and not error:
-                result["copies"] = _time_copies(buf, reference, sets[0][0])
+                result["copies"] = _time_copies(reference, sets[0][0])
             buf.destroy()
 
         def ref_dispatch(x, i, w, experts=shape.experts):
