@@ -64,6 +64,13 @@
 #   soak-shared  under MPS: 1000 soak rounds at 4 ranks in one node and at 2 nodes of 2, each with
 #          expert-major and token rows (the four at once), then hybrid-ep demo with 8 ranks (1024
 #          tokens per rank)
+# Each step's processes record the kernel builds they take (HEP_RECORD_BUILDS, see
+# tools/prebuild.py), returned in $OUT/builds.txz as builds/<step>/ (a file per process);
+# merged here into bench/builds/<step>.jsonl.xz (`hybrid-ep prebuild [that file] builds/<step>
+# --merge-into that file`) and committed, they are compiled before the steps that recorded
+# them, side by side on every core (`hybrid-ep prebuild`, unless PREBUILD=0), where the steps
+# would compile them one after another at their first launches. A record holds a kernel's
+# arguments, not its source: it serves after the kernels' code has changed too.
 # megatron-core travels as a wheel in .whl-megatron/ (carry it too), installed beside nvshmem4py.
 # Usage there: OUT=... STEPS="tests bench" HEP_COMMIT=<hash> bash bench/device_run.sh
 # (HEP_COMMIT as a literal from here: the machine's git reported 4dccc89 for a41979f's tree.)
@@ -110,8 +117,16 @@ SOAK_SHARED='pids=(); trap "for pid in \${pids[*]}; do kill -- -\$pid; done; exi
     > /tmp/soak-$n.log 2>&1 & pids+=($!); done; done; rc=0
     for pid in "${pids[@]}"; do wait $pid || rc=1; done
     python3 -m hybrid_ep_triton demo --device cuda --ranks 8 --tokens 1024 || rc=1; exit $rc'
+records=()
+for step in $STEPS; do [ -f bench/builds/$step.jsonl.xz ] && records+=(bench/builds/$step.jsonl.xz); done
+if [ ${#records[@]} -gt 0 ] && [ "${PREBUILD:-1}" = 1 ]; then
+    echo "== prebuild: ${records[*]}" | tee -a "$OUT/summary.txt"
+    timeout "${PREBUILD_TIMEOUT:-600}" python3 -m hybrid_ep_triton prebuild \
+        --workers "$(nproc)" "${records[@]}" 2>&1 | tail -n 20 | tee -a "$OUT/summary.txt"
+fi
 status=0
 for step in $STEPS; do
+    export HEP_RECORD_BUILDS=/tmp/builds/$step
     case $step in
         tests) cmd=(env HEP_TEST_DEVICE=cuda HEP_TEST_TIMEOUT=120 python3 -m pytest -q -rs
                     tests/test_streams.py tests/test_compile.py tests/test_moe.py
@@ -181,6 +196,7 @@ for step in $STEPS; do
     tail -3 "$OUT/$step.log" | tee -a "$OUT/summary.txt"
     [ $rc -ne 0 ] && status=$rc
 done
+[ -d /tmp/builds ] && tar cf - -C /tmp builds | xz -T0 > "$OUT/builds.txz"
 if [ "${SAVE_TRITON_CACHE:-0}" = 1 ]; then
     saved="$OUT/triton-cache-${CACHE_LABEL:-$(date +%m%d-%H%M%S)}.$PACKED"
     (cd /tmp && find triton-cache -mindepth 1 -maxdepth 1 -newer triton-cache-restored -print0 \

@@ -43,6 +43,25 @@ _ALIGNED_INTS = {"hidden", "data_cols", "x_stride", "y_stride"}
 _INT64 = {"timeout_ns", "heap_bytes", "report_addr", "outputs_addr"}
 
 
+class _Sm90Driver:
+    """Triton's active driver as the JIT asks it when it compiles without launching (warmup,
+    preload): device 0 of capability 9.0, no stream. A launch through it fails."""
+
+    def get_current_target(self) -> GPUTarget:
+        return GPUTarget("cuda", 90, 32)
+
+    def get_current_device(self) -> int:
+        return 0
+
+    def get_current_stream(self, device=None) -> int:
+        return 0
+
+
+def use_sm90_target() -> None:
+    """Let the JIT compile for sm_90 without a GPU (``kernel.warmup``, ``preload``)."""
+    triton.runtime.driver.set_active(_Sm90Driver())
+
+
 def _signature(kernel, pointers: dict, constexprs: dict) -> tuple[dict, dict]:
     signature, attrs = {}, {}
     for index, name in enumerate(inspect.signature(kernel.fn).parameters):

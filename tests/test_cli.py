@@ -113,9 +113,10 @@ def test_every_option_says_what_it_does_and_its_default():
         parser = argparse.ArgumentParser()
         command.add_arguments(parser)
         for action in _options(parser):
-            option = f"{name} {action.option_strings[0]}"
+            option = f"{name} {(action.option_strings or [action.dest])[0]}"
             assert action.help and action.help.strip(), f"{option} has no help"
-            if action.nargs != 0:  # a flag's default is its absence
+            # A flag's default is its absence; a positional argument has none.
+            if action.nargs != 0 and action.option_strings:
                 assert "default" in help_with_default(action), f"{option} shows no default"
 
 

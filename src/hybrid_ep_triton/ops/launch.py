@@ -26,19 +26,53 @@ the driver (``cuLaunchKernel``) from a parameter array it keeps, where the kerne
 that only Triton's launcher does, instead of Triton's compiled launcher, which parses every
 argument again on every call: 6-10 µs per launch of our kernels instead of 8-16, of which the
 driver call itself is most (bench/results/2026-12-01-1xH200-host-profile-3ccb8fb.log).
+
+With HEP_RECORD_BUILDS set to a directory, each process records the specialisations of this
+library's kernels that it builds (``record_builds``), for ``tools.prebuild`` to compile ahead of
+a later run, all at once.
 """
 
 import functools
+import os
 import struct
+from pathlib import Path
 from time import perf_counter
 
 import numpy as np
 import torch
 import triton
+from triton import knobs
 from triton.compiler import CompiledKernel
 from triton.runtime import JITFunction
 
 _INT32 = range(-(2**31), 2**31)
+
+RECORD_BUILDS = "HEP_RECORD_BUILDS"  # environment: the directory that record_builds writes to
+
+
+@functools.cache
+def record_builds(directory: str) -> None:
+    """From now on, append each specialisation of this library's kernels that this process
+    builds (compiles, or loads from Triton's cache: its first launch in the process) to
+    ``directory``/builds-<pid>.jsonl, a line each in Triton's serialised form (what
+    ``JITFunction.preload`` takes), for ``tools.prebuild``. Triton's jit_cache_hook, which
+    this takes, still calls a hook that was set before."""
+    path = Path(directory) / f"builds-{os.getpid()}.jsonl"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    previous = knobs.runtime.jit_cache_hook
+    package = __name__.split(".")[0]
+
+    def hook(*, fn, compile, **kwargs):
+        if fn.module.split(".")[0] == package:
+            with path.open("a") as records:
+                records.write(compile["specialization_data"] + "\n")
+        return previous(fn=fn, compile=compile, **kwargs) if previous else None
+
+    knobs.runtime.jit_cache_hook = hook
+
+
+if os.environ.get(RECORD_BUILDS):
+    record_builds(os.environ[RECORD_BUILDS])
 
 
 class TensorView:

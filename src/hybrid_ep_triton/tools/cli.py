@@ -9,6 +9,7 @@ commands import what they need when they run): ``hybrid-ep <command> --help`` an
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from collections.abc import Callable
@@ -360,6 +361,59 @@ def run_tune(args: argparse.Namespace) -> int:
     return run(argparse.Namespace(**{**vars(args), **chosen, "device": device, "ranks": ranks}))
 
 
+def _prebuild_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "records",
+        nargs="+",
+        help="files of records, or directories of them (*.jsonl), as a run with "
+        "HEP_RECORD_BUILDS=DIR writes them into DIR",
+    )
+    p.add_argument(
+        "--workers", type=int, default=os.cpu_count(), help="processes compiling side by side"
+    )
+    p.add_argument(
+        "--merge-into",
+        metavar="FILE",
+        help="write the distinct records into FILE (.jsonl, or .jsonl.xz compressed) instead "
+        "of building them, e.g. to gather the records of every rank and step in one file "
+        "(default: build them)",
+    )
+
+
+def _prebuild_epilog() -> str:
+    return (
+        "Builds go into Triton's cache ($TRITON_CACHE_DIR, else ~/.triton/cache), which the "
+        "next run on this machine reads. A record that the kernels no longer take (their "
+        "parameters changed since) is listed and skipped."
+    )
+
+
+def run_prebuild(args: argparse.Namespace) -> int:
+    """Compile the kernel specialisations that earlier runs recorded (HEP_RECORD_BUILDS=DIR),
+    side by side, so that the next run loads each from Triton's cache at its first launch
+    instead of compiling it there."""
+    from .prebuild import prebuild, read_records, write_records
+
+    missing = [path for path in args.records if not os.path.exists(path)]
+    if missing:
+        raise CommandError(f"no such file or directory: {' '.join(missing)}")
+    records = read_records(args.records)
+    if not records:
+        raise CommandError(f"no records in {' '.join(args.records)}")
+    if args.merge_into:
+        write_records(records, args.merge_into)
+        print(f"{len(records)} records in {args.merge_into}")
+        return 0
+    try:
+        built, stale, seconds = prebuild(records, args.workers)
+    except ValueError as error:
+        raise CommandError(str(error)) from None
+    print(f"{built} of {len(records)} kernel builds ready in {seconds:.1f} s")
+    for why in stale:
+        print(f"  skipped {why}")
+    return 0
+
+
 COMMANDS: dict[str, Command] = {
     "demo": Command("run one checked MoE dispatch/combine round", _demo_arguments, run_demo),
     "bench": Command(
@@ -372,6 +426,12 @@ COMMANDS: dict[str, Command] = {
         "many checked dispatch/combine rounds: failures, memory growth, drift",
         _soak_arguments,
         run_soak,
+    ),
+    "prebuild": Command(
+        "compile recorded kernel builds ahead of a run, in parallel",
+        _prebuild_arguments,
+        run_prebuild,
+        _prebuild_epilog,
     ),
 }
 

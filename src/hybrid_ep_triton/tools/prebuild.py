@@ -1,0 +1,76 @@
+"""Compile the kernel builds of a run ahead of it, side by side on the host's cores.
+
+Triton compiles each specialisation of a kernel at its first launch in a process, one after
+another as a run reaches them: 1-7 s each within one node and 20-50 s where NVSHMEM's device
+library is linked (across nodes), on a core of this project's 2-core CI machine. A run with
+HEP_RECORD_BUILDS=DIR records the specialisations it built (ops/launch.record_builds);
+``prebuild`` compiles those records into Triton's cache (TRITON_CACHE_DIR) over several
+processes, so that a later run loads each build at its first launch instead of compiling it
+there. A record names a kernel and its arguments' types, constexprs and options, not its source:
+it still serves once the kernel's code has changed, as long as its parameters have not.
+``hybrid-ep prebuild DIR`` runs it.
+"""
+
+import json
+import lzma
+import multiprocessing
+import os
+import time
+from collections.abc import Callable, Iterable
+from concurrent.futures import ProcessPoolExecutor
+from importlib import import_module
+from pathlib import Path
+from typing import NamedTuple
+
+
+class Prebuilt(NamedTuple):
+    built: int  # records compiled now, or found in Triton's cache
+    stale: list[str]  # records that the kernels no longer take, each as "kernel: why"
+    seconds: float
+
+
+def read_records(paths: Iterable[str | Path]) -> list[str]:
+    """The distinct records in ``paths``, in the order first read: files of records, a line
+    each (``.jsonl``, or ``.jsonl.xz`` compressed), or directories of them (``*.jsonl`` at any
+    depth, as record_builds writes them)."""
+    records: dict[str, None] = {}
+    for path in map(Path, paths):
+        for file in sorted(path.rglob("*.jsonl")) if path.is_dir() else [path]:
+            with (lzma.open if file.suffix == ".xz" else open)(file, "rt") as lines:
+                records.update((line.rstrip("\n"), None) for line in lines if line.strip())
+    return list(records)
+
+
+def write_records(records: list[str], path: str | Path) -> None:
+    """Write ``records`` into ``path``, a line each (compressed where it ends in ``.xz``)."""
+    with (lzma.open if Path(path).suffix == ".xz" else open)(path, "wt") as lines:
+        lines.writelines(record + "\n" for record in records)
+
+
+def prebuild(
+    records: list[str], workers: int, initializer: Callable[[], None] | None = None
+) -> Prebuilt:
+    """Compile ``records`` (Triton's serialised specialisations) into Triton's cache with
+    ``workers`` processes, the builds that link NVSHMEM (the slowest) first. ``initializer``
+    runs in each worker before it builds (a module-level function). Needs Triton's compiler:
+    ValueError under the interpreter (TRITON_INTERPRET=1), which compiles nothing."""
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        raise ValueError("TRITON_INTERPRET=1: the interpreter compiles nothing; unset it")
+    started = time.perf_counter()
+    slowest_first = sorted(records, key=lambda record: "libnvshmem" not in record)
+    context = multiprocessing.get_context("spawn")  # no CUDA state inherited
+    with ProcessPoolExecutor(workers, mp_context=context, initializer=initializer) as pool:
+        stale = [why for why in pool.map(_build, slowest_first) if why is not None]
+    return Prebuilt(len(records) - len(stale), stale, time.perf_counter() - started)
+
+
+def _build(record: str) -> str | None:
+    """Compile one record (JITFunction.preload, the current source of the kernel it names);
+    returns why it could not, or None."""
+    name = json.loads(record)["name"]
+    module, _, kernel = name.rpartition(".")
+    try:
+        getattr(import_module(module), kernel).preload(record)
+    except Exception as error:  # a kernel renamed, or whose parameters changed since
+        return f"{name}: {type(error).__name__}: {error}"
+    return None

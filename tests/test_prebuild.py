@@ -1,0 +1,112 @@
+"""tools/prebuild: the kernel builds a run records (HEP_RECORD_BUILDS) are compiled ahead into
+Triton's cache, where a later run finds them; checked without a GPU, compiling for sm_90."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from hybrid_ep_triton.tools import cli
+from hybrid_ep_triton.tools.prebuild import prebuild, read_records
+
+# Run without the interpreter, which compiles nothing. "record HIDDEN...": compile, without
+# launching, the launches of quantize_fp8's kernel for 16 tokens of each hidden size;
+# "prebuild RECORDS": tools.prebuild of RECORDS (JSON lines) with 2 workers.
+_SCRIPT = """
+import json, sys
+import torch
+sys.path.insert(0, sys.argv[1])
+from sm90_compile import use_sm90_target
+use_sm90_target()
+from hybrid_ep_triton.kernels.quantize import quantize_fp8_kernel
+from hybrid_ep_triton.tools.prebuild import prebuild, read_records
+
+if __name__ != "__main__":  # a prebuild worker
+    pass
+elif sys.argv[2] == "record":
+    for hidden in map(int, sys.argv[3:]):
+        x = torch.zeros(16, hidden, dtype=torch.bfloat16)
+        values = torch.empty(16, hidden, dtype=torch.uint8)
+        scales = torch.empty(16, hidden // 128, dtype=torch.float32)
+        quantize_fp8_kernel.warmup(x, x.stride(0), values, scales, 16, hidden, BLOCK_T=16,
+                                   GROUPS=8, grid=(1,))
+else:
+    print(json.dumps(prebuild(read_records(sys.argv[3:]), 2, use_sm90_target)._asdict()))
+"""
+
+
+def _run(tmp_path: Path, cache: str, *args: str, record_into: Path | None = None) -> str:
+    unset = ("TRITON_INTERPRET", "HEP_RECORD_BUILDS")
+    env = {k: v for k, v in os.environ.items() if k not in unset}
+    env["TRITON_CACHE_DIR"] = str(tmp_path / cache)
+    if record_into is not None:
+        env["HEP_RECORD_BUILDS"] = str(record_into)
+    script = tmp_path / "builds.py"
+    script.write_text(_SCRIPT)
+    result = subprocess.run(
+        [sys.executable, str(script), str(Path(__file__).parent), *args], env=env,
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout + result.stderr
+    return result.stdout
+
+
+def _files(directory: Path) -> list[Path]:
+    return sorted(f for f in directory.rglob("*") if f.is_file())
+
+
+def test_recorded_builds_are_compiled_ahead_and_found(tmp_path):
+    records = tmp_path / "records"
+    # 1024 and 7168 columns are one specialisation (multiples of 16), 1152 + 8 another.
+    _run(tmp_path, "first", "record", "1024", "7168", "1160", record_into=records)
+    (written,) = records.glob("builds-*.jsonl")
+    lines = written.read_text().splitlines()
+    assert len(lines) == 2 and len(read_records([records, written])) == 2
+    assert {json.loads(line)["name"] for line in lines} == {
+        "hybrid_ep_triton.kernels.quantize.quantize_fp8_kernel"
+    }
+    # A record of the kernel as it was before a parameter went: skipped, and said why.
+    old = json.loads(lines[0])
+    old["signature"] = {"gone_ptr": "*fp32", **old["signature"]}
+    stale = tmp_path / "stale.jsonl"
+    stale.write_text(json.dumps(old) + "\n")
+
+    report = json.loads(_run(tmp_path, "ahead", "prebuild", str(records), str(stale)))
+    assert report["built"] == 2 and len(report["stale"]) == 1, report
+    assert report["stale"][0].startswith("hybrid_ep_triton.kernels.quantize.quantize_fp8_kernel")
+    built = _files(tmp_path / "ahead")
+    assert [f for f in built if f.suffix == ".cubin"], built
+    # A run of the same launches compiles nothing: every build is in the cache already.
+    _run(tmp_path, "ahead", "record", "7168", "1160")
+    assert _files(tmp_path / "ahead") == built
+
+
+def test_prebuild_refuses_the_interpreter_and_no_records(tmp_path, capsys):
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("the suite runs under the interpreter")
+    with pytest.raises(ValueError, match="TRITON_INTERPRET"):
+        prebuild(["{}"], 1)
+    assert cli.main(["prebuild", str(tmp_path)]) == 2
+    assert "no records in" in capsys.readouterr().err
+
+
+def test_records_merge_into_one_compressed_file(tmp_path, capsys):
+    """`hybrid-ep prebuild --merge-into`: the distinct records of files and directories at
+    any depth (a run's processes each write their own), compressed where the name says so."""
+    ranks = tmp_path / "builds" / "soak"
+    ranks.mkdir(parents=True)
+    (ranks / "builds-1.jsonl").write_text('{"name": "a"}\n{"name": "b"}\n')
+    (ranks / "builds-2.jsonl").write_text('{"name": "b"}\n\n{"name": "c"}\n')
+    earlier = tmp_path / "earlier.jsonl"
+    earlier.write_text('{"name": "c"}\n{"name": "d"}\n')
+    merged = tmp_path / "soak.jsonl.xz"
+    assert cli.main(["prebuild", str(earlier), str(tmp_path / "builds"), "--merge-into",
+                     str(merged)]) == 0  # fmt: skip
+    assert read_records([merged]) == ['{"name": "c"}', '{"name": "d"}', '{"name": "a"}',
+                                      '{"name": "b"}']  # fmt: skip
+    assert merged.read_bytes()[:6] == b"\xfd7zXZ\x00"
+    assert cli.main(["prebuild", str(tmp_path / "nothing")]) == 2
+    assert "no such file or directory" in capsys.readouterr().err
