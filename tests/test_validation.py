@@ -343,14 +343,18 @@ def _bad_call_along_a_handle(kind: str, x, w, y, rw):
     return bad[kind]
 
 
+def _buffer_of_two_experts_a_rank(world_size: int, ranks_per_node: int | None, **kw) -> Buffer:
+    return Buffer(None, hidden_size=H, max_tokens_per_rank=T_MAX, num_experts=E * world_size // 2,
+                  dtype=BF16, timeout_s=120, ranks_per_node=ranks_per_node,
+                  device=rank_device(), **kw)  # fmt: skip
+
+
 def _one_bad_call_along_a_handle_body(
     rank: int, world_size: int, ranks_per_node: int | None, kinds: list[str]
 ) -> list[str]:
     failures: list[str] = []
     bad_rank = world_size - 1
-    buf = Buffer(None, hidden_size=H, max_tokens_per_rank=T_MAX, num_experts=E * world_size // 2,
-                 dtype=BF16, timeout_s=120, ranks_per_node=ranks_per_node,
-                 device=rank_device())  # fmt: skip
+    buf = _buffer_of_two_experts_a_rank(world_size, ranks_per_node)
     for i, kind in enumerate(kinds):
         handle_mode = (None, 40)[i % 2]  # the handle's dispatch
         x, idx, w = _inputs(20 * i + rank, 3 + rank % 2, H, buf.num_experts, K, BF16)
@@ -399,6 +403,73 @@ def test_a_bad_call_along_a_handle_on_one_rank_is_an_error_on_every_rank(
     assert not failures, "\n".join(failures)
 
 
+# Buffer(agree_on_inputs=True): every call first agrees on the host, so a bad input of rank BAD
+# in any call (along a handle, with a new layout, a handle not of this Buffer) is a ValueError
+# on every rank of that very call, and nothing moves: the same call along the same handle then
+# goes ahead and matches the reference, and so does a new round trip.
+
+
+def _agreeing_body(
+    rank: int, world_size: int, ranks_per_node: int | None, kinds: list[str]
+) -> list[str]:
+    failures: list[str] = []
+    bad_rank = world_size - 1
+    buf = _buffer_of_two_experts_a_rank(world_size, ranks_per_node, agree_on_inputs=True)
+    for i, kind in enumerate(kinds):
+        mode = (None, 40)[i % 2]
+        x, idx, w = _inputs(20 * i + rank, 3 + rank % 2, H, buf.num_experts, K, BF16)
+        rx, rw, _, h = buf.dispatch(x, idx, w, max_recv_tokens=mode)
+        want = reference.dispatch(None, x, idx, w, num_experts=buf.num_experts,
+                                  max_recv_tokens=mode)  # fmt: skip
+        y = torch.randn(rx.shape, generator=torch.Generator().manual_seed(i)).to(BF16)
+        y = y.to(x.device)
+        if kind == "dispatch, x float32":
+            call, args, change = buf.dispatch, dict(x=x, topk_idx=idx), dict(x=x.float())
+            argument, match = "dispatch's x", "x must"
+        elif kind == "combine, a handle of another Buffer":
+            call, args, change = buf.combine, dict(y=y, handle=h), dict(handle="h")
+            argument, match = "combine's handle", "handle must be a DispatchHandle"
+        else:
+            cached = kind.startswith("cached")
+            call = buf.dispatch if cached else buf.combine
+            args = dict(x=x, topk_weights=w) if cached else dict(y=y, weights=rw)
+            args["handle"] = h
+            change, argument, match = _bad_call_along_a_handle(kind, x, w, y, rw)
+        told = match if rank == bad_rank else f"rank {bad_rank} refused its {argument}: "
+        bad_args = {**args, **change} if rank == bad_rank else args
+        what = f"rank {rank}, {kind} on rank {bad_rank}"
+        _expect_value_error(failures, what, lambda c=call, a=bad_args: c(**a), told)
+        # Nothing moved: the handle serves on, its dispatch's rows and sums as the reference's.
+        again = buf.dispatch(x, topk_weights=w, handle=h)
+        if not (torch.equal(again[0], want[0]) and torch.equal(again[1], want[1])):
+            failures.append(f"{what}: the cached dispatch after it differs from the reference")
+        out = buf.combine(y, h, weights=rw)
+        ref = reference.combine(None, y, want[3], weights=want[1])
+        if not torch.allclose(out.float(), ref.float(), atol=TOL[BF16], rtol=TOL[BF16]):
+            failures.append(f"{what}: the combine after it differs from the reference")
+        after = f"{what}: the dispatch after it"
+        failures += _check_round_trip(buf, 20 * i + 15 + rank, 2 + rank, K, after,
+                                      max_recv_tokens=mode)  # fmt: skip
+    buf.destroy()
+    return failures
+
+
+@pytest.mark.parametrize("world, ranks_per_node", [(2, None), (4, 2)], ids=["W2", "W4-2x2"])
+def test_agreeing_ranks_raise_a_bad_input_in_the_call_on_every_rank(launch, world, ranks_per_node):
+    kinds = [
+        "cached dispatch, x float32", "combine, y float32", "cached dispatch, x of a token too few",
+        "combine, weights bf16", "cached dispatch, topk_weights [T, K+1]",
+        "combine, y with a row too many", "cached dispatch, expert_recv_stats",
+        "combine, previous_event a tensor", "cached dispatch, previous_event a tensor",
+        "dispatch, x float32", "combine, a handle of another Buffer",
+    ]  # fmt: skip
+    if world == 4:  # across 2 nodes
+        kinds = ["cached dispatch, x float32", "combine, weights bf16", "dispatch, x float32"]
+    results = launch(_agreeing_body, world, ranks_per_node, kinds)
+    failures = [msg for per_rank in results for msg in per_rank]
+    assert not failures, "\n".join(failures)
+
+
 # --- constructor -----------------------------------------------------------------------------
 
 
@@ -419,6 +490,7 @@ def _constructor_body(rank: int, world_size: int) -> list[str]:
         ("num_sms 133", dict(num_sms=133), "num_sms"),
         ("timeout_s 0", dict(timeout_s=0), "timeout_s"),
         ("expand 1", dict(expand=1), "expand"),
+        ("agree_on_inputs None", dict(agree_on_inputs=None), "agree_on_inputs"),
         ("ranks_per_node 0", dict(ranks_per_node=0), "ranks_per_node"),
         ("ranks_per_node 3 of 2 ranks", dict(ranks_per_node=3), "ranks_per_node"),
         ("device meta", dict(device="meta"), "device"),
@@ -456,6 +528,7 @@ def _constructor_body(rank: int, world_size: int) -> list[str]:
         ("dtype", dict(dtype=(BF16, torch.float16)[rank % 2])),
         ("num_sms", dict(num_sms=None if rank == 0 else 3)),
         ("expand", dict(expand=rank == 0)),
+        ("agree_on_inputs", dict(agree_on_inputs=rank == 0)),
         ("ranks_per_node", dict(ranks_per_node=1 + rank)),
         ("ranks_per_node", dict(ranks_per_node=None if rank == 0 else 1)),
     ]

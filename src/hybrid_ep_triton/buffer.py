@@ -79,6 +79,15 @@ class Buffer:
             and weights beside it; the grouping (permute) is left to the caller. That writes a
             quarter of the bytes at top-8 of 256 experts over 2 ranks (about 4 experts per
             token on each rank), and combine then sums one row per (token, rank).
+        agree_on_inputs: False (default): calls stay asynchronous, with no host collective;
+            an input that one rank's host refuses in a dispatch along a handle or a combine is
+            a ValueError there at once and on its peers at their next dispatch with a new
+            layout (README, Errors). True, for debugging (as TORCH_DISTRIBUTED_DEBUG=DETAIL
+            checks collectives): every dispatch and combine first gathers over ``group``, on the
+            host, whether each rank's host passed its inputs (the handle too), so that a refused
+            one is a ValueError on every rank of that very call, naming the rank, the argument
+            and why, and nothing moves; a host collective per call (with an NCCL group it
+            synchronises the device), so not for CUDA graph capture. The same on every rank.
 
     Attributes: the arguments above (``device`` resolved: a torch.device with its index).
     """
@@ -96,13 +105,15 @@ class Buffer:
         expand: bool = True,
         ranks_per_node: int | None = None,
         device: torch.device | str | None = None,
+        agree_on_inputs: bool = False,
     ):
         group = group if group is not None else dist.group.WORLD
         world = dist.get_world_size(group)
         try:
             device = _token_device(device, group)
             _check_parameters(world, hidden_size, max_tokens_per_rank, num_experts, dtype,
-                              num_sms, timeout_s, expand, ranks_per_node, device)  # fmt: skip
+                              num_sms, timeout_s, expand, ranks_per_node, device,
+                              agree_on_inputs)  # fmt: skip
             refused = None
         except ValueError as error:
             refused = error
@@ -139,6 +150,7 @@ class Buffer:
             expand=expand,
             ranks_per_node=ranks_per_node,
             device_type=device.type,
+            agree_on_inputs=agree_on_inputs,
             kernel_config=config,  # from each rank's tuning cache: must agree too
         )
         plan = make_plan(
@@ -154,6 +166,7 @@ class Buffer:
         self.ranks_per_node = ranks_per_node
         self.device = device
         self.timeout_s = float(timeout_s)
+        self.agree_on_inputs = agree_on_inputs
         # max_recv_tokens dispatches whose overflow nobody has checked yet: (the handle's state,
         # whose [0] is the rows it needed, M).
         self._unchecked: list[tuple[torch.Tensor, int]] = []
@@ -271,23 +284,31 @@ class Buffer:
                 tokens sent here, also rows dropped past max_recv_tokens).
         A cached dispatch returns its handle's recv_topk_idx.
         """
-        self._check_usable()
-        rt = self._rt
         new_layout = handle is None
-        if not new_layout:  # (without one of this Buffer's handles this rank cannot take part)
-            self._check_handle(handle)
+        call = "dispatch" if new_layout else "cached dispatch"
+        self._check_usable_for(call)
+        rt = self._rt
+        if not new_layout and not self.agree_on_inputs:
+            self._check_handle(handle)  # (without one of this Buffer's, no part in the call)
         try:
+            if not new_layout and self.agree_on_inputs:
+                with _refusing("handle"):
+                    self._check_handle(handle)
             x, x_scales, scaled = self._checked_dispatch_inputs(
                 x, topk_idx, topk_weights, pad_multiple, max_recv_tokens, handle, quantize,
                 expert_recv_stats, previous_event,
             )  # fmt: skip
+            if self.agree_on_inputs:
+                self._agree(call)
         except _Refused as refused:
+            if self.agree_on_inputs:
+                self._agree(call, refused.argument, refused.error)
             # No peer may wait for this rank, and every one must hear why.
             if new_layout:
                 mode = max_recv_tokens if _is_count(max_recv_tokens) else None
                 library.run_refused_dispatch(rt, refused.argument, mode)
             else:
-                self._refuse_along(handle, "dispatch", f"cached dispatch's {refused.argument}")
+                self._refuse_along(handle, "dispatch", f"{call}'s {refused.argument}")
             raise refused.error from None
         if new_layout and self._refused_along is not None:
             self._tell_refusal_along(max_recv_tokens)
@@ -421,10 +442,14 @@ class Buffer:
             accumulated in fp32; zeros for a token without valid slots; padding rows ignored.
             event: only with async_finish: completes with the call.
         """
-        self._check_usable()
-        self._check_handle(handle)  # (without one of this Buffer's handles it cannot take part)
+        self._check_usable_for("combine")
+        if not self.agree_on_inputs:
+            self._check_handle(handle)  # (without one of this Buffer's, no part in the call)
         rt = self._rt
         try:
+            if self.agree_on_inputs:
+                with _refusing("handle"):
+                    self._check_handle(handle)
             with _refusing("y"):
                 check_tensor("y", y, (handle.num_recv_rows, self.hidden_size), self.dtype,
                              rt.device)  # fmt: skip
@@ -435,7 +460,11 @@ class Buffer:
                                  rt.device)  # fmt: skip
             with _refusing("previous_event"):
                 self._check_event(previous_event)
+            if self.agree_on_inputs:
+                self._agree("combine")
         except _Refused as refused:
+            if self.agree_on_inputs:
+                self._agree("combine", refused.argument, refused.error)
             self._refuse_along(handle, "combine", f"combine's {refused.argument}")
             raise refused.error from None
         y = _readable_rows(y)
@@ -530,6 +559,13 @@ class Buffer:
                 out.record_stream(caller)
         return outputs, comm.record_event()
 
+    def _agree(self, call: str, argument: str = "", error: Exception | None = None) -> None:
+        """agree_on_inputs: whether every rank's host passed its inputs of this ``call``
+        (collective, on the host): if one refused ``argument`` (``error`` says why), that error
+        on the refusing rank and a ValueError naming it on every other, before anything moves."""
+        subject = f"its {call}'s {argument}" if argument else f"its {call}"
+        _gather_or_refuse(self.group, None, error, subject)
+
     def _refuse_along(self, handle: DispatchHandle, call: str, argument: str) -> None:
         """This rank's host refused ``argument`` (ops/dispatch.ALONG_A_HANDLE) of a ``call``
         along ``handle``: run the call with zero rows, so that no peer waits for this rank, and
@@ -570,6 +606,16 @@ class Buffer:
             raise ValueError(
                 f"previous_event must be a torch.cuda.Event on GPUs or None, got {describe(event)}"
             )
+
+    def _check_usable_for(self, call: str) -> None:
+        """_check_usable, told to every rank first with agree_on_inputs, whose peers would
+        otherwise wait in the host collective of this ``call``."""
+        try:
+            self._check_usable()
+        except RuntimeError as error:
+            if self.agree_on_inputs:
+                self._agree(call, error=error)
+            raise
 
     def _check_usable(self) -> None:
         if self._rt is None:
@@ -775,7 +821,8 @@ def _token_device(device: torch.device | str | None, group: dist.ProcessGroup) -
 
 
 def _check_parameters(world, hidden_size, max_tokens_per_rank, num_experts, dtype, num_sms,
-                      timeout_s, expand, ranks_per_node, device) -> None:  # fmt: skip
+                      timeout_s, expand, ranks_per_node, device,
+                      agree_on_inputs) -> None:  # fmt: skip
     """Buffer's parameters as this rank sees them alone: ValueError naming the first bad one."""
     if ranks_per_node is not None:
         check_int("ranks_per_node", ranks_per_node, 1, world)
@@ -796,24 +843,27 @@ def _check_parameters(world, hidden_size, max_tokens_per_rank, num_experts, dtyp
         check_int("num_sms", num_sms, 1, MAX_SMS)
     if not timeout_s > 0:
         raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
-    if not isinstance(expand, bool):
-        raise ValueError(f"expand must be True or False, got {describe(expand)}")
+    for name, flag in (("expand", expand), ("agree_on_inputs", agree_on_inputs)):
+        if not isinstance(flag, bool):
+            raise ValueError(f"{name} must be True or False, got {describe(flag)}")
     check_interpreted_on_cpu(device)
 
 
-def _gather_or_refuse(group: dist.ProcessGroup, value, refused: ValueError | None) -> list:
-    """Every rank's ``value`` (collective), unless some rank's host refused its parameters
-    (``refused``): then a ValueError on every rank, the refusing rank's own, the others naming
-    the first refusing rank and its reason."""
+def _gather_or_refuse(
+    group: dist.ProcessGroup, value, refused: Exception | None,
+    subject: str = "the Buffer's parameters",
+) -> list:  # fmt: skip
+    """Every rank's ``value`` (collective), unless some rank's host refused ``subject``
+    (``refused`` says why): then a ValueError on every rank, the refusing rank's own, the others
+    naming the first refusing rank, its subject and its reason."""
     everyone = [None] * dist.get_world_size(group)
-    dist.all_gather_object(
-        everyone, (value, None if refused is None else str(refused)), group=group
-    )
+    said = None if refused is None else f"{subject}: {refused}"
+    dist.all_gather_object(everyone, (value, said), group=group)
     if refused is not None:
         raise refused
-    for r, (_, reason) in enumerate(everyone):
-        if reason is not None:
-            raise ValueError(f"rank {r} refused the Buffer's parameters: {reason}")
+    for r, (_, said) in enumerate(everyone):
+        if said is not None:
+            raise ValueError(f"rank {r} refused {said}")
     return [v for v, _ in everyone]
 
 
