@@ -69,8 +69,10 @@
 # merged here into bench/builds/<step>.jsonl.xz (`hybrid-ep prebuild [that file] builds/<step>
 # --merge-into that file`) and committed, they are compiled before the steps that recorded
 # them, side by side on every core (`hybrid-ep prebuild`, unless PREBUILD=0), where the steps
-# would compile them one after another at their first launches. A record holds a kernel's
-# arguments, not its source: it serves after the kernels' code has changed too.
+# would compile them one after another at their first launches, for at most $PREBUILD_TIMEOUT
+# seconds (default 300: what it has built by then stays in the cache, which SAVE_TRITON_CACHE
+# keeps). A record holds a kernel's arguments, not its source: it serves after the kernels'
+# code has changed too.
 # megatron-core travels as a wheel in .whl-megatron/ (carry it too), installed beside nvshmem4py.
 # Usage there: OUT=... STEPS="tests bench" HEP_COMMIT=<hash> bash bench/device_run.sh
 # (HEP_COMMIT as a literal from here: the machine's git reported 4dccc89 for a41979f's tree.)
@@ -121,7 +123,7 @@ records=()
 for step in $STEPS; do [ -f bench/builds/$step.jsonl.xz ] && records+=(bench/builds/$step.jsonl.xz); done
 if [ ${#records[@]} -gt 0 ] && [ "${PREBUILD:-1}" = 1 ]; then
     echo "== prebuild: ${records[*]}" | tee -a "$OUT/summary.txt"
-    timeout "${PREBUILD_TIMEOUT:-600}" python3 -m hybrid_ep_triton prebuild \
+    timeout "${PREBUILD_TIMEOUT:-300}" python3 -m hybrid_ep_triton prebuild \
         --workers "$(nproc)" "${records[@]}" 2>&1 | tail -n 20 | tee -a "$OUT/summary.txt"
 fi
 status=0
