@@ -49,9 +49,10 @@ class Case:
     dtype: torch.dtype = torch.float32
     pad_multiple: int = 1
     async_finish: bool = False
+    agree_on_inputs: bool = False  # the Buffer's: a host agreement before every call
 
 
-CASES = [Case(1), Case(2, pad_multiple=8)]
+CASES = [Case(1), Case(2, pad_multiple=8, agree_on_inputs=True)]
 if ON_GPU:
     CASES += [Case(3, torch.bfloat16), Case(4, torch.bfloat16, pad_multiple=16, async_finish=True)]
 
@@ -236,7 +237,10 @@ def _case(rank: int, world: int, ep: int, case: Case, alone) -> list[str]:
         num_sms=None if ON_GPU else 1,
         pad_multiple=case.pad_multiple,
         async_finish=case.async_finish,
+        agree_on_inputs=case.agree_on_inputs,
     )
+    if buffer.agree_on_inputs != case.agree_on_inputs:
+        failures.append(f"{what}: the Buffer's agree_on_inputs is {buffer.agree_on_inputs}")
     if not isinstance(layer.token_dispatcher, HybridEPTokenDispatcher):
         failures.append(f"{what}: use_hybrid_ep left {type(layer.token_dispatcher)}")
     data = _data(case, rank, "cuda" if ON_GPU else "cpu")

@@ -189,6 +189,7 @@ def use_hybrid_ep(
     wire_format: str | None = "config",
     timeout_s: float = DEFAULT_TIMEOUT_S,
     ranks_per_node: int | None = None,
+    agree_on_inputs: bool = False,
 ) -> Buffer:
     """Switch every Megatron-Core ``MoELayer`` of a built model to this library (collective
     over the expert-parallel group: every rank of it calls this, with the same arguments).
@@ -206,7 +207,7 @@ def use_hybrid_ep(
             Megatron-Core DDP wrapper), or a list of them (virtual pipeline chunks).
         max_tokens_per_rank: the most tokens one rank passes to one layer: sequence length /
             tensor-parallel size x micro-batch size.
-        num_sms, timeout_s, ranks_per_node: the Buffer's (see ``Buffer``).
+        num_sms, timeout_s, ranks_per_node, agree_on_inputs: the Buffer's (see ``Buffer``).
         max_recv_tokens, pad_multiple, async_finish, wire_format: the dispatchers' (see
             ``HybridEPTokenDispatcher``); max_recv_tokens needs experts other than
             SequentialMLP (e.g. TEGroupedMLP).
@@ -234,6 +235,7 @@ def use_hybrid_ep(
         num_sms=num_sms,
         timeout_s=timeout_s,
         ranks_per_node=ranks_per_node,
+        agree_on_inputs=agree_on_inputs,
     )
     for layer in layers:
         old = layer.token_dispatcher
