@@ -860,7 +860,7 @@ def _gather_or_refuse(
     said = None if refused is None else f"{subject}: {refused}"
     dist.all_gather_object(everyone, (value, said), group=group)
     if refused is not None:
-        raise refused
+        raise refused from None  # (raised while handling a _Refused, say: that is not news)
     for r, (_, said) in enumerate(everyone):
         if said is not None:
             raise ValueError(f"rank {r} refused {said}")

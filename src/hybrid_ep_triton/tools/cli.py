@@ -365,8 +365,8 @@ def _prebuild_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "records",
         nargs="+",
-        help="files of records, or directories of them (*.jsonl), as a run with "
-        "HEP_RECORD_BUILDS=DIR writes them into DIR",
+        help="files of records (.jsonl, or .jsonl.xz compressed), or directories of them, as "
+        "a run with HEP_RECORD_BUILDS=DIR writes them into DIR",
     )
     p.add_argument(
         "--workers", type=int, default=os.cpu_count(), help="processes compiling side by side"
