@@ -1,8 +1,8 @@
 """Developer tasks (arguments after `--` go to the command, e.g. `nox -s quick -- -k cli`):
 
-- `nox -s tests`: the whole test suite on CPU ranks (Triton interpreter), 11 to 14 minutes on 2
-  cores; it names each test as it runs, lists the skipped ones with their reasons at the end,
-  then the 15 slowest. `.ci/run` runs this.
+- `nox -s tests`: the whole test suite on CPU ranks (Triton interpreter), 8 to 17 minutes on 2
+  cores by the day's machine (README, Tests); it names each test as it runs, lists the skipped
+  ones with their reasons at the end, then the 15 slowest. `.ci/run` runs this.
 - `nox -s quick`: the tests not marked slow (`pytest -m "not slow"`), in about 3 minutes.
 - `nox -s lint`: ruff. `nox -s bench`: the benchmark (GPUs). `nox -s demo`: one MoE layer on
   CPU ranks.

@@ -508,7 +508,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"hybrid-ep bench times one rank per GPU: {world} ranks would share {gpus} GPU(s), "
               "and times under MPS are not speeds")  # fmt: skip
         return 2
-    unknown = set(args.formats.split(",")) - set(SCALED_ROW_BYTES) - {""}
+    formats = [f for f in args.formats.split(",") if f]
+    unknown = set(formats) - set(SCALED_ROW_BYTES)
     if unknown:
         print(f"hybrid-ep bench: unknown --formats {sorted(unknown)}; known: "
               f"{', '.join(SCALED_ROW_BYTES)}")  # fmt: skip
@@ -517,7 +518,7 @@ def run(args: argparse.Namespace) -> int:
         sms=[int(s) for s in args.sms.split(",")],
         spot_sms=[int(s) for s in args.spot_sms.split(",")],
         shapes=args.shapes.split(","),
-        formats=[f for f in args.formats.split(",") if f],
+        formats=formats,
         ranks_per_node=args.ranks_per_node,
         warmup=args.warmup,
         iters=args.iters,
