@@ -528,6 +528,7 @@ def _net_send_role(sender, node_first, rows, heap, here, sync, k):
                     wait_landed(
                         my_ready=here.my_ready,
                         carrier=peer,
+                        rank=rank,
                         channel=w % sync.num_senders,
                         flag_ptr=here.my_flags + block * items_of_src + w,
                         ready_stage=STAGE_COMBINE_READY,
@@ -671,6 +672,7 @@ def _wait_partials(w, node_first, rank, here, sync, k):
             wait_landed(
                 my_ready=here.my_ready,
                 carrier=peer,
+                rank=rank,
                 channel=w % sync.num_senders,
                 flag_ptr=here.my_flags + peer * items_of_src + w,
                 ready_stage=STAGE_COMBINE_READY,
@@ -684,6 +686,7 @@ def _wait_partials(w, node_first, rank, here, sync, k):
                 wait_landed(
                     my_ready=here.my_ready,
                     carrier=rail_peer(node, rank, k.R),
+                    rank=rank,
                     channel=w % sync.num_senders,
                     flag_ptr=here.net_flags + node * items_of_src + w,
                     ready_stage=STAGE_COMBINE_READY,

@@ -1001,6 +1001,7 @@ def _forward_role(forwarder, send_cols, node_first, my_ready, tok, lay, out, hea
                 wait_landed(
                     my_ready=my_ready,
                     carrier=src,
+                    rank=rank,
                     channel=w % sync.num_senders,
                     flag_ptr=net_flags + node * ITEMS + w,
                     ready_stage=STAGE_DISPATCH_READY,
@@ -1143,6 +1144,7 @@ def _expand_role(expander, num_expanders, send_cols, node_first, my_ready, tok, 
                 wait_landed(
                     my_ready=my_ready,
                     carrier=carrier,
+                    rank=rank,
                     channel=w % sync.num_senders,
                     flag_ptr=my_flags + src * ITEMS + w,
                     ready_stage=STAGE_DISPATCH_READY,

@@ -297,16 +297,22 @@ def record_word(words, i):
 
 @triton.jit
 def wait_item(
-    my_ready, carrier, channel, flag_ptr, seq, timeout_ns, status_ptr, ready_stage, data_stage,
-    P_MAX,
+    my_ready, carrier, rank, channel, flag_ptr, seq, timeout_ns, status_ptr, ready_stage,
+    data_stage, P_MAX,
 ):  # fmt: skip
     """Wait until a work item has landed here: first for program ``channel`` of rank
     ``carrier``, which delivers it, to have started the launch, so that a peer that never came
     times out at ``ready_stage``, then for the item's flag at ``flag_ptr`` (``data_stage``).
-    ``my_ready``: this rank's ready flags [W, P_MAX]."""
-    wait_at_least(my_ready + carrier * P_MAX + channel, seq, timeout_ns, status_ptr, carrier,
+    ``my_ready``: this rank's ready flags [W, P_MAX]; ``rank``: this rank."""
+    # A carrier that is this rank is a program of this launch (across nodes, the sender or
+    # forwarder that relays a peer's item), which began its own wait for that peer no later
+    # than this one: it must time out first and name the peer. With equal timeouts both
+    # deadlines pass together and this wait could win, naming this rank (seen on an H200
+    # across 2 nodes of 1 rank: 2026-12-03-1xH200-shared-647fab0.log), so it waits twice as long.
+    timeout = tl.where(carrier == rank, 2 * timeout_ns, timeout_ns)
+    wait_at_least(my_ready + carrier * P_MAX + channel, seq, timeout, status_ptr, carrier,
                   ready_stage)  # fmt: skip
-    wait_at_least(flag_ptr, seq, timeout_ns, status_ptr, carrier, data_stage)
+    wait_at_least(flag_ptr, seq, timeout, status_ptr, carrier, data_stage)
 
 
 @triton.jit
@@ -408,9 +414,9 @@ def start_channel(channel, rank, stage, heap, sync, k):
 
 
 @triton.jit
-def wait_landed(my_ready, carrier, channel, flag_ptr, ready_stage, data_stage, sync, k):
+def wait_landed(my_ready, carrier, rank, channel, flag_ptr, ready_stage, data_stage, sync, k):
     """wait_item() with a role's bundles."""
     wait_item(
-        my_ready, carrier, channel, flag_ptr, sync.seq, sync.timeout_ns, sync.status_ptr,
+        my_ready, carrier, rank, channel, flag_ptr, sync.seq, sync.timeout_ns, sync.status_ptr,
         ready_stage, data_stage, k.P_MAX,
     )  # fmt: skip
