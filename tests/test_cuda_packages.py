@@ -1,7 +1,7 @@
 """The CUDA packages of GPU ranks: the extras [cu12] and [cu13] of pyproject.toml resolve on the
 package index; before NVSHMEM is first imported, their CUDA majors are checked against torch's
 (the installed versions faked through importlib.metadata); NVSHMEM's device bitcode is found in
-the layouts that both majors' wheels install."""
+the layouts that both majors' wheels install, and a Triton too old to read it is refused."""
 
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ from hybrid_ep_triton.runtime.cuda_packages import (
     CUDA_PYTHON_PACKAGES,
     NVSHMEM_PACKAGES,
     check_cuda_packages,
+    check_device_bitcode,
 )
 
 PYPROJECT = Path(__file__).resolve().parents[1] / "pyproject.toml"
@@ -211,3 +212,23 @@ def test_device_bitcode_is_found_in_the_wheels_layout(tmp_path, monkeypatch, fil
         (root / "lib" / name).touch()
     monkeypatch.setattr(init_fini, "find_nvidia_header_directory", lambda _: str(root / "include"))
     assert device_library(arch="90") == {"libnvshmem_device": str(root / "lib" / found)}
+
+
+@pytest.mark.parametrize("major", CUDA_MAJORS)
+@pytest.mark.parametrize(
+    "triton, nvshmem, readable",
+    [("3.6.0", "3.8.0", False), ("3.6.0", "3.7.2", True), ("3.6.0", "3.4.5", True),
+     ("3.7.1", "3.8.0", True), ("3.9.0", "3.8.0", True), ("3.6.1+git1a2b3c", "3.10.1", False)],
+)  # fmt: skip
+def test_a_triton_too_old_for_nvshmems_bitcode_is_refused(monkeypatch, major, triton, nvshmem,
+                                                          readable):  # fmt: skip
+    name = f"nvidia-nvshmem-cu{major}"
+    _installed(monkeypatch, dict(_of_major(major), **{name: nvshmem}))
+    if readable:
+        check_device_bitcode(triton)
+        return
+    with pytest.raises(ImportError) as info:
+        check_device_bitcode(triton)
+    message = str(info.value)
+    for part in (f"Triton {triton}", f"{name} {nvshmem}", f"pip install '{name}<3.8'", "3.7"):
+        assert part in message, message

@@ -123,7 +123,13 @@ def make_runtime(
     on_gpu = device.type == "cuda"
     across_gpus = on_gpu and plan.nodes > 1
     if across_gpus:  # kernels that call NVSHMEM link its device library, and set up each module
+        import triton
+
+        from ..runtime.cuda_packages import check_device_bitcode
         from ..runtime.nvshmem import device_library, init_module
+
+        # Before the heap: otherwise the first dispatch would fail to compile, on every rank.
+        check_device_bitcode(triton.__version__)
     return Runtime(
         plan=plan,
         heap=allocate_heap(group, plan.heap.total_bytes, device, plan.ranks_per_node),

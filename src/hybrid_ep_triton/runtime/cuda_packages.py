@@ -6,17 +6,26 @@ major version is CUDA's) into one process. pip installs a mix of majors side by 
 word (``nvidia-nvshmem-cu12`` and ``-cu13`` even write the same files), and a mix fails later,
 deep inside NVSHMEM or the driver. ``check_cuda_packages`` reads the installed versions
 (``importlib.metadata``) before NVSHMEM is first imported, and names the packages that disagree
-and the pip command that fixes it.
+and the pip command that fixes it. ``check_device_bitcode`` likewise names a Triton whose LLVM
+cannot read the installed NVSHMEM's device bitcode, which the kernels across nodes link.
 
 ``pip install hybrid-ep-triton`` installs none of these packages: CPU ranks need none. The extras
 ``[cu12]`` and ``[cu13]`` (pyproject.toml) install those of one CUDA major, to match torch's.
 """
 
+import re
 from importlib import metadata, util
 
 CUDA_MAJORS = (12, 13)  # of the extras [cu12] and [cu13]
 NVSHMEM_PACKAGES = ("nvshmem4py-cu{}", "nvidia-nvshmem-cu{}")  # one name per CUDA major
 CUDA_PYTHON_PACKAGES = ("cuda-python", "cuda-bindings")  # one name, versioned as CUDA is
+# (NVSHMEM version, the oldest Triton that reads its device bitcode): each release of NVSHMEM
+# writes its bitcode with a newer LLVM (3.4.5: LLVM 18.1.1, 3.5.21: 18.1.8, 3.6.5 and 3.7.2:
+# 21.1.0, 3.8.0: 22.1.8), which an older LLVM cannot read. Measured by compiling the kernels
+# across nodes for sm_90 with Triton 3.6.0, 3.7.1, 3.8.0 and 3.9.0 against each: only Triton
+# 3.6.0 with NVSHMEM 3.8.0 failed, at the first launch ("Failed to parse library";
+# bench/results/2026-12-03-bitcode-triton-matrix.log).
+BITCODE_NEEDS_TRITON = (((3, 8), (3, 7)),)
 
 
 def _installed_version(name: str) -> str | None:
@@ -95,3 +104,28 @@ def check_cuda_packages(torch_version: str, torch_cuda: str | None) -> None:
         f"{want}; they load into one process, so they must agree:\n{listed}\n"
         f"Fix (the packages of torch's CUDA major stay):\n  {' && '.join(steps)}"
     )
+
+
+def _major_minor(version: str) -> tuple[int, int]:
+    major, minor = re.match(r"(\d+)\.(\d+)", version).groups()
+    return int(major), int(minor)
+
+
+def check_device_bitcode(triton_version: str) -> None:
+    """ImportError, saying what to install, where Triton ``triton_version`` cannot read the
+    device bitcode of the NVSHMEM installed (``nvidia-nvshmem-cuXX``), which the kernels across
+    nodes link (``BITCODE_NEEDS_TRITON``)."""
+    triton = _major_minor(triton_version)
+    for name, (version, _) in installed_cuda_packages().items():
+        if not name.startswith("nvidia-nvshmem-"):
+            continue
+        nvshmem = _major_minor(version)
+        for first_nvshmem, needs_triton in BITCODE_NEEDS_TRITON:
+            if nvshmem >= first_nvshmem and triton < needs_triton:
+                below = ".".join(map(str, first_nvshmem))
+                raise ImportError(
+                    f"Triton {triton_version} cannot read the device bitcode of {name} "
+                    f"{version} (written by a newer LLVM than Triton's), which the kernels "
+                    f"across nodes link: pip install '{name}<{below}' (torch 2.11's CUDA "
+                    f"wheels pin 3.4.5), or a Triton from {'.'.join(map(str, needs_triton))} on"
+                )
