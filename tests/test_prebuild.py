@@ -6,11 +6,13 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
 from hybrid_ep_triton.tools import cli
-from hybrid_ep_triton.tools.prebuild import prebuild, read_records
+from hybrid_ep_triton.tools import prebuild as prebuild_module
+from hybrid_ep_triton.tools.prebuild import distinct_builds, prebuild, read_records
 
 # Run without the interpreter, which compiles nothing. "record HIDDEN...": compile, without
 # launching, the launches of quantize_fp8's kernel for 16 tokens of each hidden size;
@@ -22,7 +24,8 @@ sys.path.insert(0, sys.argv[1])
 from sm90_compile import use_sm90_target
 use_sm90_target()
 from hybrid_ep_triton.kernels.quantize import quantize_fp8_kernel
-from hybrid_ep_triton.tools.prebuild import prebuild, read_records
+from hybrid_ep_triton.tools import prebuild as prebuild_module
+from hybrid_ep_triton.tools.prebuild import distinct_builds, prebuild, read_records
 
 if __name__ != "__main__":  # a prebuild worker
     pass
@@ -110,3 +113,46 @@ def test_records_merge_into_one_compressed_file(tmp_path, capsys):
     assert merged.read_bytes()[:6] == b"\xfd7zXZ\x00"
     assert cli.main(["prebuild", str(tmp_path / "nothing")]) == 2
     assert "no such file or directory" in capsys.readouterr().err
+
+
+def _record(rank_class: str, hidden_class: str = "16") -> str:
+    """A record of kernel ``k(x_ptr, rank, hidden)`` as Triton serialises it: ``rank`` of the
+    class of 0 ("16", a multiple of 16), of 1 ("1", a constant) or of any other rank ("")."""
+    classes = {"16": [["tt.divisibility", 16]], "": []}
+    signature = {"x_ptr": "*bf16", "rank": "i32", "hidden": "i32"}
+    constant_keys, constant_vals, attrs = [], [], [[[0], classes["16"]]]
+    for index, (name, cls) in enumerate((("rank", rank_class), ("hidden", hidden_class)), 1):
+        if cls == "1":
+            signature[name] = "constexpr"
+            constant_keys.append([index])
+            constant_vals.append(1)
+        else:
+            attrs.append([[index], classes[cls]])
+    return json.dumps({
+        "name": "fake_kernels.k", "signature": signature, "constant_keys": constant_keys,
+        "constant_vals": constant_vals, "attrs_keys": [key for key, _ in attrs],
+        "attrs_vals": [value for _, value in attrs], "options": {"num_warps": 4},
+        "key": f"rank {rank_class}",
+    })  # fmt: skip
+
+
+def test_records_that_differ_only_in_an_unspecialised_parameter_are_one_build(monkeypatch):
+    """Records of rank 0, rank 1 and another rank, before the kernel took ``rank`` as
+    do_not_specialize, are one build now; ``hidden``, still specialised, keeps its classes."""
+    params = [SimpleNamespace(name=name, do_not_specialize=name == "rank")
+              for name in ("x_ptr", "rank", "hidden")]  # fmt: skip
+    fake = SimpleNamespace(k=SimpleNamespace(params=params))
+    monkeypatch.setattr(prebuild_module, "import_module",
+                        lambda name: fake if name == "fake_kernels" else None)  # fmt: skip
+    records = [_record(rank) for rank in ("16", "1", "")] + [_record("", "1"), _record("16", "")]
+    builds = [json.loads(record) for record in distinct_builds(records)]
+    assert len(builds) == 3, builds
+    for build in builds:
+        assert build["signature"]["rank"] == "i32" and [1] not in build["constant_keys"]
+        assert [1] not in build["attrs_keys"]
+    assert [b["signature"]["hidden"] for b in builds] == ["i32", "constexpr", "i32"]
+    assert [b["attrs_vals"][-1] for b in builds if [2] in b["attrs_keys"]] == [
+        [["tt.divisibility", 16]], []]  # fmt: skip
+    # A kernel that no longer imports: its records are kept as they are.
+    monkeypatch.setattr(prebuild_module, "import_module", lambda name: 1 / 0)
+    assert distinct_builds(records) == records

@@ -50,6 +50,7 @@ from .control import (
     STATUS,
 )
 from .primitives import (
+    SAME_ON_EVERY_RANK,
     finish_launch,
     net_put_signal,
     node_first_rank,
@@ -731,7 +732,7 @@ def _roles(pid, rows, heap, sync, k):
         _finish_role(node_first=node_first, rows=rows, heap=heap, here=here, sync=sync, k=k)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=SAME_ON_EVERY_RANK)
 def combine_kernel(
     y_ptr,  # [N, H], row stride y_stride
     y_stride,

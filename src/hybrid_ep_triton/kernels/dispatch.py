@@ -74,6 +74,7 @@ from .control import (
 )
 from .primitives import (
     HOST_RECORD_VALUES,
+    SAME_ON_EVERY_RANK,
     UNSPECIALISED,
     finish_launch,
     interleaved,
@@ -1312,7 +1313,7 @@ def _roles(pid, tok, lay, out, heap, sync, num_programs, k):
         )  # fmt: skip
 
 
-@triton.jit(do_not_specialize=UNSPECIALISED)
+@triton.jit(do_not_specialize=UNSPECIALISED + SAME_ON_EVERY_RANK)
 def dispatch_kernel(
     x_ptr,  # [T, H], row stride x_stride; FP8 rows: [T, H / 4] int32 words of e4m3 values
     x_stride,

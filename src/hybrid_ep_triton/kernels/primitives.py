@@ -54,6 +54,13 @@ INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
 # change it (so does making every count unspecialised: combine 4.8% slower on one H200), and
 # pad_multiple, num_quantizers stay per job (bench/results/2026-12-03-sm90-unspecialised.log).
 UNSPECIALISED = ("max_rows", "num_out_rows", "report_tag", "refused", "outputs_tag")
+# The rank, which Triton would specialise as rank 0 (a multiple of 16), rank 1 (the constant 1)
+# and any other: the data-move and layout kernels take it as do_not_specialize, so that every
+# rank runs one build, and Triton's cache (and a prebuild) holds a third as many. Rank 0's
+# class already gives the unmarked sm_90 code for dispatch and combine at EP2 and EP8; rank 1's
+# own build (fewer spills) is given up, which the other rank of an exchange, running the
+# unmarked code, did not get anyway (bench/results/2026-12-03-sm90-rank-classes.log).
+SAME_ON_EVERY_RANK = ("rank",)
 
 if INTERPRETED:
 

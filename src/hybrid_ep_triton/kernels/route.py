@@ -54,6 +54,7 @@ from .control import (
     STATUS_WORDS,
 )
 from .primitives import (
+    SAME_ON_EVERY_RANK,
     UNSPECIALISED,
     fence_system,
     net_put_signal,
@@ -504,7 +505,7 @@ def _roles(chunk, rt, out, heap, sync, k):
         _exchange_role(rt=rt, out=out, heap=heap, sync=sync, k=k)
 
 
-@triton.jit(do_not_specialize=UNSPECIALISED)
+@triton.jit(do_not_specialize=UNSPECIALISED + SAME_ON_EVERY_RANK)
 def layout_kernel(
     topk_idx_ptr,  # in [T, K] int32 or int64
     num_tokens,

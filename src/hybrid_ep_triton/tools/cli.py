@@ -408,7 +408,7 @@ def run_prebuild(args: argparse.Namespace) -> int:
         built, stale, seconds = prebuild(records, args.workers)
     except ValueError as error:
         raise CommandError(str(error)) from None
-    print(f"{built} of {len(records)} kernel builds ready in {seconds:.1f} s")
+    print(f"{built} kernel builds ready in {seconds:.1f} s (from {len(records)} records)")
     for why in stale:
         print(f"  skipped {why}")
     return 0

@@ -24,7 +24,7 @@ from typing import NamedTuple
 
 
 class Prebuilt(NamedTuple):
-    built: int  # records compiled now, or found in Triton's cache
+    built: int  # builds compiled now, or found in Triton's cache (distinct_builds of the records)
     stale: list[str]  # records that the kernels no longer take, each as "kernel: why"
     seconds: float
 
@@ -57,11 +57,51 @@ def prebuild(
     if os.environ.get("TRITON_INTERPRET") == "1":
         raise ValueError("TRITON_INTERPRET=1: the interpreter compiles nothing; unset it")
     started = time.perf_counter()
+    records = distinct_builds(records)
     slowest_first = sorted(records, key=lambda record: "libnvshmem" not in record)
     context = multiprocessing.get_context("spawn")  # no CUDA state inherited
     with ProcessPoolExecutor(workers, mp_context=context, initializer=initializer) as pool:
         stale = [why for why in pool.map(_build, slowest_first) if why is not None]
     return Prebuilt(len(records) - len(stale), stale, time.perf_counter() - started)
+
+
+def distinct_builds(records: list[str]) -> list[str]:
+    """``records`` as the kernels take them now, one per build: a parameter that a kernel no
+    longer specialises on (its do_not_specialize, e.g. since the record was made) loses the
+    value class recorded for it (the constant 1, or a multiple of 16), so that records that
+    differ only there (of rank 0, rank 1 and the other ranks, say) are built once. A record
+    whose kernel does not import is kept as it is (and its build says why)."""
+    builds: dict[str, str] = {}
+    for record in records:
+        data = json.loads(record)
+        module, _, name = data["name"].rpartition(".")
+        try:
+            kernel = getattr(import_module(module), name)
+            unspecialised = {p.name for p in kernel.params if p.do_not_specialize}
+        except Exception:
+            unspecialised = set()
+        data = without_value_classes(data, unspecialised)
+        builds.setdefault(json.dumps({**data, "key": None}, sort_keys=True), json.dumps(data))
+    return list(builds.values())
+
+
+def without_value_classes(data: dict, names: set[str]) -> dict:
+    """Record ``data`` (Triton's specialisation data, parsed) with the integer parameters
+    ``names`` taken as Triton takes a do_not_specialize parameter: neither a constant (a value
+    of 1) nor marked divisible by 16. Its "key" (the JIT's in-process key) is kept as it was:
+    preloading does not use it to find the build in Triton's cache."""
+    params = list(data["signature"])
+    plain = {(params.index(name),) for name in names if name in params}
+    data = dict(data, signature=dict(data["signature"]))
+    for kind in ("constant", "attrs"):
+        pairs = zip(data[f"{kind}_keys"], data[f"{kind}_vals"], strict=True)
+        kept = [(key, value) for key, value in pairs if tuple(key) not in plain]
+        data[f"{kind}_keys"] = [key for key, _ in kept]
+        data[f"{kind}_vals"] = [value for _, value in kept]
+    for (index,) in plain:
+        if data["signature"][params[index]] == "constexpr":  # a 1: an int32, like any other
+            data["signature"][params[index]] = "i32"
+    return data
 
 
 def _build(record: str) -> str | None:
