@@ -96,6 +96,10 @@ done
 touch /tmp/triton-cache-restored  # builds newer than this are the ones this call adds
 : "${OUT:?set OUT}" "${STEPS:=tests}" "${STEP_TIMEOUT:=240}"
 nvidia-smi --query-gpu=name,driver_version --format=csv > "$OUT/gpus.txt" 2>&1
+# Triton's cache key begins with this digest (Triton's wheel, for this Python): a cache prebuilt
+# on another machine (hybrid-ep prebuild --arch) serves here only where that machine's is equal.
+python3 -c 'import hashlib, triton.runtime.cache as c
+print("triton_key", hashlib.sha256(c.triton_key().encode()).hexdigest()[:16])' >> "$OUT/gpus.txt" 2>&1
 MPS_DIRS=(CUDA_MPS_PIPE_DIRECTORY=/tmp/mps CUDA_MPS_LOG_DIRECTORY=/tmp/mpslog)
 mps() {  # start | stop the MPS control daemon (the compute mode is left as it is)
     if [ "$1" = start ]; then

@@ -42,29 +42,16 @@ from hybrid_ep_triton.runtime.planner import (
     default_config,
     make_plan,
 )
+from hybrid_ep_triton.tools.prebuild import compile_only_for
 
 SM90 = GPUTarget("cuda", 90, 32)
 _ALIGNED_INTS = {"hidden", "data_cols", "x_stride", "y_stride"}
 _INT64 = {"timeout_ns", "heap_bytes", "report_addr", "outputs_addr"}
 
 
-class _Sm90Driver:
-    """Triton's active driver as the JIT asks it when it compiles without launching (warmup,
-    preload): device 0 of capability 9.0, no stream. A launch through it fails."""
-
-    def get_current_target(self) -> GPUTarget:
-        return SM90
-
-    def get_current_device(self) -> int:
-        return 0
-
-    def get_current_stream(self, device=None) -> int:
-        return 0
-
-
 def use_sm90_target() -> None:
     """Let the JIT compile for sm_90 without a GPU (``kernel.warmup``, ``preload``)."""
-    triton.runtime.driver.set_active(_Sm90Driver())
+    compile_only_for(90)
 
 
 def _signature(kernel, pointers: dict, constexprs: dict) -> tuple[dict, dict]:

@@ -37,7 +37,7 @@ elif sys.argv[2] == "record":
         quantize_fp8_kernel.warmup(x, x.stride(0), values, scales, 16, hidden, BLOCK_T=16,
                                    GROUPS=8, grid=(1,))
 else:
-    print(json.dumps(prebuild(read_records(sys.argv[3:]), 2, use_sm90_target)._asdict()))
+    print(json.dumps(prebuild(read_records(sys.argv[3:]), 2, arch=90)._asdict()))
 """
 
 
@@ -94,6 +94,9 @@ def test_prebuild_refuses_the_interpreter_and_no_records(tmp_path, capsys):
         prebuild(["{}"], 1)
     assert cli.main(["prebuild", str(tmp_path)]) == 2
     assert "no records in" in capsys.readouterr().err
+    (tmp_path / "one.jsonl").write_text("{}\n")
+    assert cli.main(["prebuild", "--arch", "sm_90", str(tmp_path / "one.jsonl")]) == 2
+    assert "TRITON_INTERPRET" in capsys.readouterr().err
 
 
 def test_records_merge_into_one_compressed_file(tmp_path, capsys):
@@ -156,3 +159,32 @@ def test_records_that_differ_only_in_an_unspecialised_parameter_are_one_build(mo
     # A kernel that no longer imports: its records are kept as they are.
     monkeypatch.setattr(prebuild_module, "import_module", lambda name: 1 / 0)
     assert distinct_builds(records) == records
+
+
+def test_a_recorded_library_missing_here_is_taken_from_this_site_packages(tmp_path, monkeypatch):
+    """A record made on another machine names its extern libraries where they were there;
+    prebuilding it here (``--arch``) takes the file at the same path below this interpreter's
+    site-packages, and keeps a path that exists or that nothing here replaces."""
+    here = tmp_path / "here" / "site-packages"
+    (here / "nvidia" / "nvshmem" / "lib").mkdir(parents=True)
+    (here / "nvidia" / "nvshmem" / "lib" / "libnvshmem_device.bc").write_bytes(b"BC")
+    present = tmp_path / "libdevice.10.bc"
+    present.write_bytes(b"BC")
+    monkeypatch.setattr(prebuild_module.site, "getsitepackages", lambda: [str(here)])
+    there = "/elsewhere/lib/python3.12/site-packages"
+    record = {"name": "k", "options": {"num_warps": 4, "extern_libs": [
+        ["libnvshmem_device", f"{there}/nvidia/nvshmem/lib/libnvshmem_device.bc"],
+        ["libdevice", str(present)],
+        ["other", f"{there}/absent/other.bc"],
+    ]}}  # fmt: skip
+    local = prebuild_module.with_local_libraries(record)
+    assert local["options"]["extern_libs"] == [
+        ["libnvshmem_device", str(here / "nvidia" / "nvshmem" / "lib" / "libnvshmem_device.bc")],
+        ["libdevice", str(present)],
+        ["other", f"{there}/absent/other.bc"],
+    ]
+    assert local["options"]["num_warps"] == 4 and record["options"]["extern_libs"][0][1].startswith(
+        there
+    )
+    plain = {"name": "k", "options": {"num_warps": 4}}
+    assert prebuild_module.with_local_libraries(plain) == plain

@@ -372,6 +372,13 @@ def _prebuild_arguments(p: argparse.ArgumentParser) -> None:
         "--workers", type=int, default=os.cpu_count(), help="processes compiling side by side"
     )
     p.add_argument(
+        "--arch",
+        type=_compute_capability,
+        help="compile for this GPU architecture without it, e.g. on a CPU machine whose cache "
+        "then goes to the GPU machines: 90 or sm_90 (H100, H200), 100 (B200) (default: this "
+        "machine's GPU)",
+    )
+    p.add_argument(
         "--merge-into",
         metavar="FILE",
         help="write the distinct records into FILE (.jsonl, or .jsonl.xz compressed) instead "
@@ -380,11 +387,17 @@ def _prebuild_arguments(p: argparse.ArgumentParser) -> None:
     )
 
 
+def _compute_capability(text: str) -> int:
+    return int(text.removeprefix("sm_"))
+
+
 def _prebuild_epilog() -> str:
     return (
         "Builds go into Triton's cache ($TRITON_CACHE_DIR, else ~/.triton/cache), which the "
         "next run on this machine reads. A record that the kernels no longer take (their "
-        "parameters changed since) is listed and skipped."
+        "parameters changed since) is listed and skipped. With --arch, the GPU machine finds "
+        "a build only if it runs the same Triton wheel on the same Python version, with "
+        "NVSHMEM's device bitcode of the same content."
     )
 
 
@@ -405,7 +418,7 @@ def run_prebuild(args: argparse.Namespace) -> int:
         print(f"{len(records)} records in {args.merge_into}")
         return 0
     try:
-        built, stale, seconds = prebuild(records, args.workers)
+        built, stale, seconds = prebuild(records, args.workers, args.arch)
     except ValueError as error:
         raise CommandError(str(error)) from None
     print(f"{built} kernel builds ready in {seconds:.1f} s (from {len(records)} records)")

@@ -9,14 +9,25 @@ processes, so that a later run loads each build at its first launch instead of c
 there. A record names a kernel and its arguments' types, constexprs and options, not its source:
 it still serves once the kernel's code has changed, as long as its parameters have not.
 ``hybrid-ep prebuild DIR`` runs it.
+
+With ``arch`` (``hybrid-ep prebuild --arch 90``) the builds compile for that GPU architecture on a
+machine without it, or without any GPU (Triton compiles on the host; only a launch needs the
+GPU), e.g. on a CPU login node or CI machine, and the cache is copied to the GPU machines. A
+build there is a cache hit only where Triton's cache key agrees: the same Triton wheel for the
+same Python version (the key hashes libtriton's binary, which differs per Python), the same
+ptxas, and extern libraries (NVSHMEM's device bitcode, libdevice) of the same content; a recorded
+library path missing here is taken from this interpreter's site-packages at the same relative
+path. Where the keys differ, the GPU machine compiles at first launch as without a prebuild.
 """
 
+import functools
 import json
 import lzma
 import multiprocessing
 import os
+import site
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from concurrent.futures import ProcessPoolExecutor
 from importlib import import_module
 from pathlib import Path
@@ -47,19 +58,20 @@ def write_records(records: list[str], path: str | Path) -> None:
         lines.writelines(record + "\n" for record in records)
 
 
-def prebuild(
-    records: list[str], workers: int, initializer: Callable[[], None] | None = None
-) -> Prebuilt:
+def prebuild(records: list[str], workers: int, arch: int | None = None) -> Prebuilt:
     """Compile ``records`` (Triton's serialised specialisations) into Triton's cache with
-    ``workers`` processes, the builds that link NVSHMEM (the slowest) first. ``initializer``
-    runs in each worker before it builds (a module-level function). Needs Triton's compiler:
-    ValueError under the interpreter (TRITON_INTERPRET=1), which compiles nothing."""
+    ``workers`` processes, the builds that link NVSHMEM (the slowest) first. ``arch``: the
+    compute capability to compile for, as Triton names it (90: H100/H200, 100: B200), on a
+    machine without that GPU (``compile_only_for``); None: this machine's current GPU. Needs
+    Triton's compiler: ValueError under the interpreter (TRITON_INTERPRET=1), which compiles
+    nothing."""
     if os.environ.get("TRITON_INTERPRET") == "1":
         raise ValueError("TRITON_INTERPRET=1: the interpreter compiles nothing; unset it")
     started = time.perf_counter()
     records = distinct_builds(records)
     slowest_first = sorted(records, key=lambda record: "libnvshmem" not in record)
     context = multiprocessing.get_context("spawn")  # no CUDA state inherited
+    initializer = None if arch is None else functools.partial(compile_only_for, arch)
     with ProcessPoolExecutor(workers, mp_context=context, initializer=initializer) as pool:
         stale = [why for why in pool.map(_build, slowest_first) if why is not None]
     return Prebuilt(len(records) - len(stale), stale, time.perf_counter() - started)
@@ -104,13 +116,58 @@ def without_value_classes(data: dict, names: set[str]) -> dict:
     return data
 
 
+class _CompileOnlyDriver:
+    """Triton's active driver as the JIT asks it when it compiles without launching
+    (``JITFunction.preload``, ``warmup``): device 0, a GPU of compute capability ``arch``, and
+    no stream. A launch through it fails."""
+
+    def __init__(self, arch: int):
+        from triton.backends.compiler import GPUTarget
+
+        self.target = GPUTarget("cuda", arch, 32)
+
+    def get_current_target(self):
+        return self.target
+
+    def get_current_device(self) -> int:
+        return 0
+
+    def get_current_stream(self, device=None) -> int:
+        return 0
+
+
+def compile_only_for(arch: int) -> None:
+    """Let this process's JIT compile for compute capability ``arch`` (90: sm_90) without that
+    GPU: ``JITFunction.preload`` and ``warmup`` compile into Triton's cache; a launch fails."""
+    import triton
+
+    triton.runtime.driver.set_active(_CompileOnlyDriver(arch))
+
+
+def with_local_libraries(data: dict) -> dict:
+    """Record ``data`` (parsed) with each extern library path that is not on this machine (a
+    record made on another, in another environment) replaced by the file at the same path
+    below this interpreter's site-packages (``.../site-packages/nvidia/nvshmem/lib/x.bc``), where
+    there is one. Triton's cache key hashes a library's content, not its path."""
+    libraries = data["options"].get("extern_libs") or []
+    local = []
+    for name, path in libraries:
+        _, found, below = path.rpartition("site-packages/")
+        if found and not os.path.exists(path):
+            here = (Path(root) / below for root in site.getsitepackages())
+            path = str(next((candidate for candidate in here if candidate.exists()), path))
+        local.append([name, path])
+    return dict(data, options=dict(data["options"], extern_libs=local)) if libraries else data
+
+
 def _build(record: str) -> str | None:
     """Compile one record (JITFunction.preload, the current source of the kernel it names);
     returns why it could not, or None."""
-    name = json.loads(record)["name"]
+    data = json.loads(record)
+    name = data["name"]
     module, _, kernel = name.rpartition(".")
     try:
-        getattr(import_module(module), kernel).preload(record)
+        getattr(import_module(module), kernel).preload(json.dumps(with_local_libraries(data)))
     except Exception as error:  # a kernel renamed, or whose parameters changed since
         return f"{name}: {type(error).__name__}: {error}"
     return None
