@@ -1,5 +1,48 @@
 """Triton kernels only: ``@triton.jit`` functions, no torch calls.
 
 primitives: peer pointers, release signals, bounded acquire waits (used by all the others);
-route: the dispatch layout; dispatch: the token move and expansion; combine: the reduction back.
+route: the dispatch layout; dispatch: the token move and expansion; combine: the reduction back;
+quantize: the FP8, MXFP8 and NVFP4 quantizers; control: the control block's words and the stage
+codes by name; work: column parts and work queues that dispatch and combine share.
+
+Importing the package settles the kernels' Triton cache keys (``_settle_cache_keys``), so that
+every process finds the builds that another compiled.
 """
+
+import sys
+
+from triton.runtime.jit import JITCallable
+
+from . import combine, dispatch, quantize, route  # noqa: F401  (every kernel, for the keys)
+
+# A settled key takes at most as many passes as calls nest; a bound against a loop that never
+# settles, which Triton's key (a hash of sources and constants) should not allow.
+_MAX_KEY_PASSES = 16
+
+
+def _settle_cache_keys() -> None:
+    """Compute the cache key of every jit function of these kernels and of triton.language
+    until none changes. Before Triton 3.8, a function's key takes in the constexpr globals its
+    callees read only where their keys were computed before its own, so the same kernel got a
+    different key (and missed Triton's cache) in a process that had compiled another kernel
+    first: on sm_90 with Triton 3.6, 29 of 64 layout builds of the shared suite were keyed apart
+    in a process that had compiled an across-nodes dispatch first, with identical machine code.
+    Settled keys are those that Triton 3.8 and later compute at once."""
+    functions = {
+        id(value): value
+        for name, module in list(sys.modules.items())
+        if name.startswith(("triton.language", __name__))
+        for value in vars(module).values()
+        if isinstance(value, JITCallable)
+    }.values()
+    keys = None
+    for _ in range(_MAX_KEY_PASSES):
+        for function in functions:
+            function.hash = None
+        previous, keys = keys, [function.cache_key for function in functions]
+        if keys == previous:
+            return
+    raise RuntimeError(f"Triton cache keys of {__name__} still change after {_MAX_KEY_PASSES} passes")
+
+
+_settle_cache_keys()
