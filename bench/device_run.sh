@@ -60,7 +60,8 @@
 # only 4 came back (a call returns 8 files of at most 16 MiB); xz packs such a cache 2.2x
 # smaller (310 MB of sm_90 builds here: 47 MB gzipped, 21 MB with xz).
 # pytest runs the node ids of one file together, in the file's order, whatever $SHARED_TESTS's
-# order: a file's tests ahead of a budget must be named in a file of their own or come first.
+# order, and on GPUs every test that runs ranks before those that use the GPU in pytest's own
+# process (tests/conftest.py): a file's tests ahead of a budget must come first in both.
 #   soak-shared  under MPS: 1000 soak rounds at 4 ranks in one node and at 2 nodes of 2, each with
 #          expert-major and token rows (the four at once), then hybrid-ep demo with 8 ranks (1024
 #          tokens per rank)

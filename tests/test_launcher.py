@@ -236,10 +236,11 @@ def test_daemon_answers_only_when_its_control_program_does(tmp_path, monkeypatch
     """A stand-in for nvidia-cuda-mps-control, answering as the real one does (exit 1 and
     'Cannot find MPS control daemon process' without a daemon, as measured on an H200)."""
     control = tmp_path / mps.CONTROL
-    monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+    # Only the stand-in on PATH: a GPU machine has the real one, whose daemon may be running.
+    monkeypatch.setenv("PATH", str(tmp_path))
     absent = "echo 'Cannot find MPS control daemon process'; exit 1"
     for body, answers in (("echo 521; exit 0", True), (absent, False)):
-        control.write_text(f"#!/bin/sh\ncat > /dev/null\n{body}\n")
+        control.write_text(f"#!/bin/sh\nwhile read -r query; do :; done\n{body}\n")
         control.chmod(0o755)
         assert mps.daemon_answers() is answers, body
     control.unlink()
@@ -255,6 +256,14 @@ def test_a_killed_gpu_sharer_restarts_mps_after_every_pool_ends(monkeypatch):
     monkeypatch.setattr(mps, "restart_daemon", lambda: restarts.append(len(launcher._POOLS)))
     monkeypatch.setattr(launcher, "_MPS_NEEDS_RESTART", True)
     monkeypatch.setattr(launcher, "_POOLS", {Pool(), Pool()})
+    # This process a client of the daemon too (on a GPU machine, after an in-process GPU test):
+    # it cannot restart it, and says so, after ending the pools.
+    monkeypatch.setattr(launcher.torch.cuda, "is_initialized", lambda: True)
+    with pytest.raises(RuntimeError, match="cannot be restarted from this process"):
+        launcher._restart_mps_if_needed()
+    assert restarts == [] and not launcher._POOLS and launcher._MPS_NEEDS_RESTART
+    launcher._POOLS.update({Pool(), Pool()})
+    monkeypatch.setattr(launcher.torch.cuda, "is_initialized", lambda: False)
     launcher._restart_mps_if_needed()
     assert restarts == [0] and not launcher._MPS_NEEDS_RESTART
     launcher._restart_mps_if_needed()
