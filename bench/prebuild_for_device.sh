@@ -3,7 +3,8 @@
 # this machine's CPUs, for the lent GPUs (sm_90), so that a device call spends its minutes on
 # the tests instead of compiling: `hybrid-ep prebuild --arch 90` in an environment like the
 # device image's, its cache slimmed (bench/slim_triton_cache.py) and packed as
-# .triton-cache/triton-cache-prebuilt.txz.* (carry .triton-cache; device_run.sh restores it).
+# .triton-cache/triton-cache-prebuilt.txz.* (carry .triton-cache; device_run.sh restores it into
+# /tmp/triton-cache, where the slimmed builds' group files name their parts).
 # A build serves there only if Triton's cache key agrees: the same Triton wheel for the same
 # Python (the image: Python 3.12, Triton 3.6.0) and NVSHMEM's device bitcode of the same content
 # (nvidia-nvshmem-cu13 3.4.5); device_run.sh writes the device's triton_key digest into
@@ -28,7 +29,7 @@ trap 'rm -rf "$work"' EXIT
 print("triton_key", hashlib.sha256(c.triton_key().encode()).hexdigest()[:16])'
 TRITON_CACHE_DIR="$work/triton-cache" PYTHONPATH="$PWD/src" "$ENV/bin/python" -m hybrid_ep_triton \
     prebuild --arch 90 --workers "$(nproc)" "${records[@]}"
-python3 bench/slim_triton_cache.py "$work"/triton-cache/*
+python3 bench/slim_triton_cache.py --lies-at /tmp/triton-cache "$work"/triton-cache/*
 mkdir -p .triton-cache
 rm -f .triton-cache/triton-cache-prebuilt.txz.*
 tar cf - -C "$work" triton-cache | xz -T0 -6 | split -b 15m - .triton-cache/triton-cache-prebuilt.txz.

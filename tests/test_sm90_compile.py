@@ -46,8 +46,11 @@ def build():
 
 first = build()
 cache = pathlib.Path(os.environ["TRITON_CACHE_DIR"])
-files = lambda: sorted(str(f) for f in cache.rglob("*") if f.is_file())
-assert slim([str(d) for d in cache.iterdir()]) > 0
+lies_at = pathlib.Path(sys.argv[2])  # where the slimmed cache is read: here, or moved there
+assert slim([str(d) for d in cache.iterdir()], str(lies_at)) > 0
+cache.rename(lies_at)
+os.environ["TRITON_CACHE_DIR"] = str(lies_at)
+files = lambda: sorted(str(f) for f in lies_at.rglob("*") if f.is_file())
 kept = files()
 assert not [f for f in kept if not f.endswith((".json", ".cubin", ".so"))]
 second = build()
@@ -57,18 +60,20 @@ print("served by", len(kept), "files")
 """
 
 
-def test_a_slimmed_cache_serves(tmp_path):
+@pytest.mark.parametrize("read_from", ["cache", "elsewhere"])
+def test_a_slimmed_cache_serves(tmp_path, read_from):
     """bench/slim_triton_cache.py keeps of Triton's cache only what a hit reads (what
     bench/device_run.sh carries between calls): a build slimmed so is found, not compiled
-    again, and gives the same machine code."""
+    again, and gives the same machine code; also from another folder that it was slimmed for
+    (--lies-at: a cache made on another machine)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["TRITON_CACHE_DIR"] = str(tmp_path / "cache")
     script = tmp_path / "build_twice.py"  # Triton reads a kernel's source from its file
     script.write_text(_CACHE_HIT_SCRIPT)
     bench = Path(__file__).parent.parent / "bench"
     result = subprocess.run(
-        [sys.executable, str(script), str(bench)], env=env, capture_output=True, text=True,
-        timeout=300,
+        [sys.executable, str(script), str(bench), str(tmp_path / read_from)], env=env,
+        capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert result.returncode == 0, result.stdout + result.stderr
     assert "served by" in result.stdout
