@@ -42,7 +42,7 @@ def _settle_cache_keys() -> None:
         previous, keys = keys, [function.cache_key for function in functions]
         if keys == previous:
             return
-    raise RuntimeError(f"Triton cache keys of {__name__} still change after {_MAX_KEY_PASSES} passes")
+    raise RuntimeError(f"Triton cache keys still change after {_MAX_KEY_PASSES} passes")
 
 
 _settle_cache_keys()
