@@ -10,7 +10,7 @@
 # (nvidia-nvshmem-cu13 3.4.5); device_run.sh writes the device's triton_key digest into
 # gpus.txt and this prints this environment's, to compare.
 # Usage: STEPS="shared soak-shared" bash bench/prebuild_for_device.sh
-#   PYTHON  a Python of the image's version (default python3.12)
+#   PYTHON  a Python of the image's version (default python3.12; with pyenv, PYENV_VERSION=3.12.1)
 #   ENV     where the environment is made once (default /tmp/device-env)
 set -euo pipefail
 cd "$(dirname "$0")/.."
