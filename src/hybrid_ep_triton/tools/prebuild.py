@@ -18,6 +18,8 @@ same Python version (the key hashes libtriton's binary, which differs per Python
 ptxas, and extern libraries (NVSHMEM's device bitcode, libdevice) of the same content; a recorded
 library path missing here is taken from this interpreter's site-packages at the same relative
 path. Where the keys differ, the GPU machine compiles at first launch as without a prebuild.
+The copied cache must lie at the path it was built at: Triton's group files name a build's
+parts by absolute path (bench/slim_triton_cache.py --lies-at names them at another).
 """
 
 import functools
