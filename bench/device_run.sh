@@ -99,8 +99,8 @@ touch /tmp/triton-cache-restored  # builds newer than this are the ones this cal
 nvidia-smi --query-gpu=name,driver_version --format=csv > "$OUT/gpus.txt" 2>&1
 # Triton's cache key begins with this digest (Triton's wheel, for this Python): a cache prebuilt
 # on another machine (hybrid-ep prebuild --arch) serves here only where that machine's is equal.
-python3 -c 'import hashlib, triton.runtime.cache as c
-print("triton_key", hashlib.sha256(c.triton_key().encode()).hexdigest()[:16])' >> "$OUT/gpus.txt" 2>&1
+python3 -c 'from hybrid_ep_triton.tools.prebuild import triton_key_digest
+print("triton_key", triton_key_digest())' >> "$OUT/gpus.txt" 2>&1
 MPS_DIRS=(CUDA_MPS_PIPE_DIRECTORY=/tmp/mps CUDA_MPS_LOG_DIRECTORY=/tmp/mpslog)
 mps() {  # start | stop the MPS control daemon (the compute mode is left as it is)
     if [ "$1" = start ]; then

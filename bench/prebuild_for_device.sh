@@ -8,7 +8,7 @@
 # A build serves there only if Triton's cache key agrees: the same Triton wheel for the same
 # Python (the image: Python 3.12, Triton 3.6.0) and NVSHMEM's device bitcode of the same content
 # (nvidia-nvshmem-cu13 3.4.5); device_run.sh writes the device's triton_key digest into
-# gpus.txt and this prints this environment's, to compare.
+# gpus.txt and prebuild prints this environment's, to compare.
 # Usage: STEPS="shared soak-shared" bash bench/prebuild_for_device.sh
 #   PYTHON  a Python of the image's version (default python3.12; with pyenv, PYENV_VERSION=3.12.1)
 #   ENV     where the environment is made once (default /tmp/device-env)
@@ -25,8 +25,6 @@ for step in $STEPS; do [ -f "bench/builds/$step.jsonl.xz" ] && records+=("bench/
 [ ${#records[@]} -gt 0 ] || { echo "no bench/builds/<step>.jsonl.xz for STEPS=$STEPS" >&2; exit 2; }
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
-"$ENV/bin/python" -c 'import hashlib, triton.runtime.cache as c
-print("triton_key", hashlib.sha256(c.triton_key().encode()).hexdigest()[:16])'
 TRITON_CACHE_DIR="$work/triton-cache" PYTHONPATH="$PWD/src" "$ENV/bin/python" -m hybrid_ep_triton \
     prebuild --arch 90 --workers "$(nproc)" "${records[@]}"
 python3 bench/slim_triton_cache.py --lies-at /tmp/triton-cache "$work"/triton-cache/*

@@ -201,8 +201,8 @@ names = ("route.layout_kernel", "dispatch.dispatch_kernel", "combine.combine_ker
 def keys():
     return [eval(name).cache_key for name in names]
 settled = keys()
-# Keys computed out of order, as before Triton 3.8 after another kernel's compile: every
-# function's key and callee constants forgotten, then the dispatch kernel's callees first.
+# A state that keys computed in another order leave before Triton 3.8: every function's key
+# stale and its callees' constants forgotten.
 functions = [v for m in list(sys.modules.values()) for v in vars(m).values()
              if isinstance(v, JITCallable)]
 for function in functions:

@@ -5,12 +5,13 @@ route: the dispatch layout; dispatch: the token move and expansion; combine: the
 quantize: the FP8, MXFP8 and NVFP4 quantizers; control: the control block's words and the stage
 codes by name; work: column parts and work queues that dispatch and combine share.
 
-Importing the package settles the kernels' Triton cache keys (``_settle_cache_keys``), so that
-every process finds the builds that another compiled.
+Importing the package with Triton before 3.8 settles the kernels' Triton cache keys
+(``_settle_cache_keys``), so that every process finds the builds that another compiled.
 """
 
 import sys
 
+import triton
 from triton.runtime.jit import JITCallable
 
 from . import combine, dispatch, quantize, route  # noqa: F401  (every kernel, for the keys)
@@ -45,4 +46,6 @@ def _settle_cache_keys() -> None:
     raise RuntimeError(f"Triton cache keys still change after {_MAX_KEY_PASSES} passes")
 
 
-_settle_cache_keys()
+# Triton 3.8 and later key a function after its callees' keys (the settled keys) at once.
+if tuple(int(part) for part in triton.__version__.split(".")[:2]) < (3, 8):
+    _settle_cache_keys()

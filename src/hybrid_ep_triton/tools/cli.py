@@ -405,7 +405,7 @@ def run_prebuild(args: argparse.Namespace) -> int:
     """Compile the kernel specialisations that earlier runs recorded (HEP_RECORD_BUILDS=DIR),
     side by side, so that the next run loads each from Triton's cache at its first launch
     instead of compiling it there."""
-    from .prebuild import prebuild, read_records, write_records
+    from .prebuild import prebuild, read_records, triton_key_digest, write_records
 
     missing = [path for path in args.records if not os.path.exists(path)]
     if missing:
@@ -421,7 +421,10 @@ def run_prebuild(args: argparse.Namespace) -> int:
         built, stale, seconds = prebuild(records, args.workers, args.arch)
     except ValueError as error:
         raise CommandError(str(error)) from None
-    print(f"{built} kernel builds ready in {seconds:.1f} s (from {len(records)} records)")
+    print(
+        f"{built} kernel builds ready in {seconds:.1f} s (from {len(records)} records; "
+        f"triton_key {triton_key_digest()})"
+    )
     for why in stale:
         print(f"  skipped {why}")
     return 0

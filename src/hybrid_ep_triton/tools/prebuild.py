@@ -138,6 +138,17 @@ class _CompileOnlyDriver:
         return 0
 
 
+def triton_key_digest() -> str:
+    """The first 16 hex digits of the sha256 of Triton's own cache key part (its wheel, for this
+    Python): every build's key begins with it, so a cache compiled on another machine can serve
+    here only where that machine's digest is the same."""
+    import hashlib
+
+    from triton.runtime.cache import triton_key
+
+    return hashlib.sha256(triton_key().encode()).hexdigest()[:16]
+
+
 def compile_only_for(arch: int) -> None:
     """Let this process's JIT compile for compute capability ``arch`` (90: sm_90) without that
     GPU: ``JITFunction.preload`` and ``warmup`` compile into Triton's cache; a launch fails."""
