@@ -1,5 +1,6 @@
 """Device primitives that need no peer: the work-queue order of ``interleaved``, and the wait
-for a record the host writes (``wait_host_record``)."""
+for a record the host writes (``wait_host_record``); and a loop over an integer argument, which
+the kernels take on every Triton and NumPy they support (kernels/__init__.py)."""
 
 import pytest
 import torch
@@ -70,3 +71,24 @@ def test_wait_host_record_takes_only_a_complete_record_of_its_tag(device, record
         assert out.tolist() == words.tolist() and out[1:6].tolist() == list(values)
     else:
         assert status.tolist() == [int(STATUS_TIMED_OUT), 7, 9]
+
+
+@triton.jit
+def _tile_sums_kernel(x_ptr, out_ptr, n, BLOCK: tl.constexpr):
+    # range() over an integer argument: under the interpreter of Triton 3.6 with NumPy 2.4 and
+    # later it raised unless the kernels' package made such scalars indexes.
+    total = tl.zeros([BLOCK], tl.float32)
+    for start in range(0, n, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        total += tl.load(x_ptr + cols, mask=cols < n, other=0.0)
+    tl.store(out_ptr, tl.sum(total, axis=0))
+
+
+@pytest.mark.parametrize("n", [1, 7, BLOCK, 3 * BLOCK + 5])
+def test_a_loop_over_an_integer_argument(device, n):
+    import hybrid_ep_triton.kernels  # noqa: F401  (what the library's own launches import)
+
+    x = torch.randn(n, device=device)
+    out = torch.zeros(1, device=device)
+    _tile_sums_kernel[(1,)](x, out, n, BLOCK=BLOCK)
+    torch.testing.assert_close(out[0].cpu(), x.sum().cpu(), rtol=1e-5, atol=1e-5)

@@ -6,9 +6,12 @@ quantize: the FP8, MXFP8 and NVFP4 quantizers; control: the control block's word
 codes by name; work: column parts and work queues that dispatch and combine share.
 
 Importing the package with Triton before 3.8 settles the kernels' Triton cache keys
-(``_settle_cache_keys``), so that every process finds the builds that another compiled.
+(``_settle_cache_keys``), so that every process finds the builds that another compiled; under
+the interpreter with Triton before 3.7 it takes an interpreted scalar as an index as Triton 3.7
+does (``_index_scalars_as_triton_3_7``), which NumPy 2.4 and later need.
 """
 
+import os
 import sys
 
 import triton
@@ -46,6 +49,28 @@ def _settle_cache_keys() -> None:
     raise RuntimeError(f"Triton cache keys still change after {_MAX_KEY_PASSES} passes")
 
 
+def _index_scalars_as_triton_3_7() -> None:
+    """Triton's interpreter holds a scalar as a NumPy array of one element; before Triton 3.7 it
+    made one a Python index with ``int(array)``, which NumPy 2.4 refuses for arrays that are not
+    0-dimensional, so that a loop ``range(0, n, BLOCK)`` over an integer argument raised
+    "only 0-dimensional arrays can be converted to Python scalars" (triton-lang/triton#9171;
+    found with Triton 3.6 and NumPy 2.4 on the device image, 2026-12-04). Triton 3.7 squeezes
+    the array first: this does the same where the interpreter marks tl.tensor's methods."""
+    from triton.runtime import interpreter
+
+    mark_tensor = interpreter._patch_lang_tensor
+
+    def mark_tensor_with_index(tensor, scope):
+        mark_tensor(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.squeeze()))
+
+    interpreter._patch_lang_tensor = mark_tensor_with_index
+
+
+_TRITON = tuple(int(part) for part in triton.__version__.split(".")[:2])
+if os.environ.get("TRITON_INTERPRET") == "1" and _TRITON < (3, 7):
+    _index_scalars_as_triton_3_7()
+
 # Triton 3.8 and later key a function after its callees' keys (the settled keys) at once.
-if tuple(int(part) for part in triton.__version__.split(".")[:2]) < (3, 8):
+if _TRITON < (3, 8):
     _settle_cache_keys()
