@@ -1,6 +1,7 @@
 """Device primitives that need no peer: the work-queue order of ``interleaved``, and the wait
 for a record the host writes (``wait_host_record``); and a loop over an integer argument, which
-the kernels take on every Triton and NumPy they support (kernels/__init__.py)."""
+the kernels take on every Triton and NumPy they support (kernels/__init__.py), and an address
+passed as an integer (``host_pointer``)."""
 
 import pytest
 import torch
@@ -8,7 +9,12 @@ import triton
 import triton.language as tl
 
 from hybrid_ep_triton.kernels.control import STATUS_TIMED_OUT
-from hybrid_ep_triton.kernels.primitives import HOST_RECORD_WORDS, interleaved, wait_host_record
+from hybrid_ep_triton.kernels.primitives import (
+    HOST_RECORD_WORDS,
+    host_pointer,
+    interleaved,
+    wait_host_record,
+)
 from hybrid_ep_triton.ops.dispatch import write_host_record
 
 BLOCK = 256
@@ -92,3 +98,16 @@ def test_a_loop_over_an_integer_argument(device, n):
     out = torch.zeros(1, device=device)
     _tile_sums_kernel[(1,)](x, out, n, BLOCK=BLOCK)
     torch.testing.assert_close(out[0].cpu(), x.sum().cpu(), rtol=1e-5, atol=1e-5)
+
+
+@triton.jit
+def _host_pointer_kernel(address, out_ptr):
+    tl.store(out_ptr, host_pointer(address, tl.int64).to(tl.int64))
+
+
+# Triton types an integer argument int32 below 2**31, uint32 below 2**32, int64 above.
+@pytest.mark.parametrize("address", [0x1000, 2**31 + 0x1000, 2**40 + 0x1000])
+def test_host_pointer_keeps_any_address(device, address):
+    out = torch.zeros(1, dtype=torch.int64, device=device)
+    _host_pointer_kernel[(1,)](address, out)
+    assert out.item() == address

@@ -77,6 +77,7 @@ from .primitives import (
     SAME_ON_EVERY_RANK,
     UNSPECIALISED,
     finish_launch,
+    host_pointer,
     interleaved,
     net_put_signal,
     node_first_rank,
@@ -1063,7 +1064,7 @@ def _outputs_from_host(expander, out, sync, aborted, rank):
     and the outputs, typed as the pointer arguments."""
     if expander == 0:
         record = wait_host_record(
-            record_ptr=sync.outputs_addr.to(tl.pointer_type(tl.int64)),
+            record_ptr=host_pointer(sync.outputs_addr, tl.int64),
             tag=sync.outputs_tag,
             timeout_ns=sync.timeout_ns,
             status_ptr=sync.status_ptr,

@@ -207,6 +207,17 @@ def region(peer_bases_ptr, rank, byte_offset, dtype: tl.constexpr):
 
 
 @triton.jit
+def host_pointer(address, dtype: tl.constexpr):
+    """Typed pointer to ``address``, an integer argument that holds the address of host memory
+    (a record the host writes or polls; Triton takes no CPU tensor). Made an int64 by adding
+    one first: Triton types an integer argument by its value, int32 below 2**31, and the
+    interpreter holds one below 2**32 in 4 bytes (as uint32 where it calls it int64, so that
+    ``.to(tl.int64)`` changes nothing), which it cannot make a pointer of 8: CPU ranks got such
+    an address on the device image (2026-12-04). Compiled, the addition folds away."""
+    return (address + tl.zeros([], tl.int64)).to(tl.pointer_type(dtype))
+
+
+@triton.jit
 def signal(flag_ptr, value):
     """Make every write of this program visible system-wide, then set ``*flag_ptr = value``."""
     tl.debug_barrier()

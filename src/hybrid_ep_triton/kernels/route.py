@@ -57,6 +57,7 @@ from .primitives import (
     SAME_ON_EVERY_RANK,
     UNSPECIALISED,
     fence_system,
+    host_pointer,
     net_put_signal,
     node_first_rank,
     region,
@@ -474,7 +475,7 @@ def _own_segments(counts, seg_start, padded, total, rt, out, k):
 def _report(needed, first_invalid, bad, status_ptr, first_cause, sync, k):
     """Exact mode: what the host waits for, straight into its pinned memory, the tag last, so
     that the host polls host memory instead of synchronising with the stream."""
-    report = sync.report_addr.to(tl.pointer_type(tl.int64))
+    report = host_pointer(sync.report_addr, tl.int64)
     tl.store(report + REPORT_ROWS, needed)
     tl.store(report + REPORT_SOURCE, _first_source(first_invalid, k.W_P2))
     tl.store(report + REPORT_BAD_ROW, _first_bad_row(bad))
