@@ -10,11 +10,14 @@ import sys
 
 import pytest
 import torch
+from conftest import DEVICE
 
 from hybrid_ep_triton import Buffer
 from hybrid_ep_triton.runtime.planner import default_config
+from hybrid_ep_triton.tools.launcher import rank_device
 
-TUNE = ["--device", "cpu", "--ranks", "2", "--tokens", "4", "--hidden", "8", "--experts", "4",
+# Tuned where the suite runs (CPU ranks, or GPU ranks sharing GPUs), where its Buffers then look.
+TUNE = ["--device", DEVICE, "--ranks", "2", "--tokens", "4", "--hidden", "8", "--experts", "4",
         "--topk", "2", "--sms", "2", "--chunks", "2", "--block-h", "32", "--warps", "1",
         "--slices", "1,2", "--warmup", "1", "--iters", "2", "--dtype", "float16",
         "--rows", "token"]  # fmt: skip
@@ -32,7 +35,7 @@ def _configs_body(rank: int, world_size: int) -> dict:
     for name, b in (("tuned", TUNED), ("tuned, 3 SMs", dict(TUNED, num_sms=3)), *UNTUNED.items()):
         with Buffer(None, hidden_size=b["hidden"], max_tokens_per_rank=4, num_experts=4,
                     dtype=b["dtype"], expand=b["expand"], num_sms=b["num_sms"],
-                    ranks_per_node=b["ranks_per_node"]) as buf:  # fmt: skip
+                    ranks_per_node=b["ranks_per_node"], device=rank_device()) as buf:  # fmt: skip
             configs[name] = dataclasses.asdict(buf._rt.plan.config)
     return configs
 
