@@ -2,8 +2,10 @@
 
 - `nox -s tests`: the whole test suite on CPU ranks (Triton interpreter), 8 to 17 minutes on 2
   cores by the day's machine (README, Tests); it names each test as it runs, lists the skipped
-  ones with their reasons at the end, then the 15 slowest. `.ci/run` runs this.
+  ones with their reasons at the end, then the 15 slowest. `.ci/run` runs this, then the next.
 - `nox -s quick`: the tests not marked slow (`pytest -m "not slow"`), in about 3 minutes.
+- `nox -s oldest_triton`: every kernel under the oldest Triton supported (3.6) with the NumPy
+  that pip resolves, the kernels' tests not marked slow: 4 minutes with the installs, fresh.
 - `nox -s lint`: ruff. `nox -s bench`: the benchmark (GPUs). `nox -s demo`: one MoE layer on
   CPU ranks.
 """
@@ -56,6 +58,23 @@ def quick(session: nox.Session) -> None:
     session.run(
         "pytest", "-m", "not slow", *PYTEST_REPORT, *session.posargs, env={"TRITON_INTERPRET": "1"}
     )
+
+
+# The oldest Triton this project supports, the device image's: with NumPy 2.4 and later its
+# interpreter needs what kernels/__init__.py gives it, found only there (2026-12-04).
+OLDEST_TRITON = "triton==3.6.0"
+KERNEL_TESTS = ["tests/test_primitives.py", "tests/test_dispatch_combine.py", "tests/test_fp8.py"]
+
+
+@nox.session
+def oldest_triton(session: nox.Session) -> None:
+    """Run the kernels' tests not marked slow on CPU ranks under Triton 3.6."""
+    _install_for_tests(session)
+    session.install("--no-deps", OLDEST_TRITON)
+    session.run(
+        "pytest", "-m", "not slow", *PYTEST_REPORT, *(session.posargs or KERNEL_TESTS),
+        env={"TRITON_INTERPRET": "1"},
+    )  # fmt: skip
 
 
 @nox.session
