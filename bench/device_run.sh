@@ -115,12 +115,15 @@ mps() {  # start | stop the MPS control daemon (the compute mode is left as it i
 # for programs the GPU cannot make resident; 6 SMs a context, which the Buffer's default
 # num_sms then takes), so that their builds, mostly different, compile side by side on the
 # host's cores (at 2026-12-03 the first soak alone compiled 289 builds in 250 rounds, about
-# 500 s); each soak's log is appended to the step's once the step is over. A soak is its own
+# 500 s; on 2026-12-04 the four, uncached, compiled for 440 s before round 50: 204 distinct
+# builds, since in bench/builds/soak-shared.jsonl.xz for the prebuild), each reporting every 10
+# rounds; each soak's log is appended to the step's once the step is over. A soak is its own
 # process group (setsid), so that the step's timeout ends its ranks with it.
 SOAK_SHARED='pids=(); trap "for pid in \${pids[*]}; do kill -- -\$pid; done; exit 143" TERM; n=0
     for nodes in "" "--ranks-per-node 2"; do for rows in "" --token-rows; do n=$((n + 1))
     CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=6 setsid python3 -m hybrid_ep_triton soak --device cuda \
-    --ranks 4 --rounds 1000 --tokens 512 --hidden 2048 --experts 64 --topk 8 $nodes $rows \
+    --ranks 4 --rounds 1000 --tokens 512 --hidden 2048 --experts 64 --topk 8 --progress-every 10 \
+    $nodes $rows \
     > /tmp/soak-$n.log 2>&1 & pids+=($!); done; done; rc=0
     for pid in "${pids[@]}"; do wait $pid || rc=1; done
     python3 -m hybrid_ep_triton demo --device cuda --ranks 8 --tokens 1024 || rc=1; exit $rc'
