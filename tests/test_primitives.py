@@ -82,7 +82,7 @@ def test_wait_host_record_takes_only_a_complete_record_of_its_tag(device, record
 @triton.jit
 def _tile_sums_kernel(x_ptr, out_ptr, n, BLOCK: tl.constexpr):
     # range() over an integer argument: under the interpreter of Triton 3.6 with NumPy 2.4 and
-    # later it raised unless the kernels' package made such scalars indexes.
+    # later it raised unless the kernels' package (imported above) made such scalars indexes.
     total = tl.zeros([BLOCK], tl.float32)
     for start in range(0, n, BLOCK):
         cols = start + tl.arange(0, BLOCK)
@@ -92,8 +92,6 @@ def _tile_sums_kernel(x_ptr, out_ptr, n, BLOCK: tl.constexpr):
 
 @pytest.mark.parametrize("n", [1, 7, BLOCK, 3 * BLOCK + 5])
 def test_a_loop_over_an_integer_argument(device, n):
-    import hybrid_ep_triton.kernels  # noqa: F401  (what the library's own launches import)
-
     x = torch.randn(n, device=device)
     out = torch.zeros(1, device=device)
     _tile_sums_kernel[(1,)](x, out, n, BLOCK=BLOCK)
@@ -105,7 +103,8 @@ def _host_pointer_kernel(address, out_ptr):
     tl.store(out_ptr, host_pointer(address, tl.int64).to(tl.int64))
 
 
-# Triton types an integer argument int32 below 2**31, uint32 below 2**32, int64 above.
+# Triton types an integer argument int32 below 2**31, int64 above; its interpreter holds one
+# below 2**32 in 4 bytes.
 @pytest.mark.parametrize("address", [0x1000, 2**31 + 0x1000, 2**40 + 0x1000])
 def test_host_pointer_keeps_any_address(device, address):
     out = torch.zeros(1, dtype=torch.int64, device=device)
