@@ -42,16 +42,10 @@ from hybrid_ep_triton.runtime.planner import (
     default_config,
     make_plan,
 )
-from hybrid_ep_triton.tools.prebuild import compile_only_for
 
 SM90 = GPUTarget("cuda", 90, 32)
 _ALIGNED_INTS = {"hidden", "data_cols", "x_stride", "y_stride"}
 _INT64 = {"timeout_ns", "heap_bytes", "report_addr", "outputs_addr"}
-
-
-def use_sm90_target() -> None:
-    """Let the JIT compile for sm_90 without a GPU (``kernel.warmup``, ``preload``)."""
-    compile_only_for(90)
 
 
 def _signature(kernel, pointers: dict, constexprs: dict) -> tuple[dict, dict]:

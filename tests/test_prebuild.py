@@ -20,24 +20,24 @@ from hybrid_ep_triton.tools.prebuild import distinct_builds, prebuild, read_reco
 _SCRIPT = """
 import json, sys
 import torch
-sys.path.insert(0, sys.argv[1])
-from sm90_compile import use_sm90_target
-use_sm90_target()
+import hybrid_ep_triton.ops.launch  # records builds (HEP_RECORD_BUILDS), as in every run
+from hybrid_ep_triton.tools.prebuild import compile_only_for
+compile_only_for(90)
 from hybrid_ep_triton.kernels.quantize import quantize_fp8_kernel
 from hybrid_ep_triton.tools import prebuild as prebuild_module
 from hybrid_ep_triton.tools.prebuild import distinct_builds, prebuild, read_records
 
 if __name__ != "__main__":  # a prebuild worker
     pass
-elif sys.argv[2] == "record":
-    for hidden in map(int, sys.argv[3:]):
+elif sys.argv[1] == "record":
+    for hidden in map(int, sys.argv[2:]):
         x = torch.zeros(16, hidden, dtype=torch.bfloat16)
         values = torch.empty(16, hidden, dtype=torch.uint8)
         scales = torch.empty(16, hidden // 128, dtype=torch.float32)
         quantize_fp8_kernel.warmup(x, x.stride(0), values, scales, 16, hidden, BLOCK_T=16,
                                    GROUPS=8, grid=(1,))
 else:
-    print(json.dumps(prebuild(read_records(sys.argv[3:]), 2, arch=90)._asdict()))
+    print(json.dumps(prebuild(read_records(sys.argv[2:]), 2, arch=90)._asdict()))
 """
 
 
@@ -50,7 +50,7 @@ def _run(tmp_path: Path, cache: str, *args: str, record_into: Path | None = None
     script = tmp_path / "builds.py"
     script.write_text(_SCRIPT)
     result = subprocess.run(
-        [sys.executable, str(script), str(Path(__file__).parent), *args], env=env,
+        [sys.executable, str(script), *args], env=env,
         capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert result.returncode == 0, result.stdout + result.stderr
