@@ -70,6 +70,12 @@ def _hang(rank, world_size, pid_dir):
     threading.Event().wait()  # never returns
 
 
+def _hang_unless_rank1(rank, world_size):
+    if rank == 1:
+        raise ValueError("boom on rank 1")
+    threading.Event().wait()  # rank 0 never returns
+
+
 def _assert_gone(pid: int) -> None:
     """pid is no child of ours: it exited and was reaped (robust to the pid being reused)."""
     with pytest.raises(ChildProcessError):
@@ -144,6 +150,27 @@ def test_hung_ranks_time_out_and_are_killed(launch, tmp_path):
         if pid_file.exists():  # the rank reached _hang: its stack must show it
             assert int(pid_file.read_text()) == exc.pids[rank]
             assert "_hang" in exc.failures[rank]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)  # the run's own deadline is an hour: waiting for it is the fault
+def test_a_rank_hung_beside_a_failed_gpu_sharer_is_ended_before_the_deadline(monkeypatch):
+    """Ranks sharing a GPU get longer than others to report after a peer failed, not until the
+    run's deadline: a rank that neither reports nor leaves is hung, ended with its stack."""
+    monkeypatch.setattr(launcher, "_SHARING_FAILURE_GRACE_S", 5.0)
+    monkeypatch.setattr(launcher, "_MPS_NEEDS_RESTART", False)
+    pool = RankPool(2, "cpu")
+    pool.sharing = True  # as on a GPU under MPS, without the daemon's restart after a kill
+    with pytest.raises(RankFailure) as info:
+        pool.run(_hang_unless_rank1, timeout_s=3600)
+    exc = info.value
+    assert not isinstance(exc, RanksTimedOut) and set(exc.failures) == {0, 1}
+    assert "boom on rank 1" in exc.failures[1]
+    assert "still running, terminated" in exc.failures[0]
+    assert "_hang_unless_rank1" in exc.failures[0]  # its stack
+    assert launcher._MPS_NEEDS_RESTART  # a killed sharer: the daemon restarts before the next pool
+    for pid in exc.pids.values():
+        _assert_gone(pid)
 
 
 # --- pools -------------------------------------------------------------------------------------

@@ -50,6 +50,12 @@ __all__ = [
 
 # How long failure collection waits for other ranks to report after the first failure (default).
 _FAILURE_GRACE_S = 1.0
+# The same for ranks sharing a GPU: longer than a Buffer's default timeout_s (60 s), so that a
+# rank waiting on the failed peer raises its own TimeoutError, and than a context's exit under
+# MPS; a rank that has neither reported nor left by then is hung (on one H200, a soak's rank
+# stayed in NVSHMEM's initialisation after a peer's had failed, and the others waited for the
+# whole run's timeout, 1800 s: 2026-12-05).
+_SHARING_FAILURE_GRACE_S = 180.0
 # How long terminated ranks get to exit on SIGTERM before SIGKILL.
 _TERMINATE_GRACE_S = 5.0
 # How long a hung rank gets to write its Python stacks (SIGUSR1) before it is killed.
@@ -199,8 +205,8 @@ def run_ranks(
     every rank has exited before the exception propagates; its message holds each failing rank's
     traceback, or a hung rank's Python stack. After the first failure the other ranks get
     ``failure_grace_s`` seconds (at most until the deadline) to report or exit, e.g. to raise
-    their own TimeoutError when a peer died; ranks sharing a GPU get until the deadline, so
-    that none is killed while MPS holds its context unless it is hung.
+    their own TimeoutError when a peer died; ranks sharing a GPU get at least 180 s, so that
+    none is killed while MPS holds its context unless it is hung.
     """
     task = _task(fn, args)  # a function that cannot be pickled fails here, before any start
     pool = RankPool(
@@ -377,9 +383,10 @@ class RankPool:
         pump(deadline, stop_on_failure=True)
         if failures:
             # Give ranks failing at about the same time a moment to report too; ranks sharing
-            # a GPU get until the deadline, so that none is killed unless it is hung.
-            grace = deadline if self.sharing else min(deadline, time.monotonic() + failure_grace_s)
-            pump(grace, stop_on_failure=False)
+            # a GPU longer, so that none is killed while MPS holds its context unless it is hung.
+            if self.sharing:
+                failure_grace_s = max(failure_grace_s, _SHARING_FAILURE_GRACE_S)
+            pump(min(deadline, time.monotonic() + failure_grace_s), stop_on_failure=False)
         if not failures and not pending:
             return [reports[r][1] for r in range(n)]
         running = sorted(pending.values())
