@@ -36,7 +36,8 @@ def _configs_body(rank: int, world_size: int, entry: dict | None = None) -> dict
     stores first, as hybrid-ep tune would have (where tune may not time these ranks)."""
     if entry is not None:
         if rank == 0:
-            key = cache_key(rank_device(), world_size, TUNED["hidden"], TUNED["dtype"], False)
+            hidden, dtype, expand = TUNED["hidden"], TUNED["dtype"], TUNED["expand"]
+            key = cache_key(rank_device(), world_size, hidden, dtype, expand)
             store(key, KernelConfig(**entry), {})
         torch.distributed.barrier()
     configs = {}
@@ -70,7 +71,8 @@ def test_tune_caches_the_best_configuration_and_buffer_uses_it(launch, tmp_path,
     assert not others and key.endswith("|world 2|hidden 8|torch.float16|token rows"), entries
     best = entry["config"]
     assert best["h_slices"] in (1, 2) and best["num_sms"] == 2, best
-    # The heuristic's chunks are 4 tokens: a Buffer that used it cannot pass for a tuned one.
+    # The heuristic's chunks are longer (4 tokens on CPUs): a Buffer that used it cannot pass
+    # for a tuned one.
     assert best["chunk_tokens"] == 2 != _heuristic(8)["chunk_tokens"], best
     assert entry["measured"]["dispatch_us"] > 0 and entry["measured"]["combine_us"] > 0
     _check_buffers_take(best, launch(_configs_body, 2))
