@@ -115,6 +115,7 @@ def soak_rank(rank: int, world_size: int, cfg: SoakConfig) -> dict:
     memory, peak, seconds = [], [], []
     seen: Counter = Counter()  # rounds with each feature (see _round)
     layout = None
+    started = time.monotonic()
     try:
         for r in range(cfg.rounds):
             try:
@@ -137,7 +138,8 @@ def soak_rank(rank: int, world_size: int, cfg: SoakConfig) -> dict:
                     f"({buf.kernel_build_seconds:.1f} s in them)" if on_gpu else ""
                 )  # fmt: skip
                 print(
-                    f"soak: round {r + 1}/{cfg.rounds}, {failed_rounds} failing, memory "
+                    f"soak: round {r + 1}/{cfg.rounds} at {time.monotonic() - started:.0f} s, "
+                    f"{failed_rounds} failing, memory "
                     f"{human_bytes(in_use)}, median dispatch+combine "
                     f"{statistics.median(seconds[-cfg.progress_every :]) * 1e3:.2f} ms{builds}",
                     flush=True,
