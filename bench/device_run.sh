@@ -63,8 +63,8 @@
 # order, and on GPUs every test that runs ranks before those that use the GPU in pytest's own
 # process (tests/conftest.py): a file's tests ahead of a budget must come first in both.
 #   soak-shared  under MPS: 1000 soak rounds at 4 ranks in one node and at 2 nodes of 2, each with
-#          expert-major and token rows (the four at once), then hybrid-ep demo with 8 ranks (1024
-#          tokens per rank)
+#          expert-major and token rows (the four at once), and hybrid-ep demo with 8 ranks (1024
+#          tokens per rank) once the one-node soaks end, beside the two-node soaks
 # Each step's processes record the kernel builds they take (HEP_RECORD_BUILDS, see
 # tools/prebuild.py), returned in $OUT/builds.txz as builds/<step>/ (a file per process);
 # merged here into bench/builds/<step>.jsonl.xz (`hybrid-ep prebuild [that file] builds/<step>
@@ -118,15 +118,19 @@ mps() {  # start | stop the MPS control daemon (the compute mode is left as it i
 # 500 s; on 2026-12-04 the four, uncached, compiled for 440 s before round 50: 204 distinct
 # builds, since in bench/builds/soak-shared.jsonl.xz for the prebuild), each reporting every 10
 # rounds; each soak's log is appended to the step's once the step is over. A soak is its own
-# process group (setsid), so that the step's timeout ends its ranks with it.
+# process group (setsid), so that the step's timeout ends its ranks with it. The demo waits for
+# the one-node soaks only (the two-node ones, whose builds link NVSHMEM and take 16 s each
+# there, compile for longer), its 8 ranks at 6% too, beside the two-node soaks' 8.
 SOAK_SHARED='pids=(); trap "for pid in \${pids[*]}; do kill -- -\$pid; done; exit 143" TERM; n=0
     for nodes in "" "--ranks-per-node 2"; do for rows in "" --token-rows; do n=$((n + 1))
     CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=6 setsid python3 -m hybrid_ep_triton soak --device cuda \
     --ranks 4 --rounds 1000 --tokens 512 --hidden 2048 --experts 64 --topk 8 --progress-every 10 \
     $nodes $rows \
     > /tmp/soak-$n.log 2>&1 & pids+=($!); done; done; rc=0
-    for pid in "${pids[@]}"; do wait $pid || rc=1; done
-    python3 -m hybrid_ep_triton demo --device cuda --ranks 8 --tokens 1024 || rc=1; exit $rc'
+    for pid in "${pids[@]:0:2}"; do wait $pid || rc=1; done
+    CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=6 python3 -m hybrid_ep_triton demo --device cuda --ranks 8 \
+    --tokens 1024 || rc=1
+    for pid in "${pids[@]:2}"; do wait $pid || rc=1; done; exit $rc'
 records=()
 for step in $STEPS; do [ -f bench/builds/$step.jsonl.xz ] && records+=(bench/builds/$step.jsonl.xz); done
 if [ ${#records[@]} -gt 0 ] && [ "${PREBUILD:-1}" = 1 ]; then
