@@ -312,9 +312,10 @@ def _memory(on_gpu: bool) -> tuple[int, int]:
     if on_gpu:
         # The reference's collectives through gloo record their CUDA tensors on gloo's streams,
         # and the caching allocator frees such blocks only at its next allocation, once their
-        # events are done: until then memory_allocated counts the last round's reference rows
-        # (1000-round soaks on one H100 grew by up to 11 MiB that way, no round failing, the
-        # last round's figure back at the first's). After a synchronize, one allocation frees them.
+        # events are done: until then memory_allocated counts the last round's reference rows,
+        # spikes of up to 11 MiB that the growth check took for a leak (the likely cause in
+        # bench/results/2026-12-05-1xH100-soak-shared-567cf86.log). After a synchronize, one
+        # allocation frees them.
         torch.cuda.synchronize()
         torch.empty(1, device="cuda")
         return torch.cuda.memory_allocated(), torch.cuda.max_memory_reserved()
