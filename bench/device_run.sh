@@ -121,16 +121,19 @@ mps() {  # start | stop the MPS control daemon (the compute mode is left as it i
 # process group (setsid), so that the step's timeout ends its ranks with it. The demo waits for
 # the one-node soaks only (the two-node ones, whose builds link NVSHMEM and take 16 s each
 # there, compile for longer), its 8 ranks at 6% too, beside the two-node soaks' 8.
+# $SOAK_LAYOUTS (default "one-node two-node") picks the soaks' layouts; the demo runs with the
+# one-node soaks.
 SOAK_SHARED='pids=(); trap "for pid in \${pids[*]}; do kill -- -\$pid; done; exit 143" TERM; n=0
-    for nodes in "" "--ranks-per-node 2"; do for rows in "" --token-rows; do n=$((n + 1))
-    CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=6 setsid python3 -m hybrid_ep_triton soak --device cuda \
-    --ranks 4 --rounds 1000 --tokens 512 --hidden 2048 --experts 64 --topk 8 --progress-every 10 \
-    $nodes $rows \
-    > /tmp/soak-$n.log 2>&1 & pids+=($!); done; done; rc=0
-    for pid in "${pids[@]:0:2}"; do wait $pid || rc=1; done
-    CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=6 python3 -m hybrid_ep_triton demo --device cuda --ranks 8 \
-    --tokens 1024 || rc=1
-    for pid in "${pids[@]:2}"; do wait $pid || rc=1; done; exit $rc'
+    one=(); two=(); for layout in ${SOAK_LAYOUTS:-one-node two-node}; do nodes=""
+    [ $layout = two-node ] && nodes="--ranks-per-node 2"; for rows in "" --token-rows; do
+    n=$((n + 1)); CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=6 setsid python3 -m hybrid_ep_triton soak \
+    --device cuda --ranks 4 --rounds 1000 --tokens 512 --hidden 2048 --experts 64 --topk 8 \
+    --progress-every 10 $nodes $rows > /tmp/soak-$n.log 2>&1 & pids+=($!)
+    if [ $layout = two-node ]; then two+=($!); else one+=($!); fi; done; done; rc=0
+    for pid in "${one[@]}"; do wait $pid || rc=1; done
+    [ ${#one[@]} = 0 ] || CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=6 python3 -m hybrid_ep_triton demo \
+    --device cuda --ranks 8 --tokens 1024 || rc=1
+    for pid in "${two[@]}"; do wait $pid || rc=1; done; exit $rc'
 records=()
 for step in $STEPS; do [ -f bench/builds/$step.jsonl.xz ] && records+=(bench/builds/$step.jsonl.xz); done
 if [ ${#records[@]} -gt 0 ] && [ "${PREBUILD:-1}" = 1 ]; then
