@@ -34,7 +34,7 @@ from hybrid_ep_triton.kernels.dispatch import dispatch_kernel
 from hybrid_ep_triton.kernels.quantize import NO_QUANTIZER, quantize_block_scaled_kernel
 from hybrid_ep_triton.kernels.route import layout_kernel
 from hybrid_ep_triton.ops.dispatch import QUANTIZERS
-from hybrid_ep_triton.runtime.nvshmem import device_library
+from hybrid_ep_triton.runtime.nvshmem_bitcode import device_library
 from hybrid_ep_triton.runtime.planner import (
     LOCAL_PARTS,
     MAX_PROGRAMS,

@@ -201,7 +201,7 @@ def test_extra_resolves_on_the_package_index(tmp_path, major):
 )  # fmt: skip
 def test_device_bitcode_is_found_in_the_wheels_layout(tmp_path, monkeypatch, files, found):
     init_fini = pytest.importorskip("nvshmem.core.init_fini", reason="needs nvshmem4py")
-    from hybrid_ep_triton.runtime.nvshmem import device_library
+    from hybrid_ep_triton.runtime.nvshmem_bitcode import bitcode_file
 
     # The layout under site-packages of either major's wheel: nvidia/nvshmem/{include,lib}.
     root = tmp_path / "nvidia" / "nvshmem"
@@ -211,7 +211,7 @@ def test_device_bitcode_is_found_in_the_wheels_layout(tmp_path, monkeypatch, fil
     for name in files:
         (root / "lib" / name).touch()
     monkeypatch.setattr(init_fini, "find_nvidia_header_directory", lambda _: str(root / "include"))
-    assert device_library(arch="90") == {"libnvshmem_device": str(root / "lib" / found)}
+    assert bitcode_file(arch="90") == str(root / "lib" / found)
 
 
 @pytest.mark.parametrize("major", CUDA_MAJORS)

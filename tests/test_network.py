@@ -58,7 +58,8 @@ def _launcher(heap, device: torch.device) -> KernelLauncher:
     options = {}
     on_compile = None
     if device.type == "cuda":
-        from hybrid_ep_triton.runtime.nvshmem import device_library, init_module
+        from hybrid_ep_triton.runtime.nvshmem import init_module
+        from hybrid_ep_triton.runtime.nvshmem_bitcode import device_library
 
         options, on_compile = {"extern_libs": device_library()}, init_module
     return KernelLauncher(

@@ -164,22 +164,23 @@ def test_records_that_differ_only_in_an_unspecialised_parameter_are_one_build(mo
 def test_a_recorded_library_missing_here_is_taken_from_this_site_packages(tmp_path, monkeypatch):
     """A record made on another machine names its extern libraries where they were there;
     prebuilding it here (``--arch``) takes the file at the same path below this interpreter's
-    site-packages, and keeps a path that exists or that nothing here replaces."""
+    site-packages, and keeps a path that exists or that nothing here replaces. (NVSHMEM's
+    library: tests/test_nvshmem_bitcode.py.)"""
     here = tmp_path / "here" / "site-packages"
-    (here / "nvidia" / "nvshmem" / "lib").mkdir(parents=True)
-    (here / "nvidia" / "nvshmem" / "lib" / "libnvshmem_device.bc").write_bytes(b"BC")
+    (here / "nvidia" / "cuda" / "lib").mkdir(parents=True)
+    (here / "nvidia" / "cuda" / "lib" / "libcuda_device.bc").write_bytes(b"BC")
     present = tmp_path / "libdevice.10.bc"
     present.write_bytes(b"BC")
     monkeypatch.setattr(prebuild_module.site, "getsitepackages", lambda: [str(here)])
     there = "/elsewhere/lib/python3.12/site-packages"
     record = {"name": "k", "options": {"num_warps": 4, "extern_libs": [
-        ["libnvshmem_device", f"{there}/nvidia/nvshmem/lib/libnvshmem_device.bc"],
+        ["libcuda_device", f"{there}/nvidia/cuda/lib/libcuda_device.bc"],
         ["libdevice", str(present)],
         ["other", f"{there}/absent/other.bc"],
     ]}}  # fmt: skip
     local = prebuild_module.with_local_libraries(record)
     assert local["options"]["extern_libs"] == [
-        ["libnvshmem_device", str(here / "nvidia" / "nvshmem" / "lib" / "libnvshmem_device.bc")],
+        ["libcuda_device", str(here / "nvidia" / "cuda" / "lib" / "libcuda_device.bc")],
         ["libdevice", str(present)],
         ["other", f"{there}/absent/other.bc"],
     ]

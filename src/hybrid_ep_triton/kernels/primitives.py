@@ -14,7 +14,7 @@ Across nodes, peers of another node have no peer pointer (their ``peer_bases`` e
 ``net_put_signal`` moves a contiguous block from this rank's heap into theirs and then sets a
 flag there, and ``net_signal`` sets a flag alone. On GPUs these are NVSHMEM device calls
 (``nvshmemx_putmem_signal_block``, ``nvshmemx_signal_op``: NVSHMEM's device bitcode is linked
-into the kernels that use them, see ``runtime.nvshmem.device_library``); under the interpreter
+into the kernels that use them, see ``runtime.nvshmem_bitcode``); under the interpreter
 (CPU ranks) a copy into the peer's shared memory followed by the release of its flag, and the
 source must lie in the sender's own heap, as a NIC reads only registered memory.
 ``net_bases_ptr`` [world]: on GPUs every entry is this rank's heap base (NVSHMEM takes the

@@ -126,7 +126,8 @@ def make_runtime(
         import triton
 
         from ..runtime.cuda_packages import check_device_bitcode
-        from ..runtime.nvshmem import device_library, init_module
+        from ..runtime.nvshmem import init_module
+        from ..runtime.nvshmem_bitcode import device_library
 
         # Before the heap: otherwise the first dispatch would fail to compile, on every rank.
         check_device_bitcode(triton.__version__)

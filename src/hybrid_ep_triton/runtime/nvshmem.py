@@ -41,7 +41,6 @@ from .cuda_packages import check_cuda_packages
 
 __all__ = [
     "NvshmemAllocation",
-    "device_library",
     "ensure_initialized",
     "finalize",
     "init_module",
@@ -351,22 +350,6 @@ class NvshmemAllocation:
     def __repr__(self) -> str:
         state = "closed" if self._closed else f"{self.nbytes} B"
         return f"NvshmemAllocation(rank={self.rank}/{self.world}, {state}, {self.device})"
-
-
-def device_library(arch: str | None = None) -> dict[str, str]:
-    """Triton's ``extern_libs`` for the kernels that call NVSHMEM: NVSHMEM's device bitcode, found
-    by nvshmem4py. NVSHMEM 3.5 and later ship one file per architecture
-    (``libnvshmem_device_sm_90.bc``), earlier versions one for all (``libnvshmem_device.bc``).
-    ``arch`` (e.g. "90") names the architecture where no GPU is there to pick it by; None: the
-    current device's."""
-    import nvshmem.core as nvshmem
-
-    if arch is None:
-        return {"libnvshmem_device": nvshmem.find_device_bitcode_library()}
-    try:
-        return {"libnvshmem_device": nvshmem.find_device_bitcode_library(arch=arch)}
-    except Exception:  # NVSHMEM before 3.5: the one file
-        return {"libnvshmem_device": nvshmem.find_device_bitcode_library()}
 
 
 def init_module(compiled) -> None:

@@ -35,6 +35,8 @@ from importlib import import_module
 from pathlib import Path
 from typing import NamedTuple
 
+from ..runtime.nvshmem_bitcode import library_for_record
+
 
 class Prebuilt(NamedTuple):
     built: int  # builds compiled now, or found in Triton's cache (distinct_builds of the records)
@@ -158,15 +160,20 @@ def compile_only_for(arch: int) -> None:
 
 
 def with_local_libraries(data: dict) -> dict:
-    """Record ``data`` (parsed) with each extern library path that is not on this machine (a
-    record made on another, in another environment) replaced by the file at the same path
-    below this interpreter's site-packages (``.../site-packages/nvidia/nvshmem/lib/x.bc``), where
-    there is one. Triton's cache key hashes a library's content, not its path."""
+    """Record ``data`` (parsed) with its extern libraries as this machine's runs link them:
+    NVSHMEM's trimmed device library made here from this environment's NVSHMEM, whether the
+    record names the whole bitcode (records made before the library was trimmed) or a library
+    trimmed on another machine (``runtime.nvshmem_bitcode.library_for_record``); any other
+    path that is not on this machine replaced by the file at the same path below this
+    interpreter's site-packages, where there is one. Triton's cache key hashes a library's
+    content, not its path."""
     libraries = data["options"].get("extern_libs") or []
     local = []
     for name, path in libraries:
         _, found, below = path.rpartition("site-packages/")
-        if found and not os.path.exists(path):
+        if name == "libnvshmem_device":
+            path = library_for_record(path)
+        elif found and not os.path.exists(path):
             here = (Path(root) / below for root in site.getsitepackages())
             path = str(next((candidate for candidate in here if candidate.exists()), path))
         local.append([name, path])

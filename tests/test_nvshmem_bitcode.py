@@ -1,0 +1,105 @@
+"""NVSHMEM's device library trimmed to the kernels' calls (runtime/nvshmem_bitcode.py): what it
+holds, that it changes no machine code, and that a prebuild maps records onto it."""
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("nvshmem.core", reason="needs nvshmem4py (the [cu13] extra)")
+
+from hybrid_ep_triton.runtime import nvshmem_bitcode  # noqa: E402
+from hybrid_ep_triton.tools.prebuild import with_local_libraries  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory) -> Path:
+    """A cache directory holding the trimmed library, made once for this module (a link of
+    NVSHMEM's whole bitcode: seconds)."""
+    root = tmp_path_factory.mktemp("hep-cache")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("HEP_CACHE_DIR", str(root))
+        nvshmem_bitcode.trimmed_library.cache_clear()
+        nvshmem_bitcode.device_library(arch="90")
+    nvshmem_bitcode.trimmed_library.cache_clear()
+    return root
+
+
+@pytest.fixture
+def in_cache(cache_dir, monkeypatch) -> Path:
+    monkeypatch.setenv("HEP_CACHE_DIR", str(cache_dir))
+    nvshmem_bitcode.trimmed_library.cache_clear()
+    yield cache_dir
+    nvshmem_bitcode.trimmed_library.cache_clear()
+
+
+def test_the_trimmed_library_defines_the_calls_and_is_made_once(in_cache):
+    source = nvshmem_bitcode.bitcode_file(arch="90")
+    made = sorted((in_cache / "nvshmem").iterdir())
+    assert len(made) == 1 and made[0].name.startswith(Path(source).stem + "-"), made
+    before = made[0].stat().st_mtime_ns
+    path = Path(nvshmem_bitcode.device_library(arch="90")["libnvshmem_device"])
+    assert path == made[0] and path.stat().st_mtime_ns == before, "made again"
+    text = path.read_text()
+    definitions = re.findall(r"^define (internal )?.*?@(\w+)\(", text, flags=re.M)
+    defined = {name: internal for internal, name in definitions}
+    for call in nvshmem_bitcode.DEVICE_CALLS:  # linkable by a kernel: not internal
+        assert defined.get(call) == "", (call, defined.get(call))
+    # NVSHMEM's device state, which nvshmemx_cumodule_init fills in each kernel's module.
+    assert re.search(r"^@nvshmemi_device_state_d = ", text, flags=re.M)
+    assert path.stat().st_size < os.path.getsize(source) / 10
+
+
+def test_prebuild_builds_records_with_this_machines_trimmed_library(in_cache):
+    """A record made elsewhere names NVSHMEM's whole bitcode (made before the library was
+    trimmed) or a library trimmed there; either is built with the one trimmed here, as this
+    machine's runs link it. Other libraries keep their paths."""
+    trimmed = nvshmem_bitcode.device_library(arch="90")["libnvshmem_device"]
+    stem = Path(nvshmem_bitcode.bitcode_file(arch="90")).stem
+    elsewhere = "/opt/torch/.venv/lib/python3.12/site-packages/nvidia/nvshmem/lib"
+    libdevice = ["libdevice", os.path.abspath(__file__)]
+    for recorded in (
+        f"{elsewhere}/{stem}.bc",
+        f"/root/.cache/hybrid_ep_triton/nvshmem/{stem}-{'0' * 16}.ll",
+    ):
+        data = {"options": {"extern_libs": [["libnvshmem_device", recorded], libdevice]}}
+        local = with_local_libraries(data)["options"]["extern_libs"]
+        assert local == [["libnvshmem_device", trimmed], libdevice], recorded
+
+
+_SAME_CODE_SCRIPT = """
+import sys
+import triton
+sys.path.insert(0, sys.argv[1])
+import sm90_compile
+from hybrid_ep_triton.runtime.nvshmem_bitcode import bitcode_file
+
+whole = {"libnvshmem_device": bitcode_file(arch="90")}
+for label, source, options in sm90_compile.builds(topologies=((4, 2),)):
+    if label.endswith("combine_kernel"):
+        target = sm90_compile.SM90
+        trimmed = triton.compile(source, target=target, options=options)
+        full = triton.compile(source, target=target, options=dict(options, extern_libs=whole))
+        assert options["extern_libs"] != whole
+        print(label, sm90_compile._sass_digest(trimmed.asm["cubin"]),
+              sm90_compile._sass_digest(full.asm["cubin"]))
+"""
+
+
+@pytest.mark.slow
+def test_the_trimmed_library_gives_the_same_machine_code(in_cache, tmp_path):
+    """The combine kernel of 2 nodes of 2, which calls both functions, compiled for sm_90 with
+    the trimmed library and with NVSHMEM's whole bitcode: the same SASS."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_CACHE_DIR"] = str(tmp_path / "triton-cache")
+    result = subprocess.run(
+        [sys.executable, "-c", _SAME_CODE_SCRIPT, str(Path(__file__).parent)], env=env,
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout + result.stderr
+    (line,) = result.stdout.splitlines()
+    label, trimmed, full = line.rsplit(" ", 2)
+    assert "NVSHMEM" in label and trimmed == full, line
