@@ -67,6 +67,9 @@ def test_summary_fails_on_memory_growth():
     assert s["ok"] and s["memory_growth"] == 0 and not s["messages"], s
     line = format_summary(s)
     assert "first 100.0 MiB, last 200.0 MiB" in line and "(drift +100.0%)" in line, line
+    assert "garbage collection" not in line, line
+    collected = format_summary(_summary(0, cfg, True, 0, [], settling, settling, seconds, 2))
+    assert "2 readings over it were under it after a garbage collection" in collected, collected
     leaking = [100 << 20] * 2 + [(100 << 20) + i * (1 << 20) for i in range(18)]
     s = _summary(0, cfg, True, 0, [], leaking, leaking, seconds)
     assert not s["ok"] and s["memory_growth"] == 17 << 20 > bound, s
