@@ -13,6 +13,7 @@ import hashlib
 import importlib
 import json
 import os
+import site
 import statistics
 import subprocess
 import sys
@@ -23,7 +24,7 @@ from pathlib import Path
 import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
-from hybrid_ep_triton.runtime.nvshmem_bitcode import bitcode_file, device_library  # noqa: E402
+from hybrid_ep_triton.runtime.nvshmem_bitcode import trimmed_library  # noqa: E402
 from hybrid_ep_triton.tools.prebuild import (  # noqa: E402
     compile_only_for,
     read_records,
@@ -63,8 +64,11 @@ def main() -> None:
     chosen += [d for d in linked if d not in chosen and "dispatch" in d["name"]][
         : args.builds - len(chosen)
     ]
-    trimmed = device_library(arch="90")["libnvshmem_device"]
-    whole = bitcode_file(arch="90")
+    # NVSHMEM's bitcode for sm_90 as pip installs it (no nvshmem4py needed to find it).
+    lib = Path(site.getsitepackages()[0]) / "nvidia" / "nvshmem" / "lib"
+    whole = str(next(lib / n for n in ("libnvshmem_device_sm_90.bc", "libnvshmem_device.bc")
+                     if (lib / n).exists()))  # fmt: skip
+    trimmed = str(trimmed_library(whole))
     print(f"# Triton {triton.__version__}; whole bitcode {whole} ({os.path.getsize(whole)} B); "
           f"trimmed {trimmed} ({os.path.getsize(trimmed)} B)")  # fmt: skip
     times = {"trimmed": [], "whole": []}
