@@ -16,7 +16,8 @@ tests/test_dispatch_combine.py (about two ulps of the dtype, scaled by the summe
 Per round it records the time of the library calls (dispatch, check, combine; synchronised on
 GPUs) and the memory in use afterwards: ``torch.cuda.memory_allocated()`` and
 ``max_memory_reserved()`` on GPUs, the process's resident set on CPU ranks. Memory may settle
-during a warm-up (10% of the rounds); after it, growth beyond a small bound fails the soak. Time
+during a warm-up (10% of the rounds); after it, growth beyond a small bound fails the soak
+(a reading over it is taken again after a garbage collection). Time
 drift (median of the first vs the last 10% of rounds) is reported, never asserted.
 
 ``soak_rank(rank, world_size, config)`` needs only an initialised default process group, like
