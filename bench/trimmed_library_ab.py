@@ -13,7 +13,6 @@ import hashlib
 import importlib
 import json
 import os
-import site
 import statistics
 import subprocess
 import sys
@@ -24,7 +23,7 @@ from pathlib import Path
 import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
-from hybrid_ep_triton.runtime.nvshmem_bitcode import trimmed_library  # noqa: E402
+from hybrid_ep_triton.runtime.nvshmem_bitcode import installed_file, trimmed_library  # noqa: E402
 from hybrid_ep_triton.tools.prebuild import (  # noqa: E402
     compile_only_for,
     read_records,
@@ -65,9 +64,9 @@ def main() -> None:
         : args.builds - len(chosen)
     ]
     # NVSHMEM's bitcode for sm_90 as pip installs it (no nvshmem4py needed to find it).
-    lib = Path(site.getsitepackages()[0]) / "nvidia" / "nvshmem" / "lib"
-    whole = str(next(lib / n for n in ("libnvshmem_device_sm_90.bc", "libnvshmem_device.bc")
-                     if (lib / n).exists()))  # fmt: skip
+    found = (installed_file(f"nvidia/nvshmem/lib/{name}")
+             for name in ("libnvshmem_device_sm_90.bc", "libnvshmem_device.bc"))  # fmt: skip
+    whole = str(next(path for path in found if path))
     trimmed = str(trimmed_library(whole))
     print(f"# Triton {triton.__version__}; whole bitcode {whole} ({os.path.getsize(whole)} B); "
           f"trimmed {trimmed} ({os.path.getsize(trimmed)} B)")  # fmt: skip

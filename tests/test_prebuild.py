@@ -171,7 +171,7 @@ def test_a_recorded_library_missing_here_is_taken_from_this_site_packages(tmp_pa
     (here / "nvidia" / "cuda" / "lib" / "libcuda_device.bc").write_bytes(b"BC")
     present = tmp_path / "libdevice.10.bc"
     present.write_bytes(b"BC")
-    monkeypatch.setattr(prebuild_module.site, "getsitepackages", lambda: [str(here)])
+    monkeypatch.setattr("site.getsitepackages", lambda: [str(here)])
     there = "/elsewhere/lib/python3.12/site-packages"
     record = {"name": "k", "options": {"num_warps": 4, "extern_libs": [
         ["libcuda_device", f"{there}/nvidia/cuda/lib/libcuda_device.bc"],

@@ -26,7 +26,13 @@ from pathlib import Path
 
 from .cache_location import cache_dir
 
-__all__ = ["DEVICE_CALLS", "bitcode_file", "device_library", "library_for_record"]
+__all__ = [
+    "DEVICE_CALLS",
+    "bitcode_file",
+    "device_library",
+    "installed_file",
+    "library_for_record",
+]
 
 # The NVSHMEM device functions the kernels call, with their LLVM signatures in NVSHMEM's
 # bitcode (nvshmemx.h: nvshmemx_putmem_signal_block, nvshmemx_signal_op), as MLIR declarations.
@@ -67,9 +73,15 @@ def library_for_record(path: str) -> str:
     name = Path(path).name
     trimmed = _TRIMMED_NAME.fullmatch(name)
     bitcode = f"{trimmed['stem']}.bc" if trimmed else name
-    here = (Path(root) / "nvidia" / "nvshmem" / "lib" / bitcode for root in site.getsitepackages())
-    source = next((candidate for candidate in here if candidate.exists()), None)
+    source = installed_file(f"nvidia/nvshmem/lib/{bitcode}")
     return str(trimmed_library(str(source))) if source else path
+
+
+def installed_file(relative: str) -> Path | None:
+    """The file at ``relative`` below this interpreter's site-packages (where pip installs
+    ``nvidia/nvshmem/lib/``), or None."""
+    here = (Path(root) / relative for root in site.getsitepackages())
+    return next((candidate for candidate in here if candidate.exists()), None)
 
 
 @functools.cache

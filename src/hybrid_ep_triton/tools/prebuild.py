@@ -27,7 +27,6 @@ import json
 import lzma
 import multiprocessing
 import os
-import site
 import time
 from collections.abc import Iterable
 from concurrent.futures import ProcessPoolExecutor
@@ -35,7 +34,7 @@ from importlib import import_module
 from pathlib import Path
 from typing import NamedTuple
 
-from ..runtime.nvshmem_bitcode import library_for_record
+from ..runtime.nvshmem_bitcode import installed_file, library_for_record
 
 
 class Prebuilt(NamedTuple):
@@ -174,8 +173,7 @@ def with_local_libraries(data: dict) -> dict:
         if name == "libnvshmem_device":
             path = library_for_record(path)
         elif found and not os.path.exists(path):
-            here = (Path(root) / below for root in site.getsitepackages())
-            path = str(next((candidate for candidate in here if candidate.exists()), path))
+            path = str(installed_file(below) or path)
         local.append([name, path])
     return dict(data, options=dict(data["options"], extern_libs=local)) if libraries else data
 

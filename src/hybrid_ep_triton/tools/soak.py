@@ -133,7 +133,9 @@ def soak_rank(rank: int, world_size: int, cfg: SoakConfig) -> dict:
                 messages.extend(f"round {r}: {p}" for p in problems)
             seconds.append(elapsed)
             in_use, most = _memory(on_gpu)
-            if r >= warmup and in_use > max(memory[:warmup]) + bound:
+            if r == warmup:
+                limit = max(memory) + bound  # the growth check's (see _summary)
+            if r >= warmup and in_use > limit:
                 # Read again after a garbage collection: memory that it frees was held by
                 # objects in reference cycles awaiting Python's collector, not leaked. One H100
                 # showed spikes of one round's rows (14-25 MiB) on a rank now and then, back to
@@ -142,7 +144,7 @@ def soak_rank(rank: int, world_size: int, cfg: SoakConfig) -> dict:
                 # (2026-12-06-1xH100-soak-shared-ca3bbc0). Which objects: not known yet.
                 gc.collect()
                 in_use, most = _memory(on_gpu)
-                collected += in_use <= max(memory[:warmup]) + bound
+                collected += in_use <= limit
             memory.append(in_use)
             peak.append(most)
             if rank == 0 and cfg.progress_every and (r + 1) % cfg.progress_every == 0:
