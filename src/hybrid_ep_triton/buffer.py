@@ -5,18 +5,28 @@ import socket
 import torch
 import torch.distributed as dist
 
-from .ops import library, make_runtime, status
+from .ops import library, low_latency, make_runtime, status
 from .ops.dispatch import DispatchHandle
 from .ops.scaled_rows import ScaledValues
 from .runtime.checks import (
     check_contiguous_rows,
+    check_flag,
     check_int,
     check_interpreted_on_cpu,
+    check_low_latency_combine,
+    check_low_latency_dispatch,
     check_quantize_format,
     check_tensor,
     describe,
 )
-from .runtime.planner import MAX_SMS, MAX_TOPK, SCALED_FORMATS, ScaledFormat, make_plan
+from .runtime.planner import (
+    MAX_SMS,
+    MAX_TOPK,
+    SCALED_FORMATS,
+    ScaledFormat,
+    low_latency_bytes,
+    make_plan,
+)
 from .runtime.tuning import cache_key, select_config
 
 DEFAULT_TIMEOUT_S = 60.0
@@ -88,6 +98,10 @@ class Buffer:
             one is a ValueError on every rank of that very call, naming the rank, the argument
             and why, and nothing moves; a host collective per call (with an NCCL group it
             synchronises the device), so not for CUDA graph capture. The same on every rank.
+        low_latency_tokens: M, most tokens a rank passes to one low-latency call (decode,
+            ``low_latency_dispatch``); 0 (default): no low-latency mode. Its heap area,
+            ``low_latency_bytes(M, H, W, E)`` bytes a rank, is allocated here. The same on every
+            rank.
 
     Attributes: the arguments above (``device`` resolved: a torch.device with its index).
     """
@@ -106,6 +120,7 @@ class Buffer:
         ranks_per_node: int | None = None,
         device: torch.device | str | None = None,
         agree_on_inputs: bool = False,
+        low_latency_tokens: int = 0,
     ):
         group = group if group is not None else dist.group.WORLD
         world = dist.get_world_size(group)
@@ -114,6 +129,7 @@ class Buffer:
             _check_parameters(world, hidden_size, max_tokens_per_rank, num_experts, dtype,
                               num_sms, timeout_s, expand, ranks_per_node, device,
                               agree_on_inputs)  # fmt: skip
+            check_int("low_latency_tokens", low_latency_tokens, 0)
             refused = None
         except ValueError as error:
             refused = error
@@ -151,11 +167,13 @@ class Buffer:
             ranks_per_node=ranks_per_node,
             device_type=device.type,
             agree_on_inputs=agree_on_inputs,
+            low_latency_tokens=low_latency_tokens,
             kernel_config=config,  # from each rank's tuning cache: must agree too
         )
         plan = make_plan(
             world, hidden_size, max_tokens_per_rank, num_experts, dtype, config,
             token_rows=not expand, ranks_per_node=ranks_per_node,
+            low_latency_tokens=low_latency_tokens,
         )  # fmt: skip
         self.group = group
         self.hidden_size = hidden_size
@@ -167,6 +185,11 @@ class Buffer:
         self.device = device
         self.timeout_s = float(timeout_s)
         self.agree_on_inputs = agree_on_inputs
+        self.low_latency_tokens = low_latency_tokens
+        # Low-latency calls made so far (the host's count, whose parity picks a call's send
+        # area), and those whose receive hook has not been called yet.
+        self._low_latency_calls = 0
+        self._awaiting_hooks: set[int] = set()
         # max_recv_tokens dispatches whose overflow nobody has checked yet: (the handle's state,
         # whose [0] is the rows it needed, M).
         self._unchecked: list[tuple[torch.Tensor, int]] = []
@@ -474,14 +497,243 @@ class Buffer:
         )  # fmt: skip
         return (out, event) if async_finish else out
 
-    def check(self, handle: DispatchHandle) -> None:
-        """Synchronise and raise what the device recorded for ``handle``'s dispatch.
+    # -- low-latency mode (decode) ---------------------------------------------------------
+
+    def low_latency_dispatch(
+        self,
+        x: torch.Tensor,
+        topk_idx: torch.Tensor,
+        num_max_dispatch_tokens_per_rank: int,
+        num_experts: int,
+        cumulative_local_expert_recv_stats: torch.Tensor | None = None,
+        use_fp8: bool = True,
+        round_scale: bool = False,
+        use_ue8m0: bool = False,
+        async_finish: bool = False,
+        return_recv_hook: bool = False,
+        previous_event: torch.cuda.Event | None = None,
+    ):
+        """DeepEP's low-latency dispatch: every token to its experts' ranks in one launch, into
+        a fixed block of rows per local expert; no host synchronisation (README, Low-latency
+        mode). Collective.
+
+        Args:
+            x: [T, H] tokens of the Buffer's dtype, T <= num_max_dispatch_tokens_per_rank.
+            topk_idx: [T, K] int32/int64 global expert ids, -1 for an unused slot.
+            num_max_dispatch_tokens_per_rank: M', the same on every rank, 1..low_latency_tokens.
+            num_experts: E, the Buffer's.
+            cumulative_local_expert_recv_stats: int32 [L] or None: adds each local expert's rows.
+            use_fp8: rows as e4m3 values and a float32 scale per 128 channels (H % 128 == 0).
+            round_scale: FP8 scales rounded up to powers of two.
+            use_ue8m0: scales as UE8M0 exponents, four to an int32 (needs round_scale).
+            async_finish, previous_event: as for ``dispatch``.
+            return_recv_hook: launch the sends only; ``hook()`` launches the receive.
+
+        Returns:
+            recv_x: [L, W * M', H] of x's dtype, or with use_fp8 (values [L, W * M', H]
+                float8_e4m3fn, scales [L, W * M', H / 128] float32 or [L, W * M', H / 512]
+                int32), scales with the rows fastest; rows past recv_count[e] are not written.
+            recv_count: [L] int32, rows of each local expert.
+            handle: for ``low_latency_combine`` (src_info, layout_range first, as DeepEP's).
+            event: with async_finish, else None. hook: with return_recv_hook, else None.
+        """
+        rt, call, area = self._start_low_latency_call("low_latency_dispatch")
+        try:
+            check_low_latency_dispatch(
+                rt.plan, rt.device, x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts,
+                cumulative_local_expert_recv_stats, use_fp8, round_scale, use_ue8m0,
+            )  # fmt: skip
+            self._check_event(previous_event)
+        except ValueError:
+            low_latency.run_refused_dispatch(rt, self._id, area)
+            raise
+        stats = cumulative_local_expert_recv_stats
+        receive = not return_recv_hook
+        outputs, event = self._launch(
+            lambda: low_latency.dispatch(
+                self._id, x, topk_idx, stats, num_max_dispatch_tokens_per_rank, use_fp8,
+                round_scale, use_ue8m0, receive, area, False,
+            ),
+            (x, topk_idx, stats), previous_event, async_finish,
+        )  # fmt: skip
+        outputs = low_latency.DispatchOutputs(*outputs)
+        hook = None
+        if return_recv_hook:
+            self._awaiting_hooks.add(call)
+
+            def hook() -> None:
+                self._take_hook(call)
+                low_latency.dispatch_receive(self._id, x, topk_idx, stats, *outputs,
+                                             round_scale, use_ue8m0)  # fmt: skip
+
+        recv_x = outputs.recv_x
+        if use_fp8:
+            recv_x = recv_x, low_latency.caller_scales(outputs.scale_storage)
+        handle = low_latency.LowLatencyHandle(
+            outputs.src_info, outputs.layout_range, num_max_dispatch_tokens_per_rank,
+            self.hidden_size, self.num_experts, outputs.token_slots,
+        )  # fmt: skip
+        return recv_x, outputs.recv_count, handle, event, hook
+
+    def low_latency_combine(
+        self,
+        x: torch.Tensor,
+        topk_idx: torch.Tensor,
+        topk_weights: torch.Tensor,
+        handle: "low_latency.LowLatencyHandle",
+        zero_copy: bool = False,
+        async_finish: bool = False,
+        return_recv_hook: bool = False,
+        out: torch.Tensor | None = None,
+        previous_event: torch.cuda.Event | None = None,
+    ):
+        """DeepEP's low-latency combine: expert outputs back to their tokens, summed with the
+        tokens' weights, in one launch. Collective.
+
+        Args:
+            x: [L, W * M', H] expert outputs of the Buffer's dtype in recv_x's rows; with
+                zero_copy, the buffer ``get_next_low_latency_combine_buffer`` returned.
+            topk_idx: [T, K], the dispatch's. topk_weights: [T, K] float32.
+            handle: the dispatch's. zero_copy: x is that buffer (the experts wrote into it).
+            async_finish, return_recv_hook, previous_event: as for ``low_latency_dispatch``.
+            out: [T, H] of the Buffer's dtype to write into, or None.
+
+        Returns:
+            combined_x: [T, H], out[t] = sum over t's valid slots k of topk_weights[t, k] times
+                its expert's row, accumulated in fp32; zeros for a token without valid slots.
+            event, hook: as for ``low_latency_dispatch``.
+        """
+        rt, call, area = self._start_low_latency_call("low_latency_combine")
+        try:
+            if not isinstance(handle, low_latency.LowLatencyHandle) or (
+                handle.src_info.device != rt.device or handle.hidden != self.hidden_size
+            ):
+                raise ValueError(
+                    f"handle must be a low-latency dispatch's handle of this Buffer, got "
+                    f"{describe(handle)}"
+                )
+            for name, flag in (("zero_copy", zero_copy), ("return_recv_hook", return_recv_hook),
+                               ("async_finish", async_finish)):  # fmt: skip
+                check_flag(name, flag)
+            check_low_latency_combine(
+                rt.plan, rt.device, x, topk_idx, topk_weights, handle.token_slots,
+                handle.src_info.shape[1], out,
+            )  # fmt: skip
+            if (
+                zero_copy
+                and x.data_ptr()
+                != low_latency.combine_buffer(
+                    rt, handle.num_max_dispatch_tokens_per_rank, area
+                ).data_ptr()
+            ):
+                raise ValueError(
+                    "zero_copy takes the buffer that get_next_low_latency_combine_buffer "
+                    "returned right before this call as x"
+                )
+            self._check_event(previous_event)
+        except ValueError:
+            low_latency.run_refused_combine(rt, self._id, area)
+            raise
+        if out is None:
+            out = torch.empty(topk_idx.shape[0], self.hidden_size, dtype=self.dtype,
+                              device=rt.device)  # fmt: skip
+        parts = (x, topk_idx, topk_weights, handle.token_slots, handle.layout_range, out)
+        call_seq, event = self._launch(
+            lambda: low_latency.combine(
+                self._id, *parts, zero_copy, not return_recv_hook, area, False
+            ),  # fmt: skip
+            parts,
+            previous_event,
+            async_finish,
+        )
+        hook = None
+        if return_recv_hook:
+            self._awaiting_hooks.add(call)
+
+            def hook() -> None:
+                self._take_hook(call)
+                low_latency.combine_receive(self._id, *parts, call_seq)
+
+        return out, event, hook
+
+    def get_next_low_latency_combine_buffer(
+        self, handle: "low_latency.LowLatencyHandle"
+    ) -> torch.Tensor:
+        """[L, W * M', H] of the Buffer's dtype in this rank's heap, for the experts to write
+        their outputs into and the next low-latency call, a combine with zero_copy=True, to
+        read (its area alternates with every low-latency call, as DeepEP's)."""
+        rt = self._low_latency_runtime()
+        return low_latency.combine_buffer(
+            rt, handle.num_max_dispatch_tokens_per_rank, (self._low_latency_calls + 1) % 2
+        )
+
+    def clean_low_latency_buffer(
+        self, num_max_dispatch_tokens_per_rank: int, hidden: int, num_experts: int
+    ) -> None:
+        """DeepEP's call to zero its low-latency flags after other use of its buffer: nothing
+        to do here (flags carry sequence numbers and normal mode has areas of its own); checks
+        that the arguments fit the Buffer."""
+        rt = self._low_latency_runtime()
+        check_int("num_max_dispatch_tokens_per_rank", num_max_dispatch_tokens_per_rank, 1,
+                  rt.plan.low_latency.tokens)  # fmt: skip
+        if (hidden, num_experts) != (self.hidden_size, self.num_experts):
+            raise ValueError(
+                f"hidden and num_experts must be the Buffer's ({self.hidden_size}, "
+                f"{self.num_experts}), got ({hidden}, {num_experts})"
+            )
+
+    @staticmethod
+    def low_latency_bytes(
+        num_max_dispatch_tokens_per_rank: int, hidden: int, num_ranks: int, num_experts: int,
+        dtype: torch.dtype = torch.bfloat16,
+    ) -> int:  # fmt: skip
+        """Heap bytes a rank that ``low_latency_tokens`` adds for these sizes (compare DeepEP's
+        ``get_low_latency_rdma_size_hint``; README, Low-latency mode)."""
+        return low_latency_bytes(num_max_dispatch_tokens_per_rank, hidden, num_ranks,
+                                 num_experts, dtype)  # fmt: skip
+
+    def _low_latency_runtime(self):
+        self._check_usable()
+        if not self._rt.plan.low_latency.tokens:
+            raise ValueError(
+                "this Buffer has no low-latency mode: build it with low_latency_tokens=M"
+            )
+        return self._rt
+
+    def _start_low_latency_call(self, name: str):
+        """The runtime, this call's number and its send area; ValueError if the receive hook
+        of a call two or more calls back was not called (its area is this call's)."""
+        rt = self._low_latency_runtime()
+        call = self._low_latency_calls + 1
+        late = [c for c in self._awaiting_hooks if c <= call - 2]
+        if late:
+            raise ValueError(
+                f"{name}: the receive hook of low-latency call {min(late)} was not called; at "
+                "most two calls may await their hooks (call them in order before the next)"
+            )
+        self._low_latency_calls = call
+        return rt, call, call % 2
+
+    def _take_hook(self, call: int) -> None:
+        self._check_usable()
+        if call not in self._awaiting_hooks:
+            raise RuntimeError("this receive hook was called already")
+        self._awaiting_hooks.discard(call)
+
+    def check(self, handle: DispatchHandle | None = None) -> None:
+        """Synchronise and raise what the device recorded for ``handle``'s dispatch (None, or a
+        low-latency handle: of the low-latency calls so far).
 
         TimeoutError: a peer did not answer within timeout_s (the Buffer is then unusable);
         ValueError: some rank's topk_idx was invalid, or its host refused an input of this
-            dispatch or of an earlier call along a handle (nothing was moved);
+            dispatch or of an earlier call along a handle (nothing was moved); of low-latency
+            calls, a rank's host refused the inputs of one (its outputs are not valid);
         OverflowError: more rows were needed than max_recv_tokens (the excess was dropped).
         """
+        if handle is None or isinstance(handle, low_latency.LowLatencyHandle):
+            self._check_usable()
+            status.check_low_latency(self._rt)
+            return
         self._check_handle(handle)
         status.read_report(self._rt, handle)
         self._unchecked = [entry for entry in self._unchecked if entry[0] is not handle.state]

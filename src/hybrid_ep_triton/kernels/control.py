@@ -30,7 +30,13 @@ NET_ROWS = tl.constexpr(10)  # token rows this rank has put over the network in 
 # number once it is (ops/dispatch.PreparedMove).
 HOST_RECORD = tl.constexpr(11)
 HOST_RECORD_SEQ = tl.constexpr(16)
-CONTROL_WORDS = 17
+# The low-latency mode (kernels/low_latency.py): the sequence number of its last call (dispatch
+# and combine count together: a call's receive area is the parity of its number), the tickets
+# of a running launch's programs, and the first rank whose host refused a call's inputs + 1.
+LL_SEQ = tl.constexpr(17)
+LL_TICKET = tl.constexpr(18)
+LL_REFUSED = tl.constexpr(19)
+CONTROL_WORDS = 20
 
 STATUS_OK = tl.constexpr(0)
 STATUS_TIMED_OUT = tl.constexpr(1)
@@ -61,3 +67,6 @@ STAGE_DISPATCH_NET = tl.constexpr(6)  # dispatch token chunks over the network
 STAGE_COMBINE_NET = tl.constexpr(7)  # combine partial sums over the network
 STAGE_DISPATCH_QUANTIZED = tl.constexpr(8)  # dispatch's quantization of this rank's rows
 STAGE_DISPATCH_OUTPUTS = tl.constexpr(9)  # the host's outputs of an exact-mode dispatch
+STAGE_LL_DISPATCH = tl.constexpr(10)  # low-latency dispatch rows from a source
+STAGE_LL_COMBINE = tl.constexpr(11)  # low-latency combine rows from an expert's rank
+STAGE_LL_FREED = tl.constexpr(12)  # the receive of a destination's call two calls back

@@ -48,6 +48,8 @@ class Runtime:
     relaunches: the last launch of each kind of call as a Relaunch (see ops/launch.py), by
         what fixes the arguments a repeated call does not change (the kind, the token count,
         K, flags): at most a few per distinct token count.
+    ll_scratch: int32 [E * C * RB] on the device: the low-latency send role's rows of a block
+        (kernels/low_latency.py), [0] without the mode.
     """
 
     plan: Plan
@@ -62,6 +64,7 @@ class Runtime:
     group: dist.ProcessGroup
     report: torch.Tensor
     outputs_record: torch.Tensor
+    ll_scratch: torch.Tensor
     compile_options: dict = field(default_factory=dict)
     on_compile: Callable | None = None
     launchers: dict = field(default_factory=dict)
@@ -122,6 +125,7 @@ def make_runtime(
     GPU (None on CPU ranks)."""
     on_gpu = device.type == "cuda"
     across_gpus = on_gpu and plan.nodes > 1
+    ll = plan.low_latency
     if across_gpus:  # kernels that call NVSHMEM link its device library, and set up each module
         import triton
 
@@ -146,6 +150,11 @@ def make_runtime(
         group=group,
         report=torch.zeros(REPORT_WORDS, dtype=torch.int64, pin_memory=on_gpu),
         outputs_record=torch.zeros(int(HOST_RECORD_WORDS), dtype=torch.int64, pin_memory=on_gpu),
+        ll_scratch=torch.empty(
+            plan.num_experts * ll.blocks_per_list * ll.block_rows if ll.tokens else 0,
+            dtype=torch.int32,
+            device=device,
+        ),  # fmt: skip
         compile_options={"extern_libs": device_library()} if across_gpus else {},
         on_compile=init_module if across_gpus else None,
     )

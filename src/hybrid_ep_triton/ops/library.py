@@ -60,7 +60,7 @@ def unregister(runtime_id: int) -> None:
     _runtimes.pop(runtime_id, None)
 
 
-def _runtime(runtime_id: int) -> Runtime:
+def runtime(runtime_id: int) -> Runtime:
     rt = _runtimes.get(runtime_id)
     if rt is None:
         raise RuntimeError(f"hybrid_ep: no live Buffer has id {runtime_id} (destroyed?)")
@@ -182,7 +182,7 @@ def _dispatch(
     recv_weights float32 ([N], with token rows [N, K]; [0] without topk_weights),
     recv_topk_idx ([N, K] int32 with token rows, else [0]), and the handle's state (see
     DispatchHandle)."""
-    rt = _runtime(runtime_id)
+    rt = runtime(runtime_id)
     exact = max_recv_tokens < 0
     recv_x, recv_scales, recv_weights, handle = _dispatch_with_handle(
         rt, x, x_scales, topk_idx, topk_weights, pad_multiple,
@@ -202,7 +202,7 @@ dispatch = torch.library.custom_op("hybrid_ep::dispatch", _dispatch, mutates_arg
 
 @dispatch.register_fake
 def _(runtime_id, x, x_scales, topk_idx, topk_weights, pad_multiple, max_recv_tokens, scaled):
-    rt = _runtime(runtime_id)
+    rt = runtime(runtime_id)
     if max_recv_tokens >= 0:
         rows = max_recv_tokens
     else:
@@ -246,7 +246,7 @@ def _dispatch_cached(
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Data move along an earlier dispatch's handle: recv_x, recv_scales or [0] (as for the
     dispatch operator), recv_weights [N] or [0]."""
-    rt = _runtime(runtime_id)
+    rt = runtime(runtime_id)
     handle = _handle(rt, topk_idx, state, num_recv_rows)
     recv_x, recv_scales, recv_weights = _move_cached(
         rt, x, x_scales, topk_weights, handle, scaled or None
@@ -274,7 +274,7 @@ dispatch_cached = torch.library.custom_op(
 
 @dispatch_cached.register_fake
 def _(runtime_id, x, x_scales, topk_weights, topk_idx, state, num_recv_rows, scaled):
-    rt = _runtime(runtime_id)
+    rt = runtime(runtime_id)
     slots = _slots_shape(rt, num_recv_rows, topk_idx.shape[1])
     weights = x.new_empty(slots if topk_weights is not None else 0, dtype=torch.float32)
     return *_fake_rows(x, rt.plan.hidden, num_recv_rows, scaled), weights
@@ -288,7 +288,7 @@ def _combine(
     state: Tensor,
 ) -> Tensor:
     """out [T, H] in y's dtype: the (weighted) sum of each token's rows of y [N, H]."""
-    rt = _runtime(runtime_id)
+    rt = runtime(runtime_id)
     return _combine_with_handle(rt, y, weights, _handle(rt, topk_idx, state, y.shape[0]))
 
 
@@ -313,7 +313,7 @@ def _slot_gradients_op(
 ) -> Tensor:
     """grad topk_weights [T, K] float32 from grad recv_weights float32 ([N], with token rows
     [N, K])."""
-    rt = _runtime(runtime_id)
+    rt = runtime(runtime_id)
     handle = _handle(rt, topk_idx, state, grad_recv_weights.shape[0])
     return _slot_gradients(rt, handle, grad_recv_weights)
 
@@ -459,7 +459,7 @@ def _dispatch_backward(ctx, grad_recv_x, grad_recv_weights, x_index: int, weight
         grads[x_index] = combine(ctx.runtime_id, grad_rows, None, topk_idx, state)
     if ctx.needs_input_grad[weights_index]:
         if grad_recv_weights is None:
-            shape = _slots_shape(_runtime(ctx.runtime_id), ctx.num_recv_rows, topk_idx.shape[1])
+            shape = _slots_shape(runtime(ctx.runtime_id), ctx.num_recv_rows, topk_idx.shape[1])
             grad_recv_weights = topk_idx.new_zeros(shape, dtype=torch.float32)
         grads[weights_index] = slot_gradients(
             ctx.runtime_id, grad_recv_weights.float().contiguous(), topk_idx, state

@@ -15,6 +15,7 @@ from ..kernels.control import (
     INFO_CAUSE,
     INFO_ROWS,
     INFO_SOURCE,
+    LL_REFUSED,
     REPORT_CAUSE,
     REPORT_ROWS,
     REPORT_TAG,
@@ -27,6 +28,9 @@ from ..kernels.control import (
     STAGE_DISPATCH_QUANTIZED,
     STAGE_DISPATCH_READY,
     STAGE_LAYOUT,
+    STAGE_LL_COMBINE,
+    STAGE_LL_DISPATCH,
+    STAGE_LL_FREED,
     STATUS,
     STATUS_WORDS,
 )
@@ -43,6 +47,11 @@ _STAGES = {
     int(STAGE_COMBINE_NET): "combine partial sums over the network",
     int(STAGE_DISPATCH_QUANTIZED): "dispatch's quantization of this rank's rows",
     int(STAGE_DISPATCH_OUTPUTS): "the host's outputs of an exact-mode dispatch",
+    int(STAGE_LL_DISPATCH): "low-latency dispatch rows",
+    int(STAGE_LL_COMBINE): "low-latency combine rows",
+    int(STAGE_LL_FREED): (
+        "the receive of its low-latency call two calls back (a receive hook not called?)"
+    ),
 }
 _STATUS = slice(int(STATUS), int(STATUS) + int(STATUS_WORDS))
 # The report's words read, one slice of host memory: REPORT_ROWS, REPORT_SOURCE, REPORT_BAD_ROW,
@@ -58,6 +67,22 @@ def check_after_launch(rt: Runtime) -> None:
     (``read_report``)."""
     if not rt.on_gpu:
         raise_on_status(rt, *rt.control[_STATUS].tolist())
+
+
+def check_low_latency(rt: Runtime) -> None:
+    """What the device recorded of low-latency calls (synchronises on GPUs): TimeoutError (a
+    wait timed out), or ValueError (a rank's host refused a call's inputs: the outputs of
+    that call are not valid), after which the record is cleared."""
+    code, peer, stage, refused = rt.control[
+        [*range(int(STATUS), int(STATUS) + int(STATUS_WORDS)), int(LL_REFUSED)]
+    ].tolist()
+    raise_on_status(rt, code, peer, stage)
+    if refused:
+        rt.control[int(LL_REFUSED)] = 0
+        raise ValueError(
+            f"rank {refused - 1} refused its inputs of a low-latency call (its own ValueError "
+            "said why): that call's outputs here are not valid"
+        )
 
 
 def raise_on_status(rt: Runtime, code: int, peer: int, stage: int) -> None:

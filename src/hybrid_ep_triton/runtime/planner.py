@@ -31,6 +31,12 @@ FP8_GROUP = 128
 # Most column parts of a work item for the local roles (expansion, reduction, finish): the items
 # that land last (or must be sent first) are worked on by up to that many programs at once.
 LOCAL_PARTS = 4
+# Low-latency mode: rows of one (expert, source) list that one program moves and one flag
+# releases (at most; fewer where the Buffer's low_latency_tokens is smaller).
+LOW_LATENCY_BLOCK_ROWS = 32
+# Bytes of the header in front of a low-latency dispatch row (the source token index, then
+# padding that keeps the payload 16-byte aligned), as DeepEP's messages have.
+LOW_LATENCY_HEADER = 16
 
 
 def ceil_div(a: int, b: int) -> int:
@@ -272,6 +278,7 @@ class HeapLayout:
                                          over NVLink; combine: its node's partial sums)
     net_outbox    [N, NC_MAX * S] NetSlot  what this rank puts to node n (network sources must
                                          lie in registered memory)
+    ll_*          the low-latency mode's regions (``LowLatencyLayout``), empty without it
     """
 
     count_flags: int
@@ -287,7 +294,93 @@ class HeapLayout:
     net_flags: int
     net_inbox: int
     net_outbox: int
+    ll_freed: int
+    ll_flags: int
+    ll_own: int
+    ll_staging: int
+    ll_send: int
     total_bytes: int
+
+
+@dataclass(frozen=True)
+class LowLatencyLayout:
+    """The low-latency mode's geometry (Buffer's ``low_latency_tokens`` = M > 0), with regions
+    in every rank's heap (offsets in HeapLayout):
+
+    ll_freed   int64 [W]              rank i's last low-latency call whose receive is over (so
+                                      that a sender two calls later may overwrite its area)
+    ll_flags   int64 [2, B, C]        block c of receive block b has landed: (seq << 32) | rows
+    ll_own     int64 [2, L]           this rank's own rows for local expert e: (seq << 32) | rows
+    ll_staging [2, B, M] rows         receive blocks, by parity of the call's sequence number:
+                                      dispatch, block (local expert e, source j != this rank):
+                                      rows of ``row_bytes`` (a LOW_LATENCY_HEADER, then the
+                                      payload); combine, block (remote expert e): rows of the
+                                      Buffer's dtype, hidden wide
+    ll_send    [2, E, M] rows         network sources (a NIC reads only registered memory):
+                                      dispatch rows by (expert, position), or the combine
+                                      buffer [L, W * M', H] of get_next_low_latency_combine_buffer
+
+    B = E - L (the experts of the other ranks), C = ceil(M / block_rows).
+    """
+
+    tokens: int  # M: most tokens a rank passes to one low-latency dispatch
+    block_rows: int  # rows a sending program moves and a flag releases
+    blocks_per_list: int  # C
+    remote_blocks: int  # B
+    payload_bytes: int  # the widest row a call moves: the Buffer's dtype, or FP8 and scales
+    row_bytes: int  # header + payload, a multiple of 16
+
+
+def low_latency_layout(
+    tokens: int, hidden: int, world_size: int, num_experts: int, dtype: torch.dtype
+) -> LowLatencyLayout:
+    """The low-latency geometry for ``tokens`` (M) tokens a rank; M = 0: none."""
+    block_rows = min(LOW_LATENCY_BLOCK_ROWS, next_power_of_2(max(tokens, 1)))
+    fp8_bytes = hidden + hidden // FP8_GROUP * 4 if hidden % FP8_GROUP == 0 else 0
+    payload = max(hidden * dtype.itemsize, fp8_bytes)
+    return LowLatencyLayout(
+        tokens=tokens, block_rows=block_rows, blocks_per_list=ceil_div(tokens, block_rows),
+        remote_blocks=num_experts - num_experts // world_size, payload_bytes=payload,
+        row_bytes=LOW_LATENCY_HEADER + ceil_div(payload, 16) * 16,
+    )  # fmt: skip
+
+
+def low_latency_region_sizes(ll: LowLatencyLayout, world_size: int, num_experts: int) -> list:
+    """(name, bytes) of the low-latency heap regions (all empty without the mode)."""
+    on = ll.tokens > 0
+    flags = 2 * ll.remote_blocks * ll.blocks_per_list * 8
+    return [
+        ("ll_freed", world_size * 8 if on else 0),
+        ("ll_flags", flags if on else 0),
+        ("ll_own", 2 * (num_experts // world_size) * 8 if on else 0),
+        ("ll_staging", 2 * ll.remote_blocks * ll.tokens * ll.row_bytes),
+        ("ll_send", 2 * num_experts * ll.tokens * ll.row_bytes),
+    ]
+
+
+def low_latency_bytes(
+    tokens: int, hidden: int, world_size: int, num_experts: int,
+    dtype: torch.dtype = torch.bfloat16,
+) -> int:  # fmt: skip
+    """Heap bytes per rank that ``Buffer(low_latency_tokens=tokens)`` adds, each region
+    rounded up to the heap's alignment."""
+    ll = low_latency_layout(tokens, hidden, world_size, num_experts, dtype)
+    sizes = low_latency_region_sizes(ll, world_size, num_experts)
+    return sum(ceil_div(size, _ALIGN) * _ALIGN for _, size in sizes)
+
+
+def deepep_low_latency_bytes(tokens: int, hidden: int, world_size: int, num_experts: int) -> int:
+    """DeepEP V1's ``Buffer.get_low_latency_rdma_size_hint(tokens, hidden, world_size,
+    num_experts)``, its RDMA buffer for the low-latency mode (csrc/legacy/config.hpp,
+    LowLatencyLayout): two send, two receive and two signalling buffers, sized in BF16."""
+    scales = hidden // FP8_GROUP
+    dispatch_message = 16 + max(hidden * 2, hidden + scales * 4)
+    combine_message = scales * 4 + hidden * 2
+    send = max(tokens * dispatch_message, num_experts * tokens * combine_message)
+    receive = num_experts * tokens * max(dispatch_message, combine_message)
+    signalling = ceil_div(num_experts * 4, 128) * 128
+    total = 2 * (send + receive + signalling)
+    return (total + 128) // 128 * 128
 
 
 @dataclass(frozen=True)
@@ -308,6 +401,7 @@ class Plan:
     ranks_per_node: int  # R: consecutive ranks that reach each other over NVLink
     net_slot: NetSlot
     scaled: tuple[ScaledRows, ...]  # the block-scaled formats whose blocks divide H
+    low_latency: LowLatencyLayout  # tokens == 0: no low-latency mode
 
     def scaled_rows(self, name: str) -> ScaledRows | None:
         """The layout of format ``name``'s rows (SCALED_FORMATS), None if H does not fit it."""
@@ -349,6 +443,7 @@ def make_plan(
     config: KernelConfig,
     token_rows: bool = False,
     ranks_per_node: int | None = None,
+    low_latency_tokens: int = 0,
 ) -> Plan:
     ranks_per_node = ranks_per_node or world_size
     nodes = world_size // ranks_per_node
@@ -389,6 +484,8 @@ def make_plan(
         ("net_inbox", net_slots * slot_bytes),
         ("net_outbox", net_slots * slot_bytes),
     ]
+    ll = low_latency_layout(low_latency_tokens, hidden, world_size, num_experts, dtype)
+    sizes += low_latency_region_sizes(ll, world_size, num_experts)
     offsets = {}
     cursor = 0
     for name, size in sizes:
@@ -411,4 +508,5 @@ def make_plan(
         ranks_per_node=ranks_per_node,
         net_slot=NetSlot(meta_ints, meta_floats, cols, data_offset, slot_bytes),
         scaled=scaled,
+        low_latency=ll,
     )

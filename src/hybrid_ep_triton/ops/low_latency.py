@@ -1,0 +1,377 @@
+"""Low-latency launches (kernels/low_latency.py): outputs in DeepEP's shapes, the send and
+receive halves of each call, and the handle that combine takes."""
+
+from typing import NamedTuple
+
+import torch
+
+from ..kernels.low_latency import low_latency_combine_kernel, low_latency_dispatch_kernel
+from ..runtime.planner import FP8_GROUP, ceil_div, next_power_of_2
+from . import Runtime, library, status
+from .launch import KernelLauncher
+
+# Warps of a low-latency program: most move a few rows, and many programs hide the latency of
+# each one's scan and waits.
+_WARPS = 4
+# Elements of a tile's row (a row of bf16 at 7168 channels in 7 tiles), and rows of a tile.
+_BLOCK_H = 1024
+_TILE_ROWS = 4
+# Most topk_idx entries a sending program scans at a time.
+_MOST_SCANNED = 1024
+# 128-channel groups quantized at a time.
+_GROUPS = 4
+
+
+class LowLatencyHandle(NamedTuple):
+    """A low-latency dispatch's handle: DeepEP's (src_info, layout_range,
+    num_max_dispatch_tokens_per_rank, hidden, num_experts), then what combine needs besides.
+
+    src_info: [L, W * M'] int32, each received row's source token index.
+    layout_range: [L, W] int64, (first row << 32) | rows of local expert e from rank j.
+    token_slots: [T, K] int32, each (token, slot)'s row among its expert's rows from this rank.
+    """
+
+    src_info: torch.Tensor
+    layout_range: torch.Tensor
+    num_max_dispatch_tokens_per_rank: int
+    hidden: int
+    num_experts: int
+    token_slots: torch.Tensor
+
+
+class DispatchOutputs(NamedTuple):
+    """What a low-latency dispatch writes: recv_x [L, W * M', H] (FP8 values with FP8), the
+    storage of its scales (``scale_storage``; an empty tensor without FP8), recv_count [L]
+    int32, the handle's src_info, layout_range and token_slots, and the call's sequence number
+    (int64 [1], which a receive launched later reads)."""
+
+    recv_x: torch.Tensor
+    scale_storage: torch.Tensor
+    recv_count: torch.Tensor
+    src_info: torch.Tensor
+    layout_range: torch.Tensor
+    token_slots: torch.Tensor
+    call_seq: torch.Tensor
+
+
+def allocate_dispatch(
+    rt: Runtime, num_tokens: int, topk: int, max_tokens: int, fp8: bool, ue8m0: bool
+) -> DispatchOutputs:
+    """Outputs of a dispatch of ``num_tokens`` tokens with ``topk`` slots, sized for
+    ``max_tokens`` (M') tokens a rank. FP8 scales are stored as DeepEP lays them out (for TMA,
+    rows fastest): [L, G, rows] float32, or with UE8M0 [L, ceil(G / 4), rows] int32 whose byte
+    i is group 4p + i's exponent, as bytes [L, ceil(G / 4), 4 * rows] (``caller_scales`` gives
+    the caller's view)."""
+    plan, device = rt.plan, rt.device
+    experts, hidden = plan.experts_per_rank, plan.hidden
+    rows = rt.world_size * max_tokens
+    if fp8:
+        recv_x = torch.empty(experts, rows, hidden, dtype=torch.float8_e4m3fn, device=device)
+        groups = hidden // FP8_GROUP
+        if ue8m0:
+            storage = torch.empty(experts, ceil_div(groups, 4), rows, dtype=torch.int32,
+                                  device=device).view(torch.uint8)  # fmt: skip
+        else:
+            storage = torch.empty(experts, groups, rows, dtype=torch.float32, device=device)
+    else:
+        recv_x = torch.empty(experts, rows, hidden, dtype=plan.dtype, device=device)
+        storage = torch.empty(0, dtype=torch.float32, device=device)
+    return DispatchOutputs(
+        recv_x=recv_x, scale_storage=storage,
+        recv_count=torch.empty(experts, dtype=torch.int32, device=device),
+        src_info=torch.empty(experts, rows, dtype=torch.int32, device=device),
+        layout_range=torch.empty(experts, rt.world_size, dtype=torch.int64, device=device),
+        token_slots=torch.empty(num_tokens, topk, dtype=torch.int32, device=device),
+        call_seq=torch.empty(1, dtype=torch.int64, device=device),
+    )  # fmt: skip
+
+
+def caller_scales(storage: torch.Tensor) -> torch.Tensor:
+    """The scales of a dispatch as the caller gets them, from their storage: [L, rows, G]
+    float32 or [L, rows, ceil(G / 4)] int32 (UE8M0), rows fastest."""
+    if storage.dtype == torch.uint8:
+        storage = storage.view(torch.int32)
+    return storage.transpose(1, 2)
+
+
+def combine_buffer(rt: Runtime, max_tokens: int, area: int) -> torch.Tensor:
+    """Send area ``area`` (0 or 1) of this rank's heap as the buffer [L, W * M', H] of the
+    Buffer's dtype that combine reads expert outputs from with zero_copy (and that a combine
+    across nodes puts rows from)."""
+    plan = rt.plan
+    ll = plan.low_latency
+    start = plan.heap.ll_send + area * plan.num_experts * ll.tokens * ll.row_bytes
+    shape = (plan.experts_per_rank, rt.world_size * max_tokens, plan.hidden)
+    size = shape[0] * shape[1] * shape[2] * plan.dtype.itemsize
+    return rt.heap.local[start : start + size].view(plan.dtype).view(shape)
+
+
+def _send_off(rt: Runtime, area: int) -> int:
+    plan = rt.plan
+    return plan.heap.ll_send + area * plan.num_experts * plan.low_latency.tokens * (
+        plan.low_latency.row_bytes
+    )
+
+
+def _heap_constants(rt: Runtime) -> dict:
+    plan, heap, ll = rt.plan, rt.plan.heap, rt.plan.low_latency
+    return dict(
+        peer_bases_ptr=rt.heap.peer_bases, net_bases_ptr=rt.heap.net_bases,
+        heap_bytes=heap.total_bytes, freed_off=heap.ll_freed, flags_off=heap.ll_flags,
+        own_off=heap.ll_own, staging_off=heap.ll_staging, control_ptr=rt.control,
+        timeout_ns=rt.timeout_ns, rank=rt.rank, W=rt.world_size, L=plan.experts_per_rank,
+        B=ll.remote_blocks, M=ll.tokens, C=ll.blocks_per_list, RB=ll.block_rows,
+        ROW_BYTES=ll.row_bytes, NODES=plan.nodes, num_warps=_WARPS, **rt.compile_options,
+    )  # fmt: skip
+
+
+def _dispatch_launcher(rt: Runtime) -> KernelLauncher:
+    return KernelLauncher(
+        low_latency_dispatch_kernel, on_compile=rt.on_compile, scratch_ptr=rt.ll_scratch,
+        **_heap_constants(rt),
+    )  # fmt: skip
+
+
+def _combine_launcher(rt: Runtime) -> KernelLauncher:
+    return KernelLauncher(
+        low_latency_combine_kernel, on_compile=rt.on_compile, **_heap_constants(rt)
+    )
+
+
+def _aligned(*tensors: torch.Tensor) -> bool:
+    return all(t.data_ptr() % 16 == 0 and t.stride(-2) * t.element_size() % 16 == 0
+               for t in tensors)  # fmt: skip
+
+
+def launch_dispatch(
+    rt: Runtime,
+    x: torch.Tensor,
+    topk_idx: torch.Tensor,
+    stats: torch.Tensor | None,
+    outputs: DispatchOutputs,
+    *,
+    round_scale: bool,
+    ue8m0: bool,
+    send: bool,
+    receive: bool,
+    area: int,
+    refused: bool = False,
+) -> None:
+    """Launch the send half, the receive half, or both, of a dispatch of x [T, H] routed by
+    topk_idx [T, K] into ``outputs`` (FP8 where they have scales); ``area``: the send area of
+    this call (the host's parity); ``refused``: this rank's host refused the call (x and
+    topk_idx are then empty)."""
+    plan, ll = rt.plan, rt.plan.low_latency
+    num_tokens, topk = topk_idx.shape
+    fp8 = outputs.scale_storage.numel() > 0
+    experts = plan.experts_per_rank
+    senders = plan.num_experts * ceil_div(max(num_tokens, 1), ll.block_rows) if send else 0
+    grid = senders + (experts * rt.world_size if receive else 0)
+    rows = outputs.recv_x.shape[1]
+    groups = plan.hidden // FP8_GROUP
+    if not fp8:
+        scale_plane = scale_row_step = scale_step = 0
+    elif ue8m0:
+        scale_plane, scale_row_step, scale_step = ceil_div(groups, 4) * rows * 4, 4, rows * 4
+    else:
+        scale_plane, scale_row_step, scale_step = groups * rows, 1, rows
+    rt.launcher(_dispatch_launcher)(
+        (max(grid, 1),),
+        specialized=dict(
+            x_ptr=x, x_stride=x.stride(0), topk_ptr=topk_idx, num_tokens=num_tokens,
+            stats_ptr=stats if stats is not None else outputs.recv_count,
+            hidden=plan.hidden, rows=rows, row_bytes=outputs.recv_x[0, 0].nbytes,
+            scale_plane=scale_plane, scale_row_step=scale_row_step, scale_step=scale_step,
+            send_off=_send_off(rt, area), refused=int(refused), K=topk,
+            K_P2=next_power_of_2(topk),
+            SCAN=min(_MOST_SCANNED, next_power_of_2(max(ll.tokens * topk, 1))),
+            ROWS=_TILE_ROWS, BLOCK_H=_BLOCK_H, GROUPS=_GROUPS,
+            G_P2=next_power_of_2(max(groups, 1)), FP8=fp8, ROUND=round_scale, UE8M0=ue8m0,
+            ALIGNED=_aligned(x) and plan.hidden * x.element_size() % 16 == 0,
+            HAS_STATS=stats is not None, SEND=send, RECEIVE=receive,
+        ),
+        aligned=dict(
+            slots_ptr=outputs.token_slots, recv_ptr=outputs.recv_x.view(torch.uint8),
+            scales_ptr=outputs.scale_storage, src_info_ptr=outputs.src_info,
+            layout_range_ptr=outputs.layout_range, recv_count_ptr=outputs.recv_count,
+            seq_ptr=outputs.call_seq,
+        ),
+    )  # fmt: skip
+
+
+def launch_combine(
+    rt: Runtime,
+    x: torch.Tensor,
+    topk_idx: torch.Tensor,
+    topk_weights: torch.Tensor,
+    token_slots: torch.Tensor,
+    layout_range: torch.Tensor,
+    out: torch.Tensor,
+    call_seq: torch.Tensor,
+    *,
+    zero_copy: bool,
+    send: bool,
+    receive: bool,
+    area: int,
+    refused: bool = False,
+) -> None:
+    """Launch the send half, the receive half, or both, of a combine of expert outputs x [L,
+    W * M', H] into out [T, H] (``area``: the send area of this call, which with zero_copy x
+    is; ``refused``: this rank's host refused the call, whose tensors are then stand-ins)."""
+    plan, ll = rt.plan, rt.plan.low_latency
+    num_tokens, topk = topk_idx.shape
+    rows = x.shape[1]
+    senders = plan.experts_per_rank * (rt.world_size - 1) * ceil_div(
+        rows // rt.world_size, ll.block_rows
+    ) if send else 0  # fmt: skip
+    # Column slices of a token: enough programs for the GPU when tokens are few.
+    slices = max(1, min(ceil_div(plan.hidden, _BLOCK_H), ceil_div(256, max(num_tokens, 1))))
+    grid = senders + (num_tokens * slices if receive else 0)
+    rt.launcher(_combine_launcher)(
+        (max(grid, 1),),
+        specialized=dict(
+            x_ptr=x, x_plane=x.stride(0), x_row=x.stride(1), topk_ptr=topk_idx,
+            weights_ptr=topk_weights, out_ptr=out, num_tokens=num_tokens, hidden=plan.hidden,
+            rows=rows, slices=slices, send_off=_send_off(rt, area), refused=int(refused),
+            K=topk, K_P2=next_power_of_2(topk), ROWS=_TILE_ROWS, BLOCK_H=_BLOCK_H,
+            ALIGNED=_aligned(x[0], out) and plan.hidden * x.element_size() % 16 == 0,
+            ZERO_COPY=zero_copy, SEND=send, RECEIVE=receive,
+        ),
+        aligned=dict(slots_ptr=token_slots, layout_range_ptr=layout_range, seq_ptr=call_seq),
+    )  # fmt: skip
+
+
+def run_refused_dispatch(rt: Runtime, runtime_id: int, area: int) -> None:
+    """This rank's part of a low-latency dispatch whose inputs its host refused: no rows, and
+    REFUSED in every flag, so that no peer waits and every peer records the refusal (what this
+    rank receives is dropped)."""
+    plan = rt.plan
+    outputs = allocate_dispatch(rt, 0, 1, plan.low_latency.tokens, False, False)
+    x = torch.empty(0, plan.hidden, dtype=plan.dtype, device=rt.device)
+    no_routing = torch.empty(0, 1, dtype=torch.int64, device=rt.device)
+    launch_dispatch(rt, x, no_routing, None, outputs, round_scale=False, ue8m0=False, send=True,
+                    receive=True, area=area, refused=True)  # fmt: skip
+
+
+def run_refused_combine(rt: Runtime, runtime_id: int, area: int) -> None:
+    """This rank's part of a low-latency combine whose inputs its host refused: every flag a
+    peer could wait for, with REFUSED and no rows (its stand-in x, a send area, is not read)."""
+    plan, device = rt.plan, rt.device
+    x = combine_buffer(rt, plan.low_latency.tokens, area)
+    no_slots = torch.empty(0, 1, dtype=torch.int32, device=device)
+    launch_combine(
+        rt, x, no_slots, no_slots.float(), no_slots,
+        torch.zeros(plan.experts_per_rank, rt.world_size, dtype=torch.int64, device=device),
+        torch.empty(0, plan.hidden, dtype=plan.dtype, device=device),
+        torch.empty(1, dtype=torch.int64, device=device), zero_copy=True, send=True,
+        receive=True, area=area, refused=True,
+    )  # fmt: skip
+
+
+def _check_after_launch(rt: Runtime) -> None:
+    """CPU ranks' launches are synchronous: raise what the launch recorded now (on GPUs,
+    Buffer.check does)."""
+    if not rt.on_gpu:
+        status.check_low_latency(rt)
+
+
+# -- torch.library operators: the calls as torch.compile traces them -------------------------
+#
+# The dispatch operator allocates its outputs; the receive halves and combine write into
+# tensors they are given (declared mutated), so that a hook launched later fills what the
+# send half returned. No autograd: the mode serves inference.
+
+
+def _dispatch_op(
+    runtime_id: int, x: torch.Tensor, topk_idx: torch.Tensor, stats: torch.Tensor | None,
+    max_tokens: int, fp8: bool, round_scale: bool, ue8m0: bool, receive: bool, area: int,
+    refused: bool,
+) -> tuple[
+    torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor
+]:  # fmt: skip
+    """A dispatch's send half (and with ``receive`` its receive half): the DispatchOutputs."""
+    rt = library.runtime(runtime_id)
+    outputs = allocate_dispatch(rt, topk_idx.shape[0], topk_idx.shape[1], max_tokens, fp8, ue8m0)
+    launch_dispatch(rt, x, topk_idx, stats, outputs, round_scale=round_scale, ue8m0=ue8m0,
+                    send=True, receive=receive, area=area, refused=refused)  # fmt: skip
+    _check_after_launch(rt)
+    return tuple(outputs)
+
+
+dispatch = torch.library.custom_op(
+    "hybrid_ep::low_latency_dispatch", _dispatch_op, mutates_args=("stats",)
+)
+
+
+@dispatch.register_fake
+def _(runtime_id, x, topk_idx, stats, max_tokens, fp8, round_scale, ue8m0, receive, area,
+      refused):  # fmt: skip
+    rt = library.runtime(runtime_id)
+    with torch.device("meta"):
+        outputs = allocate_dispatch(rt, *topk_idx.shape, max_tokens, fp8, ue8m0)
+    return tuple(torch.empty_like(t, device=x.device) for t in outputs)
+
+
+def _dispatch_receive_op(
+    runtime_id: int, x: torch.Tensor, topk_idx: torch.Tensor, stats: torch.Tensor | None,
+    recv_x: torch.Tensor, scale_storage: torch.Tensor, recv_count: torch.Tensor,
+    src_info: torch.Tensor, layout_range: torch.Tensor, token_slots: torch.Tensor,
+    call_seq: torch.Tensor, round_scale: bool, ue8m0: bool,
+) -> None:  # fmt: skip
+    """A dispatch's receive half, into the outputs its send half returned."""
+    rt = library.runtime(runtime_id)
+    outputs = DispatchOutputs(recv_x, scale_storage, recv_count, src_info, layout_range,
+                              token_slots, call_seq)  # fmt: skip
+    launch_dispatch(rt, x, topk_idx, stats, outputs, round_scale=round_scale, ue8m0=ue8m0,
+                    send=False, receive=True, area=0)  # fmt: skip
+    _check_after_launch(rt)
+
+
+dispatch_receive = torch.library.custom_op(
+    "hybrid_ep::low_latency_dispatch_receive", _dispatch_receive_op,
+    mutates_args=("stats", "recv_x", "scale_storage", "recv_count", "src_info", "layout_range"),
+)  # fmt: skip
+
+
+def _combine_op(
+    runtime_id: int, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
+    token_slots: torch.Tensor, layout_range: torch.Tensor, out: torch.Tensor, zero_copy: bool,
+    receive: bool, area: int, refused: bool,
+) -> torch.Tensor:  # fmt: skip
+    """A combine's send half (and with ``receive`` its receive half, into ``out``); returns
+    the call's sequence number (int64 [1]) for a receive launched later."""
+    rt = library.runtime(runtime_id)
+    call_seq = torch.empty(1, dtype=torch.int64, device=rt.device)
+    launch_combine(rt, x, topk_idx, topk_weights, token_slots, layout_range, out, call_seq,
+                   zero_copy=zero_copy, send=True, receive=receive, area=area,
+                   refused=refused)  # fmt: skip
+    _check_after_launch(rt)
+    return call_seq
+
+
+combine = torch.library.custom_op(
+    "hybrid_ep::low_latency_combine", _combine_op, mutates_args=("out",)
+)
+
+
+@combine.register_fake
+def _(runtime_id, x, topk_idx, topk_weights, token_slots, layout_range, out, zero_copy, receive,
+      area, refused):  # fmt: skip
+    return x.new_empty(1, dtype=torch.int64)
+
+
+def _combine_receive_op(
+    runtime_id: int, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
+    token_slots: torch.Tensor, layout_range: torch.Tensor, out: torch.Tensor,
+    call_seq: torch.Tensor,
+) -> None:  # fmt: skip
+    """A combine's receive half, into ``out``."""
+    rt = library.runtime(runtime_id)
+    launch_combine(rt, x, topk_idx, topk_weights, token_slots, layout_range, out, call_seq,
+                   zero_copy=False, send=False, receive=True, area=0)  # fmt: skip
+    _check_after_launch(rt)
+
+
+combine_receive = torch.library.custom_op(
+    "hybrid_ep::low_latency_combine_receive", _combine_receive_op, mutates_args=("out",)
+)
