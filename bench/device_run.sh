@@ -7,6 +7,10 @@
 #   tests-nodes  the tests across (simulated) nodes: 2 GPUs as 2 nodes of 1, every transfer
 #          between them an NVSHMEM put (reference groups, the put, timeouts, the demo)
 #   bench  bench/run.py (JSON, Markdown, PNG into $OUT)
+#   low-latency  the low-latency mode on one GPU: tests/test_low_latency.py's GPU cases (world 1,
+#          graph capture with hooks), then bench/low_latency.py (JSON, Markdown, PNG into $OUT);
+#          its tests with ranks sharing the GPU run in the step shared
+#          (SHARED_TESTS=tests/test_low_latency.py)
 #   soak   hybrid-ep soak on every local GPU ($SOAK_ROUNDS rounds, default 10000)
 #   soak-token  the same with token rows (Buffer(expand=False))
 #   transport  which NVSHMEM transport carries the puts (NVSHMEM_INFO, NVSHMEM_DEBUG=INFO), with
@@ -157,6 +161,9 @@ for step in $STEPS; do
                           tests/test_network.py tests/test_dispatch_combine.py tests/test_heap.py
                           tests/test_cli.py -k "x1 or network or two_nodes") ;;
         bench) cmd=(python3 bench/run.py --iters 50 --warmup 10 --timeout 400 --out "$OUT") ;;
+        low-latency) cmd=(bash -c 'HEP_TEST_DEVICE=cuda HEP_TEST_TIMEOUT=120 python3 -m pytest \
+                          -q -rs -p no:cacheprovider tests/test_low_latency.py -m gpu; rc=$?; \
+                          python3 bench/low_latency.py --out "$OUT" || rc=1; exit $rc') ;;
         soak) cmd=(python3 -m hybrid_ep_triton soak --device cuda --rounds "${SOAK_ROUNDS:-10000}") ;;
         soak-token) cmd=(python3 -m hybrid_ep_triton soak --device cuda --token-rows
                          --rounds "${SOAK_ROUNDS:-10000}") ;;

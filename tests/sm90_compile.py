@@ -31,6 +31,10 @@ from triton.compiler import ASTSource
 
 from hybrid_ep_triton.kernels.combine import combine_kernel
 from hybrid_ep_triton.kernels.dispatch import dispatch_kernel
+from hybrid_ep_triton.kernels.low_latency import (
+    low_latency_combine_kernel,
+    low_latency_dispatch_kernel,
+)
 from hybrid_ep_triton.kernels.quantize import NO_QUANTIZER, quantize_block_scaled_kernel
 from hybrid_ep_triton.kernels.route import layout_kernel
 from hybrid_ep_triton.ops.dispatch import QUANTIZERS
@@ -197,7 +201,42 @@ def builds(topologies=TOPOLOGIES):
             topo = f"EP{world}" if nodes == 1 else f"EP{world} ({nodes}x{per_node}, NVSHMEM)"
             source = ASTSource(kernel, signature, constexprs, attrs)
             yield f"{topo} {kernel.fn.__name__}{rows}", source, options
+        yield from low_latency_builds(world, per_node)
     yield from block_scaled_builds()
+
+
+def low_latency_builds(world: int, per_node: int):
+    """Yield (label, ASTSource, options) of the low-latency kernels at 128 tokens a rank, as
+    ops/low_latency.py launches them without a hook: dispatch of bf16 rows and of FP8 rows with
+    UE8M0 scales, and combine."""
+    from hybrid_ep_triton.ops import low_latency as ops
+    from hybrid_ep_triton.runtime.planner import low_latency_layout
+
+    ll = low_latency_layout(128, 7168, world, 256, torch.bfloat16)
+    nodes = world // per_node
+    common = dict(W=world, L=256 // world, B=ll.remote_blocks, M=ll.tokens, C=ll.blocks_per_list,
+                  RB=ll.block_rows, K=8, K_P2=8, ROWS=ops._TILE_ROWS, BLOCK_H=ops._BLOCK_H,
+                  ROW_BYTES=ll.row_bytes, ALIGNED=True, NODES=nodes, SEND=True,
+                  RECEIVE=True)  # fmt: skip
+    heap = dict(peer_bases_ptr="*i64", net_bases_ptr="*i64", control_ptr="*i64", seq_ptr="*i64",
+                layout_range_ptr="*i64", x_ptr="*bf16", topk_ptr="*i64")  # fmt: skip
+    options = dict(num_warps=ops._WARPS)
+    if nodes > 1:
+        options["extern_libs"] = device_library(arch="90")
+    topo = f"EP{world}" if nodes == 1 else f"EP{world} ({nodes}x{per_node}, NVSHMEM)"
+    kernel = low_latency_dispatch_kernel
+    for label, fp8 in (("", False), (" FP8 UE8M0", True)):
+        constexprs = dict(common, SCAN=1024, GROUPS=ops._GROUPS, G_P2=64, FP8=fp8, ROUND=fp8,
+                          UE8M0=fp8, HAS_STATS=True)  # fmt: skip
+        pointers = dict(heap, scales_ptr="*u8" if fp8 else "*fp32", recv_ptr="*u8")
+        signature, attrs = _signature(kernel, pointers, constexprs)
+        yield f"{topo} {kernel.fn.__name__}{label}", ASTSource(kernel, signature, constexprs,
+                                                               attrs), options  # fmt: skip
+    kernel = low_latency_combine_kernel
+    constexprs = dict(common, ZERO_COPY=False)
+    pointers = dict(heap, weights_ptr="*fp32", out_ptr="*bf16")
+    signature, attrs = _signature(kernel, pointers, constexprs)
+    yield f"{topo} {kernel.fn.__name__}", ASTSource(kernel, signature, constexprs, attrs), options
 
 
 def block_scaled_builds():

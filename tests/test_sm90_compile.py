@@ -20,8 +20,9 @@ def test_kernels_compile_for_sm90():
     # and EP8 in one node, and at EP16 as 2 nodes of 8 with NVSHMEM linked; FP8 dispatch at
     # EP8 (expert-major rows) and EP16 (token rows); dispatch quantizing into FP8, MXFP8 and
     # NVFP4 and the exact-mode move whose outputs come from the host, at EP2; the MXFP8 / NVFP4
-    # quantizer alone (3).
-    assert result.stdout.count("REG:") == 24, result.stdout
+    # quantizer alone (3); the low-latency dispatch (bf16, FP8 with UE8M0 scales) and combine
+    # at each of the three topologies (9).
+    assert result.stdout.count("REG:") == 33, result.stdout
 
 
 _CACHE_HIT_SCRIPT = """

@@ -110,7 +110,7 @@ def _largest_over_ranks(values: list[float]) -> list[float]:
     return worst.tolist()
 
 
-def _capture(fn):
+def capture(fn):
     """(CUDA graph of fn, fn's output from the capture); warmed up on a side stream first."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
@@ -238,7 +238,7 @@ def _time_buffer(buf, sets, warmup: int, iters: int, rows: str = "bf16") -> dict
         warmup, iters,
     )  # fmt: skip
     if rows != "bf16":
-        graphs = [_capture(partial(dispatch, x, i, w, max_recv_tokens=max_rows))[0]
+        graphs = [capture(partial(dispatch, x, i, w, max_recv_tokens=max_rows))[0]
                   for x, i, w in sets]  # fmt: skip
         times["dispatch", "graph"] = median_us(lambda g: g.replay(), [(g,) for g in graphs],
                                                 warmup, iters)  # fmt: skip
@@ -252,10 +252,10 @@ def _time_buffer(buf, sets, warmup: int, iters: int, rows: str = "bf16") -> dict
     # referenced with it (torch.cuda.graph frees unreferenced cached blocks at each capture).
     graphs = []
     for x, i, w in sets:
-        g_disp, out = _capture(partial(dispatch, x, i, w, max_recv_tokens=max_rows))
+        g_disp, out = capture(partial(dispatch, x, i, w, max_recv_tokens=max_rows))
         g_disp.replay()  # capturing runs nothing: fill the handle before combine uses it
         y, h, rw = torch.randn_like(out[0]), out[-1], combine_weights(buf, out)
-        g_comb, _ = _capture(partial(buf.combine, y, h, weights=rw))
+        g_comb, _ = capture(partial(buf.combine, y, h, weights=rw))
         graphs.append((g_disp, g_comb, (y, h, rw)))
     times["dispatch", "graph"] = median_us(lambda g, _, __: g.replay(), graphs, warmup, iters)
     times["combine", "graph"] = median_us(lambda _, g, __: g.replay(), graphs, warmup, iters)
@@ -488,7 +488,7 @@ def _plot_formats(ax, result: dict, kinds: list[str]) -> None:
     ax.legend(fontsize=7)
 
 
-def _commit() -> str:
+def commit() -> str:
     if os.environ.get("HEP_COMMIT"):
         return os.environ["HEP_COMMIT"]
     try:
@@ -529,7 +529,7 @@ def run(args: argparse.Namespace) -> int:
         machine=f"{world}x {name}",
         machine_slug=f"{world}x{name.replace('NVIDIA ', '').replace(' ', '')}",
         date=datetime.date.today().isoformat(),
-        commit=_commit(),
+        commit=commit(),
         ranks=world,
         ceiling_GBps=min(r["ceiling_GBps"] for r in per_rank),
         rows=per_rank[0]["rows"],
