@@ -45,6 +45,23 @@ def _inputs(tokens: int, seed: int):
     return x, topk_idx, weights
 
 
+class _Graph:
+    """A captured CUDA graph with what its replays read: torch.cuda.graph frees the cached
+    blocks nothing references at each capture, so a graph's inputs must stay referenced."""
+
+    def __init__(self, graph, *kept):
+        self.graph, self.kept = graph, kept
+
+    def replay(self) -> None:
+        self.graph.replay()
+
+
+def _captured(fn) -> _Graph:
+    from hybrid_ep_triton.tools.bench import capture
+
+    return _Graph(capture(fn)[0], fn)
+
+
 def _replay_us(cycles: list[list], warmup: int, iters: int) -> list[float]:
     """Median µs of each step of a cycle of graph replays: ``cycles[s]`` is input set s's
     graphs, one per step, replayed in order; round i replays set i % len(cycles)."""
@@ -110,7 +127,6 @@ def _check_combine(x, topk_idx, weights, out) -> str | None:
 def _rank(rank: int, world: int, opts: dict) -> dict:
     import hybrid_ep_triton as hep
     from hybrid_ep_triton.runtime.planner import deepep_low_latency_bytes
-    from hybrid_ep_triton.tools.bench import capture
 
     tokens, warmup, iters = opts["tokens"], opts["warmup"], opts["iters"]
     sets = [_inputs(tokens, seed) for seed in range(_SETS)]
@@ -132,7 +148,7 @@ def _rank(rank: int, world: int, opts: dict) -> dict:
             if problem:
                 errors.append(f"dispatch {name}: {problem}")
                 break
-        graphs = [[capture(partial(dispatch, x, i, **kw))[0]] for x, i, _ in sets]
+        graphs = [[_captured(partial(dispatch, x, i, **kw))] for x, i, _ in sets]
         timings.append(("dispatch", name, "one launch", _replay_us(graphs, warmup, iters)[0]))
     # Hooks: the send and the receive halves, each its own graph.
     halves = [_capture_halves(lambda x=x, i=i: dispatch(x, i, use_fp8=False,
@@ -146,18 +162,24 @@ def _rank(rank: int, world: int, opts: dict) -> dict:
     for x, i, w in sets:
         recv, _, handle, _, _ = dispatch(x, i, use_fp8=False)
         y = recv * 2
-        problem = _check_combine(x, i, w, ll.low_latency_combine(y, i, w, handle)[0])
-        if problem:
-            errors.append(f"combine: {problem}")
+        for zero_copy in (False, True):
+            if zero_copy:
+                ll.get_next_low_latency_combine_buffer(handle).copy_(y)
+                combined = _zero_copy(ll, i, w, handle)[0]
+            else:
+                combined = ll.low_latency_combine(y, i, w, handle)[0]
+            problem = _check_combine(x, i, w, combined)
+            if problem:
+                errors.append(f"combine (zero_copy={zero_copy}): {problem}")
         call = partial(ll.low_latency_combine, y, i, w, handle)
-        combines.append([capture(call)[0]])
+        combines.append([_captured(call)])
         combine_halves.append(_capture_halves(partial(call, return_recv_hook=True)))
-        zero_copies.append([capture(partial(_zero_copy, ll, y, i, w, handle))[0]])
+        zero_copies.append([_captured(partial(_zero_copy, ll, i, w, handle))])
     timings.append(("combine", "bf16", "one launch", _replay_us(combines, warmup, iters)[0]))
     send_us, receive_us = _replay_us(combine_halves, warmup, iters)
     timings += [("combine", "bf16", "send half", send_us),
                 ("combine", "bf16", "receive half", receive_us),
-                ("combine", "bf16", "zero_copy (copy into the buffer + combine)",
+                ("combine", "bf16", "one launch, zero_copy",
                  _replay_us(zero_copies, warmup, iters)[0])]  # fmt: skip
     ll.destroy()
 
@@ -181,13 +203,13 @@ def _capture_halves(call) -> list:
         hook = call()[-1]
     with torch.cuda.graph(receive):
         hook()
-    return [send, receive]
+    return [_Graph(send, call), _Graph(receive, hook)]
 
 
-def _zero_copy(ll, y, topk_idx, weights, handle):
-    """The experts' outputs written into the next combine buffer, then a zero-copy combine."""
+def _zero_copy(ll, topk_idx, weights, handle):
+    """A zero-copy combine of what the next combine buffer holds (in a replay, whatever the
+    buffer of its call holds: the experts would have written there)."""
     buffer = ll.get_next_low_latency_combine_buffer(handle)
-    buffer.copy_(y)
     return ll.low_latency_combine(buffer, topk_idx, weights, handle, zero_copy=True)
 
 
@@ -208,8 +230,9 @@ def _normal_mode(sets, tokens: int, warmup: int, iters: int, errors: list) -> li
             d_graph.replay()
             weights = out[1] if expand else None
             y = torch.randn_like(out[0])
-            c_graph, _ = capture(partial(buf.combine, y, out[-1], weights=weights))
-            graphs.append([d_graph, c_graph])
+            graphs.append(
+                [_Graph(d_graph, out), _captured(partial(buf.combine, y, out[-1], weights=weights))]
+            )
         d_us, c_us = _replay_us(graphs, warmup, iters)
         rows = "expert-major rows" if expand else "token rows"
         found += [(f"normal mode dispatch, max_recv_tokens, {rows}", d_us),
@@ -221,17 +244,16 @@ def _normal_mode(sets, tokens: int, warmup: int, iters: int, errors: list) -> li
 def _copies(sets, rows: int, warmup: int, iters: int) -> list:
     """Plain copies of what a bf16 dispatch writes: its rows gathered from x, and a copy of as
     many bytes between two buffers."""
-    from hybrid_ep_triton.tools.bench import capture
 
     gathers, copies = [], []
     for x, i, _ in sets:
         order = torch.nonzero((i[:, :, None] == torch.arange(EXPERTS, device="cuda")).any(1).T)
         tokens_in_order = order[:, 1].contiguous()  # (expert, token) pairs by expert
         out = torch.empty(len(tokens_in_order), HIDDEN, dtype=x.dtype, device="cuda")
-        gathers.append([capture(partial(torch.index_select, x, 0, tokens_in_order, out=out))[0]])
+        gathers.append([_captured(partial(torch.index_select, x, 0, tokens_in_order, out=out))])
         src = torch.randn(rows, HIDDEN, device="cuda").to(torch.bfloat16)
         dst = torch.empty_like(src)
-        copies.append([capture(partial(dst.copy_, src))[0]])
+        copies.append([_captured(partial(dst.copy_, src))])
     return [("gather of the dispatch's rows (index_select)", _replay_us(gathers, warmup, iters)[0]),
             ("copy of as many bytes (copy_)", _replay_us(copies, warmup, iters)[0])]  # fmt: skip
 

@@ -210,12 +210,13 @@ def low_latency_builds(world: int, per_node: int):
     ops/low_latency.py launches them without a hook: dispatch of bf16 rows and of FP8 rows with
     UE8M0 scales, and combine."""
     from hybrid_ep_triton.ops import low_latency as ops
-    from hybrid_ep_triton.runtime.planner import low_latency_layout
+    from hybrid_ep_triton.runtime.planner import LOW_LATENCY_QUANTIZED_TOKENS, low_latency_layout
 
     ll = low_latency_layout(128, 7168, world, 256, torch.bfloat16)
     nodes = world // per_node
-    common = dict(W=world, L=256 // world, B=ll.remote_blocks, M=ll.tokens, C=ll.blocks_per_list,
-                  RB=ll.block_rows, K=8, K_P2=8, ROWS=ops._TILE_ROWS, BLOCK_H=ops._BLOCK_H,
+    common = dict(W=world, L=256 // world, B=ll.remote_blocks, M=ll.tokens, S=ll.slices,
+                  QT=LOW_LATENCY_QUANTIZED_TOKENS, K=8, K_P2=8, ROWS=ops._TILE_ROWS,
+                  BLOCK_H=ops._BLOCK_H,
                   ROW_BYTES=ll.row_bytes, ALIGNED=True, NODES=nodes, SEND=True,
                   RECEIVE=True)  # fmt: skip
     heap = dict(peer_bases_ptr="*i64", net_bases_ptr="*i64", control_ptr="*i64", seq_ptr="*i64",
@@ -233,7 +234,8 @@ def low_latency_builds(world: int, per_node: int):
         yield f"{topo} {kernel.fn.__name__}{label}", ASTSource(kernel, signature, constexprs,
                                                                attrs), options  # fmt: skip
     kernel = low_latency_combine_kernel
-    constexprs = dict(common, ZERO_COPY=False)
+    params = inspect.signature(kernel.fn).parameters
+    constexprs = {k: v for k, v in dict(common, ZERO_COPY=False).items() if k in params}
     pointers = dict(heap, weights_ptr="*fp32", out_ptr="*bf16")
     signature, attrs = _signature(kernel, pointers, constexprs)
     yield f"{topo} {kernel.fn.__name__}", ASTSource(kernel, signature, constexprs, attrs), options

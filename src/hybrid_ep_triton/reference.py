@@ -23,6 +23,10 @@ Layout conventions (``W`` ranks, ``num_experts = W * L``; rank ``r`` owns the gl
 
 Both functions are collective: every rank of ``group`` must call them, in the same order.
 Works with gloo (CPU tensors) and NCCL (CUDA tensors).
+
+The low-latency mode's reference (``low_latency_dispatch`` / ``low_latency_combine``, DeepEP
+V1's calls) is not collective: it takes every rank's inputs as lists and computes, on the CPU
+with plain loops over (expert, source, token), what one rank receives.
 """
 
 from __future__ import annotations
@@ -33,17 +37,23 @@ import torch
 import torch.distributed as dist
 
 __all__ = [
+    "LowLatencyDispatch",
     "ReferenceHandle",
     "combine",
     "dequantize_fp8",
     "dequantize_mxfp8",
     "dequantize_nvfp4",
     "dispatch",
+    "low_latency_combine",
+    "low_latency_dispatch",
+    "low_latency_token_slots",
     "quantize_fp8",
+    "quantize_fp8_low_latency",
     "quantize_mxfp8",
     "quantize_nvfp4",
     "to_blocked_scales",
     "tokens_routed_per_local_expert",
+    "ue8m0_bytes",
 ]
 
 
@@ -550,3 +560,244 @@ def to_blocked_scales(scales: torch.Tensor) -> torch.Tensor:
 # NVFP4 without a per-tensor scale, as there).
 QUANTIZERS = {"fp8": quantize_fp8, "mxfp8": quantize_mxfp8, "nvfp4": quantize_nvfp4}
 DEQUANTIZERS = {"fp8": dequantize_fp8, "mxfp8": dequantize_mxfp8, "nvfp4": dequantize_nvfp4}
+
+
+# -- Low-latency mode (DeepEP V1's low_latency_dispatch / low_latency_combine) ---------------
+#
+# Not collective: these functions take every rank's inputs (lists indexed by rank, which a test
+# can draw on every rank from shared seeds) and compute what one rank receives. Layout, with
+# W = len(xs) ranks, L = num_experts / W local experts a rank and M' = max_tokens:
+#
+# * the rows of local expert e of rank r are the (source rank j, token t) pairs whose top-k ids
+#   name r's global expert r * L + e: first r's own tokens, then the other ranks' in ascending
+#   rank order, each source's in ascending token order;
+# * recv_x [L, W * M', H] holds them from row 0 of each expert, recv_count [L] int32 how many;
+# * src_info [L, W * M'] int32 is each row's source token index t, layout_range [L, W] int64
+#   (first row of source j's run << 32) | its rows, token_slots [T, K] int32 the position of
+#   each (t, k) among this rank's tokens that name slot k's expert (token order).
+
+LL_AMAX_FLOOR = 1e-4  # DeepEP's floor on a group's amax in its low-latency cast (as float32)
+
+
+@dataclass
+class LowLatencyDispatch:
+    """What one rank receives from :func:`low_latency_dispatch` (rows past ``recv_count`` are
+    zero, and -1 in ``src_info`` / ``source_rank``; they are not specified for the library).
+
+    Attributes:
+        recv_x: ``[L, W * M', H]`` the rows in x's dtype (also with FP8, unquantized).
+        recv_count: ``[L]`` int32, rows of each local expert.
+        src_info: ``[L, W * M']`` int32, each row's source token index.
+        source_rank: ``[L, W * M']`` int32, each row's source rank.
+        layout_range: ``[L, W]`` int64, ``(first row << 32) | rows`` of each (expert, source).
+        token_slots: ``[T, K]`` int32 of this rank's tokens: for a valid slot (t, k), the
+            position of t among this rank's tokens that name expert ``topk_idx[t, k]``; -1 for
+            unused slots.
+        values: with FP8, ``[L, W * M', H]`` float8_e4m3fn (zeros past the counts); else None.
+        scales: with FP8, ``[L, W * M', H / 128]`` float32 (power-of-two with round_scale), or
+            with UE8M0 ``[L, W * M', ceil(H / 512)]`` int32 of four exponent bytes (group
+            4p + i in byte i, little-endian; bytes past the last group 0); both with the rows
+            fastest (strides ``(C * W * M', 1, W * M')``), as DeepEP lays them out. Else None.
+    """
+
+    recv_x: torch.Tensor
+    recv_count: torch.Tensor
+    src_info: torch.Tensor
+    source_rank: torch.Tensor
+    layout_range: torch.Tensor
+    token_slots: torch.Tensor
+    values: torch.Tensor | None = None
+    scales: torch.Tensor | None = None
+
+
+def _low_latency_rows(topk_idxs: list, num_experts: int, rank: int):
+    """(rows, layout_range) of ``rank``: rows[e] the (source rank, token) pairs of local expert
+    e in receive order; layout_range [L, W] int64 as :class:`LowLatencyDispatch`'s."""
+    world = len(topk_idxs)
+    if num_experts < world or num_experts % world:
+        raise ValueError(f"num_experts={num_experts} is not a positive multiple of {world} ranks")
+    local = num_experts // world
+    sources = [rank] + [j for j in range(world) if j != rank]  # own tokens first
+    rows: list[list[tuple[int, int]]] = [[] for _ in range(local)]
+    layout_range = torch.zeros(local, world, dtype=torch.int64)
+    for e in range(local):
+        expert = rank * local + e
+        for j in sources:
+            idx = topk_idxs[j].cpu().long()
+            tokens = (idx == expert).any(dim=1).nonzero().flatten().tolist()
+            layout_range[e, j] = (len(rows[e]) << 32) | len(tokens)
+            rows[e].extend((j, t) for t in tokens)
+    return rows, layout_range
+
+
+def low_latency_token_slots(topk_idx: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """``[T, K]`` int32: for each valid slot (t, k), how many of the tokens before t name
+    expert ``topk_idx[t, k]`` (t's position in the list of this rank's tokens of that expert);
+    -1 for unused slots."""
+    idx = topk_idx.cpu().long()
+    valid = idx >= 0
+    names = torch.zeros(idx.shape[0], num_experts, dtype=torch.int64)  # [T, E] 0/1
+    # Unused slots add 0 (at column 0); ids are distinct within a row, so names is 0 / 1.
+    names.scatter_add_(1, idx.clamp(min=0), valid.long())
+    before = names.cumsum(0) - names  # tokens before t naming each expert
+    slots = before.gather(1, idx.clamp(min=0))
+    return torch.where(valid, slots, -1).to(torch.int32)
+
+
+def quantize_fp8_low_latency(
+    x: torch.Tensor, round_scale: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepEP's low-latency FP8 cast of rows ``x`` [T, H] (H % 128 == 0): (values [T, H]
+    float8_e4m3fn, scales [T, H / 128] float32), one scale per token and 128 channels.
+
+    amax is the group's largest magnitude in float32 and a = max(amax, float32(1e-4)).
+    Without ``round_scale``: scale = a * float32(1 / 448) (a product, not a quotient) and
+    factor = 448 / a (IEEE float32 division). With ``round_scale``: scale = 2^e with
+    e = ceil(log2(a * float32(1 / 448))), exactly from the float32 bits (exponent - 127, plus 1
+    if any mantissa bit is set), and factor = 2^-e. value = x * factor rounded to the nearest
+    e4m3 value (ties to even), saturated at +-448. The scale's UE8M0 byte (``use_ue8m0``) is
+    its exponent field, e + 127 (:func:`ue8m0_bytes`).
+    """
+    num_tokens, hidden = x.shape
+    if hidden % FP8_GROUP:
+        raise ValueError(f"FP8 rows need a hidden size that is a multiple of 128, got {hidden}")
+    blocks = x.float().reshape(num_tokens, hidden // FP8_GROUP, FP8_GROUP)
+    amax = blocks.abs().amax(dim=2)
+    a = torch.maximum(amax, torch.full_like(amax, LL_AMAX_FLOOR))  # float32(1e-4)
+    scale = a * torch.full_like(a, 1.0 / E4M3_MAX)  # float32(1/448), a float32 product
+    if round_scale:
+        bits = scale.view(torch.int32)
+        exponent = ((bits >> 23) & 0xFF) - 127 + ((bits & 0x7FFFFF) != 0).to(torch.int32)
+        scale = ((exponent + 127) << 23).view(torch.float32)  # 2^e, exact
+        factor = ((127 - exponent) << 23).view(torch.float32)  # 2^-e, exact
+    else:
+        factor = torch.full_like(a, E4M3_MAX) / a  # tensor / tensor: the IEEE quotient
+    ratio = blocks * factor[:, :, None]
+    values = ratio.clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+    return values.reshape(num_tokens, hidden), scale
+
+
+def ue8m0_bytes(scales: torch.Tensor) -> torch.Tensor:
+    """Power-of-two float32 scales [..., G] as int32 [..., ceil(G / 4)] words whose byte i
+    (little-endian) is the UE8M0 byte (float32 exponent field) of group 4p + i; 0 past G."""
+    exponents = (scales.view(torch.int32) >> 23) & 0xFF
+    groups = scales.shape[-1]
+    pad = -groups % 4
+    exponents = torch.nn.functional.pad(exponents, (0, pad))
+    quads = exponents.reshape(*exponents.shape[:-1], -1, 4).long()
+    words = quads[..., 0] | quads[..., 1] << 8 | quads[..., 2] << 16 | quads[..., 3] << 24
+    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)  # same bits
+
+
+def _rows_fastest(per_row: torch.Tensor) -> torch.Tensor:
+    """[L, N, C] with DeepEP's scale strides (C * N, 1, N): the same values, rows fastest."""
+    num_local, rows, cols = per_row.shape
+    out = per_row.new_zeros(num_local, cols, rows).transpose(1, 2)
+    out.copy_(per_row)
+    return out
+
+
+def low_latency_dispatch(
+    xs: list,
+    topk_idxs: list,
+    num_experts: int,
+    max_tokens: int,
+    rank: int,
+    use_fp8: bool = False,
+    round_scale: bool = False,
+    use_ue8m0: bool = False,
+) -> LowLatencyDispatch:
+    """What rank ``rank`` receives from a low-latency dispatch (on the CPU).
+
+    Args:
+        xs: every rank's tokens ``[T_j, H]`` (T_j <= max_tokens), indexed by rank.
+        topk_idxs: every rank's ``[T_j, K]`` int32 / int64 global expert ids, -1 unused, ids
+            distinct within a row.
+        num_experts: E, a multiple of W = len(xs).
+        max_tokens: M' (num_max_dispatch_tokens_per_rank): rows per local expert W * M'.
+        rank: the receiving rank.
+        use_fp8, round_scale, use_ue8m0: as ``Buffer.low_latency_dispatch``'s; FP8 values and
+            scales are those of :func:`quantize_fp8_low_latency` of each source row.
+    """
+    world = len(xs)
+    if len(topk_idxs) != world:
+        raise ValueError(f"{len(xs)} xs but {len(topk_idxs)} topk_idxs")
+    if use_ue8m0 and not (use_fp8 and round_scale):
+        raise ValueError("use_ue8m0 needs use_fp8 and round_scale")
+    xs = [x.cpu() for x in xs]
+    for j, (x, idx) in enumerate(zip(xs, topk_idxs, strict=True)):
+        if x.shape[0] > max_tokens or idx.shape[0] != x.shape[0]:
+            raise ValueError(f"rank {j}: x {tuple(x.shape)}, topk_idx {tuple(idx.shape)}, "
+                             f"max_tokens {max_tokens}")  # fmt: skip
+    hidden = xs[rank].shape[1]
+    rows, layout_range = _low_latency_rows(topk_idxs, num_experts, rank)
+    local, capacity = len(rows), world * max_tokens
+    recv_x = torch.zeros(local, capacity, hidden, dtype=xs[rank].dtype)
+    src_info = torch.full((local, capacity), -1, dtype=torch.int32)
+    source_rank = torch.full((local, capacity), -1, dtype=torch.int32)
+    for e, pairs in enumerate(rows):
+        for n, (j, t) in enumerate(pairs):
+            recv_x[e, n] = xs[j][t]
+            src_info[e, n], source_rank[e, n] = t, j
+    recv_count = torch.tensor([len(pairs) for pairs in rows], dtype=torch.int32)
+    result = LowLatencyDispatch(
+        recv_x=recv_x,
+        recv_count=recv_count,
+        src_info=src_info,
+        source_rank=source_rank,
+        layout_range=layout_range,
+        token_slots=low_latency_token_slots(topk_idxs[rank], num_experts),
+    )
+    if use_fp8:
+        values, scales = quantize_fp8_low_latency(recv_x.reshape(-1, hidden), round_scale)
+        valid = torch.arange(capacity)[None, :] < recv_count[:, None].long()  # [L, W * M']
+        values = values.reshape(local, capacity, hidden)
+        values.view(torch.uint8)[~valid] = 0
+        scales = scales.reshape(local, capacity, -1)
+        scales = ue8m0_bytes(scales) if use_ue8m0 else scales
+        scales[~valid] = 0
+        result.values, result.scales = values, _rows_fastest(scales)
+    return result
+
+
+def low_latency_combine(
+    ys: list,
+    topk_idxs: list,
+    topk_weights: torch.Tensor,
+    num_experts: int,
+    rank: int,
+) -> torch.Tensor:
+    """What rank ``rank``'s low-latency combine returns (on the CPU): ``[T, H]`` of ``ys``'
+    dtype, out[t] = sum over t's valid slots k (in slot order) of ``topk_weights[t, k]`` times
+    the row of (``rank``, t) among the rows of expert ``topk_idx[t, k]`` on its owner, in
+    float32, then rounded; zeros for a token without a valid slot.
+
+    Args:
+        ys: every rank's expert outputs ``[L, W * M', H]`` in its recv_x's row layout (as
+            :func:`low_latency_dispatch` lays it out), indexed by rank.
+        topk_idxs: every rank's topk_idx of the dispatch (the layout depends on all of them).
+        topk_weights: ``[T, K]`` float32 weights of rank ``rank``'s tokens.
+        num_experts: E; rank ``rank``'s tokens are topk_idxs[rank]'s rows.
+    """
+    world = len(ys)
+    local = num_experts // world
+    idx = topk_idxs[rank].cpu().long()
+    weights = topk_weights.cpu().float()
+    num_tokens, topk = idx.shape
+    hidden = ys[rank].shape[-1]
+    slots = low_latency_token_slots(idx, num_experts)
+    # First row of this rank's run in every global expert's rows on its owner.
+    first = torch.zeros(num_experts, dtype=torch.int64)
+    for owner in range(world):
+        _, layout_range = _low_latency_rows(topk_idxs, num_experts, owner)
+        first[owner * local : (owner + 1) * local] = layout_range[:, rank] >> 32
+    out = torch.zeros(num_tokens, hidden, dtype=torch.float32)
+    for t in range(num_tokens):
+        for k in range(topk):
+            expert = int(idx[t, k])
+            if expert < 0:
+                continue
+            owner, e = divmod(expert, local)
+            row = int(first[expert]) + int(slots[t, k])
+            out[t] += weights[t, k] * ys[owner][e, row].cpu().float()
+    return out.to(ys[rank].dtype)

@@ -3,28 +3,30 @@ no count exchange before data moves, fixed output shapes (DeepEP V1's low-latenc
 
 Every call has a sequence number ``seq`` (dispatch and combine count together, in the control
 block's LL_SEQ) and uses the receive area of its parity in every heap (runtime/planner.py,
-LowLatencyLayout). Flags only grow: a block's flag holds (seq << 32) | rows, so an old flag
-never satisfies a newer wait, and nothing is ever cleaned.
+LowLatencyLayout). Flags only grow: a flag holds (seq << 32) | rows, so an old flag never
+satisfies a newer wait, and nothing is ever cleaned. A row is moved in S column slices, each
+by its own program and released by its own flag; a block from another node moves whole (one
+put-with-signal from this rank's send area, as a NIC reads only registered memory) and its
+slice 0 flag releases it all.
 
-Dispatch, send role, program (global expert e, block c): scan this rank's topk_idx for e. The
-entries that name e, in token order, are e's list; rows [c * RB, (c + 1) * RB) of it go
-- when e is local, straight into this rank's outputs with their source token indices: own rows
-  come first among an expert's rows, so their place needs nobody's counts;
+Dispatch. Quantize role (FP8 only), program q: quantize tokens [q * QT, (q + 1) * QT) once,
+into staged rows of this rank's send area, and raise their flag. Send role, program (global
+expert e, slice s): scan this rank's topk_idx for e; the entries that name e, in token order,
+are e's list. Its rows go
+- when e is local, straight into this rank's outputs with their source token indices: own
+  rows come first among an expert's rows, so their place needs nobody's counts;
 - else into the receive block (e, this rank) of e's rank, each row behind a 16-byte header
-  holding its token index: peer stores within a node, one put-with-signal per block across
-  nodes (from this rank's send area, as a NIC reads only registered memory). Then the block's
-  flag, which carries the list's length: the count travels behind the rows.
-FP8 rows are quantized as they are sent (DeepEP's low-latency cast, ``_fp8_scales``).
+  holding its token index; then the slice's flag, which carries the list's length: the count
+  travels behind the rows.
+Receive role, program (local expert e, source position q >= 1): the sources of an expert's
+rows in order are this rank, then the others by rank. Wait for the lengths of the sources up
+to q, which place q's rows, then for q's slices; copy them, with src_info, layout_range and,
+for the last source, recv_count.
 
-Dispatch, receive role, program (local expert e, source position q): the sources of an
-expert's rows in order are this rank, then the others by rank. Wait for the lengths of the
-sources up to q, which place q's rows; copy q's blocks as their flags come; write src_info,
-layout_range and, for the last source, recv_count.
-
-Combine, send role, program (local expert e, other rank j, block c): e's rows from j
+Combine. Send role, program (local expert e, other rank j, slice s): e's rows from j
 (layout_range) go back into j's receive block of expert e, at the positions they had in j's
-list, then the block's flag. Combine, receive role, program (token, column slice): the token's
-weighted sum in fp32 of its expert rows, its own experts' read straight from the input, the
+list, then the slice's flag. Receive role, program (token t, slice s): t's weighted sum in
+fp32 of its expert rows' slice, its own experts' rows read straight from the input, the
 others' from the receive blocks once their flags are up.
 
 A sender of call seq overwrites what call seq - 2 received: it first waits until the
@@ -33,9 +35,9 @@ program pushes to every other rank). Every wait is bounded by timeout_ns, as in 
 A rank whose host refused a call's inputs still runs it, with no rows and REFUSED in its flags:
 no peer waits, every peer records the rank in LL_REFUSED (Buffer.check raises it).
 
-In the code each role is a function taking the kernel's arguments in bundles (Tokens, Outputs,
-LowLatencyHeap, LowLatencySync, LowLatencyConsts); ``_roles`` picks each program's role, and
-``_finish`` ends a launch.
+In the code each role is a function taking the kernel's arguments in bundles (DispatchRows,
+Received, CombineRows, LowLatencyHeap, LowLatencySync, LowLatencyConsts); the kernels pick each
+program's role, and ``_finish`` ends a launch.
 """
 
 from collections import namedtuple
@@ -58,6 +60,7 @@ from .primitives import (
     net_signal,
     region,
     signal,
+    wait_all_at_least,
     wait_at_least,
 )
 from .quantize import E4M3_MAX, to_e4m3_bits
@@ -85,18 +88,19 @@ Received = namedtuple(
 CombineRows = namedtuple(
     "CombineRows",
     "rank x_ptr x_plane x_row topk_ptr slots_ptr weights_ptr num_tokens hidden layout_range_ptr "
-    "out_ptr rows slices",
+    "out_ptr rows",
 )
 LowLatencyHeap = namedtuple(
     "LowLatencyHeap",
-    "peer_bases_ptr net_bases_ptr heap_bytes freed_off flags_off own_off staging_off send_off",
+    "peer_bases_ptr net_bases_ptr heap_bytes freed_off flags_off own_off quantized_off "
+    "staging_off send_off",
 )
 LowLatencySync = namedtuple(
     "LowLatencySync", "control_ptr status_ptr timeout_ns scratch_ptr seq_ptr refused"
 )
 LowLatencyConsts = namedtuple(
     "LowLatencyConsts",
-    "W L B M C RB K K_P2 SCAN ROWS BLOCK_H GROUPS G_P2 ROW_BYTES FP8 ROUND UE8M0 ALIGNED "
+    "W L B M S QT K K_P2 SCAN ROWS BLOCK_H GROUPS G_P2 ROW_BYTES FP8 ROUND UE8M0 ALIGNED "
     "HAS_STATS ZERO_COPY NODES",
 )
 
@@ -166,19 +170,43 @@ def _source_in_order(q, rank):
     return tl.where(q == 0, rank, other + (other >= rank).to(tl.int32))
 
 
+@triton.jit
+def _flag(heap, rank, block, s, seq, k):
+    """Pointer to the flag of slice ``s`` of receive block ``block`` of call ``seq``'s area in
+    ``rank``'s heap."""
+    offset = heap.flags_off + (((seq % 2) * k.B + block) * k.S + s) * 8
+    return _heap_address(heap, rank, offset).to(tl.pointer_type(tl.int64))
+
+
+@triton.jit
+def _block_row(heap, rank, block, seq, k):
+    """Address (int64) of the first row of receive block ``block`` of call ``seq``'s area in
+    ``rank``'s heap."""
+    first = ((seq % 2) * k.B + block) * k.M * k.ROW_BYTES
+    return _heap_address(heap, rank, heap.staging_off + first)
+
+
 # -- moving rows ---------------------------------------------------------------------------
 
 
 @triton.jit
-def _copy_rows(src, dst, rmask, num_cols, ALIGNED: tl.constexpr, BLOCK: tl.constexpr):
-    """Copy ``num_cols`` elements of each row from ``src`` to ``dst`` (pointers [ROWS], the
-    rows' first elements) where ``rmask``; ALIGNED: every row starts 16-byte aligned."""
-    if ALIGNED:
+def _slice(num_cols, s, k):
+    """Columns [first, last) of slice ``s`` of a row of ``num_cols`` elements (slices of a
+    multiple of 16 elements, the last one shorter)."""
+    width = tl.cdiv(tl.cdiv(num_cols, k.S), 16) * 16
+    return s * width, tl.minimum((s + 1) * width, num_cols)
+
+
+@triton.jit
+def _copy_rows(src, dst, rmask, first, last, k):
+    """Copy columns [first, last) of each row from ``src`` to ``dst`` (pointers [ROWS] to the
+    rows' first elements) where ``rmask``; with k.ALIGNED every row starts 16-byte aligned."""
+    if k.ALIGNED:
         src = tl.multiple_of(src, 16)
         dst = tl.multiple_of(dst, 16)
-    for c0 in range(0, num_cols, BLOCK):
-        cols = c0 + tl.arange(0, BLOCK)
-        mask = rmask[:, None] & (cols < num_cols)[None, :]
+    for c0 in range(first, last, k.BLOCK_H):
+        cols = c0 + tl.arange(0, k.BLOCK_H)
+        mask = rmask[:, None] & (cols < last)[None, :]
         tile = tl.load(src[:, None] + cols[None, :], mask=mask, cache_modifier=".cg")
         tl.store(dst[:, None] + cols[None, :], tile, mask=mask)
 
@@ -214,34 +242,220 @@ def _store_scales(scale_rows, groups, scales, mask, step, UE8M0: tl.constexpr):
 
 
 @triton.jit
-def _quantize_rows(src, values, scale_rows, rmask, hidden, scale_step, ROUND: tl.constexpr,
-                   UE8M0: tl.constexpr, GROUPS: tl.constexpr):  # fmt: skip
-    """FP8 rows: the rows at ``src`` (pointers [ROWS]) as e4m3 bits at ``values`` (uint8
-    pointers [ROWS]) and their scales from ``scale_rows`` (``_store_scales``), GROUPS
-    128-channel groups at a time."""
-    channels = tl.arange(0, 128)
-    for g0 in range(0, hidden // 128, GROUPS):
-        groups = g0 + tl.arange(0, GROUPS)
-        gmask = rmask[:, None] & (groups < hidden // 128)[None, :]
-        cols = groups[:, None] * 128 + channels[None, :]
-        x = tl.load(src[:, None, None] + cols[None, :, :], mask=gmask[:, :, None], other=0.0)
-        x = x.to(tl.float32)
-        factor, scales = _fp8_scales(tl.max(tl.abs(x), axis=2), ROUND)
-        bits = to_e4m3_bits(x * factor[:, :, None]).to(tl.uint8)
-        tl.store(values[:, None, None] + cols[None, :, :], bits, mask=gmask[:, :, None])
-        _store_scales(scale_rows, groups, scales, gmask, scale_step, UE8M0)
+def _staged(rows):
+    """Staged rows (uint8 pointers [ROWS] to their headers): (their token indices' pointers,
+    their payloads as uint8 pointers)."""
+    return rows.to(tl.pointer_type(tl.int32), bitcast=True), tl.multiple_of(rows + HEADER, 16)
 
 
 @triton.jit
-def _send_token_rows(src, dst, scale_rows, rmask, hidden, scale_step, UE8M0: tl.constexpr, k):
-    """Token rows ``src`` (pointers into x) to ``dst`` (uint8 pointers [ROWS]): as they are, or
-    with k.FP8 quantized, their scales from ``scale_rows`` (float32 pointers, or uint8 with
-    UE8M0)."""
+def _copy_payloads(
+    src, dst, scale_rows, rmask, hidden, first, last, scale_step, UE8M0: tl.constexpr,
+    COPY_SCALES: tl.constexpr, dtype: tl.constexpr, k,
+):  # fmt: skip
+    """Payload columns [first, last) of rows ``src`` to ``dst`` (uint8 pointers [ROWS]): rows of
+    ``dtype`` (columns are elements); or with k.FP8 staged FP8 rows (columns are 32-bit words
+    of the values), and with COPY_SCALES their float32 scales, stored from ``scale_rows`` as
+    ``_store_scales`` does."""
     if k.FP8:
-        _quantize_rows(src, dst, scale_rows, rmask, hidden, scale_step, k.ROUND, UE8M0, k.GROUPS)
+        words = src.to(tl.pointer_type(tl.int32), bitcast=True)
+        _copy_rows(words, dst.to(tl.pointer_type(tl.int32), bitcast=True), rmask, first, last,
+                   k)  # fmt: skip
+        if COPY_SCALES:
+            groups = tl.arange(0, k.G_P2)
+            gmask = rmask[:, None] & (groups < hidden // 128)[None, :]
+            staged_scales = (src + hidden).to(tl.pointer_type(tl.float32), bitcast=True)
+            scales = tl.load(staged_scales[:, None] + groups[None, :], mask=gmask)
+            _store_scales(scale_rows, groups, scales, gmask, scale_step, UE8M0)
     else:
-        dst = dst.to(tl.pointer_type(src.dtype.element_ty), bitcast=True)
-        _copy_rows(src, dst, rmask, hidden, k.ALIGNED, k.BLOCK_H)
+        _copy_rows(src.to(tl.pointer_type(dtype), bitcast=True),
+                   dst.to(tl.pointer_type(dtype), bitcast=True), rmask, first, last,
+                   k)  # fmt: skip
+
+
+# -- dispatch ------------------------------------------------------------------------------
+
+
+@triton.jit
+def _quantize_role(program, seq, tokens, heap, k):
+    """Program q (FP8): tokens [q * QT, (q + 1) * QT) quantized, each token once, into staged
+    rows (header, e4m3 values, float32 scales) of this rank's send area, after its rows by
+    (expert, position). Waits for nothing; releases its flag in ll_quantized."""
+    t = program * k.QT + tl.arange(0, k.QT)
+    tmask = t < tokens.num_tokens
+    rows = _heap_address(heap, tokens.rank, heap.send_off
+                         + ((k.B + k.L) * k.M + t.to(tl.int64)) * k.ROW_BYTES)  # fmt: skip
+    token_ptr, payload = _staged(rows.to(tl.pointer_type(tl.uint8)))
+    tl.store(token_ptr, t, mask=tmask)
+    channels = tl.arange(0, 128)
+    src = tokens.x_ptr + t.to(tl.int64) * tokens.x_stride
+    scale_rows = (payload + tokens.hidden).to(tl.pointer_type(tl.float32), bitcast=True)
+    for g0 in range(0, tokens.hidden // 128, k.GROUPS):
+        groups = g0 + tl.arange(0, k.GROUPS)
+        gmask = tmask[:, None] & (groups < tokens.hidden // 128)[None, :]
+        cols = groups[:, None] * 128 + channels[None, :]
+        x = tl.load(src[:, None, None] + cols[None, :, :], mask=gmask[:, :, None], other=0.0)
+        x = x.to(tl.float32)
+        factor, scales = _fp8_scales(tl.max(tl.abs(x), axis=2), k.ROUND)
+        bits = to_e4m3_bits(x * factor[:, :, None]).to(tl.uint8)
+        tl.store(payload[:, None, None] + cols[None, :, :], bits, mask=gmask[:, :, None])
+        tl.store(scale_rows[:, None] + groups[None, :], scales, mask=gmask)
+    quantized = region(heap.peer_bases_ptr, tokens.rank, heap.quantized_off, tl.int64)
+    signal(quantized + program, seq)
+
+
+@triton.jit
+def _list_rows(tokens, expert, scratch, WRITE_SLOTS: tl.constexpr, k):
+    """Scan this rank's topk_idx for ``expert``: its list is the entries (t, slot) that name it,
+    in token order. Writes each entry i = t * K + slot to ``scratch`` [M] at its position in the
+    list (and with WRITE_SLOTS the position to token_slots[i]); returns the list's length."""
+    entries = tokens.num_tokens * k.K
+    length = 0
+    for i0 in range(0, entries, k.SCAN):
+        i = i0 + tl.arange(0, k.SCAN)
+        named = tl.load(tokens.topk_ptr + i, mask=i < entries, other=-1) == expert
+        position = length + tl.cumsum(named.to(tl.int32), axis=0) - 1
+        tl.store(scratch + position, i, mask=named)
+        if WRITE_SLOTS:
+            tl.store(tokens.slots_ptr + i, position, mask=named)
+        length += tl.sum(named.to(tl.int32), axis=0)
+    tl.debug_barrier()  # the scratch, written by other threads, is read next
+    return length
+
+
+@triton.jit
+def _token_rows(tokens, token, rmask, seq, heap, sync, k):
+    """The rows of ``token`` [ROWS] to send (uint8 pointers): x's rows, or with FP8 their staged
+    quantized rows' payloads, once their quantize program's flag is up."""
+    if k.FP8:
+        quantized = region(heap.peer_bases_ptr, tokens.rank, heap.quantized_off, tl.int64)
+        wait_all_at_least(quantized + token // k.QT, seq, rmask, sync.timeout_ns, sync.status_ptr,
+                          tokens.rank, STAGE_LL_DISPATCH)  # fmt: skip
+        rows = _heap_address(heap, tokens.rank, heap.send_off
+                             + ((k.B + k.L) * k.M + token.to(tl.int64)) * k.ROW_BYTES)  # fmt: skip
+        return tl.multiple_of(rows.to(tl.pointer_type(tl.uint8)) + HEADER, 16)
+    rows = tokens.x_ptr + token.to(tl.int64) * tokens.x_stride
+    return rows.to(tl.pointer_type(tl.uint8), bitcast=True)
+
+
+@triton.jit
+def _dispatch_send_role(program, seq, tokens, out, heap, sync, k):
+    """Program (expert e, slice s). Waits for its tokens' quantization (FP8) and, before writing
+    into another rank's receive area, for that rank's receive of call seq - 2 to be over.
+    Releases the slice's flag with the list's length (for a local expert, slice 0 releases the
+    own count, and writes its layout_range entry, and recv_count alone in a group of one)."""
+    expert = program // k.S
+    s = program % k.S
+    owner = expert // k.L
+    expert_local = expert % k.L
+    rank = tokens.rank
+    dtype = tokens.x_ptr.dtype.element_ty
+    length = _list_rows(tokens, expert, sync.scratch_ptr + program * k.M, s == 0, k)
+    flag = _flag_value(seq, length | tl.where(sync.refused != 0, REFUSED, 0))
+    cols = tokens.hidden // 4 if k.FP8 else tokens.hidden
+    first, last = _slice(cols, s, k)
+    on_node = tl.load(heap.peer_bases_ptr + owner) != 0
+    if owner == rank:
+        # Own rows: straight into the outputs, at the head of the expert's rows.
+        for r0 in range(0, length, k.ROWS):
+            position = r0 + tl.arange(0, k.ROWS)
+            rmask = (position < length) & (position < out.rows)
+            token = tl.load(sync.scratch_ptr + program * k.M + position, mask=rmask) // k.K
+            if s == 0:
+                tl.store(out.src_info_ptr + expert_local * out.rows + position, token, mask=rmask)
+            values, scale_rows = _output_rows(out, expert_local, position)
+            _copy_payloads(_token_rows(tokens, token, rmask, seq, heap, sync, k), values,
+                           scale_rows, rmask, tokens.hidden, first, last, out.scale_step,
+                           k.UE8M0, s == 0, dtype, k)  # fmt: skip
+        if s == 0:
+            tl.store(out.layout_range_ptr + expert_local * k.W + rank, length.to(tl.int64))
+            if k.W == 1:
+                received = tl.minimum(length, out.rows)
+                tl.store(out.recv_count_ptr + expert_local, received)
+                if k.HAS_STATS:
+                    tl.atomic_add(out.stats_ptr + expert_local, received)
+            own = region(heap.peer_bases_ptr, rank, heap.own_off, tl.int64)
+            signal(own + (seq % 2) * k.L + expert_local, flag)
+    elif on_node | (s == 0):
+        # Another rank's: into its receive block, or from another node whole, by slice 0.
+        _wait_freed(owner, seq, rank, heap, sync)
+        b = _dispatch_block(expert_local, rank, owner, k)
+        block_off = heap.staging_off + ((seq % 2) * k.B + b) * k.M * k.ROW_BYTES
+        if not on_node:  # through this rank's send area, rows by (expert, position)
+            first, last = 0, tl.cdiv(k.ROW_BYTES - HEADER, 4) if k.FP8 else cols
+            block = _heap_address(heap, rank, heap.send_off + expert * k.M * k.ROW_BYTES)
+        else:
+            block = _heap_address(heap, owner, block_off)
+        for r0 in range(0, length, k.ROWS):
+            position = r0 + tl.arange(0, k.ROWS)
+            rmask = position < length
+            token = tl.load(sync.scratch_ptr + program * k.M + position, mask=rmask) // k.K
+            row = block + position.to(tl.int64) * k.ROW_BYTES
+            token_ptr, payload = _staged(row.to(tl.pointer_type(tl.uint8)))
+            if s == 0:
+                tl.store(token_ptr, token, mask=rmask)
+            _copy_payloads(_token_rows(tokens, token, rmask, seq, heap, sync, k), payload,
+                           (payload + tokens.hidden).to(tl.pointer_type(tl.float32),
+                                                        bitcast=True),
+                           rmask, tokens.hidden, first, last, 1, False, s == 0 and on_node,
+                           dtype, k)  # fmt: skip
+        if on_node:
+            signal(_flag(heap, owner, b, s, seq, k), flag)
+        elif k.NODES > 1:
+            flag_off = heap.flags_off + ((seq % 2) * k.B + b) * k.S * 8
+            if length > 0:
+                net_put_signal(heap.net_bases_ptr, rank, owner, block_off, block,
+                               length * k.ROW_BYTES, flag_off, flag, heap.heap_bytes)  # fmt: skip
+            else:
+                net_signal(heap.net_bases_ptr, owner, flag_off, flag)
+
+
+@triton.jit
+def _dispatch_receive_role(program, seq, tokens, out, heap, sync, k):
+    """Program (local expert e, source position q >= 1). Waits for the lengths of the sources
+    at positions 0..q (position 0: this rank's own count), then for q's slices (a source on
+    another node: its whole block). Releases nothing: writes q's rows of recv_x with their
+    src_info, its layout_range entry, and after the last source recv_count (and adds it into
+    the statistics)."""
+    expert_local = program // (k.W - 1)
+    q = program % (k.W - 1) + 1
+    rank = tokens.rank
+    own = region(heap.peer_bases_ptr, rank, heap.own_off, tl.int64)
+    first = _rows_sent(_wait_flag(own + (seq % 2) * k.L + expert_local, seq, sync, rank,
+                                  STAGE_LL_DISPATCH), rank, rank, sync)  # fmt: skip
+    length = 0
+    for place in range(1, q + 1):
+        source = _source_in_order(place, rank)
+        b = _dispatch_block(expert_local, source, rank, k)
+        first += length
+        sent = _wait_flag(_flag(heap, rank, b, 0, seq, k), seq, sync, source, STAGE_LL_DISPATCH)
+        length = _rows_sent(sent, source, rank, sync)
+    source = _source_in_order(q, rank)
+    b = _dispatch_block(expert_local, source, rank, k)
+    if tl.load(heap.peer_bases_ptr + source) != 0:
+        for s in range(1, k.S):
+            _wait_flag(_flag(heap, rank, b, s, seq, k), seq, sync, source, STAGE_LL_DISPATCH)
+    block = _block_row(heap, rank, b, seq, k)
+    cols = tokens.hidden // 4 if k.FP8 else tokens.hidden
+    for r0 in range(0, length, k.ROWS):
+        r = r0 + tl.arange(0, k.ROWS)
+        position = first + r
+        rmask = (r < length) & (position < out.rows)
+        token_ptr, payload = _staged((block + r.to(tl.int64) * k.ROW_BYTES).to(
+            tl.pointer_type(tl.uint8)))  # fmt: skip
+        tl.store(out.src_info_ptr + expert_local * out.rows + position,
+                 tl.load(token_ptr, mask=rmask), mask=rmask)  # fmt: skip
+        values, scale_rows = _output_rows(out, expert_local, position)
+        _copy_payloads(payload, values, scale_rows, rmask, tokens.hidden, 0, cols,
+                       out.scale_step, k.UE8M0, True, tokens.x_ptr.dtype.element_ty,
+                       k)  # fmt: skip
+    tl.store(out.layout_range_ptr + expert_local * k.W + source,
+             (first.to(tl.int64) << 32) | length)  # fmt: skip
+    if q == k.W - 1:
+        received = tl.minimum(first + length, out.rows)
+        tl.store(out.recv_count_ptr + expert_local, received)
+        if k.HAS_STATS:
+            tl.atomic_add(out.stats_ptr + expert_local, received)
 
 
 @triton.jit
@@ -254,253 +468,90 @@ def _output_rows(out, expert_local, position):
     return out.recv_ptr + row * out.row_bytes, scale_row
 
 
-# -- dispatch ------------------------------------------------------------------------------
-
-
-@triton.jit
-def _list_rows(tokens, expert, first, scratch, k):
-    """Scan this rank's topk_idx for ``expert``: its list is the entries (t, slot) that name
-    it, in token order. Writes the entries i = t * K + slot of list rows [first, first + RB) to
-    ``scratch`` [RB] and their positions in the list to token_slots[i]; returns the list's
-    length."""
-    entries = tokens.num_tokens * k.K
-    length = 0
-    for i0 in range(0, entries, k.SCAN):
-        i = i0 + tl.arange(0, k.SCAN)
-        named = tl.load(tokens.topk_ptr + i, mask=i < entries, other=-1) == expert
-        position = length + tl.cumsum(named.to(tl.int32), axis=0) - 1
-        mine = named & (position >= first) & (position < first + k.RB)
-        tl.store(scratch + position - first, i, mask=mine)
-        tl.store(tokens.slots_ptr + i, position, mask=mine)
-        length += tl.sum(named.to(tl.int32), axis=0)
-    tl.debug_barrier()  # the scratch rows, written by other threads, are read next
-    return length
-
-
-@triton.jit
-def _dispatch_send_role(program, seq, tokens, out, heap, sync, k):
-    """Program (expert e, block c). Waits, before writing into another rank's receive area,
-    for that rank's receive of call seq - 2 to be over. Releases the block's flag (for a local
-    expert's block 0, its own count) with the list's length."""
-    blocks = tl.cdiv(tl.maximum(tokens.num_tokens, 1), k.RB)
-    expert = program // blocks
-    c = program % blocks
-    owner = expert // k.L
-    expert_local = expert % k.L
-    rank = tokens.rank
-    scratch = sync.scratch_ptr + program * k.RB
-    length = _list_rows(tokens, expert, c * k.RB, scratch, k)
-    block_rows = tl.minimum(tl.maximum(length - c * k.RB, 0), k.RB)
-    flag = _flag_value(seq, length | tl.where(sync.refused != 0, REFUSED, 0))
-    parity = seq % 2
-    if owner == rank:
-        # Own rows: straight into the outputs, at the head of the expert's rows.
-        for r0 in range(0, block_rows, k.ROWS):
-            position = c * k.RB + r0 + tl.arange(0, k.ROWS)
-            rmask = (position < c * k.RB + block_rows) & (position < out.rows)
-            token = tl.load(scratch + position - c * k.RB, mask=rmask, other=0) // k.K
-            tl.store(out.src_info_ptr + expert_local * out.rows + position, token, mask=rmask)
-            values, scale_rows = _output_rows(out, expert_local, position)
-            _send_token_rows(tokens.x_ptr + token.to(tl.int64) * tokens.x_stride, values,
-                             scale_rows, rmask, tokens.hidden, out.scale_step, k.UE8M0,
-                             k)  # fmt: skip
-        if c == 0:
-            own = region(heap.peer_bases_ptr, rank, heap.own_off, tl.int64)
-            signal(own + parity * k.L + expert_local, flag)
-    elif (c == 0) | (block_rows > 0):
-        _wait_freed(owner, seq, rank, heap, sync)
-        b = _dispatch_block(expert_local, rank, owner, k)
-        block_off = heap.staging_off + ((parity * k.B + b) * k.M + c * k.RB) * k.ROW_BYTES
-        flag_off = heap.flags_off + ((parity * k.B + b) * k.C + c) * 8
-        on_node = tl.load(heap.peer_bases_ptr + owner) != 0
-        if on_node:
-            block = _heap_address(heap, owner, block_off)
-        else:  # through this rank's send area, rows by (expert, position)
-            block = _heap_address(heap, rank, heap.send_off + (expert * k.M + c * k.RB)
-                                  * k.ROW_BYTES)  # fmt: skip
-        for r0 in range(0, block_rows, k.ROWS):
-            r = r0 + tl.arange(0, k.ROWS)
-            rmask = r < block_rows
-            token = tl.load(scratch + r, mask=rmask, other=0) // k.K
-            row = (block + r.to(tl.int64) * k.ROW_BYTES).to(tl.pointer_type(tl.uint8))
-            tl.store(row.to(tl.pointer_type(tl.int32), bitcast=True), token, mask=rmask)
-            payload = tl.multiple_of(row + HEADER, 16)
-            _send_token_rows(
-                tokens.x_ptr + token.to(tl.int64) * tokens.x_stride, payload,
-                (payload + tokens.hidden).to(tl.pointer_type(tl.float32), bitcast=True), rmask,
-                tokens.hidden, 1, False, k,
-            )  # fmt: skip
-        if on_node:
-            signal(_heap_address(heap, owner, flag_off).to(tl.pointer_type(tl.int64)), flag)
-        elif k.NODES > 1:
-            if block_rows > 0:
-                net_put_signal(heap.net_bases_ptr, rank, owner, block_off, block,
-                               block_rows * k.ROW_BYTES, flag_off, flag,
-                               heap.heap_bytes)  # fmt: skip
-            else:
-                net_signal(heap.net_bases_ptr, owner, flag_off, flag)
-
-
-@triton.jit
-def _copy_staged_rows(staged, values, scale_rows, rmask, hidden, scale_step, dtype: tl.constexpr,
-                      k):  # fmt: skip
-    """Staged dispatch payloads (uint8 pointers [ROWS]) into output rows ``values`` (uint8
-    pointers): rows of ``dtype``, or FP8 values (moved as words) with their float32 scales
-    stored as the output's (``_store_scales``)."""
-    if k.FP8:
-        words = tl.multiple_of(staged.to(tl.pointer_type(tl.int32), bitcast=True), 16)
-        _copy_rows(words, values.to(tl.pointer_type(tl.int32), bitcast=True), rmask,
-                   hidden // 4, True, k.BLOCK_H)  # fmt: skip
-        groups = tl.arange(0, k.G_P2)
-        gmask = rmask[:, None] & (groups < hidden // 128)[None, :]
-        staged_scales = (staged + hidden).to(tl.pointer_type(tl.float32), bitcast=True)
-        scales = tl.load(staged_scales[:, None] + groups[None, :], mask=gmask)
-        _store_scales(scale_rows, groups, scales, gmask, scale_step, k.UE8M0)
-    else:
-        _copy_rows(staged.to(tl.pointer_type(dtype), bitcast=True),
-                   values.to(tl.pointer_type(dtype), bitcast=True), rmask, hidden, k.ALIGNED,
-                   k.BLOCK_H)  # fmt: skip
-
-
-@triton.jit
-def _dispatch_receive_role(program, seq, tokens, out, heap, sync, k):
-    """Program (local expert e, source position q). Waits for the lengths of the sources at
-    positions 0..q (position 0: this rank's own count), then for each block of q's rows.
-    Releases nothing: writes q's rows of recv_x with their src_info, its layout_range entry,
-    and after the last source recv_count (and adds it into the statistics)."""
-    expert_local = program // k.W
-    q = program % k.W
-    rank = tokens.rank
-    parity = seq % 2
-    first = 0
-    length = 0
-    for place in range(0, q + 1):
-        source = _source_in_order(place, rank)
-        if place == 0:
-            flag_off = heap.own_off + (parity * k.L + expert_local) * 8
-        else:
-            b = _dispatch_block(expert_local, source, rank, k)
-            flag_off = heap.flags_off + (parity * k.B + b) * k.C * 8
-        flag = _heap_address(heap, rank, flag_off).to(tl.pointer_type(tl.int64))
-        first += length
-        sent = _wait_flag(flag, seq, sync, source, STAGE_LL_DISPATCH)
-        length = _rows_sent(sent, source, rank, sync)
-    source = _source_in_order(q, rank)
-    if q > 0:
-        b = _dispatch_block(expert_local, source, rank, k)
-        for c in range(0, tl.cdiv(length, k.RB)):
-            if c > 0:
-                flag_off = heap.flags_off + ((parity * k.B + b) * k.C + c) * 8
-                flag = _heap_address(heap, rank, flag_off).to(tl.pointer_type(tl.int64))
-                _wait_flag(flag, seq, sync, source, STAGE_LL_DISPATCH)
-            block_off = heap.staging_off + ((parity * k.B + b) * k.M + c * k.RB) * k.ROW_BYTES
-            block = _heap_address(heap, rank, block_off)
-            for r0 in range(0, tl.minimum(length - c * k.RB, k.RB), k.ROWS):
-                r = c * k.RB + r0 + tl.arange(0, k.ROWS)
-                position = first + r
-                rmask = (r < length) & (position < out.rows)
-                staged = (block + (r - c * k.RB).to(tl.int64) * k.ROW_BYTES).to(
-                    tl.pointer_type(tl.uint8)
-                )
-                token = tl.load(staged.to(tl.pointer_type(tl.int32), bitcast=True), mask=rmask)
-                tl.store(out.src_info_ptr + expert_local * out.rows + position, token, mask=rmask)
-                values, scale_rows = _output_rows(out, expert_local, position)
-                _copy_staged_rows(tl.multiple_of(staged + HEADER, 16), values, scale_rows, rmask,
-                                  tokens.hidden, out.scale_step,
-                                  tokens.x_ptr.dtype.element_ty, k)  # fmt: skip
-    tl.store(out.layout_range_ptr + expert_local * k.W + source,
-             (first.to(tl.int64) << 32) | length)  # fmt: skip
-    if q == k.W - 1:
-        received = tl.minimum(first + length, out.rows)
-        tl.store(out.recv_count_ptr + expert_local, received)
-        if k.HAS_STATS:
-            tl.atomic_add(out.stats_ptr + expert_local, received)
-
-
 # -- combine -------------------------------------------------------------------------------
 
 
 @triton.jit
 def _combine_send_role(program, seq, rows, heap, sync, k):
-    """Program (local expert e, other rank j, block c): the rows of e from j (layout_range) go
-    back into j's receive block of e, at the positions they had in j's list (a refused call:
-    no rows, every block a peer could wait for). Waits for j's receive of call seq - 2 to be
-    over. Releases the block's flag."""
-    blocks = tl.cdiv(rows.rows // k.W, k.RB)
-    c = program % blocks
-    expert_local = program // blocks // (k.W - 1)
+    """Program (local expert e, other rank j, slice s): the rows of e from j (layout_range) go
+    back into j's receive block of e, at the positions they had in j's list (to another node
+    whole, by slice 0; a refused call: no rows, every flag a peer could wait for). Waits for
+    j's receive of call seq - 2 to be over. Releases the slice's flag."""
+    s = program % k.S
+    expert_local = program // k.S // (k.W - 1)
+    j = program // k.S % (k.W - 1)
     rank = rows.rank
-    j = program // blocks % (k.W - 1)
     j += (j >= rank).to(tl.int32)
     span = tl.load(rows.layout_range_ptr + expert_local * k.W + j, mask=sync.refused == 0,
                    other=0)  # fmt: skip
     first = (span >> 32).to(tl.int32)
-    length = tl.where(sync.refused != 0, blocks * k.RB, (span & 0xFFFFFFFF).to(tl.int32))
-    if c * k.RB < length:
-        block_rows = tl.where(sync.refused != 0, 0, tl.minimum(length - c * k.RB, k.RB))
+    length = (span & 0xFFFFFFFF).to(tl.int32)
+    on_node = tl.load(heap.peer_bases_ptr + j) != 0
+    if ((length > 0) | (sync.refused != 0)) & (on_node | (s == 0)):
         _wait_freed(j, seq, rank, heap, sync)
-        parity = seq % 2
         b = _combine_block(rank * k.L + expert_local, j, k)
-        dtype = rows.x_ptr.dtype.element_ty
-        row_size = rows.hidden * (dtype.primitive_bitwidth // 8)
-        block_off = (heap.staging_off + (parity * k.B + b) * k.M * k.ROW_BYTES
-                     + c * k.RB * row_size)  # fmt: skip
-        flag_off = heap.flags_off + ((parity * k.B + b) * k.C + c) * 8
         flag = _flag_value(seq, tl.where(sync.refused != 0, REFUSED, 0))
-        src = (rows.x_ptr + expert_local.to(tl.int64) * rows.x_plane
-               + (first + c * k.RB).to(tl.int64) * rows.x_row)  # fmt: skip
-        if tl.load(heap.peer_bases_ptr + j) != 0:
-            dst = _heap_address(heap, j, block_off).to(tl.pointer_type(dtype))
-            _copy_block(src, rows.x_row, dst, rows.hidden, block_rows, rows.hidden, k)
-            signal(_heap_address(heap, j, flag_off).to(tl.pointer_type(tl.int64)), flag)
+        src = (
+            rows.x_ptr
+            + expert_local.to(tl.int64) * rows.x_plane
+            + first.to(tl.int64) * (rows.x_row)
+        )
+        if on_node:
+            dst = _block_row(heap, j, b, seq, k).to(tl.pointer_type(rows.x_ptr.dtype.element_ty))
+            col_first, col_last = _slice(rows.hidden, s, k)
+            _copy_block(src, rows.x_row, dst, rows.hidden, length, col_first, col_last, k)
+            signal(_flag(heap, j, b, s, seq, k), flag)
         elif k.NODES > 1:
-            # A put's source is this rank's send area, the buffer [L, rows, H] that
-            # get_next_low_latency_combine_buffer hands out (with ZERO_COPY, x itself).
-            area = _heap_address(heap, rank, heap.send_off).to(tl.pointer_type(dtype))
-            first_row = area + (expert_local.to(tl.int64) * rows.rows + first + c * k.RB) * (
-                rows.hidden
-            )
-            if not k.ZERO_COPY:
-                _copy_block(src, rows.x_row, first_row, rows.hidden, block_rows, rows.hidden, k)
-            if block_rows > 0:
-                net_put_signal(heap.net_bases_ptr, rank, j, block_off, first_row,
-                               block_rows * row_size, flag_off, flag,
-                               heap.heap_bytes)  # fmt: skip
-            else:
-                net_signal(heap.net_bases_ptr, j, flag_off, flag)
+            _put_combine_rows(src, expert_local, first, length, j, b, flag, seq, rows, heap, k)
 
 
 @triton.jit
-def _copy_block(src, src_stride, dst, dst_stride, num_rows, num_cols, k):
-    """Copy ``num_rows`` rows of ``num_cols`` elements from ``src`` (the first row's first
-    element; rows ``src_stride`` apart) to ``dst`` (rows ``dst_stride`` apart), k.ROWS at a
-    time."""
+def _put_combine_rows(src, expert_local, first, length, j, b, flag, seq, rows, heap, k):
+    """Rows [first, first + length) of local expert ``expert_local`` (at ``src`` in x) to rank
+    ``j`` on another node: from this rank's send area, the buffer [L, rows, H] of
+    get_next_low_latency_combine_buffer (with ZERO_COPY, x itself), one put-with-signal."""
+    dtype = rows.x_ptr.dtype.element_ty
+    area = _heap_address(heap, rows.rank, heap.send_off).to(tl.pointer_type(dtype))
+    first_row = area + (expert_local.to(tl.int64) * rows.rows + first) * rows.hidden
+    if not k.ZERO_COPY:
+        _copy_block(src, rows.x_row, first_row, rows.hidden, length, 0, rows.hidden, k)
+    block_off = heap.staging_off + ((seq % 2) * k.B + b) * k.M * k.ROW_BYTES
+    flag_off = heap.flags_off + ((seq % 2) * k.B + b) * k.S * 8
+    if length > 0:
+        net_put_signal(heap.net_bases_ptr, rows.rank, j, block_off, first_row,
+                       length * rows.hidden * (dtype.primitive_bitwidth // 8), flag_off, flag,
+                       heap.heap_bytes)  # fmt: skip
+    else:
+        net_signal(heap.net_bases_ptr, j, flag_off, flag)
+
+
+@triton.jit
+def _copy_block(src, src_stride, dst, dst_stride, num_rows, first, last, k):
+    """Copy columns [first, last) of ``num_rows`` rows from ``src`` (the first row's first
+    element; rows ``src_stride`` apart) to ``dst`` (rows ``dst_stride`` apart), k.ROWS rows at
+    a time."""
     for r0 in range(0, num_rows, k.ROWS):
         r = (r0 + tl.arange(0, k.ROWS)).to(tl.int64)
-        _copy_rows(src + r * src_stride, dst + r * dst_stride, r < num_rows, num_cols,
-                   k.ALIGNED, k.BLOCK_H)  # fmt: skip
+        _copy_rows(src + r * src_stride, dst + r * dst_stride, r < num_rows, first, last, k)
 
 
 @triton.jit
 def _combine_receive_role(program, seq, rows, heap, sync, k):
-    """Program (token t, column slice s): out[t] over the slice's columns, the sum in fp32 of
+    """Program (token t, slice s): out[t] over the slice's columns, the sum in fp32 of
     weight * expert row over t's valid slots: rows of this rank's experts straight from x, the
-    others' from the receive blocks. Waits for each of those blocks' flags (a refused one's
-    rows count as absent). Releases nothing."""
-    t = program // rows.slices
-    s = program % rows.slices
+    others' from the receive blocks. Waits for each of those blocks' slice flags (a block from
+    another node: its slice 0's; a refused one's rows count as absent). Releases nothing."""
+    t = program // k.S
+    s = program % k.S
     rank = rows.rank
-    parity = seq % 2
     dtype = rows.x_ptr.dtype.element_ty
     refused = 0
     for slot in range(0, k.K):
         expert = tl.load(rows.topk_ptr + t * k.K + slot).to(tl.int32)
         owner = expert // k.L
         if (expert >= 0) & (owner != rank):
-            position = tl.load(rows.slots_ptr + t * k.K + slot)
-            b = _combine_block(expert, rank, k)
-            flag_off = heap.flags_off + ((parity * k.B + b) * k.C + position // k.RB) * 8
-            flag = _heap_address(heap, rank, flag_off).to(tl.pointer_type(tl.int64))
+            slice_flag = tl.where(tl.load(heap.peer_bases_ptr + owner) != 0, s, 0)
+            flag = _flag(heap, rank, _combine_block(expert, rank, k), slice_flag, seq, k)
             sent = _wait_flag(flag, seq, sync, owner, STAGE_LL_COMBINE)
             if (sent & REFUSED) != 0:
                 _rows_sent(sent, owner, rank, sync)
@@ -514,14 +565,13 @@ def _combine_receive_role(program, seq, rows, heap, sync, k):
     weight = tl.load(rows.weights_ptr + entry, mask=valid, other=0.0)
     own = expert // k.L == rank
     own_row = rows.x_ptr + (expert % k.L).to(tl.int64) * rows.x_plane + position * rows.x_row
-    b = _combine_block(expert, rank, k)
-    staged = _heap_address(heap, rank, heap.staging_off + (parity * k.B + b).to(tl.int64)
-                           * k.M * k.ROW_BYTES).to(tl.pointer_type(dtype))  # fmt: skip
+    staged = _block_row(heap, rank, _combine_block(expert, rank, k), seq, k).to(
+        tl.pointer_type(dtype))  # fmt: skip
     src = tl.where(own, own_row, staged + position * rows.hidden)
-    part = tl.cdiv(tl.cdiv(rows.hidden, rows.slices), k.BLOCK_H) * k.BLOCK_H
-    for c0 in range(s * part, tl.minimum((s + 1) * part, rows.hidden), k.BLOCK_H):
+    first, last = _slice(rows.hidden, s, k)
+    for c0 in range(first, last, k.BLOCK_H):
         cols = c0 + tl.arange(0, k.BLOCK_H)
-        cmask = cols < rows.hidden
+        cmask = cols < last
         tile = tl.load(src[:, None] + cols[None, :], mask=valid[:, None] & cmask[None, :],
                        other=0.0)  # fmt: skip
         total = tl.sum(tile.to(tl.float32) * weight[:, None], axis=0)
@@ -575,21 +625,22 @@ def low_latency_dispatch_kernel(
     rows, row_bytes, scale_plane, scale_row_step, scale_step,
     # Heap: every rank's base, byte offsets of the low-latency regions (send_off: the send area
     # of this call, by the host's parity)
-    peer_bases_ptr, net_bases_ptr, heap_bytes, freed_off, flags_off, own_off, staging_off,
-    send_off,
-    # Sync: control block, bound of every wait, the send role's scratch [programs, RB] int32,
+    peer_bases_ptr, net_bases_ptr, heap_bytes, freed_off, flags_off, own_off, quantized_off,
+    staging_off, send_off,
+    # Sync: control block, bound of every wait, the send role's scratch [E * S, M] int32,
     # whether this rank's host refused the call
     control_ptr, timeout_ns, scratch_ptr, refused,
     # Meta-parameters (the glossary in kernels/__init__.py)
-    W: tl.constexpr, L: tl.constexpr, B: tl.constexpr, M: tl.constexpr, C: tl.constexpr,
-    RB: tl.constexpr, K: tl.constexpr, K_P2: tl.constexpr, SCAN: tl.constexpr,
+    W: tl.constexpr, L: tl.constexpr, B: tl.constexpr, M: tl.constexpr, S: tl.constexpr,
+    QT: tl.constexpr, K: tl.constexpr, K_P2: tl.constexpr, SCAN: tl.constexpr,
     ROWS: tl.constexpr, BLOCK_H: tl.constexpr, GROUPS: tl.constexpr, G_P2: tl.constexpr,
     ROW_BYTES: tl.constexpr, FP8: tl.constexpr, ROUND: tl.constexpr, UE8M0: tl.constexpr,
     ALIGNED: tl.constexpr, HAS_STATS: tl.constexpr, NODES: tl.constexpr, SEND: tl.constexpr,
     RECEIVE: tl.constexpr,
 ):  # fmt: skip
-    """Programs [0, E * blocks) send where SEND (blocks = ceil(max(T, 1) / RB)), the next
-    L * W receive where RECEIVE; a launch of neither kind's programs has one, which finishes."""
+    """Where SEND, programs [0, Q) quantize (FP8: Q = ceil(T / QT), else none), the next E * S
+    send; where RECEIVE, the next L * (W - 1) receive; a launch of none of them has one
+    program, which finishes."""
     program = tl.program_id(0)
     sync = LowLatencySync(control_ptr, control_ptr + STATUS, timeout_ns, scratch_ptr, seq_ptr,
                           refused)  # fmt: skip
@@ -599,24 +650,33 @@ def low_latency_dispatch_kernel(
                    stats_ptr, rows, row_bytes, scale_plane, scale_row_step,
                    scale_step)  # fmt: skip
     heap = LowLatencyHeap(peer_bases_ptr, net_bases_ptr, heap_bytes, freed_off, flags_off,
-                          own_off, staging_off, send_off)  # fmt: skip
+                          own_off, quantized_off, staging_off, send_off)  # fmt: skip
+    quantizers = 0
     senders = 0
     if SEND:
-        senders = W * L * tl.cdiv(tl.maximum(num_tokens, 1), RB)
-    if program < senders:
-        _dispatch_send_role(
-            program, seq, tokens, out, heap, sync,
-            LowLatencyConsts(W, L, B, M, C, RB, K, K_P2, SCAN, ROWS, BLOCK_H, GROUPS, G_P2,
+        if FP8:
+            quantizers = tl.cdiv(num_tokens, QT)
+        senders = W * L * S
+    if program < quantizers:
+        _quantize_role(
+            program, seq, tokens, heap,
+            LowLatencyConsts(W, L, B, M, S, QT, K, K_P2, SCAN, ROWS, BLOCK_H, GROUPS, G_P2,
                              ROW_BYTES, FP8, ROUND, UE8M0, ALIGNED, HAS_STATS, False, NODES),
         )  # fmt: skip
-    elif RECEIVE and program - senders < L * W:
+    elif program - quantizers < senders:
+        _dispatch_send_role(
+            program - quantizers, seq, tokens, out, heap, sync,
+            LowLatencyConsts(W, L, B, M, S, QT, K, K_P2, SCAN, ROWS, BLOCK_H, GROUPS, G_P2,
+                             ROW_BYTES, FP8, ROUND, UE8M0, ALIGNED, HAS_STATS, False, NODES),
+        )  # fmt: skip
+    elif RECEIVE and program - quantizers - senders < L * (W - 1):
         _dispatch_receive_role(
-            program - senders, seq, tokens, out, heap, sync,
-            LowLatencyConsts(W, L, B, M, C, RB, K, K_P2, SCAN, ROWS, BLOCK_H, GROUPS, G_P2,
+            program - quantizers - senders, seq, tokens, out, heap, sync,
+            LowLatencyConsts(W, L, B, M, S, QT, K, K_P2, SCAN, ROWS, BLOCK_H, GROUPS, G_P2,
                              ROW_BYTES, FP8, ROUND, UE8M0, ALIGNED, HAS_STATS, False, NODES),
         )  # fmt: skip
     _finish(seq, rank, heap, sync,
-            LowLatencyConsts(W, L, B, M, C, RB, K, K_P2, SCAN, ROWS, BLOCK_H, GROUPS, G_P2,
+            LowLatencyConsts(W, L, B, M, S, QT, K, K_P2, SCAN, ROWS, BLOCK_H, GROUPS, G_P2,
                              ROW_BYTES, FP8, ROUND, UE8M0, ALIGNED, HAS_STATS, False, NODES),
             SEND, RECEIVE)  # fmt: skip
 
@@ -626,48 +686,45 @@ def low_latency_combine_kernel(
     # Rows: x [L, rows, H] (strides x_plane, x_row) in recv_x's order, topk_idx [T, K],
     # token_slots [T, K] int32 (the dispatch's), topk_weights [T, K] float32
     x_ptr, x_plane, x_row, topk_ptr, slots_ptr, weights_ptr, num_tokens, hidden, rank,
-    # The dispatch's layout_range [L, W] int64; out [T, H]; call_seq [1] int64; rows = W * M';
-    # column slices of a token in the receive role
-    layout_range_ptr, out_ptr, seq_ptr, rows, slices,
+    # The dispatch's layout_range [L, W] int64; out [T, H]; call_seq [1] int64; rows = W * M'
+    layout_range_ptr, out_ptr, seq_ptr, rows,
     # Heap, as for dispatch (send_off: the buffer of get_next_low_latency_combine_buffer)
-    peer_bases_ptr, net_bases_ptr, heap_bytes, freed_off, flags_off, own_off, staging_off,
-    send_off,
+    peer_bases_ptr, net_bases_ptr, heap_bytes, freed_off, flags_off, own_off, quantized_off,
+    staging_off, send_off,
     # Sync, as for dispatch
     control_ptr, timeout_ns, refused,
     # Meta-parameters
-    W: tl.constexpr, L: tl.constexpr, B: tl.constexpr, M: tl.constexpr, C: tl.constexpr,
-    RB: tl.constexpr, K: tl.constexpr, K_P2: tl.constexpr, ROW_BYTES: tl.constexpr,
-    ROWS: tl.constexpr, BLOCK_H: tl.constexpr, ALIGNED: tl.constexpr, ZERO_COPY: tl.constexpr,
-    NODES: tl.constexpr,
+    W: tl.constexpr, L: tl.constexpr, B: tl.constexpr, M: tl.constexpr, S: tl.constexpr,
+    K: tl.constexpr, K_P2: tl.constexpr, ROW_BYTES: tl.constexpr, ROWS: tl.constexpr,
+    BLOCK_H: tl.constexpr, ALIGNED: tl.constexpr, ZERO_COPY: tl.constexpr, NODES: tl.constexpr,
     SEND: tl.constexpr, RECEIVE: tl.constexpr,
 ):  # fmt: skip
-    """Programs [0, L * (W - 1) * ceil(M' / RB)) send where SEND, the next T * slices receive
-    where RECEIVE; a launch of neither kind's programs has one, which finishes."""
+    """Programs [0, L * (W - 1) * S) send where SEND, the next T * S receive where RECEIVE; a
+    launch of neither kind's programs has one program, which finishes."""
     program = tl.program_id(0)
     sync = LowLatencySync(control_ptr, control_ptr + STATUS, timeout_ns, control_ptr, seq_ptr,
                           refused)  # fmt: skip
     seq = _call_seq(sync, SEND)
     combined = CombineRows(rank, x_ptr, x_plane, x_row, topk_ptr, slots_ptr, weights_ptr,
-                           num_tokens, hidden, layout_range_ptr, out_ptr, rows,
-                           slices)  # fmt: skip
+                           num_tokens, hidden, layout_range_ptr, out_ptr, rows)  # fmt: skip
     heap = LowLatencyHeap(peer_bases_ptr, net_bases_ptr, heap_bytes, freed_off, flags_off,
-                          own_off, staging_off, send_off)  # fmt: skip
+                          own_off, quantized_off, staging_off, send_off)  # fmt: skip
     senders = 0
     if SEND:
-        senders = L * (W - 1) * tl.cdiv(rows // W, RB)
+        senders = L * (W - 1) * S
     if program < senders:
         _combine_send_role(
             program, seq, combined, heap, sync,
-            LowLatencyConsts(W, L, B, M, C, RB, K, K_P2, 0, ROWS, BLOCK_H, 0, 0, ROW_BYTES,
+            LowLatencyConsts(W, L, B, M, S, 0, K, K_P2, 0, ROWS, BLOCK_H, 0, 0, ROW_BYTES,
                              False, False, False, ALIGNED, False, ZERO_COPY, NODES),
         )  # fmt: skip
-    elif RECEIVE and program - senders < num_tokens * slices:
+    elif RECEIVE and program - senders < num_tokens * S:
         _combine_receive_role(
             program - senders, seq, combined, heap, sync,
-            LowLatencyConsts(W, L, B, M, C, RB, K, K_P2, 0, ROWS, BLOCK_H, 0, 0, ROW_BYTES,
+            LowLatencyConsts(W, L, B, M, S, 0, K, K_P2, 0, ROWS, BLOCK_H, 0, 0, ROW_BYTES,
                              False, False, False, ALIGNED, False, ZERO_COPY, NODES),
         )  # fmt: skip
     _finish(seq, rank, heap, sync,
-            LowLatencyConsts(W, L, B, M, C, RB, K, K_P2, 0, ROWS, BLOCK_H, 0, 0, ROW_BYTES,
+            LowLatencyConsts(W, L, B, M, S, 0, K, K_P2, 0, ROWS, BLOCK_H, 0, 0, ROW_BYTES,
                              False, False, False, ALIGNED, False, ZERO_COPY, NODES),
             SEND, RECEIVE)  # fmt: skip

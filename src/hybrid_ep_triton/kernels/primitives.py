@@ -246,6 +246,24 @@ def wait_at_least(flag_ptr, target, timeout_ns, status_ptr, peer, stage):
 
 
 @triton.jit
+def wait_all_at_least(flag_ptrs, target, mask, timeout_ns, status_ptr, peer, stage):
+    """wait_at_least() for the flags ``flag_ptrs`` [N] where ``mask``: until every one is
+    >= ``target``."""
+    start = clock_ns()
+    waiting = _any_below(flag_ptrs, target, mask) & (tl.load(status_ptr, volatile=True) == 0)
+    while waiting:
+        _time_out_after(start, timeout_ns, status_ptr, peer, stage)
+        waiting = _any_below(flag_ptrs, target, mask) & (tl.load(status_ptr, volatile=True) == 0)
+    tl.debug_barrier()
+
+
+@triton.jit
+def _any_below(flag_ptrs, target, mask):
+    value = tl.atomic_add(flag_ptrs, 0, mask=mask, sem="acquire", scope="sys")
+    return tl.max((mask & (value < target)).to(tl.int32), axis=0) > 0
+
+
+@triton.jit
 def _time_out_after(start, timeout_ns, status_ptr, peer, stage):
     """Inside a wait that began at ``start``: past ``timeout_ns``, the first waiter to time out
     records (STATUS_TIMED_OUT, peer, stage)."""

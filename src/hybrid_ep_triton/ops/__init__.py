@@ -48,7 +48,7 @@ class Runtime:
     relaunches: the last launch of each kind of call as a Relaunch (see ops/launch.py), by
         what fixes the arguments a repeated call does not change (the kind, the token count,
         K, flags): at most a few per distinct token count.
-    ll_scratch: int32 [E * C * RB] on the device: the low-latency send role's rows of a block
+    ll_scratch: int32 [E * S, M] on the device: the low-latency send role's lists of rows
         (kernels/low_latency.py), [0] without the mode.
     """
 
@@ -151,7 +151,7 @@ def make_runtime(
         report=torch.zeros(REPORT_WORDS, dtype=torch.int64, pin_memory=on_gpu),
         outputs_record=torch.zeros(int(HOST_RECORD_WORDS), dtype=torch.int64, pin_memory=on_gpu),
         ll_scratch=torch.empty(
-            plan.num_experts * ll.blocks_per_list * ll.block_rows if ll.tokens else 0,
+            plan.num_experts * ll.slices * ll.tokens,
             dtype=torch.int32,
             device=device,
         ),  # fmt: skip

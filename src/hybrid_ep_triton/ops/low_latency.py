@@ -6,14 +6,19 @@ from typing import NamedTuple
 import torch
 
 from ..kernels.low_latency import low_latency_combine_kernel, low_latency_dispatch_kernel
-from ..runtime.planner import FP8_GROUP, ceil_div, next_power_of_2
+from ..runtime.planner import (
+    FP8_GROUP,
+    LOW_LATENCY_QUANTIZED_TOKENS,
+    ceil_div,
+    next_power_of_2,
+)
 from . import Runtime, library, status
 from .launch import KernelLauncher
 
 # Warps of a low-latency program: most move a few rows, and many programs hide the latency of
 # each one's scan and waits.
 _WARPS = 4
-# Elements of a tile's row (a row of bf16 at 7168 channels in 7 tiles), and rows of a tile.
+# Columns of a tile's row, and rows of a tile.
 _BLOCK_H = 1024
 _TILE_ROWS = 4
 # Most topk_idx entries a sending program scans at a time.
@@ -99,18 +104,16 @@ def combine_buffer(rt: Runtime, max_tokens: int, area: int) -> torch.Tensor:
     Buffer's dtype that combine reads expert outputs from with zero_copy (and that a combine
     across nodes puts rows from)."""
     plan = rt.plan
-    ll = plan.low_latency
-    start = plan.heap.ll_send + area * plan.num_experts * ll.tokens * ll.row_bytes
+    start = _send_off(rt, area)
     shape = (plan.experts_per_rank, rt.world_size * max_tokens, plan.hidden)
     size = shape[0] * shape[1] * shape[2] * plan.dtype.itemsize
     return rt.heap.local[start : start + size].view(plan.dtype).view(shape)
 
 
 def _send_off(rt: Runtime, area: int) -> int:
-    plan = rt.plan
-    return plan.heap.ll_send + area * plan.num_experts * plan.low_latency.tokens * (
-        plan.low_latency.row_bytes
-    )
+    """Byte offset of send area ``area`` (0 or 1) in the heap."""
+    ll = rt.plan.low_latency
+    return rt.plan.heap.ll_send + area * ll.area_rows * ll.row_bytes
 
 
 def _heap_constants(rt: Runtime) -> dict:
@@ -118,10 +121,11 @@ def _heap_constants(rt: Runtime) -> dict:
     return dict(
         peer_bases_ptr=rt.heap.peer_bases, net_bases_ptr=rt.heap.net_bases,
         heap_bytes=heap.total_bytes, freed_off=heap.ll_freed, flags_off=heap.ll_flags,
-        own_off=heap.ll_own, staging_off=heap.ll_staging, control_ptr=rt.control,
-        timeout_ns=rt.timeout_ns, rank=rt.rank, W=rt.world_size, L=plan.experts_per_rank,
-        B=ll.remote_blocks, M=ll.tokens, C=ll.blocks_per_list, RB=ll.block_rows,
-        ROW_BYTES=ll.row_bytes, NODES=plan.nodes, num_warps=_WARPS, **rt.compile_options,
+        own_off=heap.ll_own, quantized_off=heap.ll_quantized, staging_off=heap.ll_staging,
+        control_ptr=rt.control, timeout_ns=rt.timeout_ns, rank=rt.rank, W=rt.world_size,
+        L=plan.experts_per_rank, B=ll.remote_blocks, M=ll.tokens, S=ll.slices,
+        ROW_BYTES=ll.row_bytes, ROWS=_TILE_ROWS, BLOCK_H=_BLOCK_H, NODES=plan.nodes,
+        num_warps=_WARPS, **rt.compile_options,
     )  # fmt: skip
 
 
@@ -164,9 +168,10 @@ def launch_dispatch(
     plan, ll = rt.plan, rt.plan.low_latency
     num_tokens, topk = topk_idx.shape
     fp8 = outputs.scale_storage.numel() > 0
-    experts = plan.experts_per_rank
-    senders = plan.num_experts * ceil_div(max(num_tokens, 1), ll.block_rows) if send else 0
-    grid = senders + (experts * rt.world_size if receive else 0)
+    quantizers = ceil_div(num_tokens, LOW_LATENCY_QUANTIZED_TOKENS) if send and fp8 else 0
+    senders = plan.num_experts * ll.slices if send else 0
+    receivers = plan.experts_per_rank * (rt.world_size - 1) if receive else 0
+    grid = quantizers + senders + receivers
     rows = outputs.recv_x.shape[1]
     groups = plan.hidden // FP8_GROUP
     if not fp8:
@@ -185,7 +190,7 @@ def launch_dispatch(
             send_off=_send_off(rt, area), refused=int(refused), K=topk,
             K_P2=next_power_of_2(topk),
             SCAN=min(_MOST_SCANNED, next_power_of_2(max(ll.tokens * topk, 1))),
-            ROWS=_TILE_ROWS, BLOCK_H=_BLOCK_H, GROUPS=_GROUPS,
+            QT=LOW_LATENCY_QUANTIZED_TOKENS, GROUPS=_GROUPS,
             G_P2=next_power_of_2(max(groups, 1)), FP8=fp8, ROUND=round_scale, UE8M0=ue8m0,
             ALIGNED=_aligned(x) and plan.hidden * x.element_size() % 16 == 0,
             HAS_STATS=stats is not None, SEND=send, RECEIVE=receive,
@@ -218,22 +223,17 @@ def launch_combine(
     """Launch the send half, the receive half, or both, of a combine of expert outputs x [L,
     W * M', H] into out [T, H] (``area``: the send area of this call, which with zero_copy x
     is; ``refused``: this rank's host refused the call, whose tensors are then stand-ins)."""
-    plan, ll = rt.plan, rt.plan.low_latency
+    plan, slices = rt.plan, rt.plan.low_latency.slices
     num_tokens, topk = topk_idx.shape
-    rows = x.shape[1]
-    senders = plan.experts_per_rank * (rt.world_size - 1) * ceil_div(
-        rows // rt.world_size, ll.block_rows
-    ) if send else 0  # fmt: skip
-    # Column slices of a token: enough programs for the GPU when tokens are few.
-    slices = max(1, min(ceil_div(plan.hidden, _BLOCK_H), ceil_div(256, max(num_tokens, 1))))
+    senders = plan.experts_per_rank * (rt.world_size - 1) * slices if send else 0
     grid = senders + (num_tokens * slices if receive else 0)
     rt.launcher(_combine_launcher)(
         (max(grid, 1),),
         specialized=dict(
             x_ptr=x, x_plane=x.stride(0), x_row=x.stride(1), topk_ptr=topk_idx,
             weights_ptr=topk_weights, out_ptr=out, num_tokens=num_tokens, hidden=plan.hidden,
-            rows=rows, slices=slices, send_off=_send_off(rt, area), refused=int(refused),
-            K=topk, K_P2=next_power_of_2(topk), ROWS=_TILE_ROWS, BLOCK_H=_BLOCK_H,
+            rows=x.shape[1], send_off=_send_off(rt, area), refused=int(refused), K=topk,
+            K_P2=next_power_of_2(topk),
             ALIGNED=_aligned(x[0], out) and plan.hidden * x.element_size() % 16 == 0,
             ZERO_COPY=zero_copy, SEND=send, RECEIVE=receive,
         ),

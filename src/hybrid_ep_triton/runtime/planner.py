@@ -31,9 +31,13 @@ FP8_GROUP = 128
 # Most column parts of a work item for the local roles (expansion, reduction, finish): the items
 # that land last (or must be sent first) are worked on by up to that many programs at once.
 LOCAL_PARTS = 4
-# Low-latency mode: rows of one (expert, source) list that one program moves and one flag
-# releases (at most; fewer where the Buffer's low_latency_tokens is smaller).
-LOW_LATENCY_BLOCK_ROWS = 32
+# Low-latency mode: column slices of a row, each moved by its own program and released by its
+# own flag, so that an expert's rows are moved by that many programs at once; and channels of
+# a row that make one slice at the least.
+LOW_LATENCY_SLICES = 2
+LOW_LATENCY_SLICE_MIN = 2048
+# Tokens that one program of a low-latency FP8 dispatch quantizes (each token once).
+LOW_LATENCY_QUANTIZED_TOKENS = 2
 # Bytes of the header in front of a low-latency dispatch row (the source token index, then
 # padding that keeps the payload 16-byte aligned), as DeepEP's messages have.
 LOW_LATENCY_HEADER = 16
@@ -297,6 +301,7 @@ class HeapLayout:
     ll_freed: int
     ll_flags: int
     ll_own: int
+    ll_quantized: int
     ll_staging: int
     ll_send: int
     total_bytes: int
@@ -307,40 +312,55 @@ class LowLatencyLayout:
     """The low-latency mode's geometry (Buffer's ``low_latency_tokens`` = M > 0), with regions
     in every rank's heap (offsets in HeapLayout):
 
-    ll_freed   int64 [W]              rank i's last low-latency call whose receive is over (so
-                                      that a sender two calls later may overwrite its area)
-    ll_flags   int64 [2, B, C]        block c of receive block b has landed: (seq << 32) | rows
-    ll_own     int64 [2, L]           this rank's own rows for local expert e: (seq << 32) | rows
-    ll_staging [2, B, M] rows         receive blocks, by parity of the call's sequence number:
-                                      dispatch, block (local expert e, source j != this rank):
-                                      rows of ``row_bytes`` (a LOW_LATENCY_HEADER, then the
-                                      payload); combine, block (remote expert e): rows of the
-                                      Buffer's dtype, hidden wide
-    ll_send    [2, E, M] rows         network sources (a NIC reads only registered memory):
-                                      dispatch rows by (expert, position), or the combine
-                                      buffer [L, W * M', H] of get_next_low_latency_combine_buffer
+    ll_freed     int64 [W]          rank i's last low-latency call whose receive is over (so
+                                    that a sender two calls later may overwrite its area)
+    ll_flags     int64 [2, B, S]    slice s of receive block b has landed: (seq << 32) | rows
+                                    (a block from another node lands whole, with slice 0's)
+    ll_own       int64 [2, L]       this rank's own rows of local expert e: (seq << 32) | rows
+    ll_quantized int64 [Q]          tokens [q * QT, (q + 1) * QT) of this rank are quantized
+                                    (an FP8 dispatch quantizes each token once): seq
+    ll_staging   [2, B, M] rows     receive blocks, by parity of the call's sequence number:
+                                    dispatch, block (local expert e, source j != this rank):
+                                    rows of ``row_bytes`` (a LOW_LATENCY_HEADER, then the
+                                    payload); combine, block (remote expert e): rows of the
+                                    Buffer's dtype, hidden wide
+    ll_send      [2, E + 1, M] rows send areas, by the host's parity of its calls: rows that a
+                                    dispatch puts over the network, by (expert, position), then
+                                    an FP8 dispatch's quantized tokens; or the combine buffer
+                                    [L, W * M', H] of get_next_low_latency_combine_buffer
 
-    B = E - L (the experts of the other ranks), C = ceil(M / block_rows).
+    B = E - L (the experts of the other ranks), S = ``slices``, QT =
+    LOW_LATENCY_QUANTIZED_TOKENS, Q = ceil(M / QT).
     """
 
     tokens: int  # M: most tokens a rank passes to one low-latency dispatch
-    block_rows: int  # rows a sending program moves and a flag releases
-    blocks_per_list: int  # C
+    slices: int  # S: column slices of a row, each moved by its own program, with its own flag
+    experts_per_rank: int  # L
     remote_blocks: int  # B
     payload_bytes: int  # the widest row a call moves: the Buffer's dtype, or FP8 and scales
     row_bytes: int  # header + payload, a multiple of 16
+
+    @property
+    def quantizer_blocks(self) -> int:
+        """Q: blocks of tokens a quantizing program takes."""
+        return ceil_div(self.tokens, LOW_LATENCY_QUANTIZED_TOKENS)
+
+    @property
+    def area_rows(self) -> int:
+        """Rows of one send area: (E + 1) * M."""
+        return (self.remote_blocks + self.experts_per_rank + 1) * self.tokens
 
 
 def low_latency_layout(
     tokens: int, hidden: int, world_size: int, num_experts: int, dtype: torch.dtype
 ) -> LowLatencyLayout:
     """The low-latency geometry for ``tokens`` (M) tokens a rank; M = 0: none."""
-    block_rows = min(LOW_LATENCY_BLOCK_ROWS, next_power_of_2(max(tokens, 1)))
     fp8_bytes = hidden + hidden // FP8_GROUP * 4 if hidden % FP8_GROUP == 0 else 0
     payload = max(hidden * dtype.itemsize, fp8_bytes)
+    local = num_experts // world_size
     return LowLatencyLayout(
-        tokens=tokens, block_rows=block_rows, blocks_per_list=ceil_div(tokens, block_rows),
-        remote_blocks=num_experts - num_experts // world_size, payload_bytes=payload,
+        tokens=tokens, slices=max(1, min(LOW_LATENCY_SLICES, hidden // LOW_LATENCY_SLICE_MIN)),
+        experts_per_rank=local, remote_blocks=num_experts - local, payload_bytes=payload,
         row_bytes=LOW_LATENCY_HEADER + ceil_div(payload, 16) * 16,
     )  # fmt: skip
 
@@ -348,13 +368,13 @@ def low_latency_layout(
 def low_latency_region_sizes(ll: LowLatencyLayout, world_size: int, num_experts: int) -> list:
     """(name, bytes) of the low-latency heap regions (all empty without the mode)."""
     on = ll.tokens > 0
-    flags = 2 * ll.remote_blocks * ll.blocks_per_list * 8
     return [
         ("ll_freed", world_size * 8 if on else 0),
-        ("ll_flags", flags if on else 0),
-        ("ll_own", 2 * (num_experts // world_size) * 8 if on else 0),
+        ("ll_flags", 2 * ll.remote_blocks * ll.slices * 8 if on else 0),
+        ("ll_own", 2 * ll.experts_per_rank * 8 if on else 0),
+        ("ll_quantized", ll.quantizer_blocks * 8),
         ("ll_staging", 2 * ll.remote_blocks * ll.tokens * ll.row_bytes),
-        ("ll_send", 2 * num_experts * ll.tokens * ll.row_bytes),
+        ("ll_send", 2 * ll.area_rows * ll.row_bytes),
     ]
 
 
