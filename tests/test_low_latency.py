@@ -874,6 +874,70 @@ def test_strided_routing_rows(launch):
     _assert_no_failures(launch(_strided_routing_body, 2))
 
 
+# --- the reference itself ------------------------------------------------------------------
+
+
+def test_reference_layout_by_hand():
+    """reference.low_latency_dispatch / low_latency_combine on a layout worked out by hand: W=2,
+    E=4 (rank 0 owns experts 0, 1; rank 1 owns 2, 3)."""
+    idxs = [torch.tensor([[0, 2], [1, 0]]), torch.tensor([[0, -1], [3, 1]], dtype=I32)]
+    xs = [torch.arange(2 * 4, dtype=BF16).reshape(2, 4) + 10 * j for j in range(2)]
+    r0 = reference.low_latency_dispatch(xs, idxs, 4, 3, 0)
+    # Expert 0: rank 0's tokens 0, 1 (its own first), then rank 1's token 0; expert 1: rank 0's
+    # token 1, then rank 1's token 1.
+    assert r0.recv_count.tolist() == [3, 2]
+    assert r0.src_info[0, :3].tolist() == [0, 1, 0] and r0.src_info[1, :2].tolist() == [1, 1]
+    assert r0.source_rank[0, :3].tolist() == [0, 0, 1]
+    assert torch.equal(r0.recv_x[0, :3], torch.stack([xs[0][0], xs[0][1], xs[1][0]]))
+    assert r0.layout_range.tolist() == [[2, (2 << 32) | 1], [1, (1 << 32) | 1]]
+    assert r0.token_slots.tolist() == [[0, 0], [0, 1]]
+    assert tuple(r0.recv_x.shape) == (2, 6, 4)
+    r1 = reference.low_latency_dispatch(xs, idxs, 4, 3, 1)
+    # Expert 2: rank 0's token 0 (rank 1 has none, so its run is empty at row 0); expert 3:
+    # rank 1's own token 1.
+    assert r1.recv_count.tolist() == [1, 1]
+    assert r1.layout_range.tolist() == [[1, 0], [1 << 32, 1]]
+    assert r1.token_slots.tolist() == [[0, -1], [0, 0]]
+    # Combine: rank 1's token 1 takes expert 3's row 0 on rank 1 and expert 1's row 1 on rank 0.
+    ys = [torch.randn(2, 6, 4).to(BF16) for _ in range(2)]
+    w = torch.tensor([[0.5, 9.0], [0.25, 2.0]])
+    out = reference.low_latency_combine(ys, idxs, w, 4, 1)
+    assert torch.equal(out[0], (0.5 * ys[0][0, 2].float()).to(BF16))
+    assert torch.equal(out[1], (0.25 * ys[1][1, 0].float() + 2.0 * ys[0][1, 1].float()).to(BF16))
+
+
+def test_reference_quantizer():
+    """reference.quantize_fp8_low_latency: without round_scale the values of quantize_fp8 (the
+    normal mode's, which differs only in its amax floor and in dividing for the scale) where
+    amax >= 1e-4; with it power-of-two scales, the least that is at least a / 448; UE8M0 bytes
+    their exponents; dequantized within e4m3's rounding."""
+    x = _tokens(64, 384, torch.Generator().manual_seed(0))
+    amax = x.float().reshape(64, 3, 128).abs().amax(dim=2)
+    floor = torch.tensor(1e-4, dtype=torch.float32)
+    values, scales = reference.quantize_fp8_low_latency(x)
+    normal_values, normal_scales = reference.quantize_fp8(x)
+    big = (amax >= floor).repeat_interleave(128, dim=1)
+    assert torch.equal(values.view(torch.uint8)[big], normal_values.view(torch.uint8)[big])
+    a = torch.maximum(amax, floor)
+    assert torch.equal(scales, a * torch.tensor(1 / 448, dtype=torch.float32))
+    ratio = scales[amax >= floor] / normal_scales[amax >= floor]
+    assert ((ratio - 1).abs() <= 2**-22).all()
+    for round_scale in (False, True):
+        values, scales = reference.quantize_fp8_low_latency(x, round_scale)
+        if round_scale:
+            assert ((scales.view(I32) & 0x7FFFFF) == 0).all()  # powers of two
+            least = a * torch.tensor(1 / 448, dtype=torch.float32)
+            assert (scales >= least).all() and (scales / 2 < least).all()
+            words = reference.ue8m0_bytes(scales)
+            assert words.dtype == I32 and tuple(words.shape) == (64, 1)
+            for g in range(4):
+                want = (scales.view(I32)[:, g] >> 23) & 0xFF if g < 3 else torch.zeros(64)
+                assert torch.equal((words[:, 0].long() >> (8 * g)) & 0xFF, want.long())
+        back = reference.dequantize_fp8(values, scales)
+        scale_per_channel = scales.repeat_interleave(128, dim=1)
+        assert ((back - x.float()).abs() <= x.float().abs() / 16 + scale_per_channel / 2**10).all()
+
+
 # --- heap size -------------------------------------------------------------------------------
 
 
@@ -1039,17 +1103,18 @@ def test_compiled_low_latency_step_does_not_recompile(launch):
 # --- CUDA graphs (GPU only) ------------------------------------------------------------------
 
 
-def _graph_body(rank: int, world: int) -> list[str]:
-    """dispatch (hook) + hook + experts + combine (hook) + hook captured in a CUDA graph,
-    replayed with new tokens and routing copied into the captured inputs: each replay matches
-    the reference, and adds its rows into the stats once."""
-    return [msg for fmt in ("bf16", "ue8m0") for msg in _graph_replays(rank, world, fmt)]
+def _graph_body(rank: int, world: int, use_graph: bool) -> list[str]:
+    """dispatch (hook) + hook + experts + combine (hook) + hook captured in a CUDA graph
+    (``use_graph``; else the same step called again), replayed with new tokens and routing
+    copied into the captured inputs: each replay matches the reference, and adds its rows into
+    the stats once."""
+    return [msg for fmt in ("bf16", "ue8m0") for msg in _graph_replays(rank, world, fmt, use_graph)]
 
 
-def _graph_replays(rank: int, world: int, fmt: str) -> list[str]:
+def _graph_replays(rank: int, world: int, fmt: str, use_graph: bool) -> list[str]:
     failures: list[str] = []
     dev = rank_device()
-    hidden, tokens, local = 512, 16, 3
+    hidden, tokens, local = (512, 16, 3) if use_graph else (256, 5, 2)
     num_experts = local * world
     grp = Group(world, hidden, num_experts, tokens, seed=50, cases=())
     case = Case(f"graph {fmt}", tokens=(tokens,), topk=min(4, num_experts), fmt=fmt,
@@ -1077,25 +1142,29 @@ def _graph_replays(rank: int, world: int, fmt: str) -> list[str]:
         return recv_x, count, handle, out
 
     try:
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):  # warm-up: Triton compiles
-            step()
-        torch.cuda.current_stream().wait_stream(side)
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):  # a host synchronisation here would fail the capture
-            recv_x, count, handle, out = step()
-        torch.cuda.synchronize()
-        buf.check()
+        if use_graph:
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):  # warm-up: Triton compiles
+                step()
+            torch.cuda.current_stream().wait_stream(side)
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):  # a host synchronisation here would fail the capture
+                recv_x, count, handle, out = step()
+            torch.cuda.synchronize()
+            buf.check()
         for replay in range(1, 4):
             inputs = [_inputs(grp, replay, case, j, 0) for j in range(world)]
             with torch.no_grad():
                 for static, new in zip((x, idx, w), inputs[rank], strict=True):
                     static.copy_(new)
             stats.zero_()
-            graph.replay()
-            torch.cuda.synchronize()
+            if use_graph:
+                graph.replay()
+                torch.cuda.synchronize()
+            else:
+                recv_x, count, handle, out = step()
             buf.check()
             xs, idxs = [a for a, _, _ in inputs], [b for _, b, _ in inputs]
             want = reference.low_latency_dispatch(xs, idxs, num_experts, tokens, rank,
@@ -1127,4 +1196,10 @@ def _graph_replays(rank: int, world: int, fmt: str) -> list[str]:
 @pytest.mark.gpu
 @pytest.mark.parametrize("world", [1, 2])
 def test_graph_replay_with_hooks_matches_reference(launch, world):
-    _assert_no_failures(launch(_graph_body, world))
+    _assert_no_failures(launch(_graph_body, world, True))
+
+
+def test_calls_on_the_same_input_tensors_match_reference(launch):
+    """The graph test's step without a graph (CPU ranks too): the same input tensors refilled
+    in place between calls, as a replay sees them."""
+    _assert_no_failures(launch(_graph_body, 2, False))

@@ -126,14 +126,19 @@ def _wait_flag(flag_ptr, seq, sync, peer, stage):
 
 @triton.jit
 def _rows_sent(rows, source, rank, sync):
-    """The rows a flag's ``rows`` field says ``source`` sent: 0 where it refused the call,
-    which LL_REFUSED then records for a source that is not this ``rank`` (the first such
-    source + 1; a rank's host raises its own refusal)."""
+    """The rows a flag's ``rows`` field says ``source`` sent: 0 where it refused the call
+    (``_note_refusal``)."""
     refused = (rows & REFUSED) != 0
     if refused & (source != rank):
-        tl.atomic_cas(sync.control_ptr + LL_REFUSED, tl.zeros([], tl.int64),
-                      source.to(tl.int64) + 1)  # fmt: skip
+        _note_refusal(source, sync)
     return tl.where(refused, 0, rows & ROWS_MASK)
+
+
+@triton.jit
+def _note_refusal(source, sync):
+    """Record in LL_REFUSED (the first one: source + 1) that ``source``, another rank, refused a
+    call (a rank's host raises its own refusal)."""
+    tl.atomic_cas(sync.control_ptr + LL_REFUSED, tl.zeros([], tl.int64), source.to(tl.int64) + 1)
 
 
 @triton.jit
@@ -545,22 +550,26 @@ def _combine_receive_role(program, seq, rows, heap, sync, k):
     s = program % k.S
     rank = rows.rank
     dtype = rows.x_ptr.dtype.element_ty
-    refused = 0
-    for slot in range(0, k.K):
-        expert = tl.load(rows.topk_ptr + t * k.K + slot).to(tl.int32)
-        owner = expert // k.L
-        if (expert >= 0) & (owner != rank):
-            slice_flag = tl.where(tl.load(heap.peer_bases_ptr + owner) != 0, s, 0)
-            flag = _flag(heap, rank, _combine_block(expert, rank, k), slice_flag, seq, k)
-            sent = _wait_flag(flag, seq, sync, owner, STAGE_LL_COMBINE)
-            if (sent & REFUSED) != 0:
-                _rows_sent(sent, owner, rank, sync)
-                refused |= 1 << slot
     slots = tl.arange(0, k.K_P2)
     entry = t * k.K + slots
     expert = tl.load(rows.topk_ptr + entry, mask=slots < k.K, other=-1).to(tl.int32)
-    valid = (expert >= 0) & (((refused >> slots) & 1) == 0)
+    valid = expert >= 0
     expert = tl.where(valid, expert, 0)
+    owner = expert // k.L
+    remote = valid & (owner != rank)
+    if tl.max(remote.to(tl.int32), axis=0) > 0:
+        # A block from another node lands whole, with its slice 0's flag.
+        on_node = tl.load(heap.peer_bases_ptr + owner, mask=remote, other=0) != 0
+        flags = _flag(heap, rank, _combine_block(expert, rank, k), tl.where(on_node, s, 0), seq,
+                      k)  # fmt: skip
+        first_owner = tl.min(tl.where(remote, owner, k.W), axis=0)
+        wait_all_at_least(flags, seq.to(tl.int64) << 32, remote, sync.timeout_ns,
+                          sync.status_ptr, first_owner, STAGE_LL_COMBINE)  # fmt: skip
+        sent = tl.atomic_add(flags, 0, mask=remote, sem="acquire", scope="sys")
+        refused = remote & ((sent & REFUSED) != 0)
+        if tl.max(refused.to(tl.int32), axis=0) > 0:
+            _note_refusal(tl.min(tl.where(refused, owner, k.W), axis=0), sync)
+        valid &= ~refused
     position = tl.load(rows.slots_ptr + entry, mask=valid, other=0).to(tl.int64)
     weight = tl.load(rows.weights_ptr + entry, mask=valid, other=0.0)
     own = expert // k.L == rank
