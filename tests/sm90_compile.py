@@ -216,7 +216,6 @@ def low_latency_builds(world: int, per_node: int):
     nodes = world // per_node
     common = dict(W=world, L=256 // world, B=ll.remote_blocks, M=ll.tokens, S=ll.slices,
                   QT=LOW_LATENCY_QUANTIZED_TOKENS, K=8, K_P2=8, ROWS=ops._TILE_ROWS,
-                  BLOCK_H=ops._BLOCK_H,
                   ROW_BYTES=ll.row_bytes, ALIGNED=True, NODES=nodes, SEND=True,
                   RECEIVE=True)  # fmt: skip
     heap = dict(peer_bases_ptr="*i64", net_bases_ptr="*i64", control_ptr="*i64", seq_ptr="*i64",
@@ -228,14 +227,15 @@ def low_latency_builds(world: int, per_node: int):
     kernel = low_latency_dispatch_kernel
     for label, fp8 in (("", False), (" FP8 UE8M0", True)):
         constexprs = dict(common, SCAN=1024, GROUPS=ops._GROUPS, G_P2=64, FP8=fp8, ROUND=fp8,
-                          UE8M0=fp8, HAS_STATS=True)  # fmt: skip
+                          UE8M0=fp8, HAS_STATS=True, BLOCK_H=ops._BLOCK_H)  # fmt: skip
         pointers = dict(heap, scales_ptr="*u8" if fp8 else "*fp32", recv_ptr="*u8")
         signature, attrs = _signature(kernel, pointers, constexprs)
         yield f"{topo} {kernel.fn.__name__}{label}", ASTSource(kernel, signature, constexprs,
                                                                attrs), options  # fmt: skip
     kernel = low_latency_combine_kernel
     params = inspect.signature(kernel.fn).parameters
-    constexprs = {k: v for k, v in dict(common, ZERO_COPY=False).items() if k in params}
+    constexprs = dict(common, ZERO_COPY=False, BLOCK_H=ops._COMBINE_BLOCK_H)
+    constexprs = {k: v for k, v in constexprs.items() if k in params}
     pointers = dict(heap, weights_ptr="*fp32", out_ptr="*bf16")
     signature, attrs = _signature(kernel, pointers, constexprs)
     yield f"{topo} {kernel.fn.__name__}", ASTSource(kernel, signature, constexprs, attrs), options

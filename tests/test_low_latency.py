@@ -196,6 +196,15 @@ SLOW_GROUPS = [
              hook="both", zero_copy=True, stats=True),
     )),
 ]  # fmt: skip
+# Long lists: more rows of one (expert, source) than one block of LOW_LATENCY_BLOCK_ROWS (32)
+# and, at M' * K = 1088, more routing entries than a sender scans at a time (1024).
+LONG_LISTS = Group(2, 128, 8, 136, seed=10, cases=(
+    Case("hot_fp8", tokens=(136, 70), topk=8, hot_expert=6, fmt="fp8"),
+    Case("unused_pair_zero_copy", tokens=(40, 136), topk=8, unused_prob=0.3, hook="pair",
+         zero_copy=True, stats=True),
+    Case("hot_mp33_ue8m0_layer", tokens=(33,), mp=33, topk=2, hot_expert=1, fmt="ue8m0",
+         layer=True, hook="both"),
+))  # fmt: skip
 # GPUs only: DeepSeek-V3's hidden size, top-8 of 32 experts, up to 128 tokens a call (on CPU
 # ranks the groups above cover the same code at sizes the interpreter can afford).
 GPU_GROUPS = [
@@ -571,7 +580,7 @@ def _assert_no_failures(results: list) -> None:
     [
         MAIN,
         NODES_2X1,
-        *(pytest.param(g, marks=pytest.mark.slow) for g in SLOW_GROUPS),
+        *(pytest.param(g, marks=pytest.mark.slow) for g in [*SLOW_GROUPS, LONG_LISTS]),
         *(pytest.param(g, marks=pytest.mark.gpu) for g in GPU_GROUPS),
     ],
     ids=lambda g: g.id,

@@ -63,7 +63,7 @@ from .primitives import (
     wait_all_at_least,
     wait_at_least,
 )
-from .quantize import E4M3_MAX, to_e4m3_bits
+from .quantize import E4M3_MAX, e4m3_bits
 
 # A flag's rows field (its low 32 bits) with this bit: the source's host refused the call.
 REFUSED = tl.constexpr(1 << 30)
@@ -203,14 +203,15 @@ def _slice(num_cols, s, k):
 
 
 @triton.jit
-def _copy_rows(src, dst, rmask, first, last, k):
+def _copy_rows(src, dst, rmask, first, last, BLOCK: tl.constexpr, ALIGNED: tl.constexpr):
     """Copy columns [first, last) of each row from ``src`` to ``dst`` (pointers [ROWS] to the
-    rows' first elements) where ``rmask``; with k.ALIGNED every row starts 16-byte aligned."""
-    if k.ALIGNED:
+    rows' first elements) where ``rmask``, BLOCK at a time; ALIGNED: every row starts 16-byte
+    aligned."""
+    if ALIGNED:
         src = tl.multiple_of(src, 16)
         dst = tl.multiple_of(dst, 16)
-    for c0 in range(first, last, k.BLOCK_H):
-        cols = c0 + tl.arange(0, k.BLOCK_H)
+    for c0 in range(first, last, BLOCK):
+        cols = c0 + tl.arange(0, BLOCK)
         mask = rmask[:, None] & (cols < last)[None, :]
         tile = tl.load(src[:, None] + cols[None, :], mask=mask, cache_modifier=".cg")
         tl.store(dst[:, None] + cols[None, :], tile, mask=mask)
@@ -263,9 +264,10 @@ def _copy_payloads(
     of the values), and with COPY_SCALES their float32 scales, stored from ``scale_rows`` as
     ``_store_scales`` does."""
     if k.FP8:
+        # (words: tiles of as many bytes as the Buffer's dtype's)
         words = src.to(tl.pointer_type(tl.int32), bitcast=True)
         _copy_rows(words, dst.to(tl.pointer_type(tl.int32), bitcast=True), rmask, first, last,
-                   k)  # fmt: skip
+                   k.BLOCK_H // 2, True)  # fmt: skip
         if COPY_SCALES:
             groups = tl.arange(0, k.G_P2)
             gmask = rmask[:, None] & (groups < hidden // 128)[None, :]
@@ -274,8 +276,8 @@ def _copy_payloads(
             _store_scales(scale_rows, groups, scales, gmask, scale_step, UE8M0)
     else:
         _copy_rows(src.to(tl.pointer_type(dtype), bitcast=True),
-                   dst.to(tl.pointer_type(dtype), bitcast=True), rmask, first, last,
-                   k)  # fmt: skip
+                   dst.to(tl.pointer_type(dtype), bitcast=True), rmask, first, last, k.BLOCK_H,
+                   k.ALIGNED)  # fmt: skip
 
 
 # -- dispatch ------------------------------------------------------------------------------
@@ -302,7 +304,7 @@ def _quantize_role(program, seq, tokens, heap, k):
         x = tl.load(src[:, None, None] + cols[None, :, :], mask=gmask[:, :, None], other=0.0)
         x = x.to(tl.float32)
         factor, scales = _fp8_scales(tl.max(tl.abs(x), axis=2), k.ROUND)
-        bits = to_e4m3_bits(x * factor[:, :, None]).to(tl.uint8)
+        bits = e4m3_bits(x * factor[:, :, None]).to(tl.uint8)
         tl.store(payload[:, None, None] + cols[None, :, :], bits, mask=gmask[:, :, None])
         tl.store(scale_rows[:, None] + groups[None, :], scales, mask=gmask)
     quantized = region(heap.peer_bases_ptr, tokens.rank, heap.quantized_off, tl.int64)
@@ -379,8 +381,9 @@ def _dispatch_send_role(program, seq, tokens, out, heap, sync, k):
                 tl.store(out.recv_count_ptr + expert_local, received)
                 if k.HAS_STATS:
                     tl.atomic_add(out.stats_ptr + expert_local, received)
+            # The count alone (the own rows are not read in this launch): no release needed.
             own = region(heap.peer_bases_ptr, rank, heap.own_off, tl.int64)
-            signal(own + (seq % 2) * k.L + expert_local, flag)
+            tl.atomic_xchg(own + (seq % 2) * k.L + expert_local, flag, sem="relaxed")
     elif on_node | (s == 0):
         # Another rank's: into its receive block, or from another node whole, by slice 0.
         _wait_freed(owner, seq, rank, heap, sync)
@@ -537,7 +540,8 @@ def _copy_block(src, src_stride, dst, dst_stride, num_rows, first, last, k):
     a time."""
     for r0 in range(0, num_rows, k.ROWS):
         r = (r0 + tl.arange(0, k.ROWS)).to(tl.int64)
-        _copy_rows(src + r * src_stride, dst + r * dst_stride, r < num_rows, first, last, k)
+        _copy_rows(src + r * src_stride, dst + r * dst_stride, r < num_rows, first, last,
+                   k.BLOCK_H, k.ALIGNED)  # fmt: skip
 
 
 @triton.jit
@@ -608,7 +612,10 @@ def _finish(seq, rank, heap, sync, k, SEND: tl.constexpr, RECEIVE: tl.constexpr)
     """Each program takes a ticket; the last one resets the tickets, and where the launch sent
     publishes ``seq`` as the last call's number, where it received tells every other rank
     that its receive of call ``seq`` is over (ll_freed)."""
-    ticket = tl.atomic_add(sync.control_ptr + LL_TICKET, 1, sem="acq_rel")
+    # Relaxed: the next launch on the stream reads LL_SEQ after this one; a receiving program
+    # has used every value it read of the receive area (its stores depend on them) when it
+    # takes its ticket.
+    ticket = tl.atomic_add(sync.control_ptr + LL_TICKET, 1, sem="relaxed")
     if ticket == tl.num_programs(0) - 1:
         tl.store(sync.control_ptr + LL_TICKET, 0)
         if SEND:

@@ -18,6 +18,8 @@ give the same bits.
 import triton
 import triton.language as tl
 
+from .primitives import INTERPRETED
+
 # A dispatch launch's QUANTIZE: which quantizer its first programs run (none: rows are moved as
 # they are given).
 NO_QUANTIZER = tl.constexpr(0)
@@ -65,6 +67,22 @@ def to_e4m3_bits(v):
     """float32 ``v`` as e4m3fn bits (int32 0..255): to nearest, ties to even; magnitudes past
     448 saturate to 448."""
     return to_minifloat_bits(v, 4, 3, 7, 0x7E)
+
+
+if INTERPRETED:
+    e4m3_bits = to_e4m3_bits
+else:
+
+    @triton.jit
+    def e4m3_bits(v):
+        """to_e4m3_bits() by the conversion instruction (cvt.rn.satfinite, the same rounding
+        and saturation for finite values), for code where the per-element arithmetic of the
+        bit rounding is the cost; the interpreter keeps the bit rounding (its float8
+        conversion rounds some values near a power of two wrongly)."""
+        return tl.inline_asm_elementwise(
+            "{ .reg .b16 pair; cvt.rn.satfinite.e4m3x2.f32 pair, $1, $1; cvt.u32.u16 $0, pair; }",
+            "=r,r", [v], dtype=tl.int32, is_pure=True, pack=1,
+        ) & 0xFF  # fmt: skip
 
 
 @triton.jit

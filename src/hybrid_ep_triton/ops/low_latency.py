@@ -18,13 +18,14 @@ from .launch import KernelLauncher
 # Warps of a low-latency program: most move a few rows, and many programs hide the latency of
 # each one's scan and waits.
 _WARPS = 4
-# Columns of a tile's row, and rows of a tile.
-_BLOCK_H = 1024
+# Columns of a tile's row (combine: of its fp32 sums), and rows of a tile.
+_BLOCK_H = 2048
+_COMBINE_BLOCK_H = 1024
 _TILE_ROWS = 4
 # Most topk_idx entries a sending program scans at a time.
 _MOST_SCANNED = 1024
-# 128-channel groups quantized at a time.
-_GROUPS = 4
+# 128-channel groups a quantizing program takes at a time.
+_GROUPS = 16
 
 
 class LowLatencyHandle(NamedTuple):
@@ -124,7 +125,7 @@ def _heap_constants(rt: Runtime) -> dict:
         own_off=heap.ll_own, quantized_off=heap.ll_quantized, staging_off=heap.ll_staging,
         control_ptr=rt.control, timeout_ns=rt.timeout_ns, rank=rt.rank, W=rt.world_size,
         L=plan.experts_per_rank, B=ll.remote_blocks, M=ll.tokens, S=ll.slices,
-        ROW_BYTES=ll.row_bytes, ROWS=_TILE_ROWS, BLOCK_H=_BLOCK_H, NODES=plan.nodes,
+        ROW_BYTES=ll.row_bytes, ROWS=_TILE_ROWS, NODES=plan.nodes,
         num_warps=_WARPS, **rt.compile_options,
     )  # fmt: skip
 
@@ -190,7 +191,7 @@ def launch_dispatch(
             send_off=_send_off(rt, area), refused=int(refused), K=topk,
             K_P2=next_power_of_2(topk),
             SCAN=min(_MOST_SCANNED, next_power_of_2(max(ll.tokens * topk, 1))),
-            QT=LOW_LATENCY_QUANTIZED_TOKENS, GROUPS=_GROUPS,
+            QT=LOW_LATENCY_QUANTIZED_TOKENS, GROUPS=_GROUPS, BLOCK_H=_BLOCK_H,
             G_P2=next_power_of_2(max(groups, 1)), FP8=fp8, ROUND=round_scale, UE8M0=ue8m0,
             ALIGNED=_aligned(x) and plan.hidden * x.element_size() % 16 == 0,
             HAS_STATS=stats is not None, SEND=send, RECEIVE=receive,
@@ -233,7 +234,7 @@ def launch_combine(
             x_ptr=x, x_plane=x.stride(0), x_row=x.stride(1), topk_ptr=topk_idx,
             weights_ptr=topk_weights, out_ptr=out, num_tokens=num_tokens, hidden=plan.hidden,
             rows=x.shape[1], send_off=_send_off(rt, area), refused=int(refused), K=topk,
-            K_P2=next_power_of_2(topk),
+            K_P2=next_power_of_2(topk), BLOCK_H=_COMBINE_BLOCK_H,
             ALIGNED=_aligned(x[0], out) and plan.hidden * x.element_size() % 16 == 0,
             ZERO_COPY=zero_copy, SEND=send, RECEIVE=receive,
         ),

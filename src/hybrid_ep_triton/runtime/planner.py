@@ -37,7 +37,7 @@ LOCAL_PARTS = 4
 LOW_LATENCY_SLICES = 2
 LOW_LATENCY_SLICE_MIN = 2048
 # Tokens that one program of a low-latency FP8 dispatch quantizes (each token once).
-LOW_LATENCY_QUANTIZED_TOKENS = 2
+LOW_LATENCY_QUANTIZED_TOKENS = 1
 # Bytes of the header in front of a low-latency dispatch row (the source token index, then
 # padding that keeps the payload 16-byte aligned), as DeepEP's messages have.
 LOW_LATENCY_HEADER = 16
