@@ -873,12 +873,6 @@ def _strided_routing_body(rank: int, world: int) -> list[str]:
     return failures
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="library bug: low_latency_dispatch / low_latency_combine accept topk_idx and "
-    "topk_weights with contiguous rows (stride(1) == 1) but read them as packed [T, K] "
-    "(ops/low_latency.launch_dispatch and launch_combine pass no row stride)",
-)
 def test_strided_routing_rows(launch):
     _assert_no_failures(launch(_strided_routing_body, 2))
 
@@ -1099,12 +1093,6 @@ def test_compiled_low_latency_step_matches_eager(launch):
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(
-    strict=True,
-    reason="library limitation: Dynamo guards on Buffer._low_latency_calls, the host's call "
-    "counter read by _start_low_latency_call, so every compiled call recompiles; the 9th "
-    "raises FailOnRecompileLimitHit under fullgraph=True (eager fallback without it)",
-)
 def test_compiled_low_latency_step_does_not_recompile(launch):
     _assert_no_failures(launch(_compile_body, 2, 10))
 

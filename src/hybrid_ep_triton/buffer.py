@@ -186,10 +186,11 @@ class Buffer:
         self.timeout_s = float(timeout_s)
         self.agree_on_inputs = agree_on_inputs
         self.low_latency_tokens = low_latency_tokens
-        # Low-latency calls made so far (the host's count, whose parity picks a call's send
-        # area), and those whose receive hook has not been called yet.
-        self._low_latency_calls = 0
-        self._awaiting_hooks: set[int] = set()
+        # The send area of the next low-latency call (they alternate, as DeepEP's buffers), and
+        # the last two calls' cells [whether its receive hook is yet to be called], oldest
+        # first: a bit and two flags rather than a count, which torch.compile would guard on.
+        self._next_area = 0
+        self._last_calls: list[list[bool]] = []
         # max_recv_tokens dispatches whose overflow nobody has checked yet: (the handle's state,
         # whose [0] is the rows it needed, M).
         self._unchecked: list[tuple[torch.Tensor, int]] = []
@@ -537,7 +538,7 @@ class Buffer:
             handle: for ``low_latency_combine`` (src_info, layout_range first, as DeepEP's).
             event: with async_finish, else None. hook: with return_recv_hook, else None.
         """
-        rt, call, area = self._start_low_latency_call("low_latency_dispatch")
+        rt, call, area = self._start_low_latency_call("low_latency_dispatch", return_recv_hook)
         try:
             check_low_latency_dispatch(
                 rt.plan, rt.device, x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts,
@@ -545,8 +546,10 @@ class Buffer:
             )  # fmt: skip
             self._check_event(previous_event)
         except ValueError:
+            call[0] = False
             low_latency.run_refused_dispatch(rt, self._id, area)
             raise
+        topk_idx = topk_idx.contiguous()  # (the kernels read it as [T, K], rows K apart)
         stats = cumulative_local_expert_recv_stats
         receive = not return_recv_hook
         outputs, event = self._launch(
@@ -559,7 +562,6 @@ class Buffer:
         outputs = low_latency.DispatchOutputs(*outputs)
         hook = None
         if return_recv_hook:
-            self._awaiting_hooks.add(call)
 
             def hook() -> None:
                 self._take_hook(call)
@@ -603,7 +605,7 @@ class Buffer:
                 its expert's row, accumulated in fp32; zeros for a token without valid slots.
             event, hook: as for ``low_latency_dispatch``.
         """
-        rt, call, area = self._start_low_latency_call("low_latency_combine")
+        rt, call, area = self._start_low_latency_call("low_latency_combine", return_recv_hook)
         try:
             if not isinstance(handle, low_latency.LowLatencyHandle) or (
                 handle.src_info.device != rt.device or handle.hidden != self.hidden_size
@@ -632,8 +634,10 @@ class Buffer:
                 )
             self._check_event(previous_event)
         except ValueError:
+            call[0] = False
             low_latency.run_refused_combine(rt, self._id, area)
             raise
+        topk_idx, topk_weights = topk_idx.contiguous(), topk_weights.contiguous()
         if out is None:
             out = torch.empty(topk_idx.shape[0], self.hidden_size, dtype=self.dtype,
                               device=rt.device)  # fmt: skip
@@ -648,7 +652,6 @@ class Buffer:
         )
         hook = None
         if return_recv_hook:
-            self._awaiting_hooks.add(call)
 
             def hook() -> None:
                 self._take_hook(call)
@@ -664,7 +667,7 @@ class Buffer:
         read (its area alternates with every low-latency call, as DeepEP's)."""
         rt = self._low_latency_runtime()
         return low_latency.combine_buffer(
-            rt, handle.num_max_dispatch_tokens_per_rank, (self._low_latency_calls + 1) % 2
+            rt, handle.num_max_dispatch_tokens_per_rank, self._next_area
         )
 
     def clean_low_latency_buffer(
@@ -700,25 +703,26 @@ class Buffer:
             )
         return self._rt
 
-    def _start_low_latency_call(self, name: str):
-        """The runtime, this call's number and its send area; ValueError if the receive hook
-        of a call two or more calls back was not called (its area is this call's)."""
+    def _start_low_latency_call(self, name: str, return_recv_hook: bool):
+        """The runtime, this call's cell [whether its receive hook is yet to be called] and
+        its send area; ValueError if the receive hook of a call two calls back is yet to be
+        called (its receive area is this call's)."""
         rt = self._low_latency_runtime()
-        call = self._low_latency_calls + 1
-        late = [c for c in self._awaiting_hooks if c <= call - 2]
-        if late:
+        if len(self._last_calls) == 2 and self._last_calls[0][0]:
             raise ValueError(
-                f"{name}: the receive hook of low-latency call {min(late)} was not called; at "
-                "most two calls may await their hooks (call them in order before the next)"
+                f"{name}: the receive hook of the low-latency call two calls back was not "
+                "called; at most two calls may await their hooks (call them before the next)"
             )
-        self._low_latency_calls = call
-        return rt, call, call % 2
+        call = [return_recv_hook is True]
+        self._last_calls = [*self._last_calls[-1:], call]
+        area, self._next_area = self._next_area, 1 - self._next_area
+        return rt, call, area
 
-    def _take_hook(self, call: int) -> None:
+    def _take_hook(self, call: list[bool]) -> None:
         self._check_usable()
-        if call not in self._awaiting_hooks:
+        if not call[0]:
             raise RuntimeError("this receive hook was called already")
-        self._awaiting_hooks.discard(call)
+        call[0] = False
 
     def check(self, handle: DispatchHandle | None = None) -> None:
         """Synchronise and raise what the device recorded for ``handle``'s dispatch (None, or a
