@@ -210,12 +210,12 @@ def low_latency_builds(world: int, per_node: int):
     ops/low_latency.py launches them without a hook: dispatch of bf16 rows and of FP8 rows with
     UE8M0 scales, and combine."""
     from hybrid_ep_triton.ops import low_latency as ops
-    from hybrid_ep_triton.runtime.planner import LOW_LATENCY_QUANTIZED_TOKENS, low_latency_layout
+    from hybrid_ep_triton.runtime.planner import LOW_LATENCY_QUANTIZED_GROUPS, low_latency_layout
 
     ll = low_latency_layout(128, 7168, world, 256, torch.bfloat16)
     nodes = world // per_node
     common = dict(W=world, L=256 // world, B=ll.remote_blocks, M=ll.tokens, S=ll.slices,
-                  QT=LOW_LATENCY_QUANTIZED_TOKENS, K=8, K_P2=8, ROWS=ops._TILE_ROWS,
+                  K=8, K_P2=8, ROWS=ops._TILE_ROWS, STAGES=ops._STAGES,
                   ROW_BYTES=ll.row_bytes, ALIGNED=True, NODES=nodes, SEND=True,
                   RECEIVE=True)  # fmt: skip
     heap = dict(peer_bases_ptr="*i64", net_bases_ptr="*i64", control_ptr="*i64", seq_ptr="*i64",
@@ -226,15 +226,16 @@ def low_latency_builds(world: int, per_node: int):
     topo = f"EP{world}" if nodes == 1 else f"EP{world} ({nodes}x{per_node}, NVSHMEM)"
     kernel = low_latency_dispatch_kernel
     for label, fp8 in (("", False), (" FP8 UE8M0", True)):
-        constexprs = dict(common, SCAN=1024, GROUPS=ops._GROUPS, G_P2=64, FP8=fp8, ROUND=fp8,
-                          UE8M0=fp8, HAS_STATS=True, BLOCK_H=ops._BLOCK_H)  # fmt: skip
+        constexprs = dict(common, SCAN=1024, GROUPS=LOW_LATENCY_QUANTIZED_GROUPS, G_P2=64,
+                          QC_P2=4, FP8=fp8, ROUND=fp8, UE8M0=fp8, HAS_STATS=True,
+                          BLOCK_H=ops._BLOCK_H)  # fmt: skip
         pointers = dict(heap, scales_ptr="*u8" if fp8 else "*fp32", recv_ptr="*u8")
         signature, attrs = _signature(kernel, pointers, constexprs)
         yield f"{topo} {kernel.fn.__name__}{label}", ASTSource(kernel, signature, constexprs,
                                                                attrs), options  # fmt: skip
     kernel = low_latency_combine_kernel
     params = inspect.signature(kernel.fn).parameters
-    constexprs = dict(common, ZERO_COPY=False, BLOCK_H=ops._COMBINE_BLOCK_H)
+    constexprs = dict(common, ZERO_COPY=False, BLOCK_H=ops._COMBINE_BLOCK_H, PARTS=ops._SUM_PARTS)
     constexprs = {k: v for k, v in constexprs.items() if k in params}
     pointers = dict(heap, weights_ptr="*fp32", out_ptr="*bf16")
     signature, attrs = _signature(kernel, pointers, constexprs)

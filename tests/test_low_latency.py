@@ -196,8 +196,8 @@ SLOW_GROUPS = [
              hook="both", zero_copy=True, stats=True),
     )),
 ]  # fmt: skip
-# Long lists: more rows of one (expert, source) than one block of LOW_LATENCY_BLOCK_ROWS (32)
-# and, at M' * K = 1088, more routing entries than a sender scans at a time (1024).
+# Long lists: many rows of one (expert, source), and at M' * K = 1088 more routing entries
+# than a sender scans at a time (1024).
 LONG_LISTS = Group(2, 128, 8, 136, seed=10, cases=(
     Case("hot_fp8", tokens=(136, 70), topk=8, hot_expert=6, fmt="fp8"),
     Case("unused_pair_zero_copy", tokens=(40, 136), topk=8, unused_prob=0.3, hook="pair",
@@ -219,6 +219,22 @@ GPU_GROUPS = [
         Case("empty", tokens=(0,), fmt="fp8"),
         Case("k1_int32_strided_out_async", tokens=(17,), mp=32, topk=1, idx_dtype=I32,
              strided=True, out=True, async_finish=True),
+    )),
+    # Two ranks at DeepSeek-V3's hidden size: two column slices a row, each its own flag.
+    Group(2, 7168, 32, 64, seed=11, cases=(
+        Case("bf16", tokens=(64, 40), topk=8),
+        Case("ue8m0_pair", tokens=(33, 64), topk=8, unused_prob=0.2, fmt="ue8m0",
+             hook="pair"),
+        Case("fp8_hot_layer_zero_copy", tokens=(64,), topk=8, hot_expert=20, fmt="fp8",
+             layer=True, hook="both", zero_copy=True, stats=True),
+    )),
+    # Eight ranks in one node.
+    Group(8, 1024, 64, 16, seed=12, cases=(
+        Case("bf16", tokens=(16, 3, 9, 0, 12, 16, 1, 7), topk=8),
+        Case("fp8_unused_pair", tokens=(5, 16, 0, 8), topk=6, unused_prob=0.3, fmt="fp8",
+             hook="pair", stats=True),
+        Case("ue8m0_hot_layer", tokens=(16,), topk=4, hot_expert=41, fmt="ue8m0", layer=True,
+             hook="both", zero_copy=True),
     )),
 ]  # fmt: skip
 

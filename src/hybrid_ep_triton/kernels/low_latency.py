@@ -9,8 +9,9 @@ by its own program and released by its own flag; a block from another node moves
 put-with-signal from this rank's send area, as a NIC reads only registered memory) and its
 slice 0 flag releases it all.
 
-Dispatch. Quantize role (FP8 only), program q: quantize tokens [q * QT, (q + 1) * QT) once,
-into staged rows of this rank's send area, and raise their flag. Send role, program (global
+Dispatch. Quantize role (FP8 only), program (token t, chunk c): quantize chunk c of t's
+128-channel groups, each token once, into t's staged row in this rank's send area, and raise
+its flag. Send role, program (global
 expert e, slice s): scan this rank's topk_idx for e; the entries that name e, in token order,
 are e's list. Its rows go
 - when e is local, straight into this rank's outputs with their source token indices: own
@@ -100,8 +101,8 @@ LowLatencySync = namedtuple(
 )
 LowLatencyConsts = namedtuple(
     "LowLatencyConsts",
-    "W L B M S QT K K_P2 SCAN ROWS BLOCK_H GROUPS G_P2 ROW_BYTES FP8 ROUND UE8M0 ALIGNED "
-    "HAS_STATS ZERO_COPY NODES",
+    "W L B M S QC_P2 K K_P2 SCAN ROWS BLOCK_H STAGES PARTS GROUPS G_P2 ROW_BYTES FP8 ROUND UE8M0 "
+    "ALIGNED HAS_STATS ZERO_COPY NODES",
 )
 
 
@@ -203,14 +204,15 @@ def _slice(num_cols, s, k):
 
 
 @triton.jit
-def _copy_rows(src, dst, rmask, first, last, BLOCK: tl.constexpr, ALIGNED: tl.constexpr):
+def _copy_rows(src, dst, rmask, first, last, BLOCK: tl.constexpr, ALIGNED: tl.constexpr,
+               STAGES: tl.constexpr):  # fmt: skip
     """Copy columns [first, last) of each row from ``src`` to ``dst`` (pointers [ROWS] to the
-    rows' first elements) where ``rmask``, BLOCK at a time; ALIGNED: every row starts 16-byte
-    aligned."""
+    rows' first elements) where ``rmask``, BLOCK at a time, STAGES tiles in flight; ALIGNED:
+    every row starts 16-byte aligned."""
     if ALIGNED:
         src = tl.multiple_of(src, 16)
         dst = tl.multiple_of(dst, 16)
-    for c0 in range(first, last, BLOCK):
+    for c0 in tl.range(first, last, BLOCK, num_stages=STAGES):
         cols = c0 + tl.arange(0, BLOCK)
         mask = rmask[:, None] & (cols < last)[None, :]
         tile = tl.load(src[:, None] + cols[None, :], mask=mask, cache_modifier=".cg")
@@ -267,7 +269,7 @@ def _copy_payloads(
         # (words: tiles of as many bytes as the Buffer's dtype's)
         words = src.to(tl.pointer_type(tl.int32), bitcast=True)
         _copy_rows(words, dst.to(tl.pointer_type(tl.int32), bitcast=True), rmask, first, last,
-                   k.BLOCK_H // 2, True)  # fmt: skip
+                   k.BLOCK_H // 2, True, k.STAGES)  # fmt: skip
         if COPY_SCALES:
             groups = tl.arange(0, k.G_P2)
             gmask = rmask[:, None] & (groups < hidden // 128)[None, :]
@@ -277,7 +279,7 @@ def _copy_payloads(
     else:
         _copy_rows(src.to(tl.pointer_type(dtype), bitcast=True),
                    dst.to(tl.pointer_type(dtype), bitcast=True), rmask, first, last, k.BLOCK_H,
-                   k.ALIGNED)  # fmt: skip
+                   k.ALIGNED, k.STAGES)  # fmt: skip
 
 
 # -- dispatch ------------------------------------------------------------------------------
@@ -285,30 +287,35 @@ def _copy_payloads(
 
 @triton.jit
 def _quantize_role(program, seq, tokens, heap, k):
-    """Program q (FP8): tokens [q * QT, (q + 1) * QT) quantized, each token once, into staged
-    rows (header, e4m3 values, float32 scales) of this rank's send area, after its rows by
-    (expert, position). Waits for nothing; releases its flag in ll_quantized."""
-    t = program * k.QT + tl.arange(0, k.QT)
-    tmask = t < tokens.num_tokens
-    rows = _heap_address(heap, tokens.rank, heap.send_off
-                         + ((k.B + k.L) * k.M + t.to(tl.int64)) * k.ROW_BYTES)  # fmt: skip
-    token_ptr, payload = _staged(rows.to(tl.pointer_type(tl.uint8)))
-    tl.store(token_ptr, t, mask=tmask)
-    channels = tl.arange(0, 128)
-    src = tokens.x_ptr + t.to(tl.int64) * tokens.x_stride
-    scale_rows = (payload + tokens.hidden).to(tl.pointer_type(tl.float32), bitcast=True)
-    for g0 in range(0, tokens.hidden // 128, k.GROUPS):
-        groups = g0 + tl.arange(0, k.GROUPS)
-        gmask = tmask[:, None] & (groups < tokens.hidden // 128)[None, :]
-        cols = groups[:, None] * 128 + channels[None, :]
-        x = tl.load(src[:, None, None] + cols[None, :, :], mask=gmask[:, :, None], other=0.0)
-        x = x.to(tl.float32)
-        factor, scales = _fp8_scales(tl.max(tl.abs(x), axis=2), k.ROUND)
-        bits = e4m3_bits(x * factor[:, :, None]).to(tl.uint8)
-        tl.store(payload[:, None, None] + cols[None, :, :], bits, mask=gmask[:, :, None])
-        tl.store(scale_rows[:, None] + groups[None, :], scales, mask=gmask)
+    """Program (token t, chunk c) (FP8): chunk c of t's 128-channel groups (GROUPS of them)
+    quantized, each token once, into t's staged row (header, e4m3 values, float32 scales) in
+    this rank's send area, after its rows by (expert, position). Waits for nothing; releases
+    the chunk's flag in ll_quantized (read on this GPU only)."""
+    chunks = _quantized_chunks(tokens.hidden, k)
+    t = program // chunks
+    chunk = program % chunks
+    row = _heap_address(heap, tokens.rank, heap.send_off + ((k.B + k.L) * k.M + t) * k.ROW_BYTES)
+    token_ptr, payload = _staged(row.to(tl.pointer_type(tl.uint8)))
+    if chunk == 0:
+        tl.store(token_ptr, t)
+    groups = chunk * k.GROUPS + tl.arange(0, k.GROUPS)
+    gmask = groups < tokens.hidden // 128
+    cols = groups[:, None] * 128 + tl.arange(0, 128)[None, :]
+    x = tl.load(tokens.x_ptr + t.to(tl.int64) * tokens.x_stride + cols, mask=gmask[:, None],
+                other=0.0).to(tl.float32)  # fmt: skip
+    factor, scales = _fp8_scales(tl.max(tl.abs(x), axis=1), k.ROUND)
+    tl.store(payload + cols, e4m3_bits(x * factor[:, None]).to(tl.uint8), mask=gmask[:, None])
+    scale_row = (payload + tokens.hidden).to(tl.pointer_type(tl.float32), bitcast=True)
+    tl.store(scale_row + groups, scales, mask=gmask)
     quantized = region(heap.peer_bases_ptr, tokens.rank, heap.quantized_off, tl.int64)
-    signal(quantized + program, seq)
+    tl.debug_barrier()  # every thread's stores, then the flag
+    tl.atomic_xchg(quantized + program, seq, sem="release", scope="gpu")
+
+
+@triton.jit
+def _quantized_chunks(hidden, k):
+    """QC: chunks of GROUPS 128-channel groups of a row of ``hidden`` channels."""
+    return tl.cdiv(hidden // 128, k.GROUPS)
 
 
 @triton.jit
@@ -336,8 +343,13 @@ def _token_rows(tokens, token, rmask, seq, heap, sync, k):
     quantized rows' payloads, once their quantize program's flag is up."""
     if k.FP8:
         quantized = region(heap.peer_bases_ptr, tokens.rank, heap.quantized_off, tl.int64)
-        wait_all_at_least(quantized + token // k.QT, seq, rmask, sync.timeout_ns, sync.status_ptr,
-                          tokens.rank, STAGE_LL_DISPATCH)  # fmt: skip
+        chunks = _quantized_chunks(tokens.hidden, k)
+        chunk = tl.arange(0, k.QC_P2)
+        flags = quantized + token[:, None] * chunks + chunk[None, :]
+        mask = rmask[:, None] & (chunk < chunks)[None, :]
+        wait_all_at_least(tl.reshape(flags, [k.ROWS * k.QC_P2]), seq,
+                          tl.reshape(mask, [k.ROWS * k.QC_P2]), sync.timeout_ns,
+                          sync.status_ptr, tokens.rank, STAGE_LL_DISPATCH)  # fmt: skip
         rows = _heap_address(heap, tokens.rank, heap.send_off
                              + ((k.B + k.L) * k.M + token.to(tl.int64)) * k.ROW_BYTES)  # fmt: skip
         return tl.multiple_of(rows.to(tl.pointer_type(tl.uint8)) + HEADER, 16)
@@ -541,17 +553,18 @@ def _copy_block(src, src_stride, dst, dst_stride, num_rows, first, last, k):
     for r0 in range(0, num_rows, k.ROWS):
         r = (r0 + tl.arange(0, k.ROWS)).to(tl.int64)
         _copy_rows(src + r * src_stride, dst + r * dst_stride, r < num_rows, first, last,
-                   k.BLOCK_H, k.ALIGNED)  # fmt: skip
+                   k.BLOCK_H, k.ALIGNED, k.STAGES)  # fmt: skip
 
 
 @triton.jit
 def _combine_receive_role(program, seq, rows, heap, sync, k):
-    """Program (token t, slice s): out[t] over the slice's columns, the sum in fp32 of
-    weight * expert row over t's valid slots: rows of this rank's experts straight from x, the
-    others' from the receive blocks. Waits for each of those blocks' slice flags (a block from
-    another node: its slice 0's; a refused one's rows count as absent). Releases nothing."""
-    t = program // k.S
-    s = program % k.S
+    """Program (token t, slice s, part p): out[t] over part p of the slice's columns (of
+    PARTS), the sum in fp32 of weight * expert row over t's valid slots: rows of this rank's
+    experts straight from x, the others' from the receive blocks. Waits for each of those
+    blocks' slice flags (a block from another node: its slice 0's; a refused one's rows count
+    as absent). Releases nothing."""
+    t = program // (k.S * k.PARTS)
+    s = program // k.PARTS % k.S
     rank = rows.rank
     dtype = rows.x_ptr.dtype.element_ty
     slots = tl.arange(0, k.K_P2)
@@ -582,7 +595,10 @@ def _combine_receive_role(program, seq, rows, heap, sync, k):
         tl.pointer_type(dtype))  # fmt: skip
     src = tl.where(own, own_row, staged + position * rows.hidden)
     first, last = _slice(rows.hidden, s, k)
-    for c0 in range(first, last, k.BLOCK_H):
+    part = tl.cdiv(tl.cdiv(last - first, k.PARTS), 16) * 16
+    first += program % k.PARTS * part
+    last = tl.minimum(first + part, last)
+    for c0 in tl.range(first, last, k.BLOCK_H, num_stages=k.STAGES):
         cols = c0 + tl.arange(0, k.BLOCK_H)
         cmask = cols < last
         tile = tl.load(src[:, None] + cols[None, :], mask=valid[:, None] & cmask[None, :],
@@ -648,15 +664,16 @@ def low_latency_dispatch_kernel(
     control_ptr, timeout_ns, scratch_ptr, refused,
     # Meta-parameters (the glossary in kernels/__init__.py)
     W: tl.constexpr, L: tl.constexpr, B: tl.constexpr, M: tl.constexpr, S: tl.constexpr,
-    QT: tl.constexpr, K: tl.constexpr, K_P2: tl.constexpr, SCAN: tl.constexpr,
-    ROWS: tl.constexpr, BLOCK_H: tl.constexpr, GROUPS: tl.constexpr, G_P2: tl.constexpr,
+    QC_P2: tl.constexpr, K: tl.constexpr, K_P2: tl.constexpr, SCAN: tl.constexpr,
+    ROWS: tl.constexpr, BLOCK_H: tl.constexpr, STAGES: tl.constexpr, GROUPS: tl.constexpr,
+    G_P2: tl.constexpr,
     ROW_BYTES: tl.constexpr, FP8: tl.constexpr, ROUND: tl.constexpr, UE8M0: tl.constexpr,
     ALIGNED: tl.constexpr, HAS_STATS: tl.constexpr, NODES: tl.constexpr, SEND: tl.constexpr,
     RECEIVE: tl.constexpr,
 ):  # fmt: skip
-    """Where SEND, programs [0, Q) quantize (FP8: Q = ceil(T / QT), else none), the next E * S
-    send; where RECEIVE, the next L * (W - 1) receive; a launch of none of them has one
-    program, which finishes."""
+    """Where SEND, programs [0, Q) quantize (FP8: Q = T * QC, else none), the next E * S send;
+    where RECEIVE, the next L * (W - 1) receive; a launch of none of them has one program,
+    which finishes."""
     program = tl.program_id(0)
     sync = LowLatencySync(control_ptr, control_ptr + STATUS, timeout_ns, scratch_ptr, seq_ptr,
                           refused)  # fmt: skip
@@ -671,29 +688,33 @@ def low_latency_dispatch_kernel(
     senders = 0
     if SEND:
         if FP8:
-            quantizers = tl.cdiv(num_tokens, QT)
+            quantizers = num_tokens * tl.cdiv(hidden // 128, GROUPS)
         senders = W * L * S
     if program < quantizers:
         _quantize_role(
             program, seq, tokens, heap,
-            LowLatencyConsts(W, L, B, M, S, QT, K, K_P2, SCAN, ROWS, BLOCK_H, GROUPS, G_P2,
-                             ROW_BYTES, FP8, ROUND, UE8M0, ALIGNED, HAS_STATS, False, NODES),
+            LowLatencyConsts(W, L, B, M, S, QC_P2, K, K_P2, SCAN, ROWS, BLOCK_H, STAGES, 1,
+                             GROUPS, G_P2, ROW_BYTES, FP8, ROUND, UE8M0, ALIGNED, HAS_STATS,
+                             False, NODES),
         )  # fmt: skip
     elif program - quantizers < senders:
         _dispatch_send_role(
             program - quantizers, seq, tokens, out, heap, sync,
-            LowLatencyConsts(W, L, B, M, S, QT, K, K_P2, SCAN, ROWS, BLOCK_H, GROUPS, G_P2,
-                             ROW_BYTES, FP8, ROUND, UE8M0, ALIGNED, HAS_STATS, False, NODES),
+            LowLatencyConsts(W, L, B, M, S, QC_P2, K, K_P2, SCAN, ROWS, BLOCK_H, STAGES, 1,
+                             GROUPS, G_P2, ROW_BYTES, FP8, ROUND, UE8M0, ALIGNED, HAS_STATS,
+                             False, NODES),
         )  # fmt: skip
     elif RECEIVE and program - quantizers - senders < L * (W - 1):
         _dispatch_receive_role(
             program - quantizers - senders, seq, tokens, out, heap, sync,
-            LowLatencyConsts(W, L, B, M, S, QT, K, K_P2, SCAN, ROWS, BLOCK_H, GROUPS, G_P2,
-                             ROW_BYTES, FP8, ROUND, UE8M0, ALIGNED, HAS_STATS, False, NODES),
+            LowLatencyConsts(W, L, B, M, S, QC_P2, K, K_P2, SCAN, ROWS, BLOCK_H, STAGES, 1,
+                             GROUPS, G_P2, ROW_BYTES, FP8, ROUND, UE8M0, ALIGNED, HAS_STATS,
+                             False, NODES),
         )  # fmt: skip
     _finish(seq, rank, heap, sync,
-            LowLatencyConsts(W, L, B, M, S, QT, K, K_P2, SCAN, ROWS, BLOCK_H, GROUPS, G_P2,
-                             ROW_BYTES, FP8, ROUND, UE8M0, ALIGNED, HAS_STATS, False, NODES),
+            LowLatencyConsts(W, L, B, M, S, QC_P2, K, K_P2, SCAN, ROWS, BLOCK_H, STAGES, 1,
+                             GROUPS, G_P2, ROW_BYTES, FP8, ROUND, UE8M0, ALIGNED, HAS_STATS,
+                             False, NODES),
             SEND, RECEIVE)  # fmt: skip
 
 
@@ -712,11 +733,11 @@ def low_latency_combine_kernel(
     # Meta-parameters
     W: tl.constexpr, L: tl.constexpr, B: tl.constexpr, M: tl.constexpr, S: tl.constexpr,
     K: tl.constexpr, K_P2: tl.constexpr, ROW_BYTES: tl.constexpr, ROWS: tl.constexpr,
-    BLOCK_H: tl.constexpr, ALIGNED: tl.constexpr, ZERO_COPY: tl.constexpr, NODES: tl.constexpr,
-    SEND: tl.constexpr, RECEIVE: tl.constexpr,
+    BLOCK_H: tl.constexpr, STAGES: tl.constexpr, PARTS: tl.constexpr, ALIGNED: tl.constexpr,
+    ZERO_COPY: tl.constexpr, NODES: tl.constexpr, SEND: tl.constexpr, RECEIVE: tl.constexpr,
 ):  # fmt: skip
-    """Programs [0, L * (W - 1) * S) send where SEND, the next T * S receive where RECEIVE; a
-    launch of neither kind's programs has one program, which finishes."""
+    """Programs [0, L * (W - 1) * S) send where SEND, the next T * S * PARTS receive where
+    RECEIVE; a launch of neither kind's programs has one program, which finishes."""
     program = tl.program_id(0)
     sync = LowLatencySync(control_ptr, control_ptr + STATUS, timeout_ns, control_ptr, seq_ptr,
                           refused)  # fmt: skip
@@ -731,16 +752,16 @@ def low_latency_combine_kernel(
     if program < senders:
         _combine_send_role(
             program, seq, combined, heap, sync,
-            LowLatencyConsts(W, L, B, M, S, 0, K, K_P2, 0, ROWS, BLOCK_H, 0, 0, ROW_BYTES,
-                             False, False, False, ALIGNED, False, ZERO_COPY, NODES),
+            LowLatencyConsts(W, L, B, M, S, 1, K, K_P2, 0, ROWS, BLOCK_H, STAGES, PARTS, 0, 0,
+                             ROW_BYTES, False, False, False, ALIGNED, False, ZERO_COPY, NODES),
         )  # fmt: skip
-    elif RECEIVE and program - senders < num_tokens * S:
+    elif RECEIVE and program - senders < num_tokens * S * PARTS:
         _combine_receive_role(
             program - senders, seq, combined, heap, sync,
-            LowLatencyConsts(W, L, B, M, S, 0, K, K_P2, 0, ROWS, BLOCK_H, 0, 0, ROW_BYTES,
-                             False, False, False, ALIGNED, False, ZERO_COPY, NODES),
+            LowLatencyConsts(W, L, B, M, S, 1, K, K_P2, 0, ROWS, BLOCK_H, STAGES, PARTS, 0, 0,
+                             ROW_BYTES, False, False, False, ALIGNED, False, ZERO_COPY, NODES),
         )  # fmt: skip
     _finish(seq, rank, heap, sync,
-            LowLatencyConsts(W, L, B, M, S, 0, K, K_P2, 0, ROWS, BLOCK_H, 0, 0, ROW_BYTES,
-                             False, False, False, ALIGNED, False, ZERO_COPY, NODES),
+            LowLatencyConsts(W, L, B, M, S, 1, K, K_P2, 0, ROWS, BLOCK_H, STAGES, PARTS, 0, 0,
+                             ROW_BYTES, False, False, False, ALIGNED, False, ZERO_COPY, NODES),
             SEND, RECEIVE)  # fmt: skip

@@ -8,7 +8,7 @@ import torch
 from ..kernels.low_latency import low_latency_combine_kernel, low_latency_dispatch_kernel
 from ..runtime.planner import (
     FP8_GROUP,
-    LOW_LATENCY_QUANTIZED_TOKENS,
+    LOW_LATENCY_QUANTIZED_GROUPS,
     ceil_div,
     next_power_of_2,
 )
@@ -24,8 +24,11 @@ _COMBINE_BLOCK_H = 1024
 _TILE_ROWS = 4
 # Most topk_idx entries a sending program scans at a time.
 _MOST_SCANNED = 1024
-# 128-channel groups a quantizing program takes at a time.
-_GROUPS = 16
+# Software pipelining of the copies' and sums' loops over a row's tiles (tl.range's
+# num_stages; 1: none), and column parts of a slice that combine's receive role takes to a
+# program each.
+_STAGES = 1
+_SUM_PARTS = 1
 
 
 class LowLatencyHandle(NamedTuple):
@@ -125,7 +128,7 @@ def _heap_constants(rt: Runtime) -> dict:
         own_off=heap.ll_own, quantized_off=heap.ll_quantized, staging_off=heap.ll_staging,
         control_ptr=rt.control, timeout_ns=rt.timeout_ns, rank=rt.rank, W=rt.world_size,
         L=plan.experts_per_rank, B=ll.remote_blocks, M=ll.tokens, S=ll.slices,
-        ROW_BYTES=ll.row_bytes, ROWS=_TILE_ROWS, NODES=plan.nodes,
+        ROW_BYTES=ll.row_bytes, ROWS=_TILE_ROWS, STAGES=_STAGES, NODES=plan.nodes,
         num_warps=_WARPS, **rt.compile_options,
     )  # fmt: skip
 
@@ -169,7 +172,7 @@ def launch_dispatch(
     plan, ll = rt.plan, rt.plan.low_latency
     num_tokens, topk = topk_idx.shape
     fp8 = outputs.scale_storage.numel() > 0
-    quantizers = ceil_div(num_tokens, LOW_LATENCY_QUANTIZED_TOKENS) if send and fp8 else 0
+    quantizers = num_tokens * ll.quantized_chunks if send and fp8 else 0
     senders = plan.num_experts * ll.slices if send else 0
     receivers = plan.experts_per_rank * (rt.world_size - 1) if receive else 0
     grid = quantizers + senders + receivers
@@ -191,7 +194,8 @@ def launch_dispatch(
             send_off=_send_off(rt, area), refused=int(refused), K=topk,
             K_P2=next_power_of_2(topk),
             SCAN=min(_MOST_SCANNED, next_power_of_2(max(ll.tokens * topk, 1))),
-            QT=LOW_LATENCY_QUANTIZED_TOKENS, GROUPS=_GROUPS, BLOCK_H=_BLOCK_H,
+            GROUPS=LOW_LATENCY_QUANTIZED_GROUPS, QC_P2=next_power_of_2(ll.quantized_chunks),
+            BLOCK_H=_BLOCK_H,
             G_P2=next_power_of_2(max(groups, 1)), FP8=fp8, ROUND=round_scale, UE8M0=ue8m0,
             ALIGNED=_aligned(x) and plan.hidden * x.element_size() % 16 == 0,
             HAS_STATS=stats is not None, SEND=send, RECEIVE=receive,
@@ -227,14 +231,14 @@ def launch_combine(
     plan, slices = rt.plan, rt.plan.low_latency.slices
     num_tokens, topk = topk_idx.shape
     senders = plan.experts_per_rank * (rt.world_size - 1) * slices if send else 0
-    grid = senders + (num_tokens * slices if receive else 0)
+    grid = senders + (num_tokens * slices * _SUM_PARTS if receive else 0)
     rt.launcher(_combine_launcher)(
         (max(grid, 1),),
         specialized=dict(
             x_ptr=x, x_plane=x.stride(0), x_row=x.stride(1), topk_ptr=topk_idx,
             weights_ptr=topk_weights, out_ptr=out, num_tokens=num_tokens, hidden=plan.hidden,
             rows=x.shape[1], send_off=_send_off(rt, area), refused=int(refused), K=topk,
-            K_P2=next_power_of_2(topk), BLOCK_H=_COMBINE_BLOCK_H,
+            K_P2=next_power_of_2(topk), BLOCK_H=_COMBINE_BLOCK_H, PARTS=_SUM_PARTS,
             ALIGNED=_aligned(x[0], out) and plan.hidden * x.element_size() % 16 == 0,
             ZERO_COPY=zero_copy, SEND=send, RECEIVE=receive,
         ),
