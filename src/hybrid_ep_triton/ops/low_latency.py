@@ -28,7 +28,7 @@ _MOST_SCANNED = 1024
 # num_stages; 1: none), and column parts of a slice that combine's receive role takes to a
 # program each.
 _STAGES = 1
-_SUM_PARTS = 1
+_SUM_PARTS = 2
 
 
 class LowLatencyHandle(NamedTuple):
