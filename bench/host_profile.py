@@ -31,7 +31,12 @@ import triton
 
 import hybrid_ep_triton as hep
 from hybrid_ep_triton import buffer as buffer_module
-from hybrid_ep_triton.ops import dispatch, launch, library
+from hybrid_ep_triton.ops import dispatch, launch
+
+try:
+    from hybrid_ep_triton.ops import operators as library
+except ImportError:  # (trees before ops/operators.py, which eager_ab.py also times)
+    from hybrid_ep_triton.ops import library
 from hybrid_ep_triton.tools.bench import SHAPES, combine_weights, inputs, median_us
 from hybrid_ep_triton.tools.launcher import run_ranks
 
@@ -87,8 +92,14 @@ def _wrap_library(timer: StepTimer, buf: hep.Buffer) -> None:
     rt = buf._rt
     for name in ("dispatch", "combine", "_check_usable", "_check_tokens", "_check_routing",
                  "_check_handle", "_check_event", "_launch", "_track_overflow"):  # fmt: skip
-        timer.wrap(hep.Buffer, name, f"Buffer.{name}")
-    timer.wrap(buffer_module, "check_tensor")
+        if hasattr(hep.Buffer, name):
+            timer.wrap(hep.Buffer, name, f"Buffer.{name}")
+    for module, names in ((buffer_module, ("check_tensor", "check_dispatch_inputs",
+                                           "check_combine_inputs")),
+                          (library, ("run_any_dispatch",))):  # fmt: skip
+        for name in names:
+            if hasattr(module, name):
+                timer.wrap(module, name)
     for name in ("compute_layout", "reduce_tokens"):
         timer.wrap(library, name)
     # (Looked up here: eager_ab.py imports this module with older trees too.)

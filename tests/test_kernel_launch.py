@@ -300,7 +300,7 @@ def test_missing_argument_is_an_error_before_launching(fake_triton):
 def test_report_tags_never_repeat_the_previous_call():
     """Exact-mode dispatches poll host memory for their layout's tag: a tag equal to the
     previous call's would let a call read the previous call's row count without waiting."""
-    from hybrid_ep_triton.ops import report_tag
+    from hybrid_ep_triton.ops.runtime import report_tag
 
     calls = [*range(1000), 2**29 - 1, 2**29, 2**29 + 1]  # and across the wrap
     tags = [report_tag(call) for call in calls]

@@ -91,8 +91,9 @@ for label, source, options in sm90_compile.builds(topologies=((4, 2),)):
 
 @pytest.mark.slow
 def test_the_trimmed_library_gives_the_same_machine_code(in_cache, tmp_path):
-    """The combine kernel of 2 nodes of 2, which calls both functions, compiled for sm_90 with
-    the trimmed library and with NVSHMEM's whole bitcode: the same SASS."""
+    """The combine kernels of 2 nodes of 2 (normal and low-latency mode), which call both
+    functions, compiled for sm_90 with the trimmed library and with NVSHMEM's whole bitcode:
+    the same SASS."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["TRITON_CACHE_DIR"] = str(tmp_path / "triton-cache")
     result = subprocess.run(
@@ -100,6 +101,10 @@ def test_the_trimmed_library_gives_the_same_machine_code(in_cache, tmp_path):
         capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     assert result.returncode == 0, result.stdout + result.stderr
-    (line,) = result.stdout.splitlines()
-    label, trimmed, full = line.rsplit(" ", 2)
-    assert "NVSHMEM" in label and trimmed == full, line
+    lines = result.stdout.splitlines()
+    assert [line.split()[-3] for line in lines] == [
+        "combine_kernel", "low_latency_combine_kernel"
+    ], lines  # fmt: skip
+    for line in lines:
+        label, trimmed, full = line.rsplit(" ", 2)
+        assert "NVSHMEM" in label and trimmed == full, line

@@ -194,8 +194,8 @@ def test_a_recorded_library_missing_here_is_taken_from_this_site_packages(tmp_pa
 _KEYS_SCRIPT = """
 import json, sys
 from triton.runtime.jit import JITCallable
-from hybrid_ep_triton import kernels
 from hybrid_ep_triton.kernels import combine, dispatch, quantize, route
+from hybrid_ep_triton.runtime import triton_compat
 
 names = ("route.layout_kernel", "dispatch.dispatch_kernel", "combine.combine_kernel",
          "quantize.quantize_fp8_kernel")
@@ -209,14 +209,14 @@ functions = [v for m in list(sys.modules.values()) for v in vars(m).values()
 for function in functions:
     function.hash, function.used_global_vals = "stale", {}
 stale = keys()
-kernels._settle_cache_keys()
+triton_compat._settle_cache_keys()
 print(json.dumps({"settled": settled, "stale": stale, "again": keys()}))
 """
 
 
 def test_kernel_cache_keys_are_settled_whatever_was_computed_before():
-    """Importing the kernels settles their Triton cache keys, so that a build compiled in one
-    process is found by another whatever each compiled first (before Triton 3.8 a key missed
+    """runtime/triton_compat settles the kernels' Triton cache keys, so that a build compiled in
+    one process is found by another whatever each compiled first (before Triton 3.8 a key missed
     the constants of callees whose keys came later: a process that had compiled an
     across-nodes dispatch keyed 29 of 64 layout builds apart). Checked without the
     interpreter: keys from any earlier state settle to those of a fresh import."""

@@ -47,14 +47,14 @@ REPORT_ROWS = tl.constexpr(1)  # rows the output needs
 REPORT_SOURCE = tl.constexpr(2)  # first rank whose dispatch could not go ahead, or -1
 REPORT_BAD_ROW = tl.constexpr(3)  # first invalid row of this rank (as the handle's info[2])
 REPORT_STATUS = tl.constexpr(4)  # STATUS_WORDS: the control block's status
-REPORT_CAUSE = tl.constexpr(7)  # why REPORT_SOURCE's could not (ops/dispatch.REFUSABLE)
+REPORT_CAUSE = tl.constexpr(7)  # why REPORT_SOURCE's could not (ops/handle.REFUSABLE)
 REPORT_WORDS = 8
 
 # -- a dispatch handle's info: int64 [INFO_WORDS], where the handle's state starts ---------
 INFO_ROWS = tl.constexpr(0)  # rows the output needs (also past max_recv_tokens)
 INFO_SOURCE = tl.constexpr(1)  # first rank whose dispatch could not go ahead, or -1
 INFO_BAD_ROW = tl.constexpr(2)  # 2**62 - (first invalid row of this rank's topk_idx), or 2**62
-INFO_CAUSE = tl.constexpr(3)  # why INFO_SOURCE's could not (ops/dispatch.REFUSABLE)
+INFO_CAUSE = tl.constexpr(3)  # why INFO_SOURCE's could not (ops/handle.REFUSABLE)
 INFO_WORDS = 4
 
 # -- stage codes: what a timed-out wait was waiting for ------------------------------------

@@ -5,16 +5,16 @@ import torch
 
 from ..kernels.combine import combine_kernel
 from ..runtime.planner import LOCAL_PARTS, MAX_PROGRAMS, MAX_REGISTERS, next_power_of_2
-from . import (
-    Runtime,
+from .geometry import (
     channel_programs,
     local_parts,
     net_slot_constants,
     programs_beside_senders,
     topology_constants,
 )
-from .dispatch import DispatchHandle
+from .handle import DispatchHandle
 from .launch import KernelLauncher
+from .runtime import Runtime
 
 
 def _reducers(local: int, world: int) -> int:

@@ -6,14 +6,23 @@ from typing import NamedTuple
 import torch
 
 from ..kernels.low_latency import low_latency_combine_kernel, low_latency_dispatch_kernel
+from ..runtime.checks import (
+    check_event,
+    check_flag,
+    check_int,
+    check_low_latency_combine,
+    check_low_latency_dispatch,
+    describe,
+)
 from ..runtime.planner import (
     FP8_GROUP,
     LOW_LATENCY_QUANTIZED_GROUPS,
     ceil_div,
     next_power_of_2,
 )
-from . import Runtime, library, status
+from . import operators, status
 from .launch import KernelLauncher
+from .runtime import Runtime
 
 # Warps of a low-latency program: most move a few rows, and many programs hide the latency of
 # each one's scan and waits.
@@ -246,7 +255,7 @@ def launch_combine(
     )  # fmt: skip
 
 
-def run_refused_dispatch(rt: Runtime, runtime_id: int, area: int) -> None:
+def run_refused_dispatch(rt: Runtime, area: int) -> None:
     """This rank's part of a low-latency dispatch whose inputs its host refused: no rows, and
     REFUSED in every flag, so that no peer waits and every peer records the refusal (what this
     rank receives is dropped)."""
@@ -258,7 +267,7 @@ def run_refused_dispatch(rt: Runtime, runtime_id: int, area: int) -> None:
                     receive=True, area=area, refused=True)  # fmt: skip
 
 
-def run_refused_combine(rt: Runtime, runtime_id: int, area: int) -> None:
+def run_refused_combine(rt: Runtime, area: int) -> None:
     """This rank's part of a low-latency combine whose inputs its host refused: every flag a
     peer could wait for, with REFUSED and no rows (its stand-in x, a send area, is not read)."""
     plan, device = rt.plan, rt.device
@@ -280,6 +289,154 @@ def _check_after_launch(rt: Runtime) -> None:
         status.check_low_latency(rt)
 
 
+# -- the calls, as Buffer makes them ------------------------------------------------------------
+
+
+class Calls:
+    """A Buffer's low-latency calls as its host keeps them: the send area of the next call
+    (they alternate, as DeepEP's buffers do), and the last two calls' cells [whether its receive
+    hook is yet to be called], oldest first: a bit and two flags rather than a count of calls,
+    which torch.compile would guard on and compile again at every call."""
+
+    def __init__(self, rt: Runtime, runtime_id: int, streams, usable):
+        self.rt, self.runtime_id, self.streams, self.usable = rt, runtime_id, streams, usable
+        self.next_area = 0
+        self.last: list[list[bool]] = []
+
+    def start(self, name: str, return_recv_hook: bool) -> tuple[list[bool], int]:
+        """This call's cell and send area; ValueError without the mode, or if the receive hook
+        of the call two calls back is yet to be called (its receive area is this call's)."""
+        self.require()
+        if len(self.last) == 2 and self.last[0][0]:
+            raise ValueError(
+                f"{name}: the receive hook of the low-latency call two calls back was not "
+                "called; at most two calls may await their hooks (call them before the next)"
+            )
+        call = [return_recv_hook is True]
+        self.last = [*self.last[-1:], call]
+        area, self.next_area = self.next_area, 1 - self.next_area
+        return call, area
+
+    def hook(self, call: list[bool], receive):
+        """The receive hook of ``call``: runs ``receive`` once."""
+
+        def hook() -> None:
+            self.usable()
+            if not call[0]:
+                raise RuntimeError("this receive hook was called already")
+            call[0] = False
+            receive()
+
+        return hook
+
+    def dispatch(self, x, topk_idx, max_tokens, num_experts, stats, use_fp8, round_scale,
+                 use_ue8m0, async_finish, return_recv_hook, previous_event):  # fmt: skip
+        """Buffer.low_latency_dispatch (its docstring says what is what)."""
+        rt = self.rt
+        call, area = self.start("low_latency_dispatch", return_recv_hook)
+        try:
+            check_low_latency_dispatch(rt.plan, rt.device, x, topk_idx, max_tokens, num_experts,
+                                       stats, use_fp8, round_scale, use_ue8m0)  # fmt: skip
+            check_event(previous_event, rt.on_gpu)
+        except ValueError:
+            call[0] = False
+            run_refused_dispatch(rt, area)
+            raise
+        topk_idx = topk_idx.contiguous()  # (the kernels read it as [T, K], rows K apart)
+        outputs, event = self.streams.run(
+            lambda: dispatch(self.runtime_id, x, topk_idx, stats, max_tokens, use_fp8,
+                             round_scale, use_ue8m0, not return_recv_hook, area, False),
+            (x, topk_idx, stats), previous_event, async_finish,
+        )  # fmt: skip
+        outputs = DispatchOutputs(*outputs)
+        hook = None
+        if return_recv_hook:
+            hook = self.hook(call, lambda: dispatch_receive(
+                self.runtime_id, x, topk_idx, stats, *outputs, round_scale, use_ue8m0))  # fmt: skip
+        recv_x = outputs.recv_x
+        if use_fp8:
+            recv_x = recv_x, caller_scales(outputs.scale_storage)
+        handle = LowLatencyHandle(
+            outputs.src_info, outputs.layout_range, max_tokens, rt.plan.hidden,
+            rt.plan.num_experts, outputs.token_slots,
+        )  # fmt: skip
+        return recv_x, outputs.recv_count, handle, event, hook
+
+    def combine(self, x, topk_idx, topk_weights, handle, zero_copy, async_finish,
+                return_recv_hook, out, previous_event):  # fmt: skip
+        """Buffer.low_latency_combine (its docstring says what is what)."""
+        rt = self.rt
+        call, area = self.start("low_latency_combine", return_recv_hook)
+        try:
+            self._check_combine(x, topk_idx, topk_weights, handle, zero_copy, async_finish,
+                                return_recv_hook, out, area)  # fmt: skip
+            check_event(previous_event, rt.on_gpu)
+        except ValueError:
+            call[0] = False
+            run_refused_combine(rt, area)
+            raise
+        topk_idx, topk_weights = topk_idx.contiguous(), topk_weights.contiguous()
+        if out is None:
+            out = torch.empty(topk_idx.shape[0], rt.plan.hidden, dtype=rt.plan.dtype,
+                              device=rt.device)  # fmt: skip
+        parts = (x, topk_idx, topk_weights, handle.token_slots, handle.layout_range, out)
+        call_seq, event = self.streams.run(
+            lambda: combine(self.runtime_id, *parts, zero_copy, not return_recv_hook, area,
+                            False),
+            parts, previous_event, async_finish,
+        )  # fmt: skip
+        hook = None
+        if return_recv_hook:
+            hook = self.hook(call, lambda: combine_receive(self.runtime_id, *parts, call_seq))
+        return out, event, hook
+
+    def _check_combine(self, x, topk_idx, topk_weights, handle, zero_copy, async_finish,
+                       return_recv_hook, out, area) -> None:  # fmt: skip
+        rt = self.rt
+        if not isinstance(handle, LowLatencyHandle) or (
+            handle.src_info.device != rt.device or handle.hidden != rt.plan.hidden
+        ):
+            raise ValueError(
+                f"handle must be a low-latency dispatch's handle of this Buffer, got "
+                f"{describe(handle)}"
+            )
+        for name, flag in (("zero_copy", zero_copy), ("return_recv_hook", return_recv_hook),
+                           ("async_finish", async_finish)):  # fmt: skip
+            check_flag(name, flag)
+        check_low_latency_combine(rt.plan, rt.device, x, topk_idx, topk_weights,
+                                  handle.token_slots, handle.src_info.shape[1], out)  # fmt: skip
+        buffer = combine_buffer(rt, handle.num_max_dispatch_tokens_per_rank, area)
+        if zero_copy and x.data_ptr() != buffer.data_ptr():
+            raise ValueError(
+                "zero_copy takes the buffer that get_next_low_latency_combine_buffer returned "
+                "right before this call as x"
+            )
+
+    def require(self) -> None:
+        """ValueError unless the Buffer was built with the mode."""
+        if not self.rt.plan.low_latency.tokens:
+            raise ValueError(
+                "this Buffer has no low-latency mode: build it with low_latency_tokens=M"
+            )
+
+    def clean(self, max_tokens: int, hidden: int, num_experts: int) -> None:
+        """Buffer.clean_low_latency_buffer: the arguments against the Buffer's."""
+        self.require()
+        check_int(
+            "num_max_dispatch_tokens_per_rank", max_tokens, 1, self.rt.plan.low_latency.tokens
+        )
+        if (hidden, num_experts) != (self.rt.plan.hidden, self.rt.plan.num_experts):
+            raise ValueError(
+                f"hidden and num_experts must be the Buffer's ({self.rt.plan.hidden}, "
+                f"{self.rt.plan.num_experts}), got ({hidden}, {num_experts})"
+            )
+
+    def next_combine_buffer(self, handle: LowLatencyHandle) -> torch.Tensor:
+        """Buffer.get_next_low_latency_combine_buffer."""
+        self.require()
+        return combine_buffer(self.rt, handle.num_max_dispatch_tokens_per_rank, self.next_area)
+
+
 # -- torch.library operators: the calls as torch.compile traces them -------------------------
 #
 # The dispatch operator allocates its outputs; the receive halves and combine write into
@@ -295,7 +452,7 @@ def _dispatch_op(
     torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor
 ]:  # fmt: skip
     """A dispatch's send half (and with ``receive`` its receive half): the DispatchOutputs."""
-    rt = library.runtime(runtime_id)
+    rt = operators.runtime(runtime_id)
     outputs = allocate_dispatch(rt, topk_idx.shape[0], topk_idx.shape[1], max_tokens, fp8, ue8m0)
     launch_dispatch(rt, x, topk_idx, stats, outputs, round_scale=round_scale, ue8m0=ue8m0,
                     send=True, receive=receive, area=area, refused=refused)  # fmt: skip
@@ -311,7 +468,7 @@ dispatch = torch.library.custom_op(
 @dispatch.register_fake
 def _(runtime_id, x, topk_idx, stats, max_tokens, fp8, round_scale, ue8m0, receive, area,
       refused):  # fmt: skip
-    rt = library.runtime(runtime_id)
+    rt = operators.runtime(runtime_id)
     with torch.device("meta"):
         outputs = allocate_dispatch(rt, *topk_idx.shape, max_tokens, fp8, ue8m0)
     return tuple(torch.empty_like(t, device=x.device) for t in outputs)
@@ -324,7 +481,7 @@ def _dispatch_receive_op(
     call_seq: torch.Tensor, round_scale: bool, ue8m0: bool,
 ) -> None:  # fmt: skip
     """A dispatch's receive half, into the outputs its send half returned."""
-    rt = library.runtime(runtime_id)
+    rt = operators.runtime(runtime_id)
     outputs = DispatchOutputs(recv_x, scale_storage, recv_count, src_info, layout_range,
                               token_slots, call_seq)  # fmt: skip
     launch_dispatch(rt, x, topk_idx, stats, outputs, round_scale=round_scale, ue8m0=ue8m0,
@@ -345,7 +502,7 @@ def _combine_op(
 ) -> torch.Tensor:  # fmt: skip
     """A combine's send half (and with ``receive`` its receive half, into ``out``); returns
     the call's sequence number (int64 [1]) for a receive launched later."""
-    rt = library.runtime(runtime_id)
+    rt = operators.runtime(runtime_id)
     call_seq = torch.empty(1, dtype=torch.int64, device=rt.device)
     launch_combine(rt, x, topk_idx, topk_weights, token_slots, layout_range, out, call_seq,
                    zero_copy=zero_copy, send=True, receive=receive, area=area,
@@ -371,7 +528,7 @@ def _combine_receive_op(
     call_seq: torch.Tensor,
 ) -> None:  # fmt: skip
     """A combine's receive half, into ``out``."""
-    rt = library.runtime(runtime_id)
+    rt = operators.runtime(runtime_id)
     launch_combine(rt, x, topk_idx, topk_weights, token_slots, layout_range, out, call_seq,
                    zero_copy=False, send=False, receive=True, area=0)  # fmt: skip
     _check_after_launch(rt)

@@ -34,8 +34,8 @@ from ..kernels.control import (
     STATUS,
     STATUS_WORDS,
 )
-from . import Runtime
-from .dispatch import ALONG_A_HANDLE, INVALID_ROUTING, DispatchHandle, refused_argument
+from .handle import ALONG_A_HANDLE, INVALID_ROUTING, DispatchHandle, refused_argument
+from .runtime import Runtime
 
 _STAGES = {
     int(STAGE_LAYOUT): "the dispatch layout exchange",
@@ -133,3 +133,45 @@ def read_report(rt: Runtime, handle: DispatchHandle, tag: int = 0) -> int:
     else:
         detail = f"rank {src} passed an invalid topk_idx"
     raise ValueError(f"topk_idx: {detail}; nothing was dispatched")
+
+
+class Overflows:
+    """A Buffer's max_recv_tokens dispatches whose overflow nobody has checked yet: (the
+    handle's state, whose [0] is the rows it needed, M), at most ``MOST`` of them."""
+
+    MOST = 1024
+
+    def __init__(self, rank: int):
+        self.rank = rank
+        self.unchecked: list[tuple[torch.Tensor, int]] = []
+
+    def track(self, handle: DispatchHandle) -> None:
+        """Remember an unchecked max_recv_tokens dispatch; after an exact-mode one (which has
+        synchronised already, once its collective work is done, so no peer is left waiting)
+        raise the overflows of earlier ones."""
+        if handle.max_recv_tokens is not None:
+            if len(self.unchecked) < self.MOST:
+                self.unchecked.append((handle.state, handle.max_recv_tokens))
+        elif self.unchecked:
+            pending, self.unchecked = self.unchecked, []
+            self._raise(pending)
+
+    def check(self, handle: DispatchHandle) -> None:
+        """OverflowError if ``handle``'s dispatch needed more rows than it had; forgotten as
+        unchecked (synchronises)."""
+        self.unchecked = [entry for entry in self.unchecked if entry[0] is not handle.state]
+        if handle.max_recv_tokens is not None:
+            self._raise([(handle.state, handle.max_recv_tokens)])
+
+    def _raise(self, dispatches: list[tuple[torch.Tensor, int]]) -> None:
+        """OverflowError for the first of ``dispatches`` (a handle's state, M) that needed more
+        than M rows."""
+        needed = torch.stack([state[0] for state, _ in dispatches]).tolist()
+        for (_, limit), rows in zip(dispatches, needed, strict=True):
+            if rows > limit:
+                raise OverflowError(
+                    f"rank {self.rank}: a dispatch needed {rows} rows but max_recv_tokens is "
+                    f"{limit}; the rows past it were dropped. Size max_recv_tokens as "
+                    "world * max_tokens_per_rank * min(K, L) + L * (pad_multiple - 1) to never "
+                    "drop a row"
+                )

@@ -32,16 +32,11 @@ import torch.distributed as dist
 from torch import Tensor
 
 from ..runtime.planner import SCALED_FORMATS
-from . import Runtime, status
+from . import status
 from .combine import reduce_tokens
-from .dispatch import (
-    DispatchHandle,
-    PreparedMove,
-    compute_layout,
-    handle_size,
-    make_handle,
-    refusal_code,
-)
+from .dispatch import PreparedMove, compute_layout
+from .handle import DispatchHandle, handle_size, make_handle, refusal_code
+from .runtime import Runtime
 from .scaled_rows import ScaledValues
 
 # Weak: a Buffer dropped without destroy() is freed as before (its runtime with it).
@@ -343,6 +338,42 @@ def _through_torch(*tensors) -> bool:
             if t is not None and t.requires_grad:
                 return True
     return False
+
+
+def run_any_dispatch(
+    rt: Runtime,
+    runtime_id: int,
+    x: Tensor,
+    x_scales: Tensor | None,
+    topk_idx: Tensor | None,
+    topk_weights: Tensor | None,
+    pad_multiple: int,
+    max_recv_tokens: int | None,
+    handle: DispatchHandle | None,
+    scaled: str | None,
+    expert_recv_stats: Tensor | None,
+) -> tuple[Tensor, Tensor | None, Tensor | None, DispatchHandle]:
+    """Buffer.dispatch's data move, by its kind: rows quantized as they are sent whose
+    gradient goes straight through (run_quantized_dispatch), a new layout (run_dispatch) or
+    along ``handle`` (run_dispatch_cached). Returns recv_x, recv_scales or None, recv_weights or
+    None, the handle; a new layout adds its tokens routed to each local expert (the handle's
+    valid rows per expert) into ``expert_recv_stats`` when given."""
+    if scaled and x_scales is None and x.requires_grad and torch.is_grad_enabled():
+        outputs = run_quantized_dispatch(
+            rt, runtime_id, x, topk_weights, topk_idx, pad_multiple, max_recv_tokens, handle,
+            scaled,
+        )  # fmt: skip
+    elif handle is None:
+        outputs = run_dispatch(
+            rt, runtime_id, x, x_scales, topk_idx, topk_weights, pad_multiple,
+            max_recv_tokens, scaled,
+        )  # fmt: skip
+    else:
+        return (*run_dispatch_cached(rt, runtime_id, x, x_scales, topk_weights, handle, scaled),
+                handle)  # fmt: skip
+    if handle is None and expert_recv_stats is not None:
+        expert_recv_stats.add_(outputs[-1].expert_layout[1])
+    return outputs
 
 
 def run_dispatch(

@@ -1,0 +1,41 @@
+"""Launch geometry shared by the dispatch and combine launches: how many programs of each role,
+column parts, and the topology's and network slot's constexprs."""
+
+from ..runtime.planner import LOCAL_PARTS, Plan, ceil_div, next_power_of_2
+from .runtime import Runtime
+
+
+def channel_programs(plan: Plan) -> int:
+    """Programs of a data-move launch that talk to other ranks: the senders and, across nodes,
+    as many again for the network side (dispatch's forwarders, combine's network senders)."""
+    return plan.config.senders * (2 if plan.nodes > 1 else 1)
+
+
+def programs_beside_senders(rt: Runtime) -> int:
+    """Programs for the local roles of a data-move launch: the room the channels leave, so that
+    the launch is one wave on a GPU; at least half of ``local_programs``, and at least 2
+    (combine has two local roles)."""
+    return max(rt.local_programs - channel_programs(rt.plan), rt.local_programs // 2, 2)
+
+
+def local_parts(plan: Plan, block_h: int, cols: int | None = None) -> int:
+    """Column parts of a work item for the local roles: up to LOCAL_PARTS, at least one tile of
+    ``block_h`` columns each, of rows of ``cols`` columns (default: the hidden size)."""
+    tiles = ceil_div(ceil_div(cols or plan.hidden, plan.config.h_slices), block_h)
+    return max(1, min(tiles, LOCAL_PARTS))
+
+
+def topology_constants(plan: Plan, *names: str) -> dict:
+    """The constexprs ``names`` of the node topology: R (ranks per node), NODES, and their
+    powers of 2, R_P2 and N_P2."""
+    values = dict(
+        R=plan.ranks_per_node, NODES=plan.nodes, R_P2=next_power_of_2(plan.ranks_per_node),
+        N_P2=next_power_of_2(plan.nodes),
+    )  # fmt: skip
+    return {name: values[name] for name in names}
+
+
+def net_slot_constants(plan: Plan) -> dict:
+    """The constexprs of a NetSlot (see the planner), by the names the kernels give them."""
+    slot = plan.net_slot
+    return dict(NET_COLS=slot.cols, DATA_OFF=slot.data_offset, SLOT_BYTES=slot.bytes)
