@@ -1,7 +1,7 @@
 """Developer tasks (arguments after `--` go to the command, e.g. `nox -s quick -- -k cli`):
 
 - `nox -s tests`: the whole test suite on CPU ranks (Triton interpreter), 8 to 17 minutes on 2
-  cores by the day's machine (README, Tests); it names each test as it runs, lists the skipped
+  cores by the day's machine (docs/testing.md); it names each test as it runs, lists the skipped
   ones with their reasons at the end, then the 15 slowest. `.ci/run` runs this, then the next.
 - `nox -s quick`: the tests not marked slow (`pytest -m "not slow"`), in about 3 minutes.
 - `nox -s oldest_triton`: every kernel under the oldest Triton supported (3.6) with the NumPy

@@ -110,3 +110,55 @@ def test_compare_tabulates_the_rows_every_run_has(tmp_path):
     )
     assert len(table) == 2 + n + 2  # header, rule, the rows, a blank line, the count
     assert table[-1] == f"{n} rows in every run; {n} rows of single runs left out."
+
+
+def _git_repo(path, name: str) -> str:
+    """A git repository at path with one commit of a tracked __init__.py; its short hash."""
+    import subprocess
+
+    path.mkdir()
+    (path / "__init__.py").write_text(f"# {name}\n")
+    git = ["git", "-C", str(path), "-c", "user.name=t", "-c", "user.email=t@t", "-c",
+           "commit.gpgsign=false"]  # fmt: skip
+    subprocess.run([*git, "init", "-q"], check=True)
+    subprocess.run([*git, "add", "__init__.py"], check=True)
+    subprocess.run([*git, "commit", "-q", "-m", name], check=True)
+    out = subprocess.run([*git, "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
+    return out.stdout.strip()
+
+
+def test_commit_names_the_package_not_the_working_folder(tmp_path, monkeypatch):
+    """A result names the commit of the code it measured: the checkout the package is imported
+    from, not the git repository the command runs in; an installed package (no checkout) names
+    its distribution's version; HEP_COMMIT overrides both."""
+    import importlib.metadata
+    import shutil
+
+    if shutil.which("git") is None:
+        pytest.skip("needs git")
+    try:
+        version = importlib.metadata.version("hybrid-ep-triton")
+    except importlib.metadata.PackageNotFoundError:  # imported from src/ without an install
+        version = "unknown"
+    monkeypatch.delenv("HEP_COMMIT", raising=False)
+    elsewhere = _git_repo(tmp_path / "elsewhere", "elsewhere")
+    package = _git_repo(tmp_path / "package", "package")
+    assert elsewhere != package
+    monkeypatch.chdir(tmp_path / "elsewhere")
+
+    def imported_from(path):  # raising=False: before, bench had no package_dir
+        monkeypatch.setattr(bench, "package_dir", lambda: str(path), raising=False)
+
+    imported_from(tmp_path / "package")
+    assert bench.commit() == package
+    # Installed (not a checkout): the version, even when run from inside a git repository.
+    (tmp_path / "site-packages").mkdir()
+    imported_from(tmp_path / "site-packages")
+    assert bench.commit() == version
+    # A package directory inside a repository that does not track it (a venv in a clone).
+    (tmp_path / "elsewhere" / "venv").mkdir()
+    (tmp_path / "elsewhere" / "venv" / "__init__.py").write_text("")
+    imported_from(tmp_path / "elsewhere" / "venv")
+    assert bench.commit() == version
+    monkeypatch.setenv("HEP_COMMIT", "feedbee")
+    assert bench.commit() == "feedbee"

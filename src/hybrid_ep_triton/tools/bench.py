@@ -28,6 +28,7 @@ over the whole call's time. Results go to
 
 import argparse
 import datetime
+import importlib.metadata
 import json
 import os
 import statistics
@@ -488,13 +489,30 @@ def _plot_formats(ax, result: dict, kinds: list[str]) -> None:
     ax.legend(fontsize=7)
 
 
+def package_dir() -> str:
+    """The directory this package is imported from (src/hybrid_ep_triton in a checkout)."""
+    return os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
 def commit() -> str:
+    """The code a result measured: ``HEP_COMMIT`` when set; else the short git commit of the
+    checkout the package is imported from (its ``__init__.py`` tracked there: a venv inside some
+    other repository does not count), whatever the working folder; else the installed
+    distribution's version; else "unknown"."""
     if os.environ.get("HEP_COMMIT"):
         return os.environ["HEP_COMMIT"]
+    here = package_dir()
     try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+        git = ["git", "-C", here]
+        subprocess.run([*git, "ls-files", "--error-unmatch", "__init__.py"], capture_output=True,
+                       check=True)  # fmt: skip
+        return subprocess.run([*git, "rev-parse", "--short", "HEAD"], capture_output=True,
                               text=True, check=True).stdout.strip()  # fmt: skip
     except (OSError, subprocess.CalledProcessError):
+        pass
+    try:
+        return importlib.metadata.version("hybrid-ep-triton")
+    except importlib.metadata.PackageNotFoundError:
         return "unknown"
 
 
