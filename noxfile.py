@@ -60,8 +60,8 @@ def quick(session: nox.Session) -> None:
     )
 
 
-# The oldest Triton this project supports, the device image's: with NumPy 2.4 and later its
-# interpreter needs what kernels/__init__.py gives it, found only there (2026-12-04).
+# The oldest Triton this project supports: with NumPy 2.4 and later its interpreter needs what
+# runtime/triton_compat.py gives it.
 OLDEST_TRITON = "triton==3.6.0"
 KERNEL_TESTS = ["tests/test_primitives.py", "tests/test_dispatch_combine.py", "tests/test_fp8.py"]
 

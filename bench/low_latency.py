@@ -259,6 +259,8 @@ def _copies(sets, rows: int, warmup: int, iters: int) -> list:
 
 
 def _write(result: dict, out_dir: str) -> str:
+    from hybrid_ep_triton.tools.bench import finish_report
+
     os.makedirs(out_dir, exist_ok=True)
     stem = os.path.join(out_dir, f"{result['date']}-{result['machine_slug']}-low-latency-"
                                  f"{result['commit']}")  # fmt: skip
@@ -286,12 +288,7 @@ def _write(result: dict, out_dir: str) -> str:
               "|---:|---:|---:|"]  # fmt: skip
     lines += [f"| {m['ranks']} | {m['ours'] / 2**20:.0f} | {m['deepep'] / 2**20:.0f} |"
               for m in result["memory"]]  # fmt: skip
-    if result["errors"]:
-        lines += ["", "Errors:", *[f"- {e}" for e in result["errors"]]]
-    with open(stem + ".md", "w") as f:
-        f.write("\n".join(lines) + "\n")
-    _plot(result, stem + ".png")
-    return stem
+    return finish_report(stem, lines, result, _plot)
 
 
 def _plot(result: dict, path: str) -> None:

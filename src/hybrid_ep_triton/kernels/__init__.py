@@ -6,6 +6,23 @@ quantize: the FP8, MXFP8 and NVFP4 quantizers; control: the control block's word
 codes by name; work: column parts and work queues that dispatch and combine share;
 low_latency: the low-latency mode's dispatch and combine (decode).
 
+The meta-parameters (constexprs) by name. Sizes: W ranks, R ranks a node, NODES nodes (R_P2,
+N_P2, W_P2: their powers of 2), E_P2 and L_P2 the powers of 2 of the experts and of a rank's,
+T_MAX the Buffer's max_tokens_per_rank, K_P2 a token's slots rounded up. Chunks and tiles: CHUNK
+tokens a chunk, NC_MAX chunks of T_MAX tokens, H_SLICES column slices of a chunk (a work item is
+a (chunk, slice)), BLOCK_H columns of a tile (COPY_BLOCK_H: of combine's copies), COPY_UNROLL
+expert rows gathered at once, STAGES tiles in flight in the streaming copies, LP_MAX most column
+parts of a work item for the local roles, P_MAX most sending programs (the ready flags' width).
+Rows' metadata: MS entries of a staged row (min(L, 32): its expert rows or local expert ids),
+MS_P2 its power of 2. The layout kernel: ROW int32 words of per-expert totals, tokens, invalid
+and pad, LR words of a layout row, PAIRS slots a side of its tiles of slot pairs, C_BLOCK and
+TABLE_BLOCK tiles of its chunk tables. A network slot (planner.NetSlot): META_INTS, META_FLOATS,
+NET_COLS, DATA_OFF, SLOT_BYTES. Row formats: SCALE_WORDS 32-bit words of a block-scaled row's
+scales (0: rows of the Buffer's dtype), QUANTIZE the quantizer a dispatch runs (kernels/
+quantize.py), CHANNEL_GROUPS its 128-channel groups. Modes: TOKEN_ROWS one row per token
+(expand=False), HAS_WEIGHTS weights given, WRITE_ROWS a dispatch with a new layout (it writes the
+handle's rows), OUTPUTS_FROM_HOST an exact-mode move whose outputs the host records.
+
 The low-latency kernels' meta-parameters: W ranks, L local experts, B = E - L receive blocks,
 M the Buffer's low_latency_tokens, S column slices of a row (a program and a flag each), K
 slots of a token (K_P2 its power of 2), SCAN routing entries scanned at a time, ROWS rows and

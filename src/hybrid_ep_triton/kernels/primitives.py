@@ -212,8 +212,8 @@ def host_pointer(address, dtype: tl.constexpr):
     (a record the host writes or polls; Triton takes no CPU tensor). Made an int64 by adding
     one first: Triton types an integer argument by its value, int32 below 2**31, and the
     interpreter holds one below 2**32 in 4 bytes (as uint32 where it calls it int64, so that
-    ``.to(tl.int64)`` changes nothing), which it cannot make a pointer of 8: CPU ranks got such
-    an address on the device image (2026-12-04). Compiled, the addition folds away."""
+    ``.to(tl.int64)`` changes nothing), which it cannot make a pointer of 8 (such addresses
+    occur on CPU ranks). Compiled, the addition folds away."""
     return (address + tl.zeros([], tl.int64)).to(tl.pointer_type(dtype))
 
 

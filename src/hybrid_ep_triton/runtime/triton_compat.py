@@ -52,9 +52,9 @@ def _index_scalars_as_triton_3_7() -> None:
     """Triton's interpreter holds a scalar as a NumPy array of one element; before Triton 3.7 it
     made one a Python index with ``int(array)``, which NumPy 2.4 refuses for arrays that are not
     0-dimensional, so that a loop ``range(0, n, BLOCK)`` over an integer argument raised
-    "only 0-dimensional arrays can be converted to Python scalars" (triton-lang/triton#9171;
-    found with Triton 3.6 and NumPy 2.4 on the device image, 2026-12-04). Triton 3.7 squeezes
-    the array first: this does the same where the interpreter marks tl.tensor's methods."""
+    "only 0-dimensional arrays can be converted to Python scalars" (triton-lang/triton#9171).
+    Triton 3.7 squeezes the array first: this does the same where the interpreter marks
+    tl.tensor's methods."""
     from triton.runtime import interpreter
 
     mark_tensor = interpreter._patch_lang_tensor

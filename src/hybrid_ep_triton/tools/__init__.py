@@ -1,2 +1,2 @@
-"""The command-line tools (``hybrid-ep demo | bench | tune | soak``) and the rank launcher that
-the tools and the tests use."""
+"""The command-line tools (``hybrid-ep demo | bench | tune | soak | prebuild``) and the rank
+launcher that the tools and the tests use."""

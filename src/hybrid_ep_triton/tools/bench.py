@@ -414,11 +414,17 @@ def _write(result: dict, out_dir: str) -> str:
     for b in result["baselines"]:
         cells = (b["shape"], b["name"], b["op"], f"{b['time_us']:.1f}", f"{b['algo_GBps']:.0f}")
         lines.append("| " + " | ".join(cells) + " |")
+    return finish_report(stem, lines, result, _plot)
+
+
+def finish_report(stem: str, lines: list[str], result: dict, plot) -> str:
+    """Write the report's Markdown ``lines`` (then ``result``'s errors) to ``stem``.md and
+    ``plot(result, path)`` to ``stem``.png; returns ``stem``."""
     if result["errors"]:
         lines += ["", "Errors:", *[f"- {e}" for e in result["errors"]]]
     with open(stem + ".md", "w") as f:
         f.write("\n".join(lines) + "\n")
-    _plot(result, stem + ".png")
+    plot(result, stem + ".png")
     return stem
 
 

