@@ -75,10 +75,12 @@ def test_recorded_builds_are_compiled_ahead_and_found(tmp_path):
     old = json.loads(lines[0])
     old["signature"] = {"gone_ptr": "*fp32", **old["signature"]}
     stale = tmp_path / "stale.jsonl"
-    stale.write_text(json.dumps(old) + "\n")
+    elsewhere = dict(old, name="subprocess.run")  # refused before anything imports it
+    stale.write_text(json.dumps(old) + "\n" + json.dumps(elsewhere) + "\n")
 
     report = json.loads(_run(tmp_path, "ahead", "prebuild", str(records), str(stale)))
     assert report["built"] == 2 and len(report["stale"]) == 1, report
+    assert report["refused"] == ["subprocess.run: not a kernel of hybrid_ep_triton.kernels"]
     assert report["stale"][0].startswith("hybrid_ep_triton.kernels.quantize.quantize_fp8_kernel")
     built = _files(tmp_path / "ahead")
     assert [f for f in built if f.suffix == ".cubin"], built
@@ -161,32 +163,51 @@ def test_records_that_differ_only_in_an_unspecialised_parameter_are_one_build(mo
     assert distinct_builds(records) == records
 
 
-def test_a_recorded_library_missing_here_is_taken_from_this_site_packages(tmp_path, monkeypatch):
-    """A record made on another machine names its extern libraries where they were there;
-    prebuilding it here (``--arch``) takes the file at the same path below this interpreter's
-    site-packages, and keeps a path that exists or that nothing here replaces. (NVSHMEM's
-    library: tests/test_nvshmem_bitcode.py.)"""
-    here = tmp_path / "here" / "site-packages"
-    (here / "nvidia" / "cuda" / "lib").mkdir(parents=True)
-    (here / "nvidia" / "cuda" / "lib" / "libcuda_device.bc").write_bytes(b"BC")
-    present = tmp_path / "libdevice.10.bc"
-    present.write_bytes(b"BC")
-    monkeypatch.setattr("site.getsitepackages", lambda: [str(here)])
-    there = "/elsewhere/lib/python3.12/site-packages"
-    record = {"name": "k", "options": {"num_warps": 4, "extern_libs": [
-        ["libcuda_device", f"{there}/nvidia/cuda/lib/libcuda_device.bc"],
-        ["libdevice", str(present)],
-        ["other", f"{there}/absent/other.bc"],
-    ]}}  # fmt: skip
-    local = prebuild_module.with_local_libraries(record)
-    assert local["options"]["extern_libs"] == [
-        ["libcuda_device", str(here / "nvidia" / "cuda" / "lib" / "libcuda_device.bc")],
-        ["libdevice", str(present)],
-        ["other", f"{there}/absent/other.bc"],
-    ]
-    assert local["options"]["num_warps"] == 4 and record["options"]["extern_libs"][0][1].startswith(
-        there
-    )
+def test_records_of_other_modules_or_libraries_are_refused_before_import(tmp_path, monkeypatch):
+    """A record from a shared folder names a module to import and files to link: only this
+    library's kernels, linking only NVSHMEM's device library and Triton's libdevice, are built;
+    any other is refused by name, and nothing it names is imported or read."""
+    marker = tmp_path / "imported"
+    (tmp_path / "planted.py").write_text(f"open({str(marker)!r}, 'w').close()\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    kernel = "hybrid_ep_triton.kernels.quantize.quantize_fp8_kernel"
+    libdevice = ["libdevice", "/elsewhere/triton/backends/nvidia/lib/libdevice.10.bc"]
+
+    def record(name: str, *libraries: list[str]) -> str:
+        return json.dumps({"name": name, "options": {"extern_libs": [*libraries, libdevice]}})
+
+    refused = {
+        record("planted.k"): "planted.k: not a kernel of hybrid_ep_triton.kernels",
+        record("hybrid_ep_triton.kernelsx.k"): "not a kernel of",
+        record("hybrid_ep_triton.kernels..planted.k"): "not a kernel of",
+        record(kernel, ["planted", f"{tmp_path}/planted.bc"]): "links planted",
+        record(kernel, ["libnvshmem_device", f"{tmp_path}/planted.bc"]): "links libnvshmem_device",
+        "[1, 2]": "not a record of a kernel build",
+    }
+    for line, why in refused.items():
+        assert why in prebuild_module.refusal(line), line
+    nvshmem = ["libnvshmem_device", "/elsewhere/nvidia/nvshmem/lib/libnvshmem_device_sm_90.bc"]
+    assert prebuild_module.refusal(record(kernel, nvshmem)) is None
+    monkeypatch.delenv("TRITON_INTERPRET")  # prebuild compiles; here it has nothing to compile
+    report = prebuild(list(refused), 1)
+    assert report.built == 0 and report.stale == [] and len(report.refused) == len(refused)
+    assert not marker.exists()
+
+
+def test_a_record_links_this_environments_libraries_never_its_recorded_files(monkeypatch):
+    """Built, an accepted record links NVSHMEM's library made from this environment's NVSHMEM
+    and Triton's own libdevice, whatever paths it recorded; an NVSHMEM file this environment
+    lacks makes the build fail, never links the recorded file. (The trimmed library made here:
+    tests/test_nvshmem_bitcode.py.)"""
+    monkeypatch.setattr("site.getsitepackages", lambda: ["/nowhere/site-packages"])
+    recorded = [["libnvshmem_device", "/elsewhere/nvidia/nvshmem/lib/libnvshmem_device.bc"],
+                ["libdevice", "/elsewhere/libdevice.10.bc"]]  # fmt: skip
+    data = {"name": "k", "options": {"num_warps": 4, "extern_libs": recorded}}
+    with pytest.raises(FileNotFoundError, match="has no libnvshmem_device.bc"):
+        prebuild_module.with_local_libraries(data)
+    only_libdevice = dict(data, options={"num_warps": 4, "extern_libs": recorded[1:]})
+    local = prebuild_module.with_local_libraries(only_libdevice)
+    assert local["options"] == {"num_warps": 4, "extern_libs": []}
     plain = {"name": "k", "options": {"num_warps": 4}}
     assert prebuild_module.with_local_libraries(plain) == plain
 

@@ -31,6 +31,7 @@ __all__ = [
     "bitcode_file",
     "device_library",
     "installed_file",
+    "is_device_library",
     "library_for_record",
 ]
 
@@ -40,8 +41,10 @@ DEVICE_CALLS = {
     "nvshmemx_putmem_signal_block": "(!llvm.ptr, !llvm.ptr, i64, !llvm.ptr, i64, i32, i32) -> ()",
     "nvshmemx_signal_op": "(!llvm.ptr, i64, i32, i32) -> ()",
 }
-# A trimmed library's name: the bitcode file's stem, then a digest of what made it.
-_TRIMMED_NAME = re.compile(r"(?P<stem>libnvshmem_device\w*)-[0-9a-f]{16}\.ll")
+# NVSHMEM's device bitcode file's name (one per architecture from 3.5), and a trimmed
+# library's: the bitcode file's stem, then a digest of what made it.
+_BITCODE_NAME = re.compile(r"libnvshmem_device(_sm_\d+)?\.bc")
+_TRIMMED_NAME = re.compile(r"(?P<stem>libnvshmem_device(_sm_\d+)?)-[0-9a-f]{16}\.ll")
 
 
 def bitcode_file(arch: str | None = None) -> str:
@@ -65,16 +68,29 @@ def device_library(arch: str | None = None) -> dict[str, str]:
     return {"libnvshmem_device": str(trimmed_library(bitcode_file(arch)))}
 
 
+def is_device_library(path: str) -> bool:
+    """Whether ``path`` is named as NVSHMEM's device bitcode or a library trimmed from it
+    (``library_for_record`` maps it to this environment's; other files are not linked)."""
+    name = Path(path).name
+    return bool(_BITCODE_NAME.fullmatch(name) or _TRIMMED_NAME.fullmatch(name))
+
+
 def library_for_record(path: str) -> str:
     """The library to build a recorded kernel with (``tools.prebuild``), for a record's NVSHMEM
     library ``path`` made on another machine, trimmed or not: the trimmed library made here
     from the same bitcode file of this environment's NVSHMEM (``nvidia/nvshmem/lib/`` under
-    site-packages), as this machine's runs would link; ``path`` where there is none."""
+    site-packages), as this machine's runs would link. Never ``path`` itself: ValueError where
+    it is not named as NVSHMEM's (``is_device_library``), FileNotFoundError where this
+    environment's NVSHMEM has no such file."""
     name = Path(path).name
+    if not is_device_library(name):
+        raise ValueError(f"{path} is not NVSHMEM's device library")
     trimmed = _TRIMMED_NAME.fullmatch(name)
     bitcode = f"{trimmed['stem']}.bc" if trimmed else name
     source = installed_file(f"nvidia/nvshmem/lib/{bitcode}")
-    return str(trimmed_library(str(source))) if source else path
+    if source is None:
+        raise FileNotFoundError(f"this environment's NVSHMEM has no {bitcode}")
+    return str(trimmed_library(str(source)))
 
 
 def installed_file(relative: str) -> Path | None:

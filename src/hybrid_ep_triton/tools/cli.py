@@ -418,7 +418,7 @@ def run_prebuild(args: argparse.Namespace) -> int:
         print(f"{len(records)} records in {args.merge_into}")
         return 0
     try:
-        built, stale, seconds = prebuild(records, args.workers, args.arch)
+        built, stale, seconds, refused = prebuild(records, args.workers, args.arch)
     except ValueError as error:
         raise CommandError(str(error)) from None
     print(
@@ -427,6 +427,8 @@ def run_prebuild(args: argparse.Namespace) -> int:
     )
     for why in stale:
         print(f"  skipped {why}")
+    for why in refused:
+        print(f"  refused {why}")
     return 0
 
 

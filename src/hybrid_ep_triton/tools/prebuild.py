@@ -11,6 +11,12 @@ there. A record names a kernel and its arguments' types, constexprs and options,
 it still serves once the kernel's code has changed, as long as its parameters have not.
 ``hybrid-ep prebuild DIR`` runs it.
 
+Records come from folders that others may write (a shared cache, a copied run), and a record
+names a module to import and files to link: ``refusal`` lets through only this library's
+kernels (``hybrid_ep_triton.kernels``) linking only NVSHMEM's device library (mapped to this
+environment's) and Triton's libdevice (Triton links its own), and refuses any other record by
+name before anything imports or compiles it.
+
 With ``arch`` (``hybrid-ep prebuild --arch 90``) the builds compile for that GPU architecture on a
 machine without it, or without any GPU (Triton compiles on the host; only a launch needs the
 GPU), e.g. on a CPU login node or CI machine, and the cache is copied to the GPU machines. A
@@ -35,13 +41,16 @@ from importlib import import_module
 from pathlib import Path
 from typing import NamedTuple
 
-from ..runtime.nvshmem_bitcode import installed_file, library_for_record
+from ..runtime.nvshmem_bitcode import is_device_library, library_for_record
+
+KERNELS_PACKAGE = "hybrid_ep_triton.kernels"
 
 
 class Prebuilt(NamedTuple):
     built: int  # builds compiled now, or found in Triton's cache (distinct_builds of the records)
     stale: list[str]  # records that the kernels no longer take, each as "kernel: why"
     seconds: float
+    refused: list[str]  # records not this library's kernels or linking other files, as "why"
 
 
 def read_records(paths: Iterable[str | Path]) -> list[str]:
@@ -72,13 +81,34 @@ def prebuild(records: list[str], workers: int, arch: int | None = None) -> Prebu
     if os.environ.get("TRITON_INTERPRET") == "1":
         raise ValueError("TRITON_INTERPRET=1: the interpreter compiles nothing; unset it")
     started = time.perf_counter()
-    records = distinct_builds(records)
+    refused = [why for why in map(refusal, records) if why is not None]
+    records = distinct_builds([record for record in records if refusal(record) is None])
     slowest_first = sorted(records, key=lambda record: "libnvshmem" not in record)
     context = multiprocessing.get_context("spawn")  # no CUDA state inherited
     initializer = None if arch is None else functools.partial(compile_only_for, arch)
     with ProcessPoolExecutor(workers, mp_context=context, initializer=initializer) as pool:
         stale = [why for why in pool.map(_build, slowest_first) if why is not None]
-    return Prebuilt(len(records) - len(stale), stale, time.perf_counter() - started)
+    return Prebuilt(len(records) - len(stale), stale, time.perf_counter() - started, refused)
+
+
+def refusal(record: str) -> str | None:
+    """Why ``record`` is not built, by its names alone (nothing imported, no file read): a
+    kernel outside ``KERNELS_PACKAGE``, or an extern library other than NVSHMEM's device
+    bitcode (or a library trimmed from it) and Triton's libdevice. None: it may be built."""
+    try:
+        data = json.loads(record)
+        name = str(data["name"])
+        libraries = [(str(library), str(path))
+                     for library, path in data["options"].get("extern_libs") or []]  # fmt: skip
+    except (ValueError, KeyError, TypeError, AttributeError):
+        return f"not a record of a kernel build: {record[:80]!r}"
+    if not name.startswith(f"{KERNELS_PACKAGE}.") or ".." in name:
+        return f"{name}: not a kernel of {KERNELS_PACKAGE}"
+    for library, path in libraries:
+        nvshmem = library == "libnvshmem_device" and is_device_library(path)
+        if not (nvshmem or library == "libdevice"):
+            return f"{name}: links {library} ({path}), not NVSHMEM's device library"
+    return None
 
 
 def distinct_builds(records: list[str]) -> list[str]:
@@ -160,33 +190,32 @@ def compile_only_for(arch: int) -> None:
 
 
 def with_local_libraries(data: dict) -> dict:
-    """Record ``data`` (parsed) with its extern libraries as this machine's runs link them:
-    NVSHMEM's trimmed device library made here from this environment's NVSHMEM, whether the
-    record names the whole bitcode (records made before the library was trimmed) or a library
-    trimmed on another machine (``runtime.nvshmem_bitcode.library_for_record``); any other
-    path that is not on this machine replaced by the file at the same path below this
-    interpreter's site-packages, where there is one. Triton's cache key hashes a library's
-    content, not its path."""
+    """Record ``data`` (parsed, accepted by ``refusal``) with its extern libraries as this
+    machine's runs link them: NVSHMEM's trimmed device library made here from this
+    environment's NVSHMEM, whether the record names the whole bitcode (records made before the
+    library was trimmed) or a library trimmed on another machine
+    (``runtime.nvshmem_bitcode.library_for_record``); the recorded libdevice left out, for
+    Triton adds its own (TRITON_LIBDEVICE_PATH, or the one in its wheel) as it does in a run.
+    Triton's cache key hashes a library's content, not its path."""
     libraries = data["options"].get("extern_libs") or []
-    local = []
-    for name, path in libraries:
-        _, found, below = path.rpartition("site-packages/")
-        if name == "libnvshmem_device":
-            path = library_for_record(path)
-        elif found and not os.path.exists(path):
-            path = str(installed_file(below) or path)
-        local.append([name, path])
+    local = [[name, library_for_record(path)]
+             for name, path in libraries if name == "libnvshmem_device"]  # fmt: skip
     return dict(data, options=dict(data["options"], extern_libs=local)) if libraries else data
 
 
 def _build(record: str) -> str | None:
-    """Compile one record (JITFunction.preload, the current source of the kernel it names);
-    returns why it could not, or None."""
+    """Compile one record that ``refusal`` accepted (JITFunction.preload, the current source of
+    the kernel it names); returns why it could not, or None."""
+    from triton.runtime.jit import JITFunction
+
     data = json.loads(record)
     name = data["name"]
     module, _, kernel = name.rpartition(".")
     try:
-        getattr(import_module(module), kernel).preload(json.dumps(with_local_libraries(data)))
+        function = getattr(import_module(module), kernel)
+        if not isinstance(function, JITFunction):
+            return f"{name}: not a Triton kernel"
+        function.preload(json.dumps(with_local_libraries(data)))
     except Exception as error:  # a kernel renamed, or whose parameters changed since
         return f"{name}: {type(error).__name__}: {error}"
     return None
