@@ -158,8 +158,10 @@ def make_runtime(
             plan.world_size * max(plan.max_tokens, 1), plan.hidden, dtype=plan.dtype, device=device
         ),  # fmt: skip
         group=group,
-        report=torch.zeros(REPORT_WORDS, dtype=torch.int64, pin_memory=on_gpu),
-        outputs_record=torch.zeros(int(HOST_RECORD_WORDS), dtype=torch.int64, pin_memory=on_gpu),
+        report=torch.zeros(REPORT_WORDS, dtype=torch.int64, device="cpu", pin_memory=on_gpu),
+        outputs_record=torch.zeros(
+            int(HOST_RECORD_WORDS), dtype=torch.int64, device="cpu", pin_memory=on_gpu
+        ),
         ll_scratch=torch.empty(
             plan.num_experts * ll.slices * ll.tokens,
             dtype=torch.int32,

@@ -24,7 +24,7 @@ def dequantize(values: torch.Tensor, scales: torch.Tensor, fmt: ScaledFormat) ->
     if fmt.channels_per_byte == 2:
         codes = values.view(torch.uint8)
         codes = torch.stack([codes & 0xF, codes >> 4], dim=-1).flatten(-2).long()
-        magnitudes = torch.tensor(_E2M1, device=codes.device)[codes & 7]
+        magnitudes = torch.tensor(_E2M1, dtype=torch.float32, device=codes.device)[codes & 7]
         floats = torch.where(codes >= 8, -magnitudes, magnitudes)
     else:
         floats = values.float()

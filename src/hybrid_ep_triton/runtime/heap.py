@@ -54,9 +54,11 @@ class SharedMemoryHeap:
         addresses = [v.data_ptr() for v in self._views]
         near = node_of(rank, ranks_per_node)
         self.peer_bases = torch.tensor(
-            [a if r in near else 0 for r, a in enumerate(addresses)], dtype=torch.int64
+            [a if r in near else 0 for r, a in enumerate(addresses)],
+            dtype=torch.int64,
+            device="cpu",
         )
-        self.net_bases = torch.tensor(addresses, dtype=torch.int64)
+        self.net_bases = torch.tensor(addresses, dtype=torch.int64, device="cpu")
 
     @staticmethod
     def _map(path: str, nbytes: int) -> mmap.mmap:

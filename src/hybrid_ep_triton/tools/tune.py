@@ -42,10 +42,10 @@ def _tune_rank(rank: int, world: int, opts: dict) -> tuple[str, list[tuple[float
     device = device or torch.device("cpu")
     dtype, expand = _DTYPES[opts["dtype"]], opts["rows"] == "expert"
     g = torch.Generator().manual_seed(opts["seed"] * 1000 + rank)
-    x = torch.randn(opts["tokens"], opts["hidden"], generator=g).to(dtype).to(device)
-    scores = torch.rand(opts["tokens"], opts["experts"], generator=g)
+    x = torch.randn(opts["tokens"], opts["hidden"], generator=g, device="cpu").to(dtype).to(device)
+    scores = torch.rand(opts["tokens"], opts["experts"], generator=g, device="cpu")
     idx = scores.topk(opts["topk"], dim=1).indices.to(device)
-    weights = torch.rand(idx.shape, generator=g).to(device)
+    weights = torch.rand(idx.shape, generator=g, device="cpu").to(device)
     progress = _progress(len(opts["candidates"])) if rank == 0 else None
     times = []
     for config in opts["candidates"]:
