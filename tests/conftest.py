@@ -19,6 +19,7 @@ import collections
 import os
 import sys
 import time
+import traceback
 
 import pytest
 
@@ -27,6 +28,15 @@ TIMEOUT_S = float(os.environ.get("HEP_TEST_TIMEOUT", "600"))
 TIME_SLICED = os.environ.get("HEP_TEST_TIME_SLICED") == "1"
 BUDGET_S = float(os.environ.get("HEP_TEST_BUDGET_S", "inf"))
 _SESSION_START = time.monotonic()
+
+
+def raised(error: BaseException) -> str:
+    """A rank body's failure line for ``error``: its repr and the last three frames in this
+    library (the frames that say where, without the launcher's and torch's)."""
+    frames = traceback.extract_tb(error.__traceback__)
+    ours = [f for f in frames if "hybrid_ep_triton" in f.filename] or frames
+    return f"raised {error!r}\n" + "".join(traceback.format_list(ours[-3:])).rstrip()
+
 
 if DEVICE not in ("cpu", "cuda"):
     raise pytest.UsageError(f"HEP_TEST_DEVICE must be 'cpu' or 'cuda', got {DEVICE!r}")

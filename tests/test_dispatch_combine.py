@@ -23,12 +23,12 @@ deterministic, and different for every case.
 
 from __future__ import annotations
 
-import traceback
 from dataclasses import dataclass
 
 import pytest
 import torch
 import torch.distributed as dist
+from conftest import raised
 
 from hybrid_ep_triton import Buffer, reference
 from hybrid_ep_triton.tools.launcher import rank_device
@@ -459,9 +459,7 @@ def _rank_body(rank: int, world_size: int, grp: Group) -> list[str]:
             try:
                 _run_case(buf, rank, world_size, grp, index, case, fail)
             except Exception as e:  # ranks may be out of step now: stop here
-                frames = traceback.extract_tb(e.__traceback__)
-                ours = [f for f in frames if "hybrid_ep_triton" in f.filename] or frames
-                fail(f"raised {e!r}\n" + "".join(traceback.format_list(ours[-3:])).rstrip())
+                fail(raised(e))
                 break
     finally:
         buf.destroy()

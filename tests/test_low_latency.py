@@ -21,12 +21,11 @@ rank returns a list of failure messages.
 
 from __future__ import annotations
 
-import traceback
 from dataclasses import dataclass
 
 import pytest
 import torch
-from conftest import DEVICE
+from conftest import DEVICE, raised
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -577,9 +576,7 @@ def _rank_body(rank: int, world_size: int, grp: Group) -> list[str]:
                 _run_case(buf, rank, grp, index, case, fail)
                 buf.check()
             except Exception as e:  # ranks may be out of step now: stop here
-                frames = traceback.extract_tb(e.__traceback__)
-                ours = [f for f in frames if "hybrid_ep_triton" in f.filename] or frames
-                fail(f"raised {e!r}\n" + "".join(traceback.format_list(ours[-3:])).rstrip())
+                fail(raised(e))
                 break
     finally:
         buf.destroy()
@@ -794,7 +791,7 @@ def _validation_body(rank: int, world: int, ranks_per_node: int | None) -> list[
         if not buf.low_latency_tokens == M:
             fail(f"Buffer.low_latency_tokens is {buf.low_latency_tokens}, not {M}")
     except Exception as e:
-        fail(f"raised {e!r}\n" + "".join(traceback.format_tb(e.__traceback__)[-3:]).rstrip())
+        fail(raised(e))
     finally:
         buf.destroy()
 
@@ -828,7 +825,7 @@ def _validation_body(rank: int, world: int, ranks_per_node: int | None) -> list[
 
         _run_case(buf, rank, odd, 1, Case("bf16", tokens=(3, 2, 4, 1), hook="both"), tagged)
     except Exception as e:
-        fail(f"raised {e!r}\n" + "".join(traceback.format_tb(e.__traceback__)[-3:]).rstrip())
+        fail(raised(e))
     finally:
         buf.destroy()
     return failures
@@ -1200,7 +1197,7 @@ def _graph_replays(rank: int, world: int, fmt: str, use_graph: bool) -> list[str
             _check_combine(lambda m, r=replay: fail(f"replay {r}: {m}"), "combine", out.cpu(),
                            ref, mag, ids)  # fmt: skip
     except Exception as e:
-        fail(f"raised {e!r}\n" + "".join(traceback.format_tb(e.__traceback__)[-3:]).rstrip())
+        fail(raised(e))
     finally:
         buf.destroy()
     return failures
