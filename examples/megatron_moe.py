@@ -6,6 +6,12 @@ The model: Megatron-Core's GPTModel with the local layer spec (no Transformer En
 layers, hidden 256, 4 experts per GPU, top-2, bf16; one fixed batch of random tokens per GPU,
 Adam. Both runs start from the same weights (the same seeds).
 
+GPTModel, though Megatron-Core 0.19.2 announces it as deprecated in favour of HybridModel at
+every build: HybridModel needs Transformer Engine here. Its stock stack spec is made of Transformer
+Engine layers, and HybridStack makes its final layer norm with Transformer Engine's TENorm
+whatever the spec says (megatron/core/models/hybrid/hybrid_block.py); a HybridModel of local
+layers builds only without that final norm (post_layer_norm=False), a different model.
+
     pip install 'hybrid-ep-triton[megatron]'
     python examples/megatron_moe.py [--steps 10]
 """

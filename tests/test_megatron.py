@@ -19,11 +19,21 @@ whole, at hidden 256 in fp32 and bf16, over 20 steps. Splits: expert-parallel ov
 group, and data-parallel x expert-parallel (expert-parallel size 1 on 2 ranks; EP 2 x DP 2 on 4
 GPUs): the Buffer must be over Megatron-Core's expert-parallel group.
 
+Megatron-Core's own flex dispatcher (``MoEFlexTokenDispatcher``) with its "deepep" and
+"hybridep" backends runs unmodified on ``hybrid_ep_triton.deep_ep`` (``register()`` before
+Megatron-Core imports deep_ep, so in processes of their own) and is compared the same way. Its
+"hybridep" backend makes an overflow flag with ``torch.zeros(1, device="cuda")`` when it is
+built; on CPU ranks that one call is made on the CPU (``_cuda_flag_on_cpu``), which changes no
+result (the flag is only read with ``moe_expert_rank_capacity_factor``, unset here). Where ranks
+share a GPU (gloo), the reference is the one-rank layer, as on CPU ranks: Megatron-Core's
+alltoall dispatcher needs NCCL.
+
 One launch per split runs every case; the tests read their part of the failure messages.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import os
 from dataclasses import dataclass
@@ -57,10 +67,11 @@ if ON_GPU:
     CASES += [Case(3, torch.bfloat16), Case(4, torch.bfloat16, pad_multiple=16, async_finish=True)]
 
 
-def _config(dtype: torch.dtype, experts: int, dispatcher: str, ep: int):
+def _config(dtype: torch.dtype, experts: int, dispatcher: str, ep: int, backend: str = "deepep"):
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     return TransformerConfig(
+        moe_flex_dispatcher_backend=backend,
         num_layers=1,
         hidden_size=HIDDEN,
         num_attention_heads=4,
@@ -191,12 +202,15 @@ def _data(case: Case, rank: int, device):
 
 
 def _reference(case: Case, rank: int, world: int, ep: int, weights, alone):
-    """Megatron-Core's own layer: on GPUs with its alltoall dispatcher over the same groups; on
-    CPU ranks one layer with every expert on ``alone``, fed every rank's tokens (this rank's
-    rows and experts are taken from its output and gradients)."""
+    """Megatron-Core's own layer: with an NCCL group its alltoall dispatcher over the same
+    groups; else (CPU ranks, ranks sharing a GPU) one layer with every expert on ``alone``, fed
+    every rank's tokens (this rank's rows and experts are taken from its output and
+    gradients)."""
+    import torch.distributed as dist
+
     experts = ep * EXPERTS_PER_RANK
     denom = world * SEQ * BATCH * HIDDEN
-    if ON_GPU:
+    if dist.get_backend() == "nccl":
         layer = _layer(_config(case.dtype, experts, "alltoall", ep))
         _load(layer, weights)
         return _train(layer, *_data(case, rank, "cuda"), denom)
@@ -207,7 +221,7 @@ def _reference(case: Case, rank: int, world: int, ep: int, weights, alone):
         setattr(groups, name, alone)
     layer = _layer(_config(case.dtype, experts, "allgather", 1), groups)
     _load(layer, weights)
-    data = [_data(case, r, "cpu") for r in range(world)]
+    data = [_data(case, r, "cuda" if ON_GPU else "cpu") for r in range(world)]
     xs = [torch.cat([d[0][step] for d in data]) for step in range(STEPS)]
     targets = [torch.cat([d[1][step] for d in data]) for step in range(STEPS)]
     (out, x_grad, router_grad, *expert_grads), losses = _train(
@@ -221,33 +235,47 @@ def _reference(case: Case, rank: int, world: int, ep: int, weights, alone):
     return [out[rows], x_grad[rows], router_grad, *mine], losses
 
 
-def _case(rank: int, world: int, ep: int, case: Case, alone) -> list[str]:
+def _case(rank: int, world: int, ep: int, case: Case, alone, backend=None) -> list[str]:
+    """One case: ``use_hybrid_ep`` (backend None), or Megatron-Core's flex dispatcher with
+    ``backend`` ("deepep", "hybridep") on hybrid_ep_triton.deep_ep, against the reference."""
+    import torch.distributed as dist
+
     from hybrid_ep_triton.megatron import HybridEPTokenDispatcher, use_hybrid_ep
 
-    failures, what = [], f"{case} world={world} ep={ep}"
+    failures, what = [], f"{case} world={world} ep={ep}" + (f" flex {backend}" if backend else "")
     experts = ep * EXPERTS_PER_RANK
     weights = _full_weights(case.seed, experts)
     want, want_losses = _reference(case, rank, world, ep, weights, alone)
 
-    layer = _layer(_config(case.dtype, experts, "alltoall" if ON_GPU else "allgather", ep))
-    _load(layer, weights)
-    buffer = use_hybrid_ep(
-        layer,
-        max_tokens_per_rank=SEQ * BATCH,
-        num_sms=None if ON_GPU else 1,
-        pad_multiple=case.pad_multiple,
-        async_finish=case.async_finish,
-        agree_on_inputs=case.agree_on_inputs,
-    )
-    if buffer.agree_on_inputs != case.agree_on_inputs:
-        failures.append(f"{what}: the Buffer's agree_on_inputs is {buffer.agree_on_inputs}")
-    if not isinstance(layer.token_dispatcher, HybridEPTokenDispatcher):
-        failures.append(f"{what}: use_hybrid_ep left {type(layer.token_dispatcher)}")
+    if backend is None:
+        layer = _layer(_config(case.dtype, experts, "alltoall" if ON_GPU else "allgather", ep))
+        _load(layer, weights)
+        buffer = use_hybrid_ep(
+            layer,
+            max_tokens_per_rank=SEQ * BATCH,
+            num_sms=None if ON_GPU else 1,
+            pad_multiple=case.pad_multiple,
+            async_finish=case.async_finish,
+            agree_on_inputs=case.agree_on_inputs,
+        )
+        if buffer.agree_on_inputs != case.agree_on_inputs:
+            failures.append(f"{what}: the Buffer's agree_on_inputs is {buffer.agree_on_inputs}")
+        if not isinstance(layer.token_dispatcher, HybridEPTokenDispatcher):
+            failures.append(f"{what}: use_hybrid_ep left {type(layer.token_dispatcher)}")
+    else:
+        from megatron.core.transformer.moe.token_dispatcher import MoEFlexTokenDispatcher
+
+        with _cuda_flag_on_cpu():
+            layer = _layer(_config(case.dtype, experts, "flex", ep, backend))
+        _load(layer, weights)
+        if not isinstance(layer.token_dispatcher, MoEFlexTokenDispatcher):
+            failures.append(f"{what}: the layer's dispatcher is {type(layer.token_dispatcher)}")
     data = _data(case, rank, "cuda" if ON_GPU else "cpu")
     got, got_losses = _train(layer, *data, world * SEQ * BATCH * HIDDEN)
-    buffer.destroy()
+    if backend is None:
+        buffer.destroy()
 
-    reference = "alltoall" if ON_GPU else "one-rank layer"
+    reference = "alltoall" if dist.get_backend() == "nccl" else "one-rank layer"
     names = ["output", "x grad", "router grad"]
     names += [f"expert {i} fc{j} grad" for i in range(EXPERTS_PER_RANK) for j in (1, 2)]
     got.append(torch.tensor(got_losses))
@@ -357,7 +385,7 @@ def _body(rank: int, world: int, ep: int) -> dict[str, list[str]]:
             from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
             model_parallel_cuda_manual_seed(1234)
-        alone = None if ON_GPU else _alone()
+        alone = None if torch.distributed.get_backend() == "nccl" else _alone()
         results = {
             "matches": [m for case in CASES for m in _case(rank, world, ep, case, alone)],
             "errors": _errors(world),
@@ -395,3 +423,50 @@ def test_megatron_layer_matches_megatron_dispatcher(launch, split):
 def test_unsupported_models_raise_value_errors(launch, split):
     failures = _failures(launch, split, "errors")
     assert not failures, failures
+
+
+@contextlib.contextmanager
+def _cuda_flag_on_cpu():
+    """On CPU ranks: Megatron-Core's HybridEP manager makes its over-budget flag with
+    ``torch.zeros(1, dtype=torch.bool, device="cuda")`` when it is built; make tensors asked for
+    on CUDA on the CPU meanwhile (nothing else is made then)."""
+    if ON_GPU:
+        yield
+        return
+    zeros = torch.zeros
+
+    def on_cpu(*args, device=None, **kwargs):
+        return zeros(*args, device="cpu" if device == "cuda" else device, **kwargs)
+
+    torch.zeros = on_cpu
+    try:
+        yield
+    finally:
+        torch.zeros = zeros
+
+
+# Megatron-Core's "deepep" backend asserts TP x EP > 1; its "hybridep" one takes EP 1 too.
+FLEX_CASES = [Case(5)] + ([Case(6, torch.bfloat16)] if ON_GPU else [])
+GPU = pytest.mark.gpu
+FLEX_SPLITS = [
+    ("deepep", "ep2"),
+    ("hybridep", "ep2"),
+    ("hybridep", "dp2_ep1"),
+    pytest.param("hybridep", "ep1", marks=GPU),
+    pytest.param("deepep", "dp2_ep2", marks=GPU),
+    pytest.param("hybridep", "dp2_ep2", marks=GPU),
+    pytest.param("deepep", "ep4", marks=GPU),
+    pytest.param("hybridep", "ep4", marks=GPU),
+]
+FLEX_WORLDS = {**SPLITS, "ep4": (4, 4), "dp2_ep2": (4, 2), "ep1": (1, 1)}
+
+
+@pytest.mark.parametrize("backend, split", FLEX_SPLITS)
+def test_megatron_flex_dispatcher_on_deep_ep_matches(launch, backend, split):
+    from megatron_flex import flex_body
+
+    world, ep = FLEX_WORLDS[split]
+    # In new processes: register() must come before Megatron-Core's first import of deep_ep.
+    per_rank = launch(flex_body, world, ep, backend, fresh=True)
+    failures = [m for r in per_rank for m in r]
+    assert not failures, "\n".join(failures)
