@@ -213,6 +213,17 @@ def _normal_mode(rank: int, world: int, hidden: int, experts: int, seed: int) ->
     combined, _, _ = buffer.combine(ys[rank].to(device), handle)
     if not torch.equal(combined.cpu().float(), _combined(everyone, ys, rank, local, world)):
         fail("combine along a handle made before the growth differs from the reference")
+    # Weights of another slot count: a ValueError on every rank, and the Buffer goes on.
+    wrong = torch.zeros(ys[rank].shape[0], handle.topk + 1, dtype=torch.float32, device=device)
+    try:
+        buffer.combine(ys[rank].to(device), handle, topk_weights=wrong)
+        fail("a combine with topk_weights of another slot count raised nothing")
+    except ValueError as error:
+        if "slots" not in str(error):
+            fail(f"the slot-count ValueError does not say so: {error}")
+    combined, _, _ = buffer.combine(ys[rank].to(device), handle)
+    if not torch.equal(combined.cpu().float(), _combined(everyone, ys, rank, local, world)):
+        fail("a combine after a refused one differs from the reference")
     failures += _without_topk(buffer, rank, world, hidden, experts, seed, device)
     failures += _fp8_and_dtype(buffer, rank, world, hidden, experts, seed, device)
     failures += _refusals(buffer)

@@ -433,6 +433,11 @@ class Buffer:
         prior = _event_of(previous_event) if async_finish else None
         if not isinstance(handle, DispatchHandle):
             raise ValueError(f"handle must be a dispatch's handle of this Buffer, got {handle!r}")
+        if topk_weights is not None and handle.topk != topk_weights.shape[-1]:
+            raise ValueError(
+                f"topk_weights must have the dispatch's {handle.topk} slots, got "
+                f"{tuple(topk_weights.shape)}"
+            )
         with torch.no_grad():
             outputs = handle.tokens_buffer.combine(
                 x, handle.tokens, previous_event=prior, async_finish=async_finish
@@ -440,11 +445,6 @@ class Buffer:
             combined, events = _split_event(outputs, async_finish)
             combined_weights = None
             if topk_weights is not None:
-                if handle.topk != topk_weights.shape[-1]:
-                    raise ValueError(
-                        f"topk_weights must have the dispatch's {handle.topk} slots, got "
-                        f"{tuple(topk_weights.shape)}"
-                    )
                 meta = torch.zeros(
                     topk_weights.shape[0], 2 * handle.topk + 2, dtype=torch.float32,
                     device=topk_weights.device,
