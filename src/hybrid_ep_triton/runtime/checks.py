@@ -363,8 +363,8 @@ def check_dispatch_inputs(
                 raise ValueError(
                     f"quantize={quantize!r} takes rows of the Buffer's dtype, not a pair"
                 )
+            scaled = check_pair(x, plan, device, scaled_values)
             x, x_scales = x
-            scaled = check_pair((x, x_scales), plan, device, scaled_values)
         else:
             check_tokens("x", x, plan, device)
     num_tokens = x.shape[0]
