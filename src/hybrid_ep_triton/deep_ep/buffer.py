@@ -19,7 +19,9 @@ import torch
 import torch.distributed as dist
 
 from .. import Buffer as _HepBuffer
-from ._sizing import Sized, gather
+from ..runtime.checks import ranks_per_host
+from ..runtime.planner import ceil_div
+from ._sizing import Sized, gather, round_up
 from .utils.event import EventHandle, EventOverlap
 
 topk_idx_t = torch.int64
@@ -59,7 +61,7 @@ class Config:
         self.num_max_nvl_chunked_recv_tokens = num_max_nvl_chunked_recv_tokens
         self.num_max_rdma_chunked_send_tokens = num_max_rdma_chunked_send_tokens
         # DeepEP rounds the RDMA receive buffer up to a multiple of the send chunk.
-        self.num_max_rdma_chunked_recv_tokens = _align(
+        self.num_max_rdma_chunked_recv_tokens = round_up(
             num_max_rdma_chunked_recv_tokens, num_max_rdma_chunked_send_tokens
         )
 
@@ -71,7 +73,7 @@ class Config:
         tokens = slots * self.num_max_nvl_chunked_recv_tokens
         per_token = hidden_bytes + _SOURCE_META_BYTES + _MAX_TOPK_HINT * (8 + 4)
         per_token += _MAX_SCALES_HINT * 4
-        return _align(slots * (2 * rdma_ranks + 3) * 4 + tokens * per_token, _ALIGNMENT)
+        return round_up(slots * (2 * rdma_ranks + 3) * 4 + tokens * per_token, _ALIGNMENT)
 
     def get_rdma_buffer_size_hint(self, hidden_bytes: int, num_ranks: int) -> int:
         """DeepEP's RDMA buffer bytes (0 within one node of at most 8 ranks)."""
@@ -81,7 +83,7 @@ class Config:
         tokens = slots * self.num_max_rdma_chunked_recv_tokens
         per_token = hidden_bytes + _SOURCE_META_BYTES + _MAX_TOPK_HINT * (8 + 4)
         per_token += _MAX_SCALES_HINT * 4 + 16
-        return _align(slots * (_NVL_PEERS * 2 + 2) * 2 * 4 + tokens * per_token * 2, _ALIGNMENT)
+        return round_up(slots * (_NVL_PEERS * 2 + 2) * 2 * 4 + tokens * per_token * 2, _ALIGNMENT)
 
     def __repr__(self) -> str:
         nvl = self.num_max_nvl_chunked_send_tokens, self.num_max_nvl_chunked_recv_tokens
@@ -99,7 +101,7 @@ def get_low_latency_rdma_size_hint(
     combine_message = scales * 4 + hidden * 2
     send = max(tokens * dispatch_message, num_experts * tokens * combine_message)
     receive = num_experts * tokens * max(dispatch_message, combine_message)
-    signalling = _align(num_experts * 4, _ALIGNMENT)
+    signalling = round_up(num_experts * 4, _ALIGNMENT)
     total = 2 * (send + receive + signalling)
     return (total + _ALIGNMENT) // _ALIGNMENT * _ALIGNMENT
 
@@ -223,7 +225,7 @@ class Buffer:
         self.low_latency_mode = low_latency_mode
         self.explicitly_destroy = explicitly_destroy
         self.enable_shrink = enable_shrink
-        self.ranks_per_node = _ranks_per_host(gather(group, socket.gethostname()))
+        self.ranks_per_node = ranks_per_host(gather(group, socket.gethostname()))
         self._normal = Sized(group, self._make_normal)
         self._normal_shape = None  # (hidden, dtype, experts, device) of the normal Buffers
         self._low_latency: _HepBuffer | None = None
@@ -605,7 +607,7 @@ class Buffer:
         if shape != self._normal_shape:
             self._normal.reset()
             self._normal_shape = shape
-        at_least = -(-num_worst_tokens // self.group_size)
+        at_least = ceil_div(num_worst_tokens, self.group_size)
         self._normal.size_for(num_tokens, at_least)
 
     def _make_normal(self, kind, capacity: int) -> _HepBuffer:
@@ -655,7 +657,7 @@ class Buffer:
                 counts = tokens_per_expert
             else:
                 counts = self._counts_from(num_tokens_per_expert, local_experts)
-            counts = (-(-counts // alignment) * alignment).tolist()
+            counts = round_up(counts, alignment).tolist()
         else:
             counts = []
         rank_prefix = torch.full((self.group_size, self.group_size), -1, dtype=torch.int32,
@@ -737,20 +739,6 @@ def _config(table: dict, num_ranks: int) -> Config:
     if num_ranks not in table:
         raise ValueError(f"Unsupported number of EP ranks: {num_ranks}")
     return Config(Buffer.num_sms, *table[num_ranks])
-
-
-def _align(value: int, multiple: int) -> int:
-    return -(-value // multiple) * multiple
-
-
-def _ranks_per_host(hosts: list[str]) -> int:
-    """Consecutive ranks that share a host (the node, as this library's Buffer takes it)."""
-    per_host = hosts.count(hosts[0])
-    if len(hosts) % per_host or any(
-        len(set(hosts[i : i + per_host])) != 1 for i in range(0, len(hosts), per_host)
-    ):
-        raise ValueError(f"the ranks of each host must be consecutive, as many on each: {hosts}")
-    return per_host
 
 
 def _tokens_that_fit(num_rdma_bytes: int, hidden: int, num_ranks: int, num_experts: int) -> int:

@@ -26,9 +26,10 @@ import torch
 import torch.distributed as dist
 
 from .. import Buffer as _HepBuffer
+from ..runtime.checks import ranks_per_host
 from ..runtime.planner import MAX_TOPK
 from ._sizing import TOKEN_QUANTUM, Sized, gather, round_up
-from .buffer import _dtype_of, _ranks_per_host, _token_ranks, _values
+from .buffer import _dtype_of, _token_ranks, _values
 
 _DOMAIN_ENV = "NUM_OF_HYBRID_EP_RANKS_PER_NVLINK_DOMAIN"
 # HybridEP passes FP8 rows as float8_e4m3fn or as their bytes.
@@ -134,7 +135,7 @@ class HybridEPBuffer:
             os.environ.get(_DOMAIN_ENV, "0")
         )
         if not per_domain:
-            per_domain = _ranks_per_host([host for host, _ in everyone])
+            per_domain = ranks_per_host([host for host, _ in everyone])
         if per_domain < 1 or self.group_size % per_domain:
             raise ValueError(
                 f"the ranks per NVLink domain ({per_domain}) must divide the group size "
@@ -242,7 +243,7 @@ class HybridEPBuffer:
             overflow = torch.zeros(1, dtype=torch.int32, device=stats.device)
             if worst is not None:
                 # The rows needed, padding included, against M: on the device, no host read.
-                needed = (-(-stats // pad) * pad).sum()
+                needed = round_up(stats, pad).sum()
                 over = needed > worst
                 if map_overflow is not None:
                     over = over | map_overflow
@@ -350,25 +351,18 @@ class HybridEPBuffer:
                 )
                 recv, recv_topk_idx, recv_weights, _, inner = outputs
             recv_values, scales = recv if isinstance(recv, tuple) else (recv, None)
-            columns = torch.where(recv_topk_idx >= 0, recv_topk_idx.long(), self.num_local_experts)
             dispatched_probs = None
             if recv_weights is not None:
+                # This rank's experts' columns among the node's R * L.
                 per_node = self.num_of_hybrid_ep_ranks_per_nvlink_domain * self.num_local_experts
                 first = self.local_rank * self.num_local_experts
-                dispatched_probs = recv_weights.new_zeros(recv_weights.shape[0], per_node + 1)
-                dispatched_probs.scatter_(
-                    1, torch.where(recv_topk_idx >= 0, columns + first, per_node), recv_weights
-                )
-                dispatched_probs = dispatched_probs[:, :per_node]
+                node_slots = torch.where(recv_topk_idx >= 0, recv_topk_idx + first, -1)
+                dispatched_probs = _scatter_slots(recv_weights, node_slots, per_node)
             if handle is None:
-                local = torch.zeros(
-                    recv_topk_idx.shape[0], self.num_local_experts + 1, dtype=torch.bool,
-                    device=recv_topk_idx.device,
-                )  # fmt: skip
-                local.scatter_(1, columns, True)
+                # A row's "ranks" with one expert a rank are its local experts.
+                local = _token_ranks(recv_topk_idx, 1, self.num_local_experts)
                 count = torch.tensor([recv_values.shape[0]], dtype=torch.int32, device="cpu")
-                parts = (None, None, None, count, local[:, : self.num_local_experts],
-                         hidden.shape[0], None)  # fmt: skip
+                parts = (None, None, None, count, local, hidden.shape[0], None)
                 handle = TokenHandle(parts, inner, buffer)
             return recv_values.view(hidden.dtype), dispatched_probs, scales, handle
 
