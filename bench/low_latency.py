@@ -23,8 +23,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
-import os
 import statistics
 from functools import partial
 
@@ -259,13 +257,8 @@ def _copies(sets, rows: int, warmup: int, iters: int) -> list:
 
 
 def _write(result: dict, out_dir: str) -> str:
-    from hybrid_ep_triton.tools.bench import finish_report
+    from hybrid_ep_triton.tools.bench import write_report
 
-    os.makedirs(out_dir, exist_ok=True)
-    stem = os.path.join(out_dir, f"{result['date']}-{result['machine_slug']}-low-latency-"
-                                 f"{result['commit']}")  # fmt: skip
-    with open(stem + ".json", "w") as f:
-        json.dump(result, f, indent=1)
     lines = [
         f"# Low-latency mode, world 1: {result['machine']}",
         "",
@@ -288,7 +281,7 @@ def _write(result: dict, out_dir: str) -> str:
               "|---:|---:|---:|"]  # fmt: skip
     lines += [f"| {m['ranks']} | {m['ours'] / 2**20:.0f} | {m['deepep'] / 2**20:.0f} |"
               for m in result["memory"]]  # fmt: skip
-    return finish_report(stem, lines, result, _plot)
+    return write_report(out_dir, f"low-latency-{result['commit']}", lines, result, _plot)
 
 
 def _plot(result: dict, path: str) -> None:

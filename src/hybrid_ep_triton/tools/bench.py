@@ -371,10 +371,6 @@ def _bench_rank(rank: int, world: int, opts: dict) -> dict:
 
 
 def _write(result: dict, out_dir: str) -> str:
-    os.makedirs(out_dir, exist_ok=True)
-    stem = os.path.join(out_dir, f"{result['date']}-{result['machine_slug']}-ep{result['ranks']}")
-    with open(stem + ".json", "w") as f:
-        json.dump(result, f, indent=1)
     lines = [
         f"# hybrid_ep_triton benchmark: {result['machine']}, EP{result['ranks']}",
         "",
@@ -414,12 +410,17 @@ def _write(result: dict, out_dir: str) -> str:
     for b in result["baselines"]:
         cells = (b["shape"], b["name"], b["op"], f"{b['time_us']:.1f}", f"{b['algo_GBps']:.0f}")
         lines.append("| " + " | ".join(cells) + " |")
-    return finish_report(stem, lines, result, _plot)
+    return write_report(out_dir, f"ep{result['ranks']}", lines, result, _plot)
 
 
-def finish_report(stem: str, lines: list[str], result: dict, plot) -> str:
-    """Write the report's Markdown ``lines`` (then ``result``'s errors) to ``stem``.md and
-    ``plot(result, path)`` to ``stem``.png; returns ``stem``."""
+def write_report(out_dir: str, name: str, lines: list[str], result: dict, plot) -> str:
+    """Write a benchmark's report into ``out_dir`` as STEM.json (``result``), STEM.md (the
+    Markdown ``lines``, then ``result``'s errors) and STEM.png (``plot(result, path)``), STEM
+    being DATE-MACHINE-``name`` from ``result``; returns STEM (with ``out_dir``)."""
+    os.makedirs(out_dir, exist_ok=True)
+    stem = os.path.join(out_dir, f"{result['date']}-{result['machine_slug']}-{name}")
+    with open(stem + ".json", "w") as f:
+        json.dump(result, f, indent=1)
     if result["errors"]:
         lines += ["", "Errors:", *[f"- {e}" for e in result["errors"]]]
     with open(stem + ".md", "w") as f:
