@@ -12,7 +12,11 @@ Each call is first checked against plain torch (bf16 rows bit for bit, FP8 value
 bit for bit against ``reference.quantize_fp8_low_latency``, combine within bf16 rounding).
 Times: every graph is replayed in a queue that a sleeping kernel holds back first, so that the
 GPU runs the replays back to back whatever the host's pace, with a CUDA event between each two;
-the median over ``--iters`` replays after ``--warmup``, input sets rotated. The memory table
+the median over ``--iters`` replays after ``--warmup``, input sets rotated. Each call is timed
+twice: alone in a graph (the graph's launch included: an empty one takes about as long as the
+receive half of a world-1 call, which has nothing to do), and as one of ``_CALLS`` calls of a
+graph, each on the next input set (the time of the graph over ``_CALLS``), as a call runs in a
+decode step's graph among the model's kernels. The memory table
 compares ``Buffer.low_latency_bytes`` with DeepEP's ``get_low_latency_rdma_size_hint`` formula.
 
 Usage (on a GPU machine): python bench/low_latency.py [--out DIR] [--tokens 128] [--iters 200]
@@ -32,6 +36,7 @@ HIDDEN, EXPERTS, TOPK = 7168, 256, 8
 _SETS = 4  # input sets rotated through
 _SLEEP_CYCLES = 20_000_000  # about 10 ms: the host queues a batch of replays meanwhile
 _BATCH = 50  # replays queued behind one sleep
+_CALLS = 8  # calls of a graph in the per-call timings
 
 
 def _inputs(tokens: int, seed: int):
@@ -58,6 +63,19 @@ def _captured(fn) -> _Graph:
     from hybrid_ep_triton.tools.bench import capture
 
     return _Graph(capture(fn)[0], fn)
+
+
+def _timed(make_call, sets, warmup: int, iters: int) -> tuple[float, float]:
+    """(median µs of a graph of one call, median µs a call in graphs of _CALLS calls), where
+    ``make_call(*set)`` gives the call on an input set; each call of a graph of _CALLS on the
+    next set."""
+    single = [[_captured(make_call(*inputs))] for inputs in sets]
+    batched = []
+    for start in range(len(sets)):
+        calls = [make_call(*sets[(start + c) % len(sets)]) for c in range(_CALLS)]
+        batched.append([_captured(lambda calls=calls: [call() for call in calls])])
+    return (_replay_us(single, warmup, iters)[0],
+            _replay_us(batched, warmup, iters)[0] / _CALLS)  # fmt: skip
 
 
 def _replay_us(cycles: list[list], warmup: int, iters: int) -> list[float]:
@@ -136,7 +154,7 @@ def _rank(rank: int, world: int, opts: dict) -> dict:
     def dispatch(x, i, **kw):
         return ll.low_latency_dispatch(x, i, tokens, EXPERTS, **kw)
 
-    # Checks, then a graph per input set and call.
+    # Checks, then the timings.
     variants = {"bf16": dict(use_fp8=False), "fp8": dict(use_fp8=True),
                 "fp8 ue8m0": dict(use_fp8=True, round_scale=True, use_ue8m0=True)}  # fmt: skip
     for name, kw in variants.items():
@@ -146,17 +164,17 @@ def _rank(rank: int, world: int, opts: dict) -> dict:
             if problem:
                 errors.append(f"dispatch {name}: {problem}")
                 break
-        graphs = [[_captured(partial(dispatch, x, i, **kw))] for x, i, _ in sets]
-        timings.append(("dispatch", name, "one launch", _replay_us(graphs, warmup, iters)[0]))
+        times = _timed(lambda x, i, w, kw=kw: partial(dispatch, x, i, **kw), sets, warmup, iters)
+        timings.append(("dispatch", name, "one launch", *times))
     # Hooks: the send and the receive halves, each its own graph.
     halves = [_capture_halves(lambda x=x, i=i: dispatch(x, i, use_fp8=False,
                                                         return_recv_hook=True))
               for x, i, _ in sets]  # fmt: skip
     send_us, receive_us = _replay_us(halves, warmup, iters)
-    timings += [("dispatch", "bf16", "send half", send_us),
-                ("dispatch", "bf16", "receive half", receive_us)]  # fmt: skip
+    timings += [("dispatch", "bf16", "send half", send_us, None),
+                ("dispatch", "bf16", "receive half", receive_us, None)]  # fmt: skip
     # Combine of each set's rows, doubled by the "experts".
-    combines, combine_halves, zero_copies = [], [], []
+    combine_sets, combine_halves = [], []
     for x, i, w in sets:
         recv, _, handle, _, _ = dispatch(x, i, use_fp8=False)
         y = recv * 2
@@ -169,16 +187,17 @@ def _rank(rank: int, world: int, opts: dict) -> dict:
             problem = _check_combine(x, i, w, combined)
             if problem:
                 errors.append(f"combine (zero_copy={zero_copy}): {problem}")
-        call = partial(ll.low_latency_combine, y, i, w, handle)
-        combines.append([_captured(call)])
-        combine_halves.append(_capture_halves(partial(call, return_recv_hook=True)))
-        zero_copies.append([_captured(partial(_zero_copy, ll, i, w, handle))])
-    timings.append(("combine", "bf16", "one launch", _replay_us(combines, warmup, iters)[0]))
+        combine_sets.append((y, i, w, handle))
+        call = partial(ll.low_latency_combine, y, i, w, handle, return_recv_hook=True)
+        combine_halves.append(_capture_halves(call))
+    times = _timed(lambda *c: partial(ll.low_latency_combine, *c), combine_sets, warmup, iters)
+    timings.append(("combine", "bf16", "one launch", *times))
     send_us, receive_us = _replay_us(combine_halves, warmup, iters)
-    timings += [("combine", "bf16", "send half", send_us),
-                ("combine", "bf16", "receive half", receive_us),
-                ("combine", "bf16", "one launch, zero_copy",
-                 _replay_us(zero_copies, warmup, iters)[0])]  # fmt: skip
+    times = _timed(lambda y, i, w, handle: partial(_zero_copy, ll, i, w, handle), combine_sets,
+                   warmup, iters)  # fmt: skip
+    timings += [("combine", "bf16", "send half", send_us, None),
+                ("combine", "bf16", "receive half", receive_us, None),
+                ("combine", "bf16", "one launch, zero_copy", *times)]  # fmt: skip
     ll.destroy()
 
     baselines = _normal_mode(sets, tokens, warmup, iters, errors) + _copies(
@@ -215,26 +234,24 @@ def _normal_mode(sets, tokens: int, warmup: int, iters: int, errors: list) -> li
     """The normal mode's small-batch graph calls on the same inputs (max_recv_tokens: every
     row), both row layouts."""
     import hybrid_ep_triton as hep
-    from hybrid_ep_triton.tools.bench import capture
 
     found = []
     for expand in (True, False):
         buf = hep.Buffer(None, hidden_size=HIDDEN, max_tokens_per_rank=tokens,
                          num_experts=EXPERTS, expand=expand)  # fmt: skip
         room = tokens * (TOPK if expand else 1)
-        graphs = []
+        combine_sets = []
         for x, i, w in sets:
-            d_graph, out = capture(partial(buf.dispatch, x, i, w, max_recv_tokens=room))
-            d_graph.replay()
+            out = buf.dispatch(x, i, w, max_recv_tokens=room)
             weights = out[1] if expand else None
-            y = torch.randn_like(out[0])
-            graphs.append(
-                [_Graph(d_graph, out), _captured(partial(buf.combine, y, out[-1], weights=weights))]
-            )
-        d_us, c_us = _replay_us(graphs, warmup, iters)
+            combine_sets.append((torch.randn_like(out[0]), out[-1], weights))
         rows = "expert-major rows" if expand else "token rows"
-        found += [(f"normal mode dispatch, max_recv_tokens, {rows}", d_us),
-                  (f"normal mode combine, {rows}", c_us)]  # fmt: skip
+        d_times = _timed(lambda x, i, w, buf=buf, room=room: partial(
+            buf.dispatch, x, i, w, max_recv_tokens=room), sets, warmup, iters)  # fmt: skip
+        c_times = _timed(lambda y, handle, weights, buf=buf: partial(
+            buf.combine, y, handle, weights=weights), combine_sets, warmup, iters)  # fmt: skip
+        found += [(f"normal mode dispatch, max_recv_tokens, {rows}", *d_times),
+                  (f"normal mode combine, {rows}", *c_times)]  # fmt: skip
         buf.destroy()
     return found
 
@@ -243,17 +260,18 @@ def _copies(sets, rows: int, warmup: int, iters: int) -> list:
     """Plain copies of what a bf16 dispatch writes: its rows gathered from x, and a copy of as
     many bytes between two buffers."""
 
-    gathers, copies = [], []
-    for x, i, _ in sets:
+    def gather(x, i, w):
         order = torch.nonzero((i[:, :, None] == torch.arange(EXPERTS, device="cuda")).any(1).T)
         tokens_in_order = order[:, 1].contiguous()  # (expert, token) pairs by expert
         out = torch.empty(len(tokens_in_order), HIDDEN, dtype=x.dtype, device="cuda")
-        gathers.append([_captured(partial(torch.index_select, x, 0, tokens_in_order, out=out))])
+        return partial(torch.index_select, x, 0, tokens_in_order, out=out)
+
+    def copy(x, i, w):
         src = torch.randn(rows, HIDDEN, device="cuda").to(torch.bfloat16)
-        dst = torch.empty_like(src)
-        copies.append([_captured(partial(dst.copy_, src))])
-    return [("gather of the dispatch's rows (index_select)", _replay_us(gathers, warmup, iters)[0]),
-            ("copy of as many bytes (copy_)", _replay_us(copies, warmup, iters)[0])]  # fmt: skip
+        return partial(torch.empty_like(src).copy_, src)
+
+    return [("gather of the dispatch's rows (index_select)", *_timed(gather, sets, warmup, iters)),
+            ("copy of as many bytes (copy_)", *_timed(copy, sets, warmup, iters))]  # fmt: skip
 
 
 def _write(result: dict, out_dir: str) -> str:
@@ -264,18 +282,21 @@ def _write(result: dict, out_dir: str) -> str:
         "",
         f"date {result['date']}, commit {result['commit']}; {result['tokens']} tokens, hidden "
         f"{HIDDEN}, top-{TOPK} of {EXPERTS} experts: {result['rows']} (token, expert) rows; "
-        "CUDA graph replays back to back, median µs",
+        "CUDA graph replays back to back, medians in µs: alone, a graph of one call (its launch "
+        f"included); in a graph of {_CALLS}, a call of a graph of {_CALLS} calls",
         "",
-        "| op | rows | launch | µs | GB/s of rows |",
-        "|---|---|---|---:|---:|",
+        f"| op | rows | launch | µs alone | µs in a graph of {_CALLS} | GB/s of rows, in a graph "
+        f"of {_CALLS} |",
+        "|---|---|---|---:|---:|---:|",
     ]
     # Dispatch writes its rows (bf16: 2H bytes; FP8: H + 4H / 128), combine reads them.
-    for op, rows, mode, us in result["timings"]:
+    for op, rows, mode, alone, batched in result["timings"]:
         row_bytes = 2 * HIDDEN if rows == "bf16" else HIDDEN + HIDDEN // 32
-        lines.append(f"| {op} | {rows} | {mode} | {us:.1f} | "
-                     f"{result['rows'] * row_bytes / us / 1e3:.0f} |")  # fmt: skip
-    lines += ["", "| baseline | µs |", "|---|---:|"]
-    lines += [f"| {name} | {us:.1f} |" for name, us in result["baselines"]]
+        gbps = f"{result['rows'] * row_bytes / batched / 1e3:.0f}" if batched else ""
+        lines.append(f"| {op} | {rows} | {mode} | {alone:.1f} | {_us(batched)} | {gbps} |")
+    lines += ["", f"| baseline | µs alone | µs in a graph of {_CALLS} |", "|---|---:|---:|"]
+    lines += [f"| {name} | {alone:.1f} | {_us(batched)} |"
+              for name, alone, batched in result["baselines"]]  # fmt: skip
     lines += ["", "Heap bytes a rank (low_latency_tokens = tokens), against DeepEP's "
               "get_low_latency_rdma_size_hint:", "", "| ranks | this library MiB | DeepEP MiB |",
               "|---:|---:|---:|"]  # fmt: skip
@@ -284,18 +305,25 @@ def _write(result: dict, out_dir: str) -> str:
     return write_report(out_dir, f"low-latency-{result['commit']}", lines, result, _plot)
 
 
+def _us(value: float | None) -> str:
+    return "" if value is None else f"{value:.1f}"
+
+
 def _plot(result: dict, path: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    names = [f"{op} {rows}, {mode}" for op, rows, mode, _ in result["timings"]]
-    names += [name for name, _ in result["baselines"]]
-    times = [t[3] for t in result["timings"]] + [us for _, us in result["baselines"]]
-    colors = ["tab:blue"] * len(result["timings"]) + ["tab:gray"] * len(result["baselines"])
-    fig, ax = plt.subplots(figsize=(9, 0.35 * len(names) + 1.5))
-    ax.barh(range(len(names)), times, color=colors)
+    entries = [(f"{op} {rows}, {mode}", *times) for op, rows, mode, *times in result["timings"]]
+    entries += [tuple(b) for b in result["baselines"]]
+    names = [name for name, _, _ in entries]
+    fig, ax = plt.subplots(figsize=(9, 0.45 * len(names) + 1.5))
+    at = range(len(names))
+    ax.barh([y - 0.2 for y in at], [alone for _, alone, _ in entries], height=0.4,
+            color="tab:gray", label="alone in a graph")  # fmt: skip
+    ax.barh([y + 0.2 for y in at], [batched or 0 for _, _, batched in entries], height=0.4,
+            color="tab:blue", label=f"a call in a graph of {_CALLS}")  # fmt: skip
     ax.set_yticks(range(len(names)), names, fontsize=7)
     ax.invert_yaxis()
     ax.axvline(10, color="k", ls=":", label="10 µs")

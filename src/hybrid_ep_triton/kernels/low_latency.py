@@ -9,16 +9,18 @@ by its own program and released by its own flag; a block from another node moves
 put-with-signal from this rank's send area, as a NIC reads only registered memory) and its
 slice 0 flag releases it all.
 
-Dispatch. Quantize role (FP8 only), program (token t, chunk c): quantize chunk c of t's
-128-channel groups, each token once, into t's staged row in this rank's send area, and raise
-its flag. Send role, program (global
-expert e, slice s): scan this rank's topk_idx for e; the entries that name e, in token order,
-are e's list. Its rows go
-- when e is local, straight into this rank's outputs with their source token indices: own
-  rows come first among an expert's rows, so their place needs nobody's counts;
-- else into the receive block (e, this rank) of e's rank, each row behind a 16-byte header
-  holding its token index; then the slice's flag, which carries the list's length: the count
-  travels behind the rows.
+Dispatch. Token role, program (token t, chunk c): chunk c of t's row (GROUPS 128-channel
+groups), read once; FP8: quantized, each token once. Its rows to this rank's experts go straight
+into the outputs at their positions in the experts' lists (the entries before them that name the
+expert): own rows come first among an expert's rows, so their place needs nobody's counts.
+Where t has a slot on another rank, an FP8 chunk is also staged in this rank's send area behind
+its flag. Send role, program (global expert e, slice s): for a local e, slice 0 counts e's list
+(the entries of this rank's topk_idx that name e, in token order) and releases the count; for
+another rank's e, e's list's rows (x's, or the staged FP8 rows) go
+- into the receive block (e, this rank) of e's rank, each row behind a 16-byte header holding
+  its token index; then the slice's flag, which carries the list's length: the count travels
+  behind the rows;
+- or to another node whole, by slice 0, through this rank's send area.
 Receive role, program (local expert e, source position q >= 1): the sources of an expert's
 rows in order are this rank, then the others by rank. Wait for the lengths of the sources up
 to q, which place q's rows, then for q's slices; copy them, with src_info, layout_range and,
@@ -286,54 +288,115 @@ def _copy_payloads(
 
 
 @triton.jit
-def _quantize_role(program, seq, tokens, heap, k):
-    """Program (token t, chunk c) (FP8): chunk c of t's 128-channel groups (GROUPS of them)
-    quantized, each token once, into t's staged row (header, e4m3 values, float32 scales) in
-    this rank's send area, after its rows by (expert, position). Waits for nothing; releases
-    the chunk's flag in ll_quantized (read on this GPU only)."""
-    chunks = _quantized_chunks(tokens.hidden, k)
+def _token_role(program, seq, tokens, out, heap, sync, k):
+    """Program (token t, chunk c): columns of GROUPS 128-channel groups of t's row, read once.
+    Its rows to this rank's experts go straight into the outputs, once per slot, at their
+    positions in the experts' lists (the entries before t's that name the expert), which need
+    nobody's counts: own rows come first among an expert's rows. With FP8 the chunk is
+    quantized first, and where t has a slot on another rank it is also staged (header, e4m3
+    values, float32 scales) in this rank's send area, after the rows by (expert, position),
+    for the send role to copy, behind the chunk's flag in ll_quantized (read on this GPU
+    only). Chunk 0 writes t's token_slots and src_info. Waits for nothing."""
+    chunks = _token_chunks(tokens.hidden, k)
     t = program // chunks
     chunk = program % chunks
+    slots = tl.arange(0, k.K_P2)
+    expert, position = _slot_positions(tokens, t, k)
+    own = (expert >= 0) & (expert // k.L == tokens.rank) & (position < out.rows)
+    expert_local = expert % k.L
+    if chunk == 0:
+        tl.store(tokens.slots_ptr + t * k.K + slots, position, mask=expert >= 0)
+        tl.store(out.src_info_ptr + expert_local * out.rows + position, t, mask=own)
+    own_rows, own_scales = _output_rows(out, expert_local, position)
+    groups = chunk * k.GROUPS + tl.arange(0, k.GROUPS)
+    cols = groups[:, None] * 128 + tl.arange(0, 128)[None, :]
+    cmask = cols < tokens.hidden
+    x = tl.load(tokens.x_ptr + t.to(tl.int64) * tokens.x_stride + cols, mask=cmask, other=0.0)
+    if k.FP8:
+        gmask = groups < tokens.hidden // 128
+        factor, scales = _fp8_scales(tl.max(tl.abs(x.to(tl.float32)), axis=1), k.ROUND)
+        values = e4m3_bits(x.to(tl.float32) * factor[:, None]).to(tl.uint8)
+        for j in tl.static_range(k.K):
+            if _pick(own, slots, j):
+                row = _pick(own_rows.to(tl.int64), slots, j)
+                scale_row = _pick(own_scales.to(tl.int64), slots, j)
+                tl.store(row.to(tl.pointer_type(tl.uint8)) + cols, values,
+                         mask=cmask)  # fmt: skip
+                _store_scales(scale_row.to(out.scales_ptr.dtype)
+                              + tl.zeros([1], tl.int32), groups, scales[None, :],
+                              gmask[None, :], out.scale_step, k.UE8M0)  # fmt: skip
+        if k.W > 1:
+            if tl.max(((expert >= 0) & (expert // k.L != tokens.rank)).to(tl.int32), axis=0):
+                _stage_quantized(t, chunk, groups, cols, cmask, values, scales, seq, tokens,
+                                 heap, k)  # fmt: skip
+    else:
+        dtype = tokens.x_ptr.dtype.element_ty
+        for j in tl.static_range(k.K):
+            if _pick(own, slots, j):
+                row = _pick(own_rows.to(tl.int64), slots, j)
+                tl.store(row.to(tl.pointer_type(dtype)) + cols, x, mask=cmask)
+
+
+@triton.jit
+def _pick(values, slots, j):
+    """Element ``j`` of ``values`` [K_P2] (a scalar: what static slot loops branch on)."""
+    return tl.sum(tl.where(slots == j, values, 0), axis=0)
+
+
+@triton.jit
+def _slot_positions(tokens, t, k):
+    """Token t's slots: (their experts [K_P2] int32, -1 where none; each slot's position in its
+    expert's list: the entries before it, t's earlier slots included, that name the expert)."""
+    slots = tl.arange(0, k.K_P2)
+    expert = tl.load(tokens.topk_ptr + t * k.K + slots, mask=slots < k.K, other=-1).to(tl.int32)
+    earlier = (expert[None, :] == expert[:, None]) & (slots[None, :] < slots[:, None])
+    position = tl.sum(earlier.to(tl.int32), axis=1)
+    for i0 in range(0, t * k.K, k.SCAN):
+        i = i0 + tl.arange(0, k.SCAN)
+        named = tl.load(tokens.topk_ptr + i, mask=i < t * k.K, other=-1).to(tl.int32)
+        position += tl.sum((named[None, :] == expert[:, None]).to(tl.int32), axis=1)
+    return expert, position
+
+
+@triton.jit
+def _stage_quantized(t, chunk, groups, cols, cmask, values, scales, seq, tokens, heap, k):
+    """Chunk ``chunk`` of token t's quantized row (``values`` [GROUPS, 128] e4m3 bits,
+    ``scales`` [GROUPS]) into t's staged row in this rank's send area, then the chunk's flag."""
     row = _heap_address(heap, tokens.rank, heap.send_off + ((k.B + k.L) * k.M + t) * k.ROW_BYTES)
     token_ptr, payload = _staged(row.to(tl.pointer_type(tl.uint8)))
     if chunk == 0:
         tl.store(token_ptr, t)
-    groups = chunk * k.GROUPS + tl.arange(0, k.GROUPS)
-    gmask = groups < tokens.hidden // 128
-    cols = groups[:, None] * 128 + tl.arange(0, 128)[None, :]
-    x = tl.load(tokens.x_ptr + t.to(tl.int64) * tokens.x_stride + cols, mask=gmask[:, None],
-                other=0.0).to(tl.float32)  # fmt: skip
-    factor, scales = _fp8_scales(tl.max(tl.abs(x), axis=1), k.ROUND)
-    tl.store(payload + cols, e4m3_bits(x * factor[:, None]).to(tl.uint8), mask=gmask[:, None])
+    tl.store(payload + cols, values, mask=cmask)
     scale_row = (payload + tokens.hidden).to(tl.pointer_type(tl.float32), bitcast=True)
-    tl.store(scale_row + groups, scales, mask=gmask)
+    tl.store(scale_row + groups, scales, mask=groups < tokens.hidden // 128)
     quantized = region(heap.peer_bases_ptr, tokens.rank, heap.quantized_off, tl.int64)
     tl.debug_barrier()  # every thread's stores, then the flag
-    tl.atomic_xchg(quantized + program, seq, sem="release", scope="gpu")
+    tl.atomic_xchg(quantized + t * _token_chunks(tokens.hidden, k) + chunk, seq, sem="release",
+                   scope="gpu")  # fmt: skip
 
 
 @triton.jit
-def _quantized_chunks(hidden, k):
-    """QC: chunks of GROUPS 128-channel groups of a row of ``hidden`` channels."""
-    return tl.cdiv(hidden // 128, k.GROUPS)
+def _token_chunks(hidden, k):
+    """Chunks of GROUPS 128-channel groups of a row of ``hidden`` channels."""
+    return tl.cdiv(tl.cdiv(hidden, 128), k.GROUPS)
 
 
 @triton.jit
-def _list_rows(tokens, expert, scratch, WRITE_SLOTS: tl.constexpr, k):
+def _list_rows(tokens, expert, scratch, LIST: tl.constexpr, k):
     """Scan this rank's topk_idx for ``expert``: its list is the entries (t, slot) that name it,
-    in token order. Writes each entry i = t * K + slot to ``scratch`` [M] at its position in the
-    list (and with WRITE_SLOTS the position to token_slots[i]); returns the list's length."""
+    in token order. Returns the list's length, and with LIST writes each entry i = t * K + slot
+    to ``scratch`` [M] at its position in the list."""
     entries = tokens.num_tokens * k.K
     length = 0
     for i0 in range(0, entries, k.SCAN):
         i = i0 + tl.arange(0, k.SCAN)
         named = tl.load(tokens.topk_ptr + i, mask=i < entries, other=-1) == expert
-        position = length + tl.cumsum(named.to(tl.int32), axis=0) - 1
-        tl.store(scratch + position, i, mask=named)
-        if WRITE_SLOTS:
-            tl.store(tokens.slots_ptr + i, position, mask=named)
+        if LIST:
+            position = length + tl.cumsum(named.to(tl.int32), axis=0) - 1
+            tl.store(scratch + position, i, mask=named)
         length += tl.sum(named.to(tl.int32), axis=0)
-    tl.debug_barrier()  # the scratch, written by other threads, is read next
+    if LIST:
+        tl.debug_barrier()  # the scratch, written by other threads, is read next
     return length
 
 
@@ -343,7 +406,7 @@ def _token_rows(tokens, token, rmask, seq, heap, sync, k):
     quantized rows' payloads, once their quantize program's flag is up."""
     if k.FP8:
         quantized = region(heap.peer_bases_ptr, tokens.rank, heap.quantized_off, tl.int64)
-        chunks = _quantized_chunks(tokens.hidden, k)
+        chunks = _token_chunks(tokens.hidden, k)
         chunk = tl.arange(0, k.QC_P2)
         flags = quantized + token[:, None] * chunks + chunk[None, :]
         mask = rmask[:, None] & (chunk < chunks)[None, :]
@@ -359,75 +422,78 @@ def _token_rows(tokens, token, rmask, seq, heap, sync, k):
 
 @triton.jit
 def _dispatch_send_role(program, seq, tokens, out, heap, sync, k):
-    """Program (expert e, slice s). Waits for its tokens' quantization (FP8) and, before writing
-    into another rank's receive area, for that rank's receive of call seq - 2 to be over.
-    Releases the slice's flag with the list's length (for a local expert, slice 0 releases the
-    own count, and writes its layout_range entry, and recv_count alone in a group of one)."""
+    """Program (expert e, slice s). A local expert's slice 0 counts its list (the token role
+    moves its rows): it releases the own count (alone: the own rows are not read in this
+    launch), writes the layout_range entry, and recv_count in a group of one. Another rank's
+    expert: ``_send_rows`` (to another node whole, by slice 0)."""
     expert = program // k.S
     s = program % k.S
     owner = expert // k.L
     expert_local = expert % k.L
     rank = tokens.rank
-    dtype = tokens.x_ptr.dtype.element_ty
-    length = _list_rows(tokens, expert, sync.scratch_ptr + program * k.M, s == 0, k)
-    flag = _flag_value(seq, length | tl.where(sync.refused != 0, REFUSED, 0))
-    cols = tokens.hidden // 4 if k.FP8 else tokens.hidden
-    first, last = _slice(cols, s, k)
-    on_node = tl.load(heap.peer_bases_ptr + owner) != 0
     if owner == rank:
-        # Own rows: straight into the outputs, at the head of the expert's rows.
-        for r0 in range(0, length, k.ROWS):
-            position = r0 + tl.arange(0, k.ROWS)
-            rmask = (position < length) & (position < out.rows)
-            token = tl.load(sync.scratch_ptr + program * k.M + position, mask=rmask) // k.K
-            if s == 0:
-                tl.store(out.src_info_ptr + expert_local * out.rows + position, token, mask=rmask)
-            values, scale_rows = _output_rows(out, expert_local, position)
-            _copy_payloads(_token_rows(tokens, token, rmask, seq, heap, sync, k), values,
-                           scale_rows, rmask, tokens.hidden, first, last, out.scale_step,
-                           k.UE8M0, s == 0, dtype, k)  # fmt: skip
         if s == 0:
+            length = _list_rows(tokens, expert, sync.scratch_ptr, False, k)
             tl.store(out.layout_range_ptr + expert_local * k.W + rank, length.to(tl.int64))
             if k.W == 1:
                 received = tl.minimum(length, out.rows)
                 tl.store(out.recv_count_ptr + expert_local, received)
                 if k.HAS_STATS:
                     tl.atomic_add(out.stats_ptr + expert_local, received)
-            # The count alone (the own rows are not read in this launch): no release needed.
             own = region(heap.peer_bases_ptr, rank, heap.own_off, tl.int64)
-            tl.atomic_xchg(own + (seq % 2) * k.L + expert_local, flag, sem="relaxed")
-    elif on_node | (s == 0):
-        # Another rank's: into its receive block, or from another node whole, by slice 0.
-        _wait_freed(owner, seq, rank, heap, sync)
-        b = _dispatch_block(expert_local, rank, owner, k)
-        block_off = heap.staging_off + ((seq % 2) * k.B + b) * k.M * k.ROW_BYTES
-        if not on_node:  # through this rank's send area, rows by (expert, position)
-            first, last = 0, tl.cdiv(k.ROW_BYTES - HEADER, 4) if k.FP8 else cols
-            block = _heap_address(heap, rank, heap.send_off + expert * k.M * k.ROW_BYTES)
+            tl.atomic_xchg(own + (seq % 2) * k.L + expert_local,
+                           _flag_value(seq, length | tl.where(sync.refused != 0, REFUSED, 0)),
+                           sem="relaxed")  # fmt: skip
+    elif (tl.load(heap.peer_bases_ptr + owner) != 0) | (s == 0):
+        _send_rows(program, seq, tokens, heap, sync, k)
+
+
+@triton.jit
+def _send_rows(program, seq, tokens, heap, sync, k):
+    """Program (expert e of another rank, slice s): e's list's rows into e's receive block on its
+    rank, each behind a header with its token index, or on another node through this rank's
+    send area, whole. Waits for its tokens' quantization (FP8) and for that rank's receive of
+    call seq - 2 to be over. Releases the slice's flag with the list's length."""
+    expert = program // k.S
+    s = program % k.S
+    owner = expert // k.L
+    rank = tokens.rank
+    dtype = tokens.x_ptr.dtype.element_ty
+    length = _list_rows(tokens, expert, sync.scratch_ptr + program * k.M, True, k)
+    flag = _flag_value(seq, length | tl.where(sync.refused != 0, REFUSED, 0))
+    cols = tokens.hidden // 4 if k.FP8 else tokens.hidden
+    first, last = _slice(cols, s, k)
+    on_node = tl.load(heap.peer_bases_ptr + owner) != 0
+    _wait_freed(owner, seq, rank, heap, sync)
+    b = _dispatch_block(expert % k.L, rank, owner, k)
+    block_off = heap.staging_off + ((seq % 2) * k.B + b) * k.M * k.ROW_BYTES
+    if not on_node:  # through this rank's send area, rows by (expert, position)
+        first, last = 0, tl.cdiv(k.ROW_BYTES - HEADER, 4) if k.FP8 else cols
+        block = _heap_address(heap, rank, heap.send_off + expert * k.M * k.ROW_BYTES)
+    else:
+        block = _heap_address(heap, owner, block_off)
+    for r0 in range(0, length, k.ROWS):
+        position = r0 + tl.arange(0, k.ROWS)
+        rmask = position < length
+        token = tl.load(sync.scratch_ptr + program * k.M + position, mask=rmask) // k.K
+        row = block + position.to(tl.int64) * k.ROW_BYTES
+        token_ptr, payload = _staged(row.to(tl.pointer_type(tl.uint8)))
+        if s == 0:
+            tl.store(token_ptr, token, mask=rmask)
+        _copy_payloads(_token_rows(tokens, token, rmask, seq, heap, sync, k), payload,
+                       (payload + tokens.hidden).to(tl.pointer_type(tl.float32),
+                                                    bitcast=True),
+                       rmask, tokens.hidden, first, last, 1, False, s == 0 and on_node,
+                       dtype, k)  # fmt: skip
+    if on_node:
+        signal(_flag(heap, owner, b, s, seq, k), flag)
+    elif k.NODES > 1:
+        flag_off = heap.flags_off + ((seq % 2) * k.B + b) * k.S * 8
+        if length > 0:
+            net_put_signal(heap.net_bases_ptr, rank, owner, block_off, block,
+                           length * k.ROW_BYTES, flag_off, flag, heap.heap_bytes)  # fmt: skip
         else:
-            block = _heap_address(heap, owner, block_off)
-        for r0 in range(0, length, k.ROWS):
-            position = r0 + tl.arange(0, k.ROWS)
-            rmask = position < length
-            token = tl.load(sync.scratch_ptr + program * k.M + position, mask=rmask) // k.K
-            row = block + position.to(tl.int64) * k.ROW_BYTES
-            token_ptr, payload = _staged(row.to(tl.pointer_type(tl.uint8)))
-            if s == 0:
-                tl.store(token_ptr, token, mask=rmask)
-            _copy_payloads(_token_rows(tokens, token, rmask, seq, heap, sync, k), payload,
-                           (payload + tokens.hidden).to(tl.pointer_type(tl.float32),
-                                                        bitcast=True),
-                           rmask, tokens.hidden, first, last, 1, False, s == 0 and on_node,
-                           dtype, k)  # fmt: skip
-        if on_node:
-            signal(_flag(heap, owner, b, s, seq, k), flag)
-        elif k.NODES > 1:
-            flag_off = heap.flags_off + ((seq % 2) * k.B + b) * k.S * 8
-            if length > 0:
-                net_put_signal(heap.net_bases_ptr, rank, owner, block_off, block,
-                               length * k.ROW_BYTES, flag_off, flag, heap.heap_bytes)  # fmt: skip
-            else:
-                net_signal(heap.net_bases_ptr, owner, flag_off, flag)
+            net_signal(heap.net_bases_ptr, owner, flag_off, flag)
 
 
 @triton.jit
@@ -671,7 +737,7 @@ def low_latency_dispatch_kernel(
     ALIGNED: tl.constexpr, HAS_STATS: tl.constexpr, NODES: tl.constexpr, SEND: tl.constexpr,
     RECEIVE: tl.constexpr,
 ):  # fmt: skip
-    """Where SEND, programs [0, Q) quantize (FP8: Q = T * QC, else none), the next E * S send;
+    """Where SEND, programs [0, T * QC) take the tokens' chunks, the next E * S send;
     where RECEIVE, the next L * (W - 1) receive; a launch of none of them has one program,
     which finishes."""
     program = tl.program_id(0)
@@ -684,29 +750,28 @@ def low_latency_dispatch_kernel(
                    scale_step)  # fmt: skip
     heap = LowLatencyHeap(peer_bases_ptr, net_bases_ptr, heap_bytes, freed_off, flags_off,
                           own_off, quantized_off, staging_off, send_off)  # fmt: skip
-    quantizers = 0
+    token_programs = 0
     senders = 0
     if SEND:
-        if FP8:
-            quantizers = num_tokens * tl.cdiv(hidden // 128, GROUPS)
+        token_programs = num_tokens * tl.cdiv(tl.cdiv(hidden, 128), GROUPS)
         senders = W * L * S
-    if program < quantizers:
-        _quantize_role(
-            program, seq, tokens, heap,
+    if program < token_programs:
+        _token_role(
+            program, seq, tokens, out, heap, sync,
             LowLatencyConsts(W, L, B, M, S, QC_P2, K, K_P2, SCAN, ROWS, BLOCK_H, STAGES, 1,
                              GROUPS, G_P2, ROW_BYTES, FP8, ROUND, UE8M0, ALIGNED, HAS_STATS,
                              False, NODES),
         )  # fmt: skip
-    elif program - quantizers < senders:
+    elif program - token_programs < senders:
         _dispatch_send_role(
-            program - quantizers, seq, tokens, out, heap, sync,
+            program - token_programs, seq, tokens, out, heap, sync,
             LowLatencyConsts(W, L, B, M, S, QC_P2, K, K_P2, SCAN, ROWS, BLOCK_H, STAGES, 1,
                              GROUPS, G_P2, ROW_BYTES, FP8, ROUND, UE8M0, ALIGNED, HAS_STATS,
                              False, NODES),
         )  # fmt: skip
-    elif RECEIVE and program - quantizers - senders < L * (W - 1):
+    elif RECEIVE and program - token_programs - senders < L * (W - 1):
         _dispatch_receive_role(
-            program - quantizers - senders, seq, tokens, out, heap, sync,
+            program - token_programs - senders, seq, tokens, out, heap, sync,
             LowLatencyConsts(W, L, B, M, S, QC_P2, K, K_P2, SCAN, ROWS, BLOCK_H, STAGES, 1,
                              GROUPS, G_P2, ROW_BYTES, FP8, ROUND, UE8M0, ALIGNED, HAS_STATS,
                              False, NODES),

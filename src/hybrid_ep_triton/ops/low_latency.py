@@ -16,7 +16,7 @@ from ..runtime.checks import (
 )
 from ..runtime.planner import (
     FP8_GROUP,
-    LOW_LATENCY_QUANTIZED_GROUPS,
+    LOW_LATENCY_TOKEN_GROUPS,
     ceil_div,
     next_power_of_2,
 )
@@ -181,10 +181,10 @@ def launch_dispatch(
     plan, ll = rt.plan, rt.plan.low_latency
     num_tokens, topk = topk_idx.shape
     fp8 = outputs.scale_storage.numel() > 0
-    quantizers = num_tokens * ll.quantized_chunks if send and fp8 else 0
+    token_programs = num_tokens * ll.token_chunks if send else 0
     senders = plan.num_experts * ll.slices if send else 0
     receivers = plan.experts_per_rank * (rt.world_size - 1) if receive else 0
-    grid = quantizers + senders + receivers
+    grid = token_programs + senders + receivers
     rows = outputs.recv_x.shape[1]
     groups = plan.hidden // FP8_GROUP
     if not fp8:
@@ -203,7 +203,7 @@ def launch_dispatch(
             send_off=_send_off(rt, area), refused=int(refused), K=topk,
             K_P2=next_power_of_2(topk),
             SCAN=min(_MOST_SCANNED, next_power_of_2(max(ll.tokens * topk, 1))),
-            GROUPS=LOW_LATENCY_QUANTIZED_GROUPS, QC_P2=next_power_of_2(ll.quantized_chunks),
+            GROUPS=LOW_LATENCY_TOKEN_GROUPS, QC_P2=next_power_of_2(ll.token_chunks),
             BLOCK_H=_BLOCK_H,
             G_P2=next_power_of_2(max(groups, 1)), FP8=fp8, ROUND=round_scale, UE8M0=ue8m0,
             ALIGNED=_aligned(x) and plan.hidden * x.element_size() % 16 == 0,

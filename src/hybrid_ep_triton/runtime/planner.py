@@ -36,9 +36,9 @@ LOCAL_PARTS = 4
 # a row that make one slice at the least.
 LOW_LATENCY_SLICES = 2
 LOW_LATENCY_SLICE_MIN = 2048
-# 128-channel groups of a token that one program of a low-latency FP8 dispatch quantizes (each
-# token once, in chunks of that many groups).
-LOW_LATENCY_QUANTIZED_GROUPS = 16
+# 128-channel groups of a token's row that one program of a low-latency dispatch reads once
+# (and with FP8 quantizes) and writes to the token's experts.
+LOW_LATENCY_TOKEN_GROUPS = 16
 # Bytes of the header in front of a low-latency dispatch row (the source token index, then
 # padding that keeps the payload 16-byte aligned), as DeepEP's messages have.
 LOW_LATENCY_HEADER = 16
@@ -318,9 +318,9 @@ class LowLatencyLayout:
     ll_flags     int64 [2, B, S]    slice s of receive block b has landed: (seq << 32) | rows
                                     (a block from another node lands whole, with slice 0's)
     ll_own       int64 [2, L]       this rank's own rows of local expert e: (seq << 32) | rows
-    ll_quantized int64 [M, QC]      chunk c of this rank's token t is quantized (an FP8
-                                    dispatch quantizes each token once, by chunks of
-                                    LOW_LATENCY_QUANTIZED_GROUPS 128-channel groups): seq
+    ll_quantized int64 [M, QC]      chunk c of this rank's token t is quantized and staged (an
+                                    FP8 dispatch quantizes each token once, by chunks of
+                                    LOW_LATENCY_TOKEN_GROUPS 128-channel groups): seq
     ll_staging   [2, B, M] rows     receive blocks, by parity of the call's sequence number:
                                     dispatch, block (local expert e, source j != this rank):
                                     rows of ``row_bytes`` (a LOW_LATENCY_HEADER, then the
@@ -331,7 +331,7 @@ class LowLatencyLayout:
                                     an FP8 dispatch's quantized tokens; or the combine buffer
                                     [L, W * M', H] of get_next_low_latency_combine_buffer
 
-    B = E - L (the experts of the other ranks), S = ``slices``, QC = ``quantized_chunks``.
+    B = E - L (the experts of the other ranks), S = ``slices``, QC = ``token_chunks``.
     """
 
     tokens: int  # M: most tokens a rank passes to one low-latency dispatch
@@ -340,7 +340,7 @@ class LowLatencyLayout:
     remote_blocks: int  # B
     payload_bytes: int  # the widest row a call moves: the Buffer's dtype, or FP8 and scales
     row_bytes: int  # header + payload, a multiple of 16
-    quantized_chunks: int  # QC: chunks of a token that FP8 quantizing programs take
+    token_chunks: int  # QC: chunks of a token's row, a dispatch program each
 
     @property
     def area_rows(self) -> int:
@@ -359,7 +359,7 @@ def low_latency_layout(
         tokens=tokens, slices=max(1, min(LOW_LATENCY_SLICES, hidden // LOW_LATENCY_SLICE_MIN)),
         experts_per_rank=local, remote_blocks=num_experts - local, payload_bytes=payload,
         row_bytes=LOW_LATENCY_HEADER + ceil_div(payload, 16) * 16,
-        quantized_chunks=ceil_div(hidden // FP8_GROUP, LOW_LATENCY_QUANTIZED_GROUPS),
+        token_chunks=ceil_div(ceil_div(hidden, FP8_GROUP), LOW_LATENCY_TOKEN_GROUPS),
     )  # fmt: skip
 
 
@@ -370,7 +370,7 @@ def low_latency_region_sizes(ll: LowLatencyLayout, world_size: int, num_experts:
         ("ll_freed", world_size * 8 if on else 0),
         ("ll_flags", 2 * ll.remote_blocks * ll.slices * 8 if on else 0),
         ("ll_own", 2 * ll.experts_per_rank * 8 if on else 0),
-        ("ll_quantized", ll.tokens * ll.quantized_chunks * 8),
+        ("ll_quantized", ll.tokens * ll.token_chunks * 8),
         ("ll_staging", 2 * ll.remote_blocks * ll.tokens * ll.row_bytes),
         ("ll_send", 2 * ll.area_rows * ll.row_bytes),
     ]
