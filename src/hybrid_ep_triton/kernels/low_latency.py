@@ -13,10 +13,10 @@ Dispatch. Token role, program (token t, chunk c): chunk c of t's row (GROUPS 128
 groups), read once; FP8: quantized, each token once. Its rows to this rank's experts go straight
 into the outputs at their positions in the experts' lists (the entries before them that name the
 expert): own rows come first among an expert's rows, so their place needs nobody's counts.
-Where t has a slot on another rank, an FP8 chunk is also staged in this rank's send area behind
-its flag. Send role, program (global expert e, slice s): for a local e, slice 0 counts e's list
-(the entries of this rank's topk_idx that name e, in token order) and releases the count; for
-another rank's e, e's list's rows (x's, or the staged FP8 rows) go
+Where t has a slot on another rank, an FP8 chunk is also staged in this rank's send area
+behind its flag. Count role, program (COUNTED local experts): counts their lists (the entries
+of this rank's topk_idx that name an expert, in token order) and releases the counts. Send
+role, program (expert e of another rank, slice s): e's list's rows (x's, or the staged FP8 rows) go
 - into the receive block (e, this rank) of e's rank, each row behind a 16-byte header holding
   its token index; then the slice's flag, which carries the list's length: the count travels
   behind the rows;
@@ -77,6 +77,8 @@ AMAX_MARGIN = tl.constexpr(1e-4)
 INV_E4M3_MAX = tl.constexpr(1.0 / 448.0)
 # Bytes in front of a staged dispatch row: its source token index (int32), then padding.
 HEADER = tl.constexpr(16)
+# Local experts whose lists one program of a dispatch's count role counts.
+COUNTED = tl.constexpr(8)
 
 # The kernels' arguments in bundles (as in kernels/combine.py: namedtuples of runtime values,
 # LowLatencyConsts built in the call that passes it).
@@ -382,21 +384,19 @@ def _token_chunks(hidden, k):
 
 
 @triton.jit
-def _list_rows(tokens, expert, scratch, LIST: tl.constexpr, k):
+def _list_rows(tokens, expert, scratch, k):
     """Scan this rank's topk_idx for ``expert``: its list is the entries (t, slot) that name it,
-    in token order. Returns the list's length, and with LIST writes each entry i = t * K + slot
-    to ``scratch`` [M] at its position in the list."""
+    in token order. Writes each entry i = t * K + slot to ``scratch`` [M] at its position in the
+    list; returns the list's length."""
     entries = tokens.num_tokens * k.K
     length = 0
     for i0 in range(0, entries, k.SCAN):
         i = i0 + tl.arange(0, k.SCAN)
         named = tl.load(tokens.topk_ptr + i, mask=i < entries, other=-1) == expert
-        if LIST:
-            position = length + tl.cumsum(named.to(tl.int32), axis=0) - 1
-            tl.store(scratch + position, i, mask=named)
+        position = length + tl.cumsum(named.to(tl.int32), axis=0) - 1
+        tl.store(scratch + position, i, mask=named)
         length += tl.sum(named.to(tl.int32), axis=0)
-    if LIST:
-        tl.debug_barrier()  # the scratch, written by other threads, is read next
+    tl.debug_barrier()  # the scratch, written by other threads, is read next
     return length
 
 
@@ -421,45 +421,53 @@ def _token_rows(tokens, token, rmask, seq, heap, sync, k):
 
 
 @triton.jit
-def _dispatch_send_role(program, seq, tokens, out, heap, sync, k):
-    """Program (expert e, slice s). A local expert's slice 0 counts its list (the token role
-    moves its rows): it releases the own count (alone: the own rows are not read in this
-    launch), writes the layout_range entry, and recv_count in a group of one. Another rank's
-    expert: ``_send_rows`` (to another node whole, by slice 0)."""
-    expert = program // k.S
-    s = program % k.S
-    owner = expert // k.L
-    expert_local = expert % k.L
+def _count_role(program, seq, tokens, out, heap, sync, k):
+    """Program (COUNTED local experts): the length of each one's list (the token role moves their
+    rows), released alone in ll_own (the own rows are not read in this launch: no release
+    needed); their layout_range entries, and in a group of one recv_count (and the
+    statistics). Waits for nothing."""
     rank = tokens.rank
-    if owner == rank:
-        if s == 0:
-            length = _list_rows(tokens, expert, sync.scratch_ptr, False, k)
-            tl.store(out.layout_range_ptr + expert_local * k.W + rank, length.to(tl.int64))
-            if k.W == 1:
-                received = tl.minimum(length, out.rows)
-                tl.store(out.recv_count_ptr + expert_local, received)
-                if k.HAS_STATS:
-                    tl.atomic_add(out.stats_ptr + expert_local, received)
-            own = region(heap.peer_bases_ptr, rank, heap.own_off, tl.int64)
-            tl.atomic_xchg(own + (seq % 2) * k.L + expert_local,
-                           _flag_value(seq, length | tl.where(sync.refused != 0, REFUSED, 0)),
-                           sem="relaxed")  # fmt: skip
-    elif (tl.load(heap.peer_bases_ptr + owner) != 0) | (s == 0):
-        _send_rows(program, seq, tokens, heap, sync, k)
+    expert_local = program * COUNTED + tl.arange(0, COUNTED)
+    emask = expert_local < k.L
+    expert = rank * k.L + expert_local
+    entries = tokens.num_tokens * k.K
+    length = tl.zeros([COUNTED], tl.int32)
+    for i0 in range(0, entries, k.SCAN):
+        i = i0 + tl.arange(0, k.SCAN)
+        named = tl.load(tokens.topk_ptr + i, mask=i < entries, other=-1).to(tl.int32)
+        length += tl.sum((named[None, :] == expert[:, None]).to(tl.int32), axis=1)
+    tl.store(out.layout_range_ptr + expert_local * k.W + rank, length.to(tl.int64), mask=emask)
+    if k.W == 1:
+        received = tl.minimum(length, out.rows)
+        tl.store(out.recv_count_ptr + expert_local, received, mask=emask)
+        if k.HAS_STATS:
+            tl.atomic_add(out.stats_ptr + expert_local, received, mask=emask)
+    own = region(heap.peer_bases_ptr, rank, heap.own_off, tl.int64)
+    flags = _flag_value(seq, length | tl.where(sync.refused != 0, REFUSED, 0))
+    tl.atomic_xchg(own + (seq % 2) * k.L + expert_local, flags, mask=emask, sem="relaxed")
 
 
 @triton.jit
-def _send_rows(program, seq, tokens, heap, sync, k):
-    """Program (expert e of another rank, slice s): e's list's rows into e's receive block on its
-    rank, each behind a header with its token index, or on another node through this rank's
-    send area, whole. Waits for its tokens' quantization (FP8) and for that rank's receive of
-    call seq - 2 to be over. Releases the slice's flag with the list's length."""
-    expert = program // k.S
+def _send_role(program, seq, tokens, heap, sync, k):
+    """Program (expert e of another rank, by its place among them; slice s): e's list goes into
+    e's receive block on its rank, each row behind a header with its token index, or to another
+    node whole, by slice 0, through this rank's send area. Waits for its tokens' quantization
+    (FP8) and for that rank's receive of call seq - 2 to be over. Releases the slice's flag with
+    the list's length."""
     s = program % k.S
+    expert = program // k.S
+    expert += k.L * (expert >= tokens.rank * k.L).to(tl.int32)
+    if (tl.load(heap.peer_bases_ptr + expert // k.L) != 0) | (s == 0):
+        _send_rows(program, expert, s, seq, tokens, heap, sync, k)
+
+
+@triton.jit
+def _send_rows(program, expert, s, seq, tokens, heap, sync, k):
+    """``_send_role``'s moves, for slice ``s`` of ``expert``'s list."""
     owner = expert // k.L
     rank = tokens.rank
     dtype = tokens.x_ptr.dtype.element_ty
-    length = _list_rows(tokens, expert, sync.scratch_ptr + program * k.M, True, k)
+    length = _list_rows(tokens, expert, sync.scratch_ptr + program * k.M, k)
     flag = _flag_value(seq, length | tl.where(sync.refused != 0, REFUSED, 0))
     cols = tokens.hidden // 4 if k.FP8 else tokens.hidden
     first, last = _slice(cols, s, k)
@@ -636,6 +644,9 @@ def _combine_receive_role(program, seq, rows, heap, sync, k):
     slots = tl.arange(0, k.K_P2)
     entry = t * k.K + slots
     expert = tl.load(rows.topk_ptr + entry, mask=slots < k.K, other=-1).to(tl.int32)
+    # (read beside the experts rather than after them: an invalid slot's are not used)
+    position = tl.load(rows.slots_ptr + entry, mask=slots < k.K, other=0).to(tl.int64)
+    weight = tl.load(rows.weights_ptr + entry, mask=slots < k.K, other=0.0)
     valid = expert >= 0
     expert = tl.where(valid, expert, 0)
     owner = expert // k.L
@@ -653,8 +664,7 @@ def _combine_receive_role(program, seq, rows, heap, sync, k):
         if tl.max(refused.to(tl.int32), axis=0) > 0:
             _note_refusal(tl.min(tl.where(refused, owner, k.W), axis=0), sync)
         valid &= ~refused
-    position = tl.load(rows.slots_ptr + entry, mask=valid, other=0).to(tl.int64)
-    weight = tl.load(rows.weights_ptr + entry, mask=valid, other=0.0)
+    weight = tl.where(valid, weight, 0.0)
     own = expert // k.L == rank
     own_row = rows.x_ptr + (expert % k.L).to(tl.int64) * rows.x_plane + position * rows.x_row
     staged = _block_row(heap, rank, _combine_block(expert, rank, k), seq, k).to(
@@ -725,7 +735,7 @@ def low_latency_dispatch_kernel(
     # of this call, by the host's parity)
     peer_bases_ptr, net_bases_ptr, heap_bytes, freed_off, flags_off, own_off, quantized_off,
     staging_off, send_off,
-    # Sync: control block, bound of every wait, the send role's scratch [E * S, M] int32,
+    # Sync: control block, bound of every wait, the send role's scratch [B * S, M] int32,
     # whether this rank's host refused the call
     control_ptr, timeout_ns, scratch_ptr, refused,
     # Meta-parameters (the glossary in kernels/__init__.py)
@@ -737,7 +747,8 @@ def low_latency_dispatch_kernel(
     ALIGNED: tl.constexpr, HAS_STATS: tl.constexpr, NODES: tl.constexpr, SEND: tl.constexpr,
     RECEIVE: tl.constexpr,
 ):  # fmt: skip
-    """Where SEND, programs [0, T * QC) take the tokens' chunks, the next E * S send;
+    """Where SEND, programs [0, T * QC) take the tokens' chunks, the next L / COUNTED count
+    the local experts' lists, the next B * S send;
     where RECEIVE, the next L * (W - 1) receive; a launch of none of them has one program,
     which finishes."""
     program = tl.program_id(0)
@@ -751,10 +762,12 @@ def low_latency_dispatch_kernel(
     heap = LowLatencyHeap(peer_bases_ptr, net_bases_ptr, heap_bytes, freed_off, flags_off,
                           own_off, quantized_off, staging_off, send_off)  # fmt: skip
     token_programs = 0
+    counters = 0
     senders = 0
     if SEND:
         token_programs = num_tokens * tl.cdiv(tl.cdiv(hidden, 128), GROUPS)
-        senders = W * L * S
+        counters = tl.cdiv(L, COUNTED)
+        senders = B * S
     if program < token_programs:
         _token_role(
             program, seq, tokens, out, heap, sync,
@@ -762,16 +775,23 @@ def low_latency_dispatch_kernel(
                              GROUPS, G_P2, ROW_BYTES, FP8, ROUND, UE8M0, ALIGNED, HAS_STATS,
                              False, NODES),
         )  # fmt: skip
-    elif program - token_programs < senders:
-        _dispatch_send_role(
+    elif program - token_programs < counters:
+        _count_role(
             program - token_programs, seq, tokens, out, heap, sync,
             LowLatencyConsts(W, L, B, M, S, QC_P2, K, K_P2, SCAN, ROWS, BLOCK_H, STAGES, 1,
                              GROUPS, G_P2, ROW_BYTES, FP8, ROUND, UE8M0, ALIGNED, HAS_STATS,
                              False, NODES),
         )  # fmt: skip
-    elif RECEIVE and program - token_programs - senders < L * (W - 1):
+    elif program - token_programs - counters < senders:
+        _send_role(
+            program - token_programs - counters, seq, tokens, heap, sync,
+            LowLatencyConsts(W, L, B, M, S, QC_P2, K, K_P2, SCAN, ROWS, BLOCK_H, STAGES, 1,
+                             GROUPS, G_P2, ROW_BYTES, FP8, ROUND, UE8M0, ALIGNED, HAS_STATS,
+                             False, NODES),
+        )  # fmt: skip
+    elif RECEIVE and program - token_programs - counters - senders < L * (W - 1):
         _dispatch_receive_role(
-            program - token_programs - senders, seq, tokens, out, heap, sync,
+            program - token_programs - counters - senders, seq, tokens, out, heap, sync,
             LowLatencyConsts(W, L, B, M, S, QC_P2, K, K_P2, SCAN, ROWS, BLOCK_H, STAGES, 1,
                              GROUPS, G_P2, ROW_BYTES, FP8, ROUND, UE8M0, ALIGNED, HAS_STATS,
                              False, NODES),

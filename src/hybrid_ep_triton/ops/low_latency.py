@@ -5,7 +5,11 @@ from typing import NamedTuple
 
 import torch
 
-from ..kernels.low_latency import low_latency_combine_kernel, low_latency_dispatch_kernel
+from ..kernels.low_latency import (
+    COUNTED,
+    low_latency_combine_kernel,
+    low_latency_dispatch_kernel,
+)
 from ..runtime.checks import (
     check_event,
     check_flag,
@@ -182,9 +186,10 @@ def launch_dispatch(
     num_tokens, topk = topk_idx.shape
     fp8 = outputs.scale_storage.numel() > 0
     token_programs = num_tokens * ll.token_chunks if send else 0
-    senders = plan.num_experts * ll.slices if send else 0
+    senders = ll.remote_blocks * ll.slices if send else 0
+    counters = ceil_div(plan.experts_per_rank, COUNTED.value) if send else 0
     receivers = plan.experts_per_rank * (rt.world_size - 1) if receive else 0
-    grid = token_programs + senders + receivers
+    grid = token_programs + counters + senders + receivers
     rows = outputs.recv_x.shape[1]
     groups = plan.hidden // FP8_GROUP
     if not fp8:

@@ -58,7 +58,7 @@ class Runtime:
     relaunches: the last launch of each kind of call as a Relaunch (see ops/launch.py), by
         what fixes the arguments a repeated call does not change (the kind, the token count,
         K, flags): at most a few per distinct token count.
-    ll_scratch: int32 [E * S, M] on the device: the low-latency send role's lists of rows
+    ll_scratch: int32 [B * S, M] on the device: the low-latency send role's lists of rows
         (kernels/low_latency.py), [0] without the mode.
     """
 
@@ -163,7 +163,7 @@ def make_runtime(
             int(HOST_RECORD_WORDS), dtype=torch.int64, device="cpu", pin_memory=on_gpu
         ),
         ll_scratch=torch.empty(
-            plan.num_experts * ll.slices * ll.tokens,
+            ll.remote_blocks * ll.slices * ll.tokens,
             dtype=torch.int32,
             device=device,
         ),  # fmt: skip
