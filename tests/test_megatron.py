@@ -49,8 +49,10 @@ EXPERTS_PER_RANK, TOPK = 4, 2
 HIDDEN, FFN, SEQ, BATCH = (256, 128, 64, 2) if ON_GPU else (16, 8, 5, 2)
 STEPS = 20 if ON_GPU else 3
 LR = 0.5
-# Largest difference allowed, relative to the reference tensor's largest magnitude.
-TOL = {torch.float32: 1e-5, torch.bfloat16: 3e-2}
+# Largest difference allowed, relative to the reference tensor's largest magnitude. fp32: on a
+# GPU the experts' matrix products over other row counts than the one-rank layer's take other
+# kernels, which sum in other orders (1.0e-5 to 1.2e-5 at EP 4); a misplaced row is off by O(1).
+TOL = {torch.float32: 3e-5, torch.bfloat16: 3e-2}
 
 
 @dataclass(frozen=True)
