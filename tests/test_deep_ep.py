@@ -311,11 +311,10 @@ def _refusals(buffer) -> list[str]:
 
     x = torch.zeros(1, 128, dtype=BF16)
     idx = torch.zeros(1, 1, dtype=torch.int64)
-    expect("enable_shrink", lambda: deep_ep.Buffer(dist.group.WORLD, enable_shrink=True))
     expect("mpi4py", lambda: deep_ep.Buffer(None, comm=object()))
     expect("low_latency_mode", lambda: buffer.low_latency_dispatch(x, idx, 1, 2))
     expect("get_comm_stream", buffer.get_comm_stream)
-    expect("masking", lambda: buffer.low_latency_query_mask_buffer(None))
+    expect("enable_shrink", lambda: buffer.low_latency_update_mask_buffer(0, True))
     expect("Unsupported number", lambda: deep_ep.Buffer.get_dispatch_config(3))
     expect("even", lambda: deep_ep.Buffer.set_num_sms(3))
     expect("explicitly_destroy", deep_ep.Buffer(dist.group.WORLD).destroy)
@@ -428,6 +427,54 @@ def _low_latency(rank: int, world: int, hidden: int, experts: int) -> list[str]:
 
 def test_low_latency_mode_matches_reference(launch):
     failures = [m for r in launch(_low_latency, 2, 128, 8) for m in r]
+    assert not failures, "\n".join(failures)
+
+
+def _shrink(rank: int, world: int, hidden: int, experts: int) -> list[str]:
+    """enable_shrink: after a first call of every rank (which makes the low-latency Buffer, a
+    collective), rank 0 masks rank 1, which stops calling, and goes on alone: its outputs are
+    the reference's without rank 1's tokens and experts."""
+    import torch.distributed as dist
+
+    import hybrid_ep_triton.deep_ep as deep_ep
+    from hybrid_ep_triton import reference
+    from hybrid_ep_triton.tools.launcher import rank_device
+
+    device, failures, local = rank_device(), [], experts // world
+    buffer = deep_ep.Buffer(dist.group.WORLD, 0, 1, low_latency_mode=True, enable_shrink=True,
+                            explicitly_destroy=True)  # fmt: skip
+    for call in range(1 if rank else 3):
+        everyone = [_inputs(60 + call, r, (4, 3), hidden, experts, 2, 0.2) for r in range(world)]
+        if call:
+            buffer.low_latency_update_mask_buffer(1, True)
+            everyone[1] = tuple(t[:0] for t in everyone[1])  # no tokens from rank 1
+        x, idx, w = (t.to(device) for t in everyone[rank])
+        _, count, handle, _, _ = buffer.low_latency_dispatch(x, idx, 4, experts, use_fp8=False)
+        want = reference.low_latency_dispatch([e[0] for e in everyone], [e[1] for e in everyone],
+                                              experts, 4, rank)  # fmt: skip
+        if not torch.equal(count.cpu(), want.recv_count):
+            failures.append(f"call {call}: recv_count {count.tolist()}, want {want.recv_count}")
+        gen = torch.Generator().manual_seed(90 + call)
+        ys = [torch.randn(local, world * 4, hidden, generator=gen).to(BF16) for _ in range(world)]
+        out, _, _ = buffer.low_latency_combine(ys[rank].to(device), idx, w, handle)
+        alive = [e[1] if not call else torch.where(e[1] // local == 1, -1, e[1]) for e in everyone]
+        want_out = reference.low_latency_combine(ys, alive, w.cpu(), experts, rank)
+        if not _close(out.cpu(), want_out, want_out.abs() * 3, TOL):
+            failures.append(f"call {call}: combined_x differs from the reference")
+    if rank == 0:
+        mask = torch.full((world,), -1, dtype=torch.int32, device=device)
+        buffer.low_latency_query_mask_buffer(mask)
+        buffer.low_latency_clean_mask_buffer()
+        cleaned = torch.full_like(mask, -1)
+        buffer.low_latency_query_mask_buffer(cleaned)
+        if mask.tolist() != [0, 1] or cleaned.tolist() != [0, 0]:
+            failures.append(f"mask {mask.tolist()}, after cleaning {cleaned.tolist()}")
+    buffer.destroy()
+    return failures
+
+
+def test_shrink_masks_a_rank_in_the_low_latency_calls(launch):
+    failures = [m for r in launch(_shrink, 2, 128, 8) for m in r]
     assert not failures, "\n".join(failures)
 
 

@@ -602,6 +602,96 @@ def test_low_latency_matches_reference(launch, grp):
     _assert_no_failures(launch(_rank_body, grp.world_size, grp))
 
 
+# --- masked ranks --------------------------------------------------------------------------
+
+# W=4 in one node and as 2 nodes of 2, E=8, M=6: rank MASKED creates the Buffer and makes no
+# call; the others mask it and run these cases, whose reference has no tokens of its and no
+# experts on it.
+MASKED = 2
+MASKED_GROUPS = [
+    Group(4, 256, 8, 6, seed=7, ranks_per_node=rpn, cases=(
+        Case("bf16", tokens=(3, 6, 5, 0), topk=3, unused_prob=0.2),
+        Case("fp8_hot_expert_on_the_masked_rank", tokens=(6, 2, 4, 5), topk=2, fmt="fp8",
+             hot_expert=5),
+        Case("ue8m0_hooks", tokens=(0, 4, 6, 3), topk=4, fmt="ue8m0", hook="both"),
+    ))
+    for rpn in (None, 2)
+]  # fmt: skip
+
+
+def _masked_body(rank: int, world: int, grp: Group) -> list[str]:
+    """Every rank but MASKED masks it and runs the group's cases against the reference without
+    it; the API's checks on the way."""
+    failures: list[str] = []
+    buf = Buffer(None, hidden_size=grp.hidden, max_tokens_per_rank=grp.tokens,
+                 num_experts=grp.num_experts, low_latency_tokens=grp.tokens,
+                 ranks_per_node=grp.ranks_per_node, device=rank_device())  # fmt: skip
+    if rank == MASKED:
+        buf.destroy()
+        return failures
+    dev, local = rank_device(), grp.num_experts // world
+
+    def fail(msg: str) -> None:
+        failures.append(f"[{grp.id} masked] rank {rank}: {msg}")
+
+    try:
+        _expect(fail, "masking this rank", ValueError, lambda: buf.update_mask(rank), "own rank")
+        wrong = torch.zeros(world, dtype=I64, device=dev)
+        _expect(fail, "a mask output of int64", ValueError, lambda: buf.query_mask(wrong), "int32")
+        buf.update_mask(MASKED)
+        mask = torch.full((world,), -1, dtype=I32, device=dev)
+        buf.query_mask(mask)
+        if mask.tolist() != [int(j == MASKED) for j in range(world)] or buf.masked_ranks != [
+            MASKED
+        ]:
+            fail(f"query_mask {mask.tolist()}, masked_ranks {buf.masked_ranks}")
+        for index, case in enumerate(grp.cases):
+            _masked_case(buf, rank, grp, index, case, local, fail)
+            buf.check()
+        buf.clean_mask()
+        if buf.masked_ranks:
+            fail(f"after clean_mask, masked_ranks {buf.masked_ranks}")
+    except Exception as e:
+        fail(raised(e))
+    finally:
+        buf.destroy()
+    return failures
+
+
+def _masked_case(buf, rank, grp, index, case, local, fail) -> None:
+    """One case with MASKED masked: the reference takes its tokens as none and drops the slots
+    that name its experts from combine."""
+    dev, world, mp, fmt = rank_device(), grp.world_size, grp.tokens, FORMATS[case.fmt]
+    inputs = [_inputs(grp, index, case, j, 0) for j in range(world)]
+    x, idx, w = inputs[rank]
+    hooks = case.hook == "both"
+    recv_x, recv_count, handle, _, hook = buf.low_latency_dispatch(
+        x.to(dev), idx.to(dev), mp, grp.num_experts, return_recv_hook=hooks, **fmt)  # fmt: skip
+    if hook is not None:
+        hook()
+    xs = [xj[:0] if j == MASKED else xj for j, (xj, _, _) in enumerate(inputs)]
+    idxs = [ij[:0] if j == MASKED else ij for j, (_, ij, _) in enumerate(inputs)]
+    want = reference.low_latency_dispatch(xs, idxs, grp.num_experts, mp, rank, **fmt)
+    what = f"{case.name}: dispatch"
+    _check_dispatch(fail, what, (recv_x, recv_count.cpu(), handle), want, case, grp, mp)
+    y = _expert_outputs(grp, index, rank, 0, mp)
+    got, _, hook = buf.low_latency_combine(y.to(dev), idx.to(dev), w.to(dev), handle,
+                                           return_recv_hook=hooks)  # fmt: skip
+    if hook is not None:
+        hook()
+    ys = [_expert_outputs(grp, index, j, 0, mp) for j in range(world)]
+    alive = [torch.where(ij.long() // local == MASKED, -1, ij.long()) for ij in idxs]
+    ref = reference.low_latency_combine(ys, alive, w, grp.num_experts, rank)
+    magnitude = reference.low_latency_combine([t.float().abs() for t in ys], alive, w.abs(),
+                                              grp.num_experts, rank)  # fmt: skip
+    _check_combine(fail, f"{case.name}: combine", got.cpu(), ref, magnitude.float(), alive[rank])
+
+
+@pytest.mark.parametrize("grp", MASKED_GROUPS, ids=lambda g: g.id)
+def test_masked_rank_is_skipped(launch, grp):
+    _assert_no_failures(launch(_masked_body, grp.world_size, grp))
+
+
 # --- refused inputs ------------------------------------------------------------------------
 
 V_HIDDEN, V_EXPERTS, V_TOKENS = 128, 4, 4  # W=2: 2 local experts; low_latency_tokens 4

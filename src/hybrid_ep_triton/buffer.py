@@ -9,6 +9,7 @@ import torch.distributed as dist
 
 from .ops import low_latency, operators, status
 from .ops.handle import DispatchHandle, check_handle
+from .ops.low_latency import LowLatencyHandle
 from .ops.refusal import Refusals
 from .ops.runtime import agreed_plan, make_runtime
 from .ops.scaled_rows import ScaledValues
@@ -194,12 +195,10 @@ class Buffer:
         return (out, event) if async_finish else out
 
     def check(self, handle: DispatchHandle | None = None) -> None:
-        """Synchronise and raise what the device recorded (docs/reference.md#errors): for
-        ``handle``'s dispatch, or (None, or a low-latency handle) for the low-latency calls.
-        TimeoutError (a peer did not answer; the Buffer is then unusable), ValueError (invalid
-        routing, or an input a rank's host refused), OverflowError (rows past max_recv_tokens).
-        """
-        if handle is None or isinstance(handle, low_latency.LowLatencyHandle):
+        """Synchronise and raise what the device recorded for ``handle``'s dispatch, or (None,
+        a low-latency handle) for the low-latency calls (docs/reference.md#errors): TimeoutError,
+        ValueError (invalid routing, a refused input), OverflowError (past max_recv_tokens)."""
+        if handle is None or isinstance(handle, LowLatencyHandle):
             self._check_usable()
             status.check_low_latency(self._rt)
             return
@@ -253,7 +252,7 @@ class Buffer:
         x: torch.Tensor,
         topk_idx: torch.Tensor,
         topk_weights: torch.Tensor,
-        handle: "low_latency.LowLatencyHandle",
+        handle: LowLatencyHandle,
         zero_copy: bool = False,
         async_finish: bool = False,
         return_recv_hook: bool = False,
@@ -279,9 +278,7 @@ class Buffer:
             previous_event,
         )  # fmt: skip
 
-    def get_next_low_latency_combine_buffer(
-        self, handle: "low_latency.LowLatencyHandle"
-    ) -> torch.Tensor:
+    def get_next_low_latency_combine_buffer(self, handle: LowLatencyHandle) -> torch.Tensor:
         """[L, W * M', H] in this rank's heap for the experts' outputs, which the next
         low-latency call, a combine with zero_copy, reads (they alternate, as DeepEP's)."""
         self._check_usable()
@@ -294,15 +291,24 @@ class Buffer:
         self._check_usable()
         self._low_latency.clean(num_max_dispatch_tokens_per_rank, hidden, num_experts)
 
-    @staticmethod
-    def low_latency_bytes(
-        num_max_dispatch_tokens_per_rank: int, hidden: int, num_ranks: int, num_experts: int,
-        dtype: torch.dtype = torch.bfloat16,
-    ) -> int:  # fmt: skip
-        """Heap bytes a rank that ``low_latency_tokens`` adds for these sizes (compare DeepEP's
-        ``get_low_latency_rdma_size_hint``)."""
-        return low_latency_bytes(num_max_dispatch_tokens_per_rank, hidden, num_ranks,
-                                 num_experts, dtype)  # fmt: skip
+    low_latency_bytes = staticmethod(low_latency_bytes)
+
+    def update_mask(self, rank: int, masked: bool = True) -> None:
+        """Mask ``rank`` (not this one) or unmask it, in stream order: low-latency calls skip it."""
+        self._low_latency.update_mask(rank, masked)
+
+    def clean_mask(self) -> None:
+        """Unmask every rank, in stream order."""
+        self._low_latency.update_mask(None, False)
+
+    def query_mask(self, out: torch.Tensor) -> None:
+        """out: int32 [W] on the Buffer's device, 1 where a rank is masked (stream order)."""
+        self._low_latency.query_mask(out)
+
+    @property
+    def masked_ranks(self) -> list[int]:
+        """The masked ranks (reads the device)."""
+        return self._low_latency.masked_ranks()
 
     # -- state ------------------------------------------------------------------------------
 

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from .. import Buffer as _HepBuffer
-from ..runtime.checks import ranks_per_host
+from ..runtime.checks import check_mask_out, check_maskable, ranks_per_host
 from ..runtime.planner import ceil_div
 from ._sizing import Sized, gather, round_up
 from .utils.event import EventHandle, EventOverlap
@@ -192,7 +192,8 @@ class Buffer:
         allow_nvlink_for_low_latency_mode: ignored (peers of a node always use NVLink here).
         allow_mnnvl: ignored (nodes are hosts, or ranks_per_node of this library).
         explicitly_destroy: whether ``destroy()`` frees the buffers (DeepEP: required to call it).
-        enable_shrink: DeepEP's rank masking: unsupported (ValueError if True).
+        enable_shrink: allow DeepEP's rank masking by hand (low_latency_update_mask_buffer);
+            a peer that does not answer still raises TimeoutError rather than being masked.
         comm: an mpi4py communicator instead of group: unsupported (ValueError if given).
     """
 
@@ -215,8 +216,6 @@ class Buffer:
             if comm is not None:
                 raise ValueError("an mpi4py comm is not supported: pass a torch.distributed group")
             raise ValueError("Either 'group' or 'comm' must be provided.")
-        if enable_shrink:
-            raise ValueError("enable_shrink (DeepEP's rank masking) is not supported")
         self.group = group
         self.rank = dist.get_rank(group)
         self.group_size = dist.get_world_size(group)
@@ -229,6 +228,7 @@ class Buffer:
         self._normal = Sized(group, self._make_normal)
         self._normal_shape = None  # (hidden, dtype, experts, device) of the normal Buffers
         self._low_latency: _HepBuffer | None = None
+        self._masked = torch.zeros(self.group_size, dtype=torch.int32)  # before that Buffer
         self._retired: list[_HepBuffer] = []
         self._join: torch.cuda.Stream | None = None
 
@@ -282,12 +282,35 @@ class Buffer:
         """Unsupported: there is no raw DeepEP buffer to view."""
         raise ValueError("get_local_buffer_tensor is not supported (no raw DeepEP buffer)")
 
-    def low_latency_update_mask_buffer(self, *args, **kwargs):
-        """Unsupported: DeepEP's rank masking (enable_shrink)."""
-        raise ValueError("rank masking (enable_shrink) is not supported")
+    # -- rank masking (enable_shrink): the low-latency calls skip masked ranks --------------
 
-    low_latency_query_mask_buffer = low_latency_update_mask_buffer
-    low_latency_clean_mask_buffer = low_latency_update_mask_buffer
+    def low_latency_update_mask_buffer(self, rank_to_mask: int, mask: bool = False) -> None:
+        """Mask (``mask``) or unmask ``rank_to_mask``, another rank (Buffer.update_mask)."""
+        self._check_shrink()
+        check_maskable(rank_to_mask, self.rank, self.group_size)
+        self._masked[rank_to_mask] = int(bool(mask))
+        if self._low_latency is not None:
+            self._low_latency.update_mask(rank_to_mask, bool(mask))
+
+    def low_latency_query_mask_buffer(self, mask_status: torch.Tensor) -> None:
+        """Write int32 [num_ranks], 1 where a rank is masked, into ``mask_status``."""
+        self._check_shrink()
+        if self._low_latency is not None:
+            self._low_latency.query_mask(mask_status)
+        else:
+            check_mask_out(mask_status, self.group_size, None)
+            mask_status.copy_(self._masked)
+
+    def low_latency_clean_mask_buffer(self) -> None:
+        """Unmask every rank."""
+        self._check_shrink()
+        self._masked.zero_()
+        if self._low_latency is not None:
+            self._low_latency.clean_mask()
+
+    def _check_shrink(self) -> None:
+        if not self.enable_shrink:
+            raise ValueError("rank masking needs Buffer(..., enable_shrink=True), as DeepEP's")
 
     def destroy(self) -> None:
         """Free every buffer (collective). DeepEP requires explicitly_destroy=True; so here."""
@@ -719,6 +742,8 @@ class Buffer:
             dtype=x.dtype, ranks_per_node=self.ranks_per_node, device=x.device,
             low_latency_tokens=tokens,
         )  # fmt: skip
+        for rank in self._masked.nonzero().flatten().tolist():
+            self._low_latency.update_mask(rank, True)
         return self._low_latency
 
     def _event(self, events: list, async_finish: bool) -> EventOverlap:

@@ -1,6 +1,6 @@
 """Names of the words a Buffer's launches share with each other and with the host.
 
-The control block is int64 [CONTROL_WORDS] in device memory, one per Buffer; the report is
+The control block is int64 [CONTROL_WORDS + W] in device memory, one per Buffer; the report is
 int64 [REPORT_WORDS] in the host's pinned memory, written by an exact-mode layout launch; a
 wait that times out records its stage code. Kernels, ops and Buffer name them from here: they
 are tl.constexpr, so the kernels compile them as the literals they stand for, and the host
@@ -36,6 +36,9 @@ HOST_RECORD_SEQ = tl.constexpr(16)
 LL_SEQ = tl.constexpr(17)
 LL_TICKET = tl.constexpr(18)
 LL_REFUSED = tl.constexpr(19)
+# Masked ranks: W words from here (the control block is [CONTROL_WORDS + W]), 1 where a rank is
+# masked: the low-latency calls neither send to it nor wait for it.
+RANK_MASK = tl.constexpr(20)
 CONTROL_WORDS = 20
 
 STATUS_OK = tl.constexpr(0)

@@ -36,7 +36,9 @@ A sender of call seq overwrites what call seq - 2 received: it first waits until
 destination's receive of seq - 2 is over (``ll_freed``, which each rank's last receiving
 program pushes to every other rank). Every wait is bounded by timeout_ns, as in normal mode.
 A rank whose host refused a call's inputs still runs it, with no rows and REFUSED in its flags:
-no peer waits, every peer records the rank in LL_REFUSED (Buffer.check raises it).
+no peer waits, every peer records the rank in LL_REFUSED (Buffer.check raises it). A masked
+rank (RANK_MASK, Buffer.update_mask) is neither sent to nor waited for: it counts as a source
+of no rows, and its experts add nothing to a combine.
 
 In the code each role is a function taking the kernel's arguments in bundles (DispatchRows,
 Received, CombineRows, LowLatencyHeap, LowLatencySync, LowLatencyConsts); the kernels pick each
@@ -52,6 +54,7 @@ from .control import (
     LL_REFUSED,
     LL_SEQ,
     LL_TICKET,
+    RANK_MASK,
     STAGE_LL_COMBINE,
     STAGE_LL_DISPATCH,
     STAGE_LL_FREED,
@@ -144,6 +147,13 @@ def _note_refusal(source, sync):
     """Record in LL_REFUSED (the first one: source + 1) that ``source``, another rank, refused a
     call (a rank's host raises its own refusal)."""
     tl.atomic_cas(sync.control_ptr + LL_REFUSED, tl.zeros([], tl.int64), source.to(tl.int64) + 1)
+
+
+@triton.jit
+def _live(sync, peer):
+    """Whether ``peer`` (scalar or tensor) is not masked (Buffer.update_mask): the calls neither
+    send to a masked rank nor wait for it."""
+    return tl.load(sync.control_ptr + RANK_MASK + peer, volatile=True) == 0
 
 
 @triton.jit
@@ -457,7 +467,8 @@ def _send_role(program, seq, tokens, heap, sync, k):
     s = program % k.S
     expert = program // k.S
     expert += k.L * (expert >= tokens.rank * k.L).to(tl.int32)
-    if (tl.load(heap.peer_bases_ptr + expert // k.L) != 0) | (s == 0):
+    owner = expert // k.L
+    if ((tl.load(heap.peer_bases_ptr + owner) != 0) | (s == 0)) & _live(sync, owner):
         _send_rows(program, expert, s, seq, tokens, heap, sync, k)
 
 
@@ -522,11 +533,14 @@ def _dispatch_receive_role(program, seq, tokens, out, heap, sync, k):
         source = _source_in_order(place, rank)
         b = _dispatch_block(expert_local, source, rank, k)
         first += length
-        sent = _wait_flag(_flag(heap, rank, b, 0, seq, k), seq, sync, source, STAGE_LL_DISPATCH)
-        length = _rows_sent(sent, source, rank, sync)
+        length = 0  # (a masked source sends nothing)
+        if _live(sync, source):
+            sent = _wait_flag(_flag(heap, rank, b, 0, seq, k), seq, sync, source,
+                              STAGE_LL_DISPATCH)  # fmt: skip
+            length = _rows_sent(sent, source, rank, sync)
     source = _source_in_order(q, rank)
     b = _dispatch_block(expert_local, source, rank, k)
-    if tl.load(heap.peer_bases_ptr + source) != 0:
+    if (tl.load(heap.peer_bases_ptr + source) != 0) & _live(sync, source):
         for s in range(1, k.S):
             _wait_flag(_flag(heap, rank, b, s, seq, k), seq, sync, source, STAGE_LL_DISPATCH)
     block = _block_row(heap, rank, b, seq, k)
@@ -581,7 +595,7 @@ def _combine_send_role(program, seq, rows, heap, sync, k):
     first = (span >> 32).to(tl.int32)
     length = (span & 0xFFFFFFFF).to(tl.int32)
     on_node = tl.load(heap.peer_bases_ptr + j) != 0
-    if ((length > 0) | (sync.refused != 0)) & (on_node | (s == 0)):
+    if ((length > 0) | (sync.refused != 0)) & (on_node | (s == 0)) & _live(sync, j):
         _wait_freed(j, seq, rank, heap, sync)
         b = _combine_block(rank * k.L + expert_local, j, k)
         flag = _flag_value(seq, tl.where(sync.refused != 0, REFUSED, 0))
@@ -650,6 +664,7 @@ def _combine_receive_role(program, seq, rows, heap, sync, k):
     valid = expert >= 0
     expert = tl.where(valid, expert, 0)
     owner = expert // k.L
+    valid &= _live(sync, owner)  # (a masked rank's experts add nothing)
     remote = valid & (owner != rank)
     if tl.max(remote.to(tl.int32), axis=0) > 0:
         # A block from another node lands whole, with its slice 0's flag.
@@ -714,7 +729,7 @@ def _finish(seq, rank, heap, sync, k, SEND: tl.constexpr, RECEIVE: tl.constexpr)
             tl.store(sync.control_ptr + LL_SEQ, seq)
         if RECEIVE:
             for peer in range(0, k.W):
-                if peer != rank:
+                if (peer != rank) & _live(sync, peer):
                     if tl.load(heap.peer_bases_ptr + peer) != 0:
                         freed = region(heap.peer_bases_ptr, peer, heap.freed_off, tl.int64)
                         signal(freed + rank, seq)

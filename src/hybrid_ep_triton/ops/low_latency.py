@@ -5,6 +5,7 @@ from typing import NamedTuple
 
 import torch
 
+from ..kernels.control import RANK_MASK
 from ..kernels.low_latency import (
     COUNTED,
     low_latency_combine_kernel,
@@ -16,6 +17,8 @@ from ..runtime.checks import (
     check_int,
     check_low_latency_combine,
     check_low_latency_dispatch,
+    check_mask_out,
+    check_maskable,
     describe,
 )
 from ..runtime.planner import (
@@ -435,6 +438,32 @@ class Calls:
                 f"hidden and num_experts must be the Buffer's ({self.rt.plan.hidden}, "
                 f"{self.rt.plan.num_experts}), got ({hidden}, {num_experts})"
             )
+
+    def update_mask(self, rank: int | None, masked: bool) -> None:
+        """Buffer.update_mask (rank None: every other rank, Buffer.clean_mask)."""
+        self.usable()
+        if rank is None:
+            self._mask_words.zero_()
+            return
+        check_maskable(rank, self.rt.rank, self.rt.world_size)
+        check_flag("masked", masked)
+        self._mask_words[rank].fill_(int(masked))
+
+    def query_mask(self, out: torch.Tensor) -> None:
+        """Buffer.query_mask."""
+        self.usable()
+        check_mask_out(out, self.rt.world_size, self.rt.device)
+        out.copy_(self._mask_words)
+
+    def masked_ranks(self) -> list[int]:
+        """Buffer.masked_ranks."""
+        self.usable()
+        return torch.nonzero(self._mask_words).flatten().tolist()
+
+    @property
+    def _mask_words(self) -> torch.Tensor:
+        """The control block's RANK_MASK words, int64 [W]."""
+        return self.rt.control[int(RANK_MASK) : int(RANK_MASK) + self.rt.world_size]
 
     def next_combine_buffer(self, handle: LowLatencyHandle) -> torch.Tensor:
         """Buffer.get_next_low_latency_combine_buffer."""

@@ -98,6 +98,22 @@ def check_contiguous_rows(name: str, t: torch.Tensor) -> None:
         raise ValueError(f"{name} must have contiguous rows (stride(1) == 1)")
 
 
+def check_maskable(rank, own_rank: int, world_size: int) -> None:
+    """ValueError unless ``rank`` is another rank of the group: a rank cannot mask itself."""
+    check_int("rank", rank, 0, world_size - 1)
+    if rank == own_rank:
+        raise ValueError(f"rank {rank} is this Buffer's own rank, which it cannot mask")
+
+
+def check_mask_out(out, world_size: int, device: torch.device | None) -> None:
+    """ValueError unless ``out`` is an int32 [world_size] tensor (on ``device`` unless None)."""
+    if not (isinstance(out, torch.Tensor) and out.dtype == torch.int32
+            and out.shape == (world_size,) and device in (None, out.device)):  # fmt: skip
+        where = "" if device is None else f" on {device}"
+        raise ValueError(f"the mask's output must be an int32 [{world_size}] tensor{where}, got "
+                         f"{describe(out)}")  # fmt: skip
+
+
 def check_interpreted_on_cpu(device: torch.device) -> None:
     """Kernels for tokens on the CPU (CPU ranks) run only in Triton's interpreter; without it,
     Triton's first launch would fail with "0 active drivers". Triton builds each kernel,

@@ -377,13 +377,15 @@ def low_latency_region_sizes(ll: LowLatencyLayout, world_size: int, num_experts:
 
 
 def low_latency_bytes(
-    tokens: int, hidden: int, world_size: int, num_experts: int,
+    num_max_dispatch_tokens_per_rank: int, hidden: int, num_ranks: int, num_experts: int,
     dtype: torch.dtype = torch.bfloat16,
 ) -> int:  # fmt: skip
-    """Heap bytes per rank that ``Buffer(low_latency_tokens=tokens)`` adds, each region
-    rounded up to the heap's alignment."""
-    ll = low_latency_layout(tokens, hidden, world_size, num_experts, dtype)
-    sizes = low_latency_region_sizes(ll, world_size, num_experts)
+    """Heap bytes per rank that ``Buffer(low_latency_tokens=num_max_dispatch_tokens_per_rank)``
+    adds (compare DeepEP's ``get_low_latency_rdma_size_hint``), each region rounded up to the
+    heap's alignment."""
+    ll = low_latency_layout(num_max_dispatch_tokens_per_rank, hidden, num_ranks, num_experts,
+                            dtype)  # fmt: skip
+    sizes = low_latency_region_sizes(ll, num_ranks, num_experts)
     return sum(ceil_div(size, _ALIGN) * _ALIGN for _, size in sizes)
 
 
