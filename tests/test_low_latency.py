@@ -605,9 +605,10 @@ def test_low_latency_matches_reference(launch, grp):
 # --- masked ranks --------------------------------------------------------------------------
 
 # W=4 in one node and as 2 nodes of 2, E=8, M=6: rank MASKED creates the Buffer and makes no
-# call; the others mask it and run these cases, whose reference has no tokens of its and no
-# experts on it.
+# call; the others mask it (by hand, or as their first call's waits on it run out) and run these
+# cases, whose reference has no tokens of its and no experts on it.
 MASKED = 2
+STALL_TIMEOUT_S = 20.0  # the live ranks' timeout_s where they mask the stalled rank themselves
 MASKED_GROUPS = [
     Group(4, 256, 8, 6, seed=7, ranks_per_node=rpn, cases=(
         Case("bf16", tokens=(3, 6, 5, 0), topk=3, unused_prob=0.2),
@@ -619,13 +620,16 @@ MASKED_GROUPS = [
 ]  # fmt: skip
 
 
-def _masked_body(rank: int, world: int, grp: Group) -> list[str]:
-    """Every rank but MASKED masks it and runs the group's cases against the reference without
-    it; the API's checks on the way."""
+def _masked_body(rank: int, world: int, grp: Group, by_hand: bool) -> list[str]:
+    """Every rank but MASKED masks it (by hand, or with mask_failed_ranks when its waits on it
+    run out) and runs the group's cases against the reference without it; the API's checks on
+    the way."""
     failures: list[str] = []
     buf = Buffer(None, hidden_size=grp.hidden, max_tokens_per_rank=grp.tokens,
                  num_experts=grp.num_experts, low_latency_tokens=grp.tokens,
-                 ranks_per_node=grp.ranks_per_node, device=rank_device())  # fmt: skip
+                 ranks_per_node=grp.ranks_per_node, device=rank_device(),
+                 mask_failed_ranks=not by_hand,
+                 timeout_s=60.0 if by_hand else STALL_TIMEOUT_S)  # fmt: skip
     if rank == MASKED:
         buf.destroy()
         return failures
@@ -638,16 +642,17 @@ def _masked_body(rank: int, world: int, grp: Group) -> list[str]:
         _expect(fail, "masking this rank", ValueError, lambda: buf.update_mask(rank), "own rank")
         wrong = torch.zeros(world, dtype=I64, device=dev)
         _expect(fail, "a mask output of int64", ValueError, lambda: buf.query_mask(wrong), "int32")
-        buf.update_mask(MASKED)
+        if by_hand:
+            buf.update_mask(MASKED)
+        for index, case in enumerate(grp.cases):
+            _masked_case(buf, rank, grp, index, case, local, fail)
+            buf.check()
         mask = torch.full((world,), -1, dtype=I32, device=dev)
         buf.query_mask(mask)
         if mask.tolist() != [int(j == MASKED) for j in range(world)] or buf.masked_ranks != [
             MASKED
         ]:
             fail(f"query_mask {mask.tolist()}, masked_ranks {buf.masked_ranks}")
-        for index, case in enumerate(grp.cases):
-            _masked_case(buf, rank, grp, index, case, local, fail)
-            buf.check()
         buf.clean_mask()
         if buf.masked_ranks:
             fail(f"after clean_mask, masked_ranks {buf.masked_ranks}")
@@ -689,7 +694,14 @@ def _masked_case(buf, rank, grp, index, case, local, fail) -> None:
 
 @pytest.mark.parametrize("grp", MASKED_GROUPS, ids=lambda g: g.id)
 def test_masked_rank_is_skipped(launch, grp):
-    _assert_no_failures(launch(_masked_body, grp.world_size, grp))
+    _assert_no_failures(launch(_masked_body, grp.world_size, grp, True))
+
+
+def test_rank_that_stops_answering_is_masked(launch):
+    """mask_failed_ranks: the first call's waits on the stalled rank run out and mask it; that
+    call and the next ones equal the reference without it, and no TimeoutError is raised."""
+    grp = MASKED_GROUPS[0]
+    _assert_no_failures(launch(_masked_body, grp.world_size, grp, False))
 
 
 # --- refused inputs ------------------------------------------------------------------------

@@ -47,6 +47,7 @@ class Buffer:
         device: where tokens live: None, a CUDA device (this process's), or the CPU.
         agree_on_inputs: every call first agrees on the host that every rank's inputs passed.
         low_latency_tokens: M, most tokens a rank passes to a low-latency call (0: no mode).
+        mask_failed_ranks: a low-latency wait that runs out masks the peer, not TimeoutError.
     """
 
     def __init__(
@@ -64,6 +65,7 @@ class Buffer:
         device: torch.device | str | None = None,
         agree_on_inputs: bool = False,
         low_latency_tokens: int = 0,
+        mask_failed_ranks: bool = False,
     ):
         group = group if group is not None else dist.group.WORLD
         plan, device, context_sms = agreed_plan(
@@ -80,14 +82,14 @@ class Buffer:
         self.device = device
         self.timeout_s = float(timeout_s)
         self.agree_on_inputs = agree_on_inputs
-        self.low_latency_tokens = low_latency_tokens
+        self.low_latency_tokens, self.mask_failed_ranks = low_latency_tokens, mask_failed_ranks
         self._rt = make_runtime(plan, group, device, timeout_s, context_sms)
         self._id = operators.register(self._rt)
         self._streams = CommStream(device)
         self._refusals = Refusals(self._rt, agree_on_inputs)
         self._overflows = status.Overflows(self._rt.rank)
         self._low_latency = low_latency.Calls(self._rt, self._id, self._streams,
-                                              self._check_usable)  # fmt: skip
+                                              self._check_usable, mask_failed_ranks)  # fmt: skip
 
     # -- normal mode ------------------------------------------------------------------------
 
@@ -279,14 +281,12 @@ class Buffer:
         )  # fmt: skip
 
     def get_next_low_latency_combine_buffer(self, handle: LowLatencyHandle) -> torch.Tensor:
-        """[L, W * M', H] in this rank's heap for the experts' outputs, which the next
-        low-latency call, a combine with zero_copy, reads (they alternate, as DeepEP's)."""
+        """[L, W * M', H] in the heap for experts' outputs, read by the next call (zero_copy)."""
         self._check_usable()
         return self._low_latency.next_combine_buffer(handle)
 
-    def clean_low_latency_buffer(
-        self, num_max_dispatch_tokens_per_rank: int, hidden: int, num_experts: int
-    ) -> None:
+    def clean_low_latency_buffer(self, num_max_dispatch_tokens_per_rank: int, hidden: int,
+                                 num_experts: int) -> None:  # fmt: skip
         """DeepEP's call to zero its flags: nothing to clean here; checks the arguments."""
         self._check_usable()
         self._low_latency.clean(num_max_dispatch_tokens_per_rank, hidden, num_experts)

@@ -192,8 +192,8 @@ class Buffer:
         allow_nvlink_for_low_latency_mode: ignored (peers of a node always use NVLink here).
         allow_mnnvl: ignored (nodes are hosts, or ranks_per_node of this library).
         explicitly_destroy: whether ``destroy()`` frees the buffers (DeepEP: required to call it).
-        enable_shrink: allow DeepEP's rank masking by hand (low_latency_update_mask_buffer);
-            a peer that does not answer still raises TimeoutError rather than being masked.
+        enable_shrink: DeepEP's rank masking: a peer that does not answer a low-latency call
+            within the timeout is masked, and the mask calls (low_latency_*_mask_buffer) work.
         comm: an mpi4py communicator instead of group: unsupported (ValueError if given).
     """
 
@@ -740,7 +740,7 @@ class Buffer:
         self._low_latency = _HepBuffer(
             self.group, hidden_size=hidden, max_tokens_per_rank=0, num_experts=num_experts,
             dtype=x.dtype, ranks_per_node=self.ranks_per_node, device=x.device,
-            low_latency_tokens=tokens,
+            low_latency_tokens=tokens, mask_failed_ranks=self.enable_shrink,
         )  # fmt: skip
         for rank in self._masked.nonzero().flatten().tolist():
             self._low_latency.update_mask(rank, True)

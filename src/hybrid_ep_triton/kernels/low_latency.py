@@ -54,6 +54,7 @@ from .control import (
     LL_REFUSED,
     LL_SEQ,
     LL_TICKET,
+    MASK_FAILED,
     RANK_MASK,
     STAGE_LL_COMBINE,
     STAGE_LL_DISPATCH,
@@ -68,6 +69,7 @@ from .primitives import (
     signal,
     wait_all_at_least,
     wait_at_least,
+    wait_unless_masked,
 )
 from .quantize import E4M3_MAX, e4m3_bits
 
@@ -124,12 +126,25 @@ def _flag_value(seq, rows):
 
 @triton.jit
 def _wait_flag(flag_ptr, seq, sync, peer, stage):
-    """Wait for the flag of call ``seq`` at ``flag_ptr``; returns its rows field (the REFUSED
-    bit included)."""
-    wait_at_least(flag_ptr, seq.to(tl.int64) << 32, sync.timeout_ns, sync.status_ptr, peer,
-                  stage)  # fmt: skip
+    """Wait for the flag of call ``seq`` at ``flag_ptr`` from ``peer``, unless the peer is
+    masked (``_await``): (whether it arrived, its rows field, the REFUSED bit included)."""
+    arrived = _await(flag_ptr, seq.to(tl.int64) << 32, sync, peer, stage)
     value = tl.atomic_add(flag_ptr, 0, sem="acquire", scope="sys")
-    return (value & 0xFFFFFFFF).to(tl.int32)
+    return arrived, (value & 0xFFFFFFFF).to(tl.int32)
+
+
+@triton.jit
+def _await(flag_ptr, target, sync, peer, stage):
+    """Whether ``*flag_ptr`` reached ``target``: waits unless ``peer`` is masked, or until it
+    is; past timeout_ns a Buffer with mask_failed_ranks masks it (else the timeout is
+    recorded)."""
+    one = tl.zeros([1], tl.int32)
+    arrived = wait_unless_masked(
+        flag_ptr + one, target, one == 0, sync.timeout_ns, sync.status_ptr,
+        sync.control_ptr + RANK_MASK + peer + one, tl.load(sync.control_ptr + MASK_FAILED),
+        peer, stage,
+    )  # fmt: skip
+    return tl.max(arrived.to(tl.int32), axis=0) > 0
 
 
 @triton.jit
@@ -159,10 +174,9 @@ def _live(sync, peer):
 @triton.jit
 def _wait_freed(peer, seq, rank, heap, sync):
     """Before writing into ``peer``'s receive area for call ``seq``: wait until its receive of
-    call seq - 2, which used the same area, is over."""
+    call seq - 2, which used the same area, is over; False if ``peer`` is (or got) masked."""
     my_freed = region(heap.peer_bases_ptr, rank, heap.freed_off, tl.int64)
-    wait_at_least(my_freed + peer, seq - 2, sync.timeout_ns, sync.status_ptr, peer,
-                  STAGE_LL_FREED)  # fmt: skip
+    return _await(my_freed + peer, seq - 2, sync, peer, STAGE_LL_FREED)
 
 
 @triton.jit
@@ -483,36 +497,36 @@ def _send_rows(program, expert, s, seq, tokens, heap, sync, k):
     cols = tokens.hidden // 4 if k.FP8 else tokens.hidden
     first, last = _slice(cols, s, k)
     on_node = tl.load(heap.peer_bases_ptr + owner) != 0
-    _wait_freed(owner, seq, rank, heap, sync)
-    b = _dispatch_block(expert % k.L, rank, owner, k)
-    block_off = heap.staging_off + ((seq % 2) * k.B + b) * k.M * k.ROW_BYTES
-    if not on_node:  # through this rank's send area, rows by (expert, position)
-        first, last = 0, tl.cdiv(k.ROW_BYTES - HEADER, 4) if k.FP8 else cols
-        block = _heap_address(heap, rank, heap.send_off + expert * k.M * k.ROW_BYTES)
-    else:
-        block = _heap_address(heap, owner, block_off)
-    for r0 in range(0, length, k.ROWS):
-        position = r0 + tl.arange(0, k.ROWS)
-        rmask = position < length
-        token = tl.load(sync.scratch_ptr + program * k.M + position, mask=rmask) // k.K
-        row = block + position.to(tl.int64) * k.ROW_BYTES
-        token_ptr, payload = _staged(row.to(tl.pointer_type(tl.uint8)))
-        if s == 0:
-            tl.store(token_ptr, token, mask=rmask)
-        _copy_payloads(_token_rows(tokens, token, rmask, seq, heap, sync, k), payload,
-                       (payload + tokens.hidden).to(tl.pointer_type(tl.float32),
-                                                    bitcast=True),
-                       rmask, tokens.hidden, first, last, 1, False, s == 0 and on_node,
-                       dtype, k)  # fmt: skip
-    if on_node:
-        signal(_flag(heap, owner, b, s, seq, k), flag)
-    elif k.NODES > 1:
-        flag_off = heap.flags_off + ((seq % 2) * k.B + b) * k.S * 8
-        if length > 0:
-            net_put_signal(heap.net_bases_ptr, rank, owner, block_off, block,
-                           length * k.ROW_BYTES, flag_off, flag, heap.heap_bytes)  # fmt: skip
+    if _wait_freed(owner, seq, rank, heap, sync):  # (else masked: nothing to send)
+        b = _dispatch_block(expert % k.L, rank, owner, k)
+        block_off = heap.staging_off + ((seq % 2) * k.B + b) * k.M * k.ROW_BYTES
+        if not on_node:  # through this rank's send area, rows by (expert, position)
+            first, last = 0, tl.cdiv(k.ROW_BYTES - HEADER, 4) if k.FP8 else cols
+            block = _heap_address(heap, rank, heap.send_off + expert * k.M * k.ROW_BYTES)
         else:
-            net_signal(heap.net_bases_ptr, owner, flag_off, flag)
+            block = _heap_address(heap, owner, block_off)
+        for r0 in range(0, length, k.ROWS):
+            position = r0 + tl.arange(0, k.ROWS)
+            rmask = position < length
+            token = tl.load(sync.scratch_ptr + program * k.M + position, mask=rmask) // k.K
+            row = block + position.to(tl.int64) * k.ROW_BYTES
+            token_ptr, payload = _staged(row.to(tl.pointer_type(tl.uint8)))
+            if s == 0:
+                tl.store(token_ptr, token, mask=rmask)
+            _copy_payloads(_token_rows(tokens, token, rmask, seq, heap, sync, k), payload,
+                           (payload + tokens.hidden).to(tl.pointer_type(tl.float32),
+                                                        bitcast=True),
+                           rmask, tokens.hidden, first, last, 1, False, s == 0 and on_node,
+                           dtype, k)  # fmt: skip
+        if on_node:
+            signal(_flag(heap, owner, b, s, seq, k), flag)
+        elif k.NODES > 1:
+            flag_off = heap.flags_off + ((seq % 2) * k.B + b) * k.S * 8
+            if length > 0:
+                net_put_signal(heap.net_bases_ptr, rank, owner, block_off, block,
+                               length * k.ROW_BYTES, flag_off, flag, heap.heap_bytes)  # fmt: skip
+            else:
+                net_signal(heap.net_bases_ptr, owner, flag_off, flag)
 
 
 @triton.jit
@@ -526,21 +540,24 @@ def _dispatch_receive_role(program, seq, tokens, out, heap, sync, k):
     q = program % (k.W - 1) + 1
     rank = tokens.rank
     own = region(heap.peer_bases_ptr, rank, heap.own_off, tl.int64)
-    first = _rows_sent(_wait_flag(own + (seq % 2) * k.L + expert_local, seq, sync, rank,
-                                  STAGE_LL_DISPATCH), rank, rank, sync)  # fmt: skip
+    own_flag = own + (seq % 2) * k.L + expert_local
+    wait_at_least(own_flag, seq.to(tl.int64) << 32, sync.timeout_ns, sync.status_ptr, rank,
+                  STAGE_LL_DISPATCH)  # fmt: skip
+    first = _rows_sent((tl.atomic_add(own_flag, 0, sem="acquire", scope="sys") & 0xFFFFFFFF).to(
+        tl.int32), rank, rank, sync)  # fmt: skip
     length = 0
     for place in range(1, q + 1):
         source = _source_in_order(place, rank)
         b = _dispatch_block(expert_local, source, rank, k)
         first += length
-        length = 0  # (a masked source sends nothing)
-        if _live(sync, source):
-            sent = _wait_flag(_flag(heap, rank, b, 0, seq, k), seq, sync, source,
-                              STAGE_LL_DISPATCH)  # fmt: skip
+        arrived, sent = _wait_flag(_flag(heap, rank, b, 0, seq, k), seq, sync, source,
+                                   STAGE_LL_DISPATCH)  # fmt: skip
+        length = 0  # (a masked source sends none)
+        if arrived:
             length = _rows_sent(sent, source, rank, sync)
     source = _source_in_order(q, rank)
     b = _dispatch_block(expert_local, source, rank, k)
-    if (tl.load(heap.peer_bases_ptr + source) != 0) & _live(sync, source):
+    if (tl.load(heap.peer_bases_ptr + source) != 0) & (length > 0):
         for s in range(1, k.S):
             _wait_flag(_flag(heap, rank, b, s, seq, k), seq, sync, source, STAGE_LL_DISPATCH)
     block = _block_row(heap, rank, b, seq, k)
@@ -595,8 +612,10 @@ def _combine_send_role(program, seq, rows, heap, sync, k):
     first = (span >> 32).to(tl.int32)
     length = (span & 0xFFFFFFFF).to(tl.int32)
     on_node = tl.load(heap.peer_bases_ptr + j) != 0
-    if ((length > 0) | (sync.refused != 0)) & (on_node | (s == 0)) & _live(sync, j):
-        _wait_freed(j, seq, rank, heap, sync)
+    sending = ((length > 0) | (sync.refused != 0)) & (on_node | (s == 0)) & _live(sync, j)
+    if sending:
+        sending = _wait_freed(j, seq, rank, heap, sync)  # (False: masked meanwhile)
+    if sending:
         b = _combine_block(rank * k.L + expert_local, j, k)
         flag = _flag_value(seq, tl.where(sync.refused != 0, REFUSED, 0))
         src = (
@@ -672,8 +691,13 @@ def _combine_receive_role(program, seq, rows, heap, sync, k):
         flags = _flag(heap, rank, _combine_block(expert, rank, k), tl.where(on_node, s, 0), seq,
                       k)  # fmt: skip
         first_owner = tl.min(tl.where(remote, owner, k.W), axis=0)
-        wait_all_at_least(flags, seq.to(tl.int64) << 32, remote, sync.timeout_ns,
-                          sync.status_ptr, first_owner, STAGE_LL_COMBINE)  # fmt: skip
+        arrived = wait_unless_masked(
+            flags, seq.to(tl.int64) << 32, remote, sync.timeout_ns, sync.status_ptr,
+            sync.control_ptr + RANK_MASK + owner, tl.load(sync.control_ptr + MASK_FAILED),
+            first_owner, STAGE_LL_COMBINE,
+        )  # fmt: skip
+        valid &= ~remote | arrived  # (an owner masked meanwhile adds nothing)
+        remote &= arrived
         sent = tl.atomic_add(flags, 0, mask=remote, sem="acquire", scope="sys")
         refused = remote & ((sent & REFUSED) != 0)
         if tl.max(refused.to(tl.int32), axis=0) > 0:

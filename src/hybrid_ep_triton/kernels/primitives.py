@@ -258,6 +258,38 @@ def wait_all_at_least(flag_ptrs, target, mask, timeout_ns, status_ptr, peer, sta
 
 
 @triton.jit
+def wait_unless_masked(flag_ptrs, target, mask, timeout_ns, status_ptr, masked_ptrs,
+                       mask_on_timeout, peer, stage):  # fmt: skip
+    """wait_all_at_least() for flags of peers that may be masked (``*masked_ptrs`` nonzero,
+    [N] beside ``flag_ptrs``): returns [N], whether each flag arrived where ``mask``. A masked
+    peer is not waited for, nor any longer once another program masks it. Past ``timeout_ns``,
+    with ``mask_on_timeout`` the peers still awaited are masked and the wait ends; without,
+    the timeout is recorded as wait_at_least() does."""
+    start = clock_ns()
+    arrived, waiting = _awaited(flag_ptrs, target, mask, masked_ptrs, status_ptr)
+    while waiting:
+        if mask_on_timeout != 0:
+            if clock_ns() - start > timeout_ns:
+                left = mask & ~arrived
+                tl.atomic_xchg(masked_ptrs, tl.full(masked_ptrs.shape, 1, tl.int64), mask=left)
+        else:
+            _time_out_after(start, timeout_ns, status_ptr, peer, stage)
+        arrived, waiting = _awaited(flag_ptrs, target, mask, masked_ptrs, status_ptr)
+    tl.debug_barrier()
+    return arrived
+
+
+@triton.jit
+def _awaited(flag_ptrs, target, mask, masked_ptrs, status_ptr):
+    """(which flags arrived, whether a live peer's flag is still awaited)."""
+    value = tl.atomic_add(flag_ptrs, 0, mask=mask, sem="acquire", scope="sys")
+    arrived = mask & (value >= target)
+    live = tl.load(masked_ptrs, mask=mask, other=1, volatile=True) == 0
+    awaited = tl.max((mask & ~arrived & live).to(tl.int32), axis=0) > 0
+    return arrived, awaited & (tl.load(status_ptr, volatile=True) == 0)
+
+
+@triton.jit
 def _any_below(flag_ptrs, target, mask):
     value = tl.atomic_add(flag_ptrs, 0, mask=mask, sem="acquire", scope="sys")
     return tl.max((mask & (value < target)).to(tl.int32), axis=0) > 0

@@ -5,7 +5,7 @@ from typing import NamedTuple
 
 import torch
 
-from ..kernels.control import RANK_MASK
+from ..kernels.control import MASK_FAILED, RANK_MASK
 from ..kernels.low_latency import (
     COUNTED,
     low_latency_combine_kernel,
@@ -306,8 +306,10 @@ class Calls:
     hook is yet to be called], oldest first: a bit and two flags rather than a count of calls,
     which torch.compile would guard on and compile again at every call."""
 
-    def __init__(self, rt: Runtime, runtime_id: int, streams, usable):
+    def __init__(self, rt: Runtime, runtime_id: int, streams, usable, mask_failed_ranks: bool):
         self.rt, self.runtime_id, self.streams, self.usable = rt, runtime_id, streams, usable
+        check_flag("mask_failed_ranks", mask_failed_ranks)
+        rt.control[int(MASK_FAILED)] = int(mask_failed_ranks)
         self.next_area = 0
         self.last: list[list[bool]] = []
 
