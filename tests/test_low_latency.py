@@ -21,6 +21,8 @@ rank returns a list of failure messages.
 
 from __future__ import annotations
 
+import os
+import signal
 from dataclasses import dataclass
 
 import pytest
@@ -32,7 +34,7 @@ from hypothesis import strategies as st
 from hybrid_ep_triton import Buffer, reference
 from hybrid_ep_triton.ops.low_latency import LowLatencyHandle
 from hybrid_ep_triton.runtime.planner import deepep_low_latency_bytes
-from hybrid_ep_triton.tools.launcher import rank_device
+from hybrid_ep_triton.tools.launcher import RankFailure, rank_device
 
 BF16, I32, I64 = torch.bfloat16, torch.int32, torch.int64
 TOL = 2e-2  # bf16: |out - ref| <= TOL * (1 + sum over slots of |weight * y|)
@@ -620,10 +622,13 @@ MASKED_GROUPS = [
 ]  # fmt: skip
 
 
-def _masked_body(rank: int, world: int, grp: Group, by_hand: bool) -> list[str]:
-    """Every rank but MASKED masks it (by hand, or with mask_failed_ranks when its waits on it
-    run out) and runs the group's cases against the reference without it; the API's checks on
-    the way."""
+def _masked_body(rank: int, world: int, grp: Group, how: str) -> list[str]:
+    """Rank MASKED makes the Buffer, then makes no call (``how``: "by hand", "stalled") or is
+    killed ("killed"). Every other rank masks it (by hand, or with mask_failed_ranks when its
+    waits on it run out) and runs the group's cases against the reference without it; the
+    API's checks on the way. "killed": a live rank raises its failures (the launcher reports
+    only failed ranks once one has died)."""
+    by_hand = how == "by hand"
     failures: list[str] = []
     buf = Buffer(None, hidden_size=grp.hidden, max_tokens_per_rank=grp.tokens,
                  num_experts=grp.num_experts, low_latency_tokens=grp.tokens,
@@ -631,6 +636,8 @@ def _masked_body(rank: int, world: int, grp: Group, by_hand: bool) -> list[str]:
                  mask_failed_ranks=not by_hand,
                  timeout_s=60.0 if by_hand else STALL_TIMEOUT_S)  # fmt: skip
     if rank == MASKED:
+        if how == "killed":
+            os.kill(os.getpid(), signal.SIGKILL)
         buf.destroy()
         return failures
     dev, local = rank_device(), grp.num_experts // world
@@ -660,6 +667,8 @@ def _masked_body(rank: int, world: int, grp: Group, by_hand: bool) -> list[str]:
         fail(raised(e))
     finally:
         buf.destroy()
+    if how == "killed" and failures:
+        raise AssertionError("\n".join(failures))
     return failures
 
 
@@ -694,14 +703,23 @@ def _masked_case(buf, rank, grp, index, case, local, fail) -> None:
 
 @pytest.mark.parametrize("grp", MASKED_GROUPS, ids=lambda g: g.id)
 def test_masked_rank_is_skipped(launch, grp):
-    _assert_no_failures(launch(_masked_body, grp.world_size, grp, True))
+    _assert_no_failures(launch(_masked_body, grp.world_size, grp, "by hand"))
 
 
 def test_rank_that_stops_answering_is_masked(launch):
     """mask_failed_ranks: the first call's waits on the stalled rank run out and mask it; that
     call and the next ones equal the reference without it, and no TimeoutError is raised."""
     grp = MASKED_GROUPS[0]
-    _assert_no_failures(launch(_masked_body, grp.world_size, grp, False))
+    _assert_no_failures(launch(_masked_body, grp.world_size, grp, "stalled"))
+
+
+def test_rank_killed_outright_is_masked(launch):
+    """The same with the rank's process killed (SIGKILL) after it made the Buffer: the only
+    failure the launcher reports is that rank's death."""
+    grp = MASKED_GROUPS[0]
+    with pytest.raises(RankFailure) as failed:
+        launch(_masked_body, grp.world_size, grp, "killed", fresh=True, failure_grace_s=300)
+    assert list(failed.value.failures) == [MASKED], failed.value.failures
 
 
 # --- refused inputs ------------------------------------------------------------------------

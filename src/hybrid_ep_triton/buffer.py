@@ -11,7 +11,7 @@ from .ops import low_latency, operators, status
 from .ops.handle import DispatchHandle, check_handle
 from .ops.low_latency import LowLatencyHandle
 from .ops.refusal import Refusals
-from .ops.runtime import agreed_plan, make_runtime
+from .ops.runtime import agreed_plan, make_runtime, release
 from .ops.scaled_rows import ScaledValues
 from .ops.streams import CommStream
 from .runtime.checks import (
@@ -328,10 +328,10 @@ class Buffer:
         return self._rt.kernel_build_seconds
 
     def destroy(self) -> None:
-        """Free the symmetric buffers (collective; idempotent)."""
+        """Free the symmetric buffers (collective, unless a rank is masked; idempotent)."""
         if getattr(self, "_rt", None) is not None:
             operators.unregister(self._id)
-            self._rt.heap.close()
+            release(self._rt)
             self._rt = None
 
     def __enter__(self) -> "Buffer":

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from ..kernels.control import CONTROL_WORDS, NET_ROWS, REPORT_WORDS
+from ..kernels.control import CONTROL_WORDS, NET_ROWS, RANK_MASK, REPORT_WORDS
 from ..kernels.primitives import HOST_RECORD_WORDS
 from ..runtime.checks import (
     check_parameters,
@@ -228,3 +228,14 @@ def agreed_plan(
         low_latency_tokens=low_latency_tokens,
     )  # fmt: skip
     return plan, device, context_sms
+
+
+def release(rt: Runtime) -> None:
+    """Free ``rt``'s heap: collectively (on GPUs NVSHMEM's free waits for every rank), or where
+    a rank is masked, without waiting for anyone (on GPUs the heap and NVSHMEM then stay until
+    the process ends)."""
+    masked = bool(rt.control[int(RANK_MASK) : int(RANK_MASK) + rt.world_size].any())
+    if masked:
+        rt.heap.abandon()
+    else:
+        rt.heap.close()

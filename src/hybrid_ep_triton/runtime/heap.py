@@ -79,6 +79,9 @@ class SharedMemoryHeap:
                 pass
         self._maps = []
 
+    # Unmapping is local: nothing to wait for when a peer is gone.
+    abandon = close
+
 
 def allocate_heap(
     group: dist.ProcessGroup, nbytes: int, device: torch.device, ranks_per_node: int | None = None
@@ -89,7 +92,8 @@ def allocate_heap(
     Returns an object with ``local`` (uint8 [nbytes] on device), ``peer_bases`` (int64 [world]
     on device: each rank's heap as mapped here for the ranks of this node, 0 for the others),
     ``net_bases`` (int64 [world] on device: the addresses network puts take, see
-    kernels/primitives.py) and ``close()``.
+    kernels/primitives.py), ``close()`` and ``abandon()`` (close where a peer is gone: without
+    waiting for it).
     """
     ranks_per_node = ranks_per_node or dist.get_world_size(group)
     if device.type == "cuda":

@@ -64,6 +64,9 @@ class _World(NamedTuple):
 
 _WORLD: _World | None = None
 _FINALIZED = False  # NVSHMEM cannot be brought back up in a process once finalised
+# A peer is gone (NvshmemAllocation.abandon): NVSHMEM's collective frees and finalisation would
+# wait for it forever, so what is allocated stays until the process ends.
+_ABANDONED = False
 _ATEXIT_REGISTERED = False
 # Open allocations by creation serial, so finalize() frees them in the same order on every
 # rank. Strong references: an unclosed block stays allocated in NVSHMEM anyway (nvshmem4py
@@ -190,7 +193,7 @@ def finalize() -> None:
     ``os._exit``.
     """
     global _WORLD, _FINALIZED
-    if _WORLD is None:
+    if _WORLD is None or _ABANDONED:
         return
     for serial in sorted(_OPEN):
         _OPEN[serial].close()
@@ -346,6 +349,16 @@ class NvshmemAllocation:
         if _WORLD is not None:
             torch.cuda.synchronize(self.device)
         self._free()
+
+    def abandon(self) -> None:
+        """Close without freeing, where a peer is gone (``nvshmem_free`` would wait for it):
+        this block, every other one and NVSHMEM itself stay until the process ends, as
+        ``finalize`` then does nothing. Local; idempotent."""
+        global _ABANDONED
+        _ABANDONED = True
+        _OPEN.pop(self._serial, None)
+        self._closed = True
+        self._tensor = self.local = self.peer_bases = self.net_bases = None
 
     def __repr__(self) -> str:
         state = "closed" if self._closed else f"{self.nbytes} B"
