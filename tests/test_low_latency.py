@@ -623,18 +623,19 @@ MASKED_GROUPS = [
 
 
 def _masked_body(rank: int, world: int, grp: Group, how: str) -> list[str]:
-    """Rank MASKED makes the Buffer, then makes no call (``how``: "by hand", "stalled") or is
-    killed ("killed"). Every other rank masks it (by hand, or with mask_failed_ranks when its
-    waits on it run out) and runs the group's cases against the reference without it; the
-    API's checks on the way. "killed": a live rank raises its failures (the launcher reports
-    only failed ranks once one has died)."""
-    by_hand = how == "by hand"
+    """Rank MASKED makes the Buffer, then makes no call (``how``: "by hand", "told", "stalled")
+    or is killed ("killed"). Every other rank masks it (by hand; "told": rank 0 by hand, and
+    the others as rank 0's first launch tells them; else with mask_failed_ranks when its waits
+    on it run out) and runs the group's cases against the reference without it; the API's
+    checks on the way. "killed": a live rank raises its failures (the launcher reports only
+    failed ranks once one has died)."""
+    by_hand = how == "by hand" or (how == "told" and rank == 0)
     failures: list[str] = []
     buf = Buffer(None, hidden_size=grp.hidden, max_tokens_per_rank=grp.tokens,
                  num_experts=grp.num_experts, low_latency_tokens=grp.tokens,
                  ranks_per_node=grp.ranks_per_node, device=rank_device(),
-                 mask_failed_ranks=not by_hand,
-                 timeout_s=60.0 if by_hand else STALL_TIMEOUT_S)  # fmt: skip
+                 mask_failed_ranks=how in ("stalled", "killed"),
+                 timeout_s=STALL_TIMEOUT_S if how in ("stalled", "killed") else 60.0)  # fmt: skip
     if rank == MASKED:
         if how == "killed":
             os.kill(os.getpid(), signal.SIGKILL)
@@ -704,6 +705,14 @@ def _masked_case(buf, rank, grp, index, case, local, fail) -> None:
 @pytest.mark.parametrize("grp", MASKED_GROUPS, ids=lambda g: g.id)
 def test_masked_rank_is_skipped(launch, grp):
     _assert_no_failures(launch(_masked_body, grp.world_size, grp, "by hand"))
+
+
+def test_a_mask_set_on_one_rank_reaches_the_others(launch):
+    """Rank 0 masks MASKED by hand; the other live ranks, which neither mask it nor mask on a
+    timeout, learn it from rank 0's first launch: their waits on MASKED end, without a
+    TimeoutError, and their outputs equal the reference without it."""
+    grp = MASKED_GROUPS[0]
+    _assert_no_failures(launch(_masked_body, grp.world_size, grp, "told"))
 
 
 def test_rank_that_stops_answering_is_masked(launch):

@@ -36,11 +36,12 @@ HOST_RECORD_SEQ = tl.constexpr(16)
 LL_SEQ = tl.constexpr(17)
 LL_TICKET = tl.constexpr(18)
 LL_REFUSED = tl.constexpr(19)
-# Masked ranks: 1 where the Buffer masks a rank that a wait ran out on (mask_failed_ranks),
-# else 0 (the wait records a timeout); then W words (the control block is [CONTROL_WORDS + W]),
-# 1 where a rank is masked: the low-latency calls neither send to it nor wait for it.
+# Masked ranks (the mask itself is the heap's ll_mask, which peers write into): 1 where the
+# Buffer masks a rank that a wait ran out on (mask_failed_ranks), else 0 (the wait records a
+# timeout); then W words (the control block is [CONTROL_WORDS + W]), 1 where this rank has told
+# every other one that it masks rank i.
 MASK_FAILED = tl.constexpr(20)
-RANK_MASK = tl.constexpr(21)
+MASKS_TOLD = tl.constexpr(21)
 CONTROL_WORDS = 21
 
 STATUS_OK = tl.constexpr(0)

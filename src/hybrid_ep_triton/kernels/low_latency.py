@@ -37,8 +37,10 @@ destination's receive of seq - 2 is over (``ll_freed``, which each rank's last r
 program pushes to every other rank). Every wait is bounded by timeout_ns, as in normal mode.
 A rank whose host refused a call's inputs still runs it, with no rows and REFUSED in its flags:
 no peer waits, every peer records the rank in LL_REFUSED (Buffer.check raises it). A masked
-rank (RANK_MASK, Buffer.update_mask) is neither sent to nor waited for: it counts as a source
-of no rows, and its experts add nothing to a combine.
+rank (ll_mask: Buffer.update_mask, or a wait on it that ran out with mask_failed_ranks) is
+neither sent to nor waited for: it counts as a source of no rows, and its experts add nothing
+to a combine. A launch's last program tells every other rank of the masks it has not told yet
+(it sets them in their ll_mask), so that their waits on that rank end too.
 
 In the code each role is a function taking the kernel's arguments in bundles (DispatchRows,
 Received, CombineRows, LowLatencyHeap, LowLatencySync, LowLatencyConsts); the kernels pick each
@@ -55,7 +57,7 @@ from .control import (
     LL_SEQ,
     LL_TICKET,
     MASK_FAILED,
-    RANK_MASK,
+    MASKS_TOLD,
     STAGE_LL_COMBINE,
     STAGE_LL_DISPATCH,
     STAGE_LL_FREED,
@@ -102,11 +104,11 @@ CombineRows = namedtuple(
 )
 LowLatencyHeap = namedtuple(
     "LowLatencyHeap",
-    "peer_bases_ptr net_bases_ptr heap_bytes freed_off flags_off own_off quantized_off "
+    "peer_bases_ptr net_bases_ptr heap_bytes freed_off mask_off flags_off own_off quantized_off "
     "staging_off send_off",
 )
 LowLatencySync = namedtuple(
-    "LowLatencySync", "control_ptr status_ptr timeout_ns scratch_ptr seq_ptr refused"
+    "LowLatencySync", "control_ptr status_ptr timeout_ns scratch_ptr seq_ptr refused mask_ptr"
 )
 LowLatencyConsts = namedtuple(
     "LowLatencyConsts",
@@ -141,7 +143,7 @@ def _await(flag_ptr, target, sync, peer, stage):
     one = tl.zeros([1], tl.int32)
     arrived = wait_unless_masked(
         flag_ptr + one, target, one == 0, sync.timeout_ns, sync.status_ptr,
-        sync.control_ptr + RANK_MASK + peer + one, tl.load(sync.control_ptr + MASK_FAILED),
+        sync.mask_ptr + peer + one, tl.load(sync.control_ptr + MASK_FAILED),
         peer, stage,
     )  # fmt: skip
     return tl.max(arrived.to(tl.int32), axis=0) > 0
@@ -168,7 +170,7 @@ def _note_refusal(source, sync):
 def _live(sync, peer):
     """Whether ``peer`` (scalar or tensor) is not masked (Buffer.update_mask): the calls neither
     send to a masked rank nor wait for it."""
-    return tl.load(sync.control_ptr + RANK_MASK + peer, volatile=True) == 0
+    return tl.load(sync.mask_ptr + peer, volatile=True) == 0
 
 
 @triton.jit
@@ -693,7 +695,7 @@ def _combine_receive_role(program, seq, rows, heap, sync, k):
         first_owner = tl.min(tl.where(remote, owner, k.W), axis=0)
         arrived = wait_unless_masked(
             flags, seq.to(tl.int64) << 32, remote, sync.timeout_ns, sync.status_ptr,
-            sync.control_ptr + RANK_MASK + owner, tl.load(sync.control_ptr + MASK_FAILED),
+            sync.mask_ptr + owner, tl.load(sync.control_ptr + MASK_FAILED),
             first_owner, STAGE_LL_COMBINE,
         )  # fmt: skip
         valid &= ~remote | arrived  # (an owner masked meanwhile adds nothing)
@@ -749,6 +751,7 @@ def _finish(seq, rank, heap, sync, k, SEND: tl.constexpr, RECEIVE: tl.constexpr)
     ticket = tl.atomic_add(sync.control_ptr + LL_TICKET, 1, sem="relaxed")
     if ticket == tl.num_programs(0) - 1:
         tl.store(sync.control_ptr + LL_TICKET, 0)
+        _tell_masks(rank, heap, sync, k)
         if SEND:
             tl.store(sync.control_ptr + LL_SEQ, seq)
         if RECEIVE:
@@ -759,6 +762,36 @@ def _finish(seq, rank, heap, sync, k, SEND: tl.constexpr, RECEIVE: tl.constexpr)
                         signal(freed + rank, seq)
                     elif k.NODES > 1:
                         net_signal(heap.net_bases_ptr, peer, heap.freed_off + rank * 8, seq)
+
+
+@triton.jit
+def _tell_masks(rank, heap, sync, k):
+    """For each rank this one masks and has not said so yet: set it in every other live
+    rank's ll_mask (the peers of another node by a network signal)."""
+    news = 0  # (one look at every rank first: this runs at the end of every launch)
+    for first in range(0, k.W, 64):
+        ranks = first + tl.arange(0, 64)
+        mask = tl.load(sync.mask_ptr + ranks, mask=ranks < k.W, other=0, volatile=True)
+        told = tl.load(sync.control_ptr + MASKS_TOLD + ranks, mask=ranks < k.W, other=0)
+        news += tl.sum(((mask != 0) & (told == 0)).to(tl.int32), axis=0)
+    if news > 0:
+        _tell_new_masks(rank, heap, sync, k)
+
+
+@triton.jit
+def _tell_new_masks(rank, heap, sync, k):
+    """``_tell_masks``' stores, one masked rank at a time."""
+    for masked in range(0, k.W):
+        told = sync.control_ptr + MASKS_TOLD + masked
+        if (tl.load(sync.mask_ptr + masked, volatile=True) != 0) & (tl.load(told) == 0):
+            tl.store(told, 1)
+            for peer in range(0, k.W):
+                if (peer != rank) & (peer != masked) & _live(sync, peer):
+                    if tl.load(heap.peer_bases_ptr + peer) != 0:
+                        mask = region(heap.peer_bases_ptr, peer, heap.mask_off, tl.int64)
+                        tl.atomic_xchg(mask + masked, 1, sem="relaxed", scope="sys")
+                    elif k.NODES > 1:
+                        net_signal(heap.net_bases_ptr, peer, heap.mask_off + masked * 8, 1)
 
 
 @triton.jit(do_not_specialize=SAME_ON_EVERY_RANK)
@@ -772,8 +805,8 @@ def low_latency_dispatch_kernel(
     rows, row_bytes, scale_plane, scale_row_step, scale_step,
     # Heap: every rank's base, byte offsets of the low-latency regions (send_off: the send area
     # of this call, by the host's parity)
-    peer_bases_ptr, net_bases_ptr, heap_bytes, freed_off, flags_off, own_off, quantized_off,
-    staging_off, send_off,
+    peer_bases_ptr, net_bases_ptr, heap_bytes, freed_off, mask_off, flags_off, own_off,
+    quantized_off, staging_off, send_off,
     # Sync: control block, bound of every wait, the send role's scratch [B * S, M] int32,
     # whether this rank's host refused the call
     control_ptr, timeout_ns, scratch_ptr, refused,
@@ -792,14 +825,14 @@ def low_latency_dispatch_kernel(
     which finishes."""
     program = tl.program_id(0)
     sync = LowLatencySync(control_ptr, control_ptr + STATUS, timeout_ns, scratch_ptr, seq_ptr,
-                          refused)  # fmt: skip
+                          refused, region(peer_bases_ptr, rank, mask_off, tl.int64))  # fmt: skip
     seq = _call_seq(sync, SEND)
     tokens = DispatchRows(rank, x_ptr, x_stride, topk_ptr, slots_ptr, num_tokens, hidden)
     out = Received(recv_ptr, scales_ptr, src_info_ptr, layout_range_ptr, recv_count_ptr,
                    stats_ptr, rows, row_bytes, scale_plane, scale_row_step,
                    scale_step)  # fmt: skip
-    heap = LowLatencyHeap(peer_bases_ptr, net_bases_ptr, heap_bytes, freed_off, flags_off,
-                          own_off, quantized_off, staging_off, send_off)  # fmt: skip
+    heap = LowLatencyHeap(peer_bases_ptr, net_bases_ptr, heap_bytes, freed_off, mask_off,
+                          flags_off, own_off, quantized_off, staging_off, send_off)  # fmt: skip
     token_programs = 0
     counters = 0
     senders = 0
@@ -850,8 +883,8 @@ def low_latency_combine_kernel(
     # The dispatch's layout_range [L, W] int64; out [T, H]; call_seq [1] int64; rows = W * M'
     layout_range_ptr, out_ptr, seq_ptr, rows,
     # Heap, as for dispatch (send_off: the buffer of get_next_low_latency_combine_buffer)
-    peer_bases_ptr, net_bases_ptr, heap_bytes, freed_off, flags_off, own_off, quantized_off,
-    staging_off, send_off,
+    peer_bases_ptr, net_bases_ptr, heap_bytes, freed_off, mask_off, flags_off, own_off,
+    quantized_off, staging_off, send_off,
     # Sync, as for dispatch
     control_ptr, timeout_ns, refused,
     # Meta-parameters
@@ -864,12 +897,12 @@ def low_latency_combine_kernel(
     RECEIVE; a launch of neither kind's programs has one program, which finishes."""
     program = tl.program_id(0)
     sync = LowLatencySync(control_ptr, control_ptr + STATUS, timeout_ns, control_ptr, seq_ptr,
-                          refused)  # fmt: skip
+                          refused, region(peer_bases_ptr, rank, mask_off, tl.int64))  # fmt: skip
     seq = _call_seq(sync, SEND)
     combined = CombineRows(rank, x_ptr, x_plane, x_row, topk_ptr, slots_ptr, weights_ptr,
                            num_tokens, hidden, layout_range_ptr, out_ptr, rows)  # fmt: skip
-    heap = LowLatencyHeap(peer_bases_ptr, net_bases_ptr, heap_bytes, freed_off, flags_off,
-                          own_off, quantized_off, staging_off, send_off)  # fmt: skip
+    heap = LowLatencyHeap(peer_bases_ptr, net_bases_ptr, heap_bytes, freed_off, mask_off,
+                          flags_off, own_off, quantized_off, staging_off, send_off)  # fmt: skip
     senders = 0
     if SEND:
         senders = L * (W - 1) * S

@@ -5,7 +5,7 @@ from typing import NamedTuple
 
 import torch
 
-from ..kernels.control import MASK_FAILED, RANK_MASK
+from ..kernels.control import MASK_FAILED, MASKS_TOLD
 from ..kernels.low_latency import (
     COUNTED,
     low_latency_combine_kernel,
@@ -29,7 +29,7 @@ from ..runtime.planner import (
 )
 from . import operators, status
 from .launch import KernelLauncher
-from .runtime import Runtime
+from .runtime import Runtime, mask_words
 
 # Warps of a low-latency program: most move a few rows, and many programs hide the latency of
 # each one's scan and waits.
@@ -140,7 +140,8 @@ def _heap_constants(rt: Runtime) -> dict:
     plan, heap, ll = rt.plan, rt.plan.heap, rt.plan.low_latency
     return dict(
         peer_bases_ptr=rt.heap.peer_bases, net_bases_ptr=rt.heap.net_bases,
-        heap_bytes=heap.total_bytes, freed_off=heap.ll_freed, flags_off=heap.ll_flags,
+        heap_bytes=heap.total_bytes, freed_off=heap.ll_freed, mask_off=heap.ll_mask,
+        flags_off=heap.ll_flags,
         own_off=heap.ll_own, quantized_off=heap.ll_quantized, staging_off=heap.ll_staging,
         control_ptr=rt.control, timeout_ns=rt.timeout_ns, rank=rt.rank, W=rt.world_size,
         L=plan.experts_per_rank, B=ll.remote_blocks, M=ll.tokens, S=ll.slices,
@@ -442,30 +443,37 @@ class Calls:
             )
 
     def update_mask(self, rank: int | None, masked: bool) -> None:
-        """Buffer.update_mask (rank None: every other rank, Buffer.clean_mask)."""
+        """Buffer.update_mask (rank None: every other rank, Buffer.clean_mask); the next
+        launch tells the other ranks of a new mask."""
         self.usable()
+        self.require()
+        told = self.rt.control[int(MASKS_TOLD) : int(MASKS_TOLD) + self.rt.world_size]
         if rank is None:
             self._mask_words.zero_()
+            told.zero_()
             return
         check_maskable(rank, self.rt.rank, self.rt.world_size)
         check_flag("masked", masked)
         self._mask_words[rank].fill_(int(masked))
+        told[rank].fill_(0)
 
     def query_mask(self, out: torch.Tensor) -> None:
         """Buffer.query_mask."""
         self.usable()
+        self.require()
         check_mask_out(out, self.rt.world_size, self.rt.device)
         out.copy_(self._mask_words)
 
     def masked_ranks(self) -> list[int]:
         """Buffer.masked_ranks."""
         self.usable()
+        self.require()
         return torch.nonzero(self._mask_words).flatten().tolist()
 
     @property
     def _mask_words(self) -> torch.Tensor:
-        """The control block's RANK_MASK words, int64 [W]."""
-        return self.rt.control[int(RANK_MASK) : int(RANK_MASK) + self.rt.world_size]
+        """This rank's ll_mask, int64 [W]."""
+        return mask_words(self.rt)
 
     def next_combine_buffer(self, handle: LowLatencyHandle) -> torch.Tensor:
         """Buffer.get_next_low_latency_combine_buffer."""

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from ..kernels.control import CONTROL_WORDS, NET_ROWS, RANK_MASK, REPORT_WORDS
+from ..kernels.control import CONTROL_WORDS, NET_ROWS, REPORT_WORDS
 from ..kernels.primitives import HOST_RECORD_WORDS
 from ..runtime.checks import (
     check_parameters,
@@ -230,12 +230,18 @@ def agreed_plan(
     return plan, device, context_sms
 
 
+def mask_words(rt: Runtime) -> torch.Tensor:
+    """This rank's ll_mask in its heap, int64 [W] (1: the low-latency calls skip that rank;
+    empty without the mode)."""
+    start, size = rt.plan.heap.ll_mask, 8 * rt.world_size if rt.plan.low_latency.tokens else 0
+    return rt.heap.local[start : start + size].view(torch.int64)
+
+
 def release(rt: Runtime) -> None:
     """Free ``rt``'s heap: collectively (on GPUs NVSHMEM's free waits for every rank), or where
     a rank is masked, without waiting for anyone (on GPUs the heap and NVSHMEM then stay until
     the process ends)."""
-    masked = bool(rt.control[int(RANK_MASK) : int(RANK_MASK) + rt.world_size].any())
-    if masked:
+    if bool(mask_words(rt).any()):
         rt.heap.abandon()
     else:
         rt.heap.close()
