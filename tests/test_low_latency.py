@@ -610,7 +610,9 @@ def test_low_latency_matches_reference(launch, grp):
 # call; the others mask it (by hand, or as their first call's waits on it run out) and run these
 # cases, whose reference has no tokens of its and no experts on it.
 MASKED = 2
-STALL_TIMEOUT_S = 20.0  # the live ranks' timeout_s where they mask the stalled rank themselves
+# The live ranks' timeout_s where they mask the stalled rank themselves: above the longest a
+# live peer can keep them waiting (on GPUs its kernel builds, seconds each).
+STALL_TIMEOUT_S = 20.0 if DEVICE == "cpu" else 90.0
 MASKED_GROUPS = [
     Group(4, 256, 8, 6, seed=7, ranks_per_node=rpn, cases=(
         Case("bf16", tokens=(3, 6, 5, 0), topk=3, unused_prob=0.2),
@@ -622,13 +624,15 @@ MASKED_GROUPS = [
 ]  # fmt: skip
 
 
-def _masked_body(rank: int, world: int, grp: Group, how: str) -> list[str]:
-    """Rank MASKED makes the Buffer, then makes no call (``how``: "by hand", "told", "stalled")
-    or is killed ("killed"). Every other rank masks it (by hand; "told": rank 0 by hand, and
-    the others as rank 0's first launch tells them; else with mask_failed_ranks when its waits
-    on it run out) and runs the group's cases against the reference without it; the API's
-    checks on the way. "killed": a live rank raises its failures (the launcher reports only
-    failed ranks once one has died)."""
+def _masked_body(rank: int, world: int, grp: Group, how: str, stall_at: int = 0,
+                 rounds: int = 1) -> list[str]:  # fmt: skip
+    """Rank MASKED makes the Buffer and the first ``stall_at`` calls (a case is a dispatch and
+    a combine), then makes no more (``how``: "by hand", "told", "stalled") or is killed
+    ("killed"). Every other rank masks it (by hand; "told": rank 0 by hand, and the others as
+    rank 0's first launch tells them; else with mask_failed_ranks when its waits on it run out)
+    and runs the group's cases ``rounds`` times, with fresh inputs, against the reference
+    without it from the call it missed; the API's checks on the way. "killed": a live rank
+    raises its failures (the launcher reports only failed ranks once one has died)."""
     by_hand = how == "by hand" or (how == "told" and rank == 0)
     failures: list[str] = []
     buf = Buffer(None, hidden_size=grp.hidden, max_tokens_per_rank=grp.tokens,
@@ -636,24 +640,28 @@ def _masked_body(rank: int, world: int, grp: Group, how: str) -> list[str]:
                  ranks_per_node=grp.ranks_per_node, device=rank_device(),
                  mask_failed_ranks=how in ("stalled", "killed"),
                  timeout_s=STALL_TIMEOUT_S if how in ("stalled", "killed") else 60.0)  # fmt: skip
-    if rank == MASKED:
-        if how == "killed":
-            os.kill(os.getpid(), signal.SIGKILL)
-        buf.destroy()
-        return failures
     dev, local = rank_device(), grp.num_experts // world
 
     def fail(msg: str) -> None:
-        failures.append(f"[{grp.id} masked] rank {rank}: {msg}")
+        failures.append(f"[{grp.id} masked, {how} at call {stall_at}] rank {rank}: {msg}")
 
+    cases = [(index, case) for index in range(rounds * len(grp.cases))
+             for case in [grp.cases[index % len(grp.cases)]]]  # fmt: skip
+    if rank == MASKED:
+        for index, case in cases[: -(-stall_at // 2)]:
+            _masked_case(buf, rank, grp, index, case, local, fail, stall_at)
+        if how == "killed":
+            os.kill(os.getpid(), signal.SIGKILL)
+        buf.destroy()
+        return []
     try:
         _expect(fail, "masking this rank", ValueError, lambda: buf.update_mask(rank), "own rank")
         wrong = torch.zeros(world, dtype=I64, device=dev)
         _expect(fail, "a mask output of int64", ValueError, lambda: buf.query_mask(wrong), "int32")
         if by_hand:
             buf.update_mask(MASKED)
-        for index, case in enumerate(grp.cases):
-            _masked_case(buf, rank, grp, index, case, local, fail)
+        for index, case in cases:
+            _masked_case(buf, rank, grp, index, case, local, fail, stall_at)
             buf.check()
         mask = torch.full((world,), -1, dtype=I32, device=dev)
         buf.query_mask(mask)
@@ -673,10 +681,13 @@ def _masked_body(rank: int, world: int, grp: Group, how: str) -> list[str]:
     return failures
 
 
-def _masked_case(buf, rank, grp, index, case, local, fail) -> None:
-    """One case with MASKED masked: the reference takes its tokens as none and drops the slots
-    that name its experts from combine."""
+def _masked_case(buf, rank, grp, index, case, local, fail, stall_at) -> None:
+    """One case (call 2 * index its dispatch, the next its combine), where rank MASKED makes
+    the calls before ``stall_at`` only: the reference takes its tokens as none in a dispatch
+    it missed, and drops the slots that name its experts from a combine it missed. MASKED
+    itself checks nothing."""
     dev, world, mp, fmt = rank_device(), grp.world_size, grp.tokens, FORMATS[case.fmt]
+    dispatched, combined = 2 * index < stall_at, 2 * index + 1 < stall_at
     inputs = [_inputs(grp, index, case, j, 0) for j in range(world)]
     x, idx, w = inputs[rank]
     hooks = case.hook == "both"
@@ -684,22 +695,29 @@ def _masked_case(buf, rank, grp, index, case, local, fail) -> None:
         x.to(dev), idx.to(dev), mp, grp.num_experts, return_recv_hook=hooks, **fmt)  # fmt: skip
     if hook is not None:
         hook()
-    xs = [xj[:0] if j == MASKED else xj for j, (xj, _, _) in enumerate(inputs)]
-    idxs = [ij[:0] if j == MASKED else ij for j, (_, ij, _) in enumerate(inputs)]
-    want = reference.low_latency_dispatch(xs, idxs, grp.num_experts, mp, rank, **fmt)
-    what = f"{case.name}: dispatch"
-    _check_dispatch(fail, what, (recv_x, recv_count.cpu(), handle), want, case, grp, mp)
+    xs = [t[:0] if j == MASKED and not dispatched else t for j, (t, _, _) in enumerate(inputs)]
+    idxs = [t[:0] if j == MASKED and not dispatched else t for j, (_, t, _) in enumerate(inputs)]
+    if rank != MASKED:
+        want = reference.low_latency_dispatch(xs, idxs, grp.num_experts, mp, rank, **fmt)
+        what = f"{case.name} {index}: dispatch"
+        _check_dispatch(fail, what, (recv_x, recv_count.cpu(), handle), want, case, grp, mp)
+    elif not combined:
+        return
     y = _expert_outputs(grp, index, rank, 0, mp)
     got, _, hook = buf.low_latency_combine(y.to(dev), idx.to(dev), w.to(dev), handle,
                                            return_recv_hook=hooks)  # fmt: skip
     if hook is not None:
         hook()
+    if rank == MASKED:
+        return
     ys = [_expert_outputs(grp, index, j, 0, mp) for j in range(world)]
-    alive = [torch.where(ij.long() // local == MASKED, -1, ij.long()) for ij in idxs]
+    alive = [t.long() if combined else torch.where(t.long() // local == MASKED, -1, t.long())
+             for t in idxs]  # fmt: skip
     ref = reference.low_latency_combine(ys, alive, w, grp.num_experts, rank)
     magnitude = reference.low_latency_combine([t.float().abs() for t in ys], alive, w.abs(),
                                               grp.num_experts, rank)  # fmt: skip
-    _check_combine(fail, f"{case.name}: combine", got.cpu(), ref, magnitude.float(), alive[rank])
+    _check_combine(fail, f"{case.name} {index}: combine", got.cpu(), ref, magnitude.float(),
+                   alive[rank])  # fmt: skip
 
 
 @pytest.mark.parametrize("grp", MASKED_GROUPS, ids=lambda g: g.id)
@@ -715,19 +733,26 @@ def test_a_mask_set_on_one_rank_reaches_the_others(launch):
     _assert_no_failures(launch(_masked_body, grp.world_size, grp, "told"))
 
 
-def test_rank_that_stops_answering_is_masked(launch):
-    """mask_failed_ranks: the first call's waits on the stalled rank run out and mask it; that
-    call and the next ones equal the reference without it, and no TimeoutError is raised."""
+@pytest.mark.slow
+@pytest.mark.parametrize("stall_at", [0, 1, 2], ids=["before a dispatch",
+                                                     "between dispatch and combine",
+                                                     "before the next dispatch"])  # fmt: skip
+def test_rank_that_stops_answering_is_masked(launch, stall_at):
+    """mask_failed_ranks: the live ranks' waits on the stalled rank run out and mask it; that
+    call and the 20 and more after it equal the reference without it, and no TimeoutError is
+    raised."""
     grp = MASKED_GROUPS[0]
-    _assert_no_failures(launch(_masked_body, grp.world_size, grp, "stalled"))
+    _assert_no_failures(launch(_masked_body, grp.world_size, grp, "stalled", stall_at, 4))
 
 
+@pytest.mark.slow
 def test_rank_killed_outright_is_masked(launch):
-    """The same with the rank's process killed (SIGKILL) after it made the Buffer: the only
-    failure the launcher reports is that rank's death."""
+    """The same with the rank's process killed (SIGKILL) between its dispatch and its combine:
+    the only failure the launcher reports is that rank's death."""
     grp = MASKED_GROUPS[0]
     with pytest.raises(RankFailure) as failed:
-        launch(_masked_body, grp.world_size, grp, "killed", fresh=True, failure_grace_s=300)
+        launch(_masked_body, grp.world_size, grp, "killed", 1, 4, fresh=True,
+               failure_grace_s=300)  # fmt: skip
     assert list(failed.value.failures) == [MASKED], failed.value.failures
 
 
