@@ -627,9 +627,10 @@ MASKED_GROUPS = [
 def _masked_body(rank: int, world: int, grp: Group, how: str, stall_at: int = 0,
                  rounds: int = 1) -> list[str]:  # fmt: skip
     """Rank MASKED makes the Buffer and the first ``stall_at`` calls (a case is a dispatch and
-    a combine), then makes no more (``how``: "by hand", "told", "stalled") or is killed
-    ("killed"). Every other rank masks it (by hand; "told": rank 0 by hand, and the others as
-    rank 0's first launch tells them; else with mask_failed_ranks when its waits on it run out)
+    a combine), then makes no more (``how``: "by hand", "told", "stalled", "clean": the others
+    call clean_low_latency_buffer after the first case) or is killed ("killed"). Every other
+    rank masks it (by hand; "told": rank 0 by hand, and the others as rank 0's first launch
+    tells them; else with mask_failed_ranks when its waits on it run out)
     and runs the group's cases ``rounds`` times, with fresh inputs, against the reference
     without it from the call it missed; the API's checks on the way. "killed": a live rank
     raises its failures (the launcher reports only failed ranks once one has died)."""
@@ -638,8 +639,8 @@ def _masked_body(rank: int, world: int, grp: Group, how: str, stall_at: int = 0,
     buf = Buffer(None, hidden_size=grp.hidden, max_tokens_per_rank=grp.tokens,
                  num_experts=grp.num_experts, low_latency_tokens=grp.tokens,
                  ranks_per_node=grp.ranks_per_node, device=rank_device(),
-                 mask_failed_ranks=how in ("stalled", "killed"),
-                 timeout_s=STALL_TIMEOUT_S if how in ("stalled", "killed") else 60.0)  # fmt: skip
+                 mask_failed_ranks=how in ("stalled", "killed", "clean"),
+                 timeout_s=60.0 if how in ("by hand", "told") else STALL_TIMEOUT_S)  # fmt: skip
     dev, local = rank_device(), grp.num_experts // world
 
     def fail(msg: str) -> None:
@@ -662,6 +663,10 @@ def _masked_body(rank: int, world: int, grp: Group, how: str, stall_at: int = 0,
             buf.update_mask(MASKED)
         for index, case in cases:
             _masked_case(buf, rank, grp, index, case, local, fail, stall_at)
+            if index == 0 and how == "clean":
+                buf.clean_low_latency_buffer(grp.tokens, grp.hidden, grp.num_experts)
+                if buf.masked_ranks != [MASKED]:
+                    fail(f"after the clean MASKED skipped, masked_ranks {buf.masked_ranks}")
             buf.check()
         mask = torch.full((world,), -1, dtype=I32, device=dev)
         buf.query_mask(mask)
@@ -743,6 +748,14 @@ def test_rank_that_stops_answering_is_masked(launch, stall_at):
     raised."""
     grp = MASKED_GROUPS[0]
     _assert_no_failures(launch(_masked_body, grp.world_size, grp, "stalled", stall_at, 4))
+
+
+@pytest.mark.slow
+def test_rank_that_skips_a_clean_is_masked(launch):
+    """clean_low_latency_buffer is a barrier of the live ranks: the stalled rank, which made the
+    first case's calls and then no clean, is masked there, as DeepEP's clean does."""
+    grp = MASKED_GROUPS[0]
+    _assert_no_failures(launch(_masked_body, grp.world_size, grp, "clean", 2, 2))
 
 
 @pytest.mark.slow

@@ -287,7 +287,7 @@ class Buffer:
 
     def clean_low_latency_buffer(self, num_max_dispatch_tokens_per_rank: int, hidden: int,
                                  num_experts: int) -> None:  # fmt: skip
-        """DeepEP's call to zero its flags: nothing to clean here; checks the arguments."""
+        """DeepEP's call to zero its flags (none here): a barrier of the live ranks."""
         self._check_usable()
         self._low_latency.clean(num_max_dispatch_tokens_per_rank, hidden, num_experts)
 

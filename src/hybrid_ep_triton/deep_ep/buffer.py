@@ -228,7 +228,7 @@ class Buffer:
         self._normal = Sized(group, self._make_normal)
         self._normal_shape = None  # (hidden, dtype, experts, device) of the normal Buffers
         self._low_latency: _HepBuffer | None = None
-        self._masked = torch.zeros(self.group_size, dtype=torch.int32)  # before that Buffer
+        self._masked = torch.zeros(self.group_size, dtype=torch.int32, device="cpu")  # (until then)
         self._retired: list[_HepBuffer] = []
         self._join: torch.cuda.Stream | None = None
 
@@ -495,9 +495,15 @@ class Buffer:
     def clean_low_latency_buffer(
         self, num_max_dispatch_tokens_per_rank: int, hidden: int, num_experts: int
     ) -> None:
-        """Nothing to clean: flags carry sequence numbers and the normal mode has Buffers of its
-        own (checks low_latency_mode, as DeepEP does)."""
+        """Nothing to clean (flags carry sequence numbers; the normal mode has Buffers of its
+        own): checks low_latency_mode, as DeepEP does, and once the low-latency Buffer exists
+        is its barrier of the live ranks (Buffer.clean_low_latency_buffer)."""
         self._check_low_latency_mode()
+        if self._low_latency is not None:
+            self._low_latency.clean_low_latency_buffer(
+                min(num_max_dispatch_tokens_per_rank, self._low_latency.low_latency_tokens),
+                hidden, num_experts,
+            )  # fmt: skip
 
     def low_latency_dispatch(
         self,

@@ -431,7 +431,8 @@ class Calls:
             )
 
     def clean(self, max_tokens: int, hidden: int, num_experts: int) -> None:
-        """Buffer.clean_low_latency_buffer: the arguments against the Buffer's."""
+        """Buffer.clean_low_latency_buffer: the arguments against the Buffer's, then a
+        dispatch of no tokens (M' = 1), which every rank makes: a barrier of the live ranks."""
         self.require()
         check_int(
             "num_max_dispatch_tokens_per_rank", max_tokens, 1, self.rt.plan.low_latency.tokens
@@ -441,6 +442,10 @@ class Calls:
                 f"hidden and num_experts must be the Buffer's ({self.rt.plan.hidden}, "
                 f"{self.rt.plan.num_experts}), got ({hidden}, {num_experts})"
             )
+        no_tokens = torch.empty(0, hidden, dtype=self.rt.plan.dtype, device=self.rt.device)
+        no_routing = torch.empty(0, 1, dtype=torch.int64, device=self.rt.device)
+        self.dispatch(no_tokens, no_routing, 1, num_experts, None, False, False, False, False,
+                      False, None)  # fmt: skip
 
     def update_mask(self, rank: int | None, masked: bool) -> None:
         """Buffer.update_mask (rank None: every other rank, Buffer.clean_mask); the next
