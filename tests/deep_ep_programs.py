@@ -2,7 +2,7 @@
 ``hybrid_ep_triton.deep_ep``, on ranks that share the local GPUs (GPU only: their code is CUDA's).
 
     python tests/deep_ep_programs.py DEEPEP_DIR [--program intranode|low_latency] [--ranks 2]
-        [--num-tokens 128] [--hidden 7168] [--num-topk 8] [--num-experts 64]
+        [--num-tokens 128] [--hidden 7168] [--num-topk 8] [--num-experts 64] [--shrink-test]
 
 DEEPEP_DIR is a copy of DeepEP's files that this runner reads and never fetches (the GPU
 machines reach no network): tests/legacy/test_intranode.py, tests/legacy/test_low_latency.py,
@@ -101,10 +101,10 @@ def _rank(rank: int, world: int, deepep_dir: str, program: str, sizes: dict) -> 
 
             rdma = deep_ep.Buffer.get_low_latency_rdma_size_hint(tokens, hidden, world, experts)
             buffer = deep_ep.Buffer(group, num_rdma_bytes=rdma, low_latency_mode=True,
-                                    num_qps_per_rank=experts // world,
-                                    explicitly_destroy=True)  # fmt: skip
+                                    num_qps_per_rank=experts // world, explicitly_destroy=True,
+                                    enable_shrink=sizes["shrink_test"])  # fmt: skip
             test_low_latency.test_main(tokens, hidden, experts, topk, rank, world, group, buffer,
-                                       seed=1)  # fmt: skip
+                                       shrink_test=sizes["shrink_test"], seed=1)  # fmt: skip
     except TimingsReached:
         buffer.destroy()
         return f"rank {rank}: passed (every check; DeepEP's kernel timings not run)"
@@ -126,6 +126,9 @@ def main() -> int:
     parser.add_argument("--num-topk", type=int, default=8)
     parser.add_argument("--num-experts", type=int, default=64)
     parser.add_argument("--timeout-s", type=float, default=1200)
+    parser.add_argument("--shrink-test", action="store_true",
+                        help="low_latency: DeepEP's rank failures (ranks 1, 3, 5 stop calling; "
+                        "8 ranks or more), with enable_shrink")  # fmt: skip
     args = parser.parse_args()
     name = {"intranode": "test_intranode.py", "low_latency": "test_low_latency.py"}
     needed = [args.deepep_dir / "tests" / "legacy" / name[args.program]]
@@ -134,7 +137,8 @@ def main() -> int:
     if missing:
         parser.error(f"not in {args.deepep_dir}: {', '.join(missing)} (see --help)")
     sizes = dict(num_tokens=args.num_tokens, hidden=args.hidden, num_topk=args.num_topk,
-                 num_experts=args.num_experts, allow_mnnvl=False)  # fmt: skip
+                 num_experts=args.num_experts, allow_mnnvl=False,
+                 shrink_test=args.shrink_test)  # fmt: skip
     # By its module's name (not __main__), so that the rank processes can import it.
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from deep_ep_programs import _rank

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 
 import pytest
 import torch
+import torch.distributed as dist
 from conftest import DEVICE, raised
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -653,8 +654,12 @@ def _masked_body(rank: int, world: int, grp: Group, how: str, stall_at: int = 0,
             _masked_case(buf, rank, grp, index, case, local, fail, stall_at)
         if how == "killed":
             os.kill(os.getpid(), signal.SIGKILL)
+        if how == "told":  # once the others are done: they told this rank too
+            dist.barrier()
+            if buf.masked_ranks != [MASKED]:
+                fail(f"the masked rank's own mask holds {buf.masked_ranks}")
         buf.destroy()
-        return []
+        return failures
     try:
         _expect(fail, "masking this rank", ValueError, lambda: buf.update_mask(rank), "own rank")
         wrong = torch.zeros(world, dtype=I64, device=dev)
@@ -681,6 +686,8 @@ def _masked_body(rank: int, world: int, grp: Group, how: str, stall_at: int = 0,
         fail(raised(e))
     finally:
         buf.destroy()
+        if how == "told":
+            dist.barrier()
     if how == "killed" and failures:
         raise AssertionError("\n".join(failures))
     return failures

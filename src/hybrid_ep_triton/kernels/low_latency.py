@@ -767,7 +767,8 @@ def _finish(seq, rank, heap, sync, k, SEND: tl.constexpr, RECEIVE: tl.constexpr)
 @triton.jit
 def _tell_masks(rank, heap, sync, k):
     """For each rank this one masks and has not said so yet: set it in every other live
-    rank's ll_mask (the peers of another node by a network signal)."""
+    rank's ll_mask (the peers of another node by a network signal), and in the masked rank's
+    own: one that is alive finds itself masked, so that its destroy() waits for no one either."""
     news = 0  # (one look at every rank first: this runs at the end of every launch)
     for first in range(0, k.W, 64):
         ranks = first + tl.arange(0, 64)
@@ -786,7 +787,7 @@ def _tell_new_masks(rank, heap, sync, k):
         if (tl.load(sync.mask_ptr + masked, volatile=True) != 0) & (tl.load(told) == 0):
             tl.store(told, 1)
             for peer in range(0, k.W):
-                if (peer != rank) & (peer != masked) & _live(sync, peer):
+                if (peer != rank) & ((peer == masked) | _live(sync, peer)):
                     if tl.load(heap.peer_bases_ptr + peer) != 0:
                         mask = region(heap.peer_bases_ptr, peer, heap.mask_off, tl.int64)
                         tl.atomic_xchg(mask + masked, 1, sem="relaxed", scope="sys")
