@@ -78,7 +78,16 @@
 # seconds (default 300: what it has built by then stays in the cache, which SAVE_TRITON_CACHE
 # keeps). A record holds a kernel's arguments, not its source: it serves after the kernels'
 # code has changed too.
-# megatron-core travels as a wheel in .whl-megatron/ (carry it too), installed beside nvshmem4py.
+#   deepep-programs  DeepEP's own test_low_latency.py and test_intranode.py through deep_ep
+#          (tests/deep_ep_programs.py), $DEEPEP_RANKS ranks (default 2) sharing the GPU under MPS,
+#          from the copy of DeepEP's files in build/deepep (carry it: docs/deep_ep.md says how to
+#          make it); with DEEPEP_SHRINK=1 also test_low_latency.py --shrink-test on 8 ranks
+#          (raise STEP_TIMEOUT: three of its ranks stop, and the others wait 60 s for each)
+#   megatron-flex  Megatron-Core's flex dispatcher on deep_ep (tests/test_megatron.py, the flex
+#          cases, or those in $FLEX_CASES), each case in its own pytest under a fresh MPS daemon:
+#          a case's ranks, ended with it, can leave the daemon refusing the next case's
+# megatron-core travels as a wheel in .whl-megatron/ (carry it too), installed beside nvshmem4py,
+# or as its package folder in .megatron-site/megatron (ignored; carry it), put on the path.
 # Usage there: OUT=... STEPS="tests bench" HEP_COMMIT=<hash> bash bench/device_run.sh
 # (HEP_COMMIT as a literal from here: the machine's git reported 4dccc89 for a41979f's tree.)
 set -uo pipefail
@@ -86,7 +95,9 @@ cd "$(dirname "$0")/.."
 REPO=$PWD
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target /tmp/site .whl/*.whl $(ls .whl-megatron/*.whl 2>/dev/null) || exit 1
-export PYTHONPATH=/tmp/site:$PWD/src PYTHONUNBUFFERED=1
+MEGATRON_SITE=""
+[ -d .megatron-site ] && MEGATRON_SITE=$PWD/.megatron-site:
+export PYTHONPATH=/tmp/site:$MEGATRON_SITE$PWD/src PYTHONUNBUFFERED=1
 export NCCL_NVLS_ENABLE=0 NVSHMEM_DISABLE_NVLS=1 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
 export TRITON_CACHE_DIR=/tmp/triton-cache
 mkdir -p "$TRITON_CACHE_DIR"
@@ -207,13 +218,30 @@ for step in $STEPS; do
                      python3 -m pytest -rs -v --durations=40 -p no:cacheprovider
                      --hypothesis-seed="${HYPOTHESIS_SEED:-1203}" ${SHARED_TESTS:-tests}) ;;
         soak-shared) cmd=(env "${MPS_DIRS[@]}" bash -c "$SOAK_SHARED") ;;
+        deepep-programs) cmd=(env "${MPS_DIRS[@]}" bash -c 'rc=0; sizes="--num-tokens 64 \
+                              --hidden 2048 --num-topk 4 --num-experts 16"; \
+                              for program in low_latency intranode; do echo "== $program"; \
+                              python3 tests/deep_ep_programs.py build/deepep --program $program \
+                              --ranks ${DEEPEP_RANKS:-2} $sizes || rc=1; done; \
+                              if [ "${DEEPEP_SHRINK:-0}" = 1 ]; then echo "== shrink"; \
+                              python3 tests/deep_ep_programs.py build/deepep --program low_latency \
+                              --ranks 8 --num-tokens 64 --hidden 2048 --num-topk 4 \
+                              --num-experts 32 --shrink-test || rc=1; fi; exit $rc') ;;
+        megatron-flex) cmd=(env "${MPS_DIRS[@]}" bash -c 'rc=0; cases=${FLEX_CASES:-"deepep-ep2 \
+                            hybridep-ep2 hybridep-dp2_ep1 hybridep-ep1 deepep-dp2_ep2 \
+                            hybridep-dp2_ep2 deepep-ep4 hybridep-ep4"}; for case in $cases; do \
+                            echo quit | timeout 20 nvidia-cuda-mps-control > /dev/null 2>&1; \
+                            mkdir -p /tmp/mps /tmp/mpslog && setsid nvidia-cuda-mps-control -d; \
+                            HEP_TEST_DEVICE=cuda HEP_TEST_TIMEOUT=150 python3 -m pytest -q -rs \
+                            -p no:cacheprovider "tests/test_megatron.py::test_megatron_flex_dispatcher_on_deep_ep_matches[$case]" \
+                            || rc=1; done; echo quit | timeout 20 nvidia-cuda-mps-control; exit $rc') ;;
         *) echo "unknown step $step" >&2; exit 2 ;;
     esac
     echo "== $step: ${cmd[*]}" | tee -a "$OUT/summary.txt"
-    case $step in shared|soak-shared) mps start ;; esac
+    case $step in shared|soak-shared|deepep-programs) mps start ;; esac
     timeout "$STEP_TIMEOUT" "${cmd[@]}" > "$OUT/$step.log" 2>&1
     rc=$?
-    case $step in shared|soak-shared) mps stop; cp /tmp/mpslog/control.log "$OUT/$step-mps.log" ;; esac
+    case $step in shared|soak-shared|deepep-programs) mps stop; cp /tmp/mpslog/control.log "$OUT/$step-mps.log" ;; esac
     case $step in soak-shared) for log in /tmp/soak-[1-4].log; do echo "== $log"; cat "$log"
                                done >> "$OUT/$step.log" ;; esac
     echo "== $step: exit $rc" | tee -a "$OUT/summary.txt"
