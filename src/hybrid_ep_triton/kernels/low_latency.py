@@ -108,7 +108,9 @@ LowLatencyHeap = namedtuple(
     "staging_off send_off",
 )
 LowLatencySync = namedtuple(
-    "LowLatencySync", "control_ptr status_ptr timeout_ns scratch_ptr seq_ptr refused mask_ptr"
+    "LowLatencySync",
+    "control_ptr status_ptr timeout_ns scratch_ptr seq_ptr refused mask_ptr beat_ptr bases_ptr "
+    "beat_off",
 )
 LowLatencyConsts = namedtuple(
     "LowLatencyConsts",
@@ -144,9 +146,17 @@ def _await(flag_ptr, target, sync, peer, stage):
     arrived = wait_unless_masked(
         flag_ptr + one, target, one == 0, sync.timeout_ns, sync.status_ptr,
         sync.mask_ptr + peer + one, tl.load(sync.control_ptr + MASK_FAILED),
-        peer, stage,
+        _beats(sync, peer + one), sync.beat_ptr, peer, stage,
     )  # fmt: skip
     return tl.max(arrived.to(tl.int32), axis=0) > 0
+
+
+@triton.jit
+def _beats(sync, peers):
+    """The addresses (int64) of ``peers``' heartbeats (the word after their ll_mask), 0 for
+    those on another node."""
+    base = tl.load(sync.bases_ptr + peers)
+    return tl.where(base != 0, base + sync.beat_off, 0)
 
 
 @triton.jit
@@ -695,8 +705,8 @@ def _combine_receive_role(program, seq, rows, heap, sync, k):
         first_owner = tl.min(tl.where(remote, owner, k.W), axis=0)
         arrived = wait_unless_masked(
             flags, seq.to(tl.int64) << 32, remote, sync.timeout_ns, sync.status_ptr,
-            sync.mask_ptr + owner, tl.load(sync.control_ptr + MASK_FAILED),
-            first_owner, STAGE_LL_COMBINE,
+            sync.mask_ptr + owner, tl.load(sync.control_ptr + MASK_FAILED), _beats(sync, owner),
+            sync.beat_ptr, first_owner, STAGE_LL_COMBINE,
         )  # fmt: skip
         valid &= ~remote | arrived  # (an owner masked meanwhile adds nothing)
         remote &= arrived
@@ -825,8 +835,9 @@ def low_latency_dispatch_kernel(
     where RECEIVE, the next L * (W - 1) receive; a launch of none of them has one program,
     which finishes."""
     program = tl.program_id(0)
+    mask = region(peer_bases_ptr, rank, mask_off, tl.int64)
     sync = LowLatencySync(control_ptr, control_ptr + STATUS, timeout_ns, scratch_ptr, seq_ptr,
-                          refused, region(peer_bases_ptr, rank, mask_off, tl.int64))  # fmt: skip
+                          refused, mask, mask + W, peer_bases_ptr, mask_off + W * 8)  # fmt: skip
     seq = _call_seq(sync, SEND)
     tokens = DispatchRows(rank, x_ptr, x_stride, topk_ptr, slots_ptr, num_tokens, hidden)
     out = Received(recv_ptr, scales_ptr, src_info_ptr, layout_range_ptr, recv_count_ptr,
@@ -897,8 +908,9 @@ def low_latency_combine_kernel(
     """Programs [0, L * (W - 1) * S) send where SEND, the next T * S * PARTS receive where
     RECEIVE; a launch of neither kind's programs has one program, which finishes."""
     program = tl.program_id(0)
+    mask = region(peer_bases_ptr, rank, mask_off, tl.int64)
     sync = LowLatencySync(control_ptr, control_ptr + STATUS, timeout_ns, control_ptr, seq_ptr,
-                          refused, region(peer_bases_ptr, rank, mask_off, tl.int64))  # fmt: skip
+                          refused, mask, mask + W, peer_bases_ptr, mask_off + W * 8)  # fmt: skip
     seq = _call_seq(sync, SEND)
     combined = CombineRows(rank, x_ptr, x_plane, x_row, topk_ptr, slots_ptr, weights_ptr,
                            num_tokens, hidden, layout_range_ptr, out_ptr, rows)  # fmt: skip

@@ -257,21 +257,39 @@ def wait_all_at_least(flag_ptrs, target, mask, timeout_ns, status_ptr, peer, sta
     tl.debug_barrier()
 
 
+# The most timeouts a masking wait lasts while the peer's heartbeat moves (wait_unless_masked).
+BEAT_TIMEOUTS = tl.constexpr(4)
+
+
 @triton.jit
 def wait_unless_masked(flag_ptrs, target, mask, timeout_ns, status_ptr, masked_ptrs,
-                       mask_on_timeout, peer, stage):  # fmt: skip
+                       mask_on_timeout, beats, my_beat_ptr, peer, stage):  # fmt: skip
     """wait_all_at_least() for flags of peers that may be masked (``*masked_ptrs`` nonzero,
     [N] beside ``flag_ptrs``): returns [N], whether each flag arrived where ``mask``. A masked
     peer is not waited for, nor any longer once another program masks it. Past ``timeout_ns``,
     with ``mask_on_timeout`` the peers still awaited are masked and the wait ends; without,
-    the timeout is recorded as wait_at_least() does."""
+    the timeout is recorded as wait_at_least() does.
+
+    Heartbeats: while it waits, a rank writes the time into ``*my_beat_ptr``; ``beats`` [N]
+    holds the addresses (int64, 0: none) of the peers' such words. A peer whose heartbeat moves
+    is itself waiting (on a rank that is gone, say), not gone: its time starts again, up to
+    BEAT_TIMEOUTS timeouts in all, so that it is not masked for another rank's failure."""
     start = clock_ns()
+    starts = tl.zeros(flag_ptrs.shape, tl.int64) + start
+    has_beat = mask & (beats != 0)
+    beat_ptrs = tl.where(has_beat, beats, 0).to(tl.pointer_type(tl.int64))
+    last_beats = tl.load(beat_ptrs, mask=has_beat, other=0, volatile=True)
     arrived, waiting = _awaited(flag_ptrs, target, mask, masked_ptrs, status_ptr)
     while waiting:
+        now = clock_ns()
+        tl.store(my_beat_ptr, now)
         if mask_on_timeout != 0:
-            if clock_ns() - start > timeout_ns:
-                left = mask & ~arrived
-                tl.atomic_xchg(masked_ptrs, tl.full(masked_ptrs.shape, 1, tl.int64), mask=left)
+            seen = tl.load(beat_ptrs, mask=has_beat, other=0, volatile=True)
+            moved = has_beat & (seen != last_beats) & (now - start < BEAT_TIMEOUTS * timeout_ns)
+            starts = tl.where(moved, now, starts)
+            last_beats = seen
+            left = mask & ~arrived & (now - starts > timeout_ns)
+            tl.atomic_xchg(masked_ptrs, tl.full(masked_ptrs.shape, 1, tl.int64), mask=left)
         else:
             _time_out_after(start, timeout_ns, status_ptr, peer, stage)
         arrived, waiting = _awaited(flag_ptrs, target, mask, masked_ptrs, status_ptr)

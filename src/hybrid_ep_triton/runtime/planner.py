@@ -316,8 +316,9 @@ class LowLatencyLayout:
 
     ll_freed     int64 [W]          rank i's last low-latency call whose receive is over (so
                                     that a sender two calls later may overwrite its area)
-    ll_mask      int64 [W]          1 where rank i is masked here (Buffer.update_mask, a wait
-                                    that ran out, or a peer that masked it and said so)
+    ll_mask      int64 [W + 1]      1 where rank i is masked here (Buffer.update_mask, a wait
+                                    that ran out, or a peer that masked it and said so); then
+                                    this rank's heartbeat: the time, written while it waits
     ll_flags     int64 [2, B, S]    slice s of receive block b has landed: (seq << 32) | rows
                                     (a block from another node lands whole, with slice 0's)
     ll_own       int64 [2, L]       this rank's own rows of local expert e: (seq << 32) | rows
@@ -371,7 +372,7 @@ def low_latency_region_sizes(ll: LowLatencyLayout, world_size: int, num_experts:
     on = ll.tokens > 0
     return [
         ("ll_freed", world_size * 8 if on else 0),
-        ("ll_mask", world_size * 8 if on else 0),
+        ("ll_mask", (world_size + 1) * 8 if on else 0),
         ("ll_flags", 2 * ll.remote_blocks * ll.slices * 8 if on else 0),
         ("ll_own", 2 * ll.experts_per_rank * 8 if on else 0),
         ("ll_quantized", ll.tokens * ll.token_chunks * 8),
