@@ -38,6 +38,18 @@ def raised(error: BaseException) -> str:
     return f"raised {error!r}\n" + "".join(traceback.format_list(ours[-3:])).rstrip()
 
 
+def expect_error(failures: list[str], error: type, words: str, call) -> None:
+    """Record a failure in ``failures`` unless ``call()`` raises ``error`` with ``words`` in its
+    message."""
+    try:
+        call()
+    except error as e:
+        if words not in str(e):
+            failures.append(f"{error.__name__} without {words!r}: {e}")
+    else:
+        failures.append(f"no {error.__name__} ({words!r})")
+
+
 if DEVICE not in ("cpu", "cuda"):
     raise pytest.UsageError(f"HEP_TEST_DEVICE must be 'cpu' or 'cuda', got {DEVICE!r}")
 if DEVICE == "cpu":

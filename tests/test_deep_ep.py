@@ -17,10 +17,12 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from functools import partial
 from pathlib import Path
 
 import pytest
 import torch
+from conftest import expect_error
 
 BF16 = torch.bfloat16
 TOL = 2e-2  # bf16 sums: |got - want| <= TOL * (1 + sum of the summed terms' magnitudes)
@@ -300,14 +302,7 @@ def _refusals(buffer) -> list[str]:
 
     failures = []
 
-    def expect(words: str, call) -> None:
-        try:
-            call()
-        except ValueError as error:
-            if words not in str(error):
-                failures.append(f"ValueError without {words!r}: {error}")
-        else:
-            failures.append(f"no ValueError ({words!r})")
+    expect = partial(expect_error, failures, ValueError)
 
     x = torch.zeros(1, 128, dtype=BF16)
     idx = torch.zeros(1, 1, dtype=torch.int64)
@@ -403,14 +398,7 @@ def _low_latency(rank: int, world: int, hidden: int, experts: int) -> list[str]:
     if buffer._low_latency.low_latency_tokens != 9:
         fail(f"low-latency tokens {buffer._low_latency.low_latency_tokens} after M' = 9")
 
-    def expect(words: str, call) -> None:
-        try:
-            call()
-        except ValueError as error:
-            if words not in str(error):
-                fail(f"ValueError without {words!r}: {error}")
-        else:
-            fail(f"no ValueError ({words!r})")
+    expect = partial(expect_error, failures, ValueError)
 
     x, idx, w = (t.to(device) for t in _inputs(3, rank, (2,), hidden, experts, 2))
     expect("use_nvfp4", lambda: buffer.low_latency_dispatch(x, idx, 4, experts, use_nvfp4=True))

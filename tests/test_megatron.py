@@ -37,9 +37,11 @@ import contextlib
 import copy
 import os
 from dataclasses import dataclass
+from functools import partial
 
 import pytest
 import torch
+from conftest import expect_error
 
 pytest.importorskip("megatron.core", reason="megatron-core is not installed (extra 'megatron')")
 pytestmark = pytest.mark.slow
@@ -317,14 +319,7 @@ def _errors(world: int) -> list[str]:
     experts = ep * EXPERTS_PER_RANK
     layer = _layer(_config(torch.float32, experts, "alltoall" if ON_GPU else "allgather", ep))
 
-    def expect(words: str, call) -> None:
-        try:
-            call()
-        except ValueError as e:
-            if words not in str(e):
-                failures.append(f"ValueError without {words!r}: {e}")
-        else:
-            failures.append(f"no ValueError ({words!r})")
+    expect = partial(expect_error, failures, ValueError)
 
     expect(
         "no Megatron-Core MoELayer",

@@ -28,6 +28,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from conftest import expect_error
 
 from hybrid_ep_triton import Buffer, reference
 from hybrid_ep_triton.moe import MoELayer, TokenDispatcher
@@ -90,17 +91,6 @@ def _compare(failures: list[str], what: str, got: torch.Tensor, want: torch.Tens
         failures.append(f"{what}: off by {(got - want).abs().max():.2e}")
 
 
-def _expect_error(failures: list[str], error: type, words: str, call) -> None:
-    """Record a failure unless ``call()`` raises ``error`` with ``words`` in its message."""
-    try:
-        call()
-    except error as e:
-        if words not in str(e):
-            failures.append(f"{error.__name__} without {words!r}: {e}")
-    else:
-        failures.append(f"no {error.__name__} ({words!r})")
-
-
 # -- TokenDispatcher ----------------------------------------------------------------------------
 
 
@@ -152,9 +142,9 @@ def _dispatcher_case(buf: Buffer, rank: int, world: int, case: Case) -> list[str
 
     expert_output = rows * row_probs[:, None]
     bad = partial(d.combine, expert_output[:, 1:])
-    _expect_error(failures, ValueError, "expert_output", bad)  # raises before anything moves
+    expect_error(failures, ValueError, "expert_output", bad)  # raises before anything moves
     out = d.combine(expert_output)
-    _expect_error(failures, RuntimeError, "dispatch first", partial(d.combine, expert_output))
+    expect_error(failures, RuntimeError, "dispatch first", partial(d.combine, expert_output))
     ref_out = reference.combine(None, expert_output.detach(), ref_handle)
     _compare(failures, f"{what}: combine", out.detach(), ref_out.reshape(shape))
 
@@ -178,7 +168,7 @@ def _argument_errors(buf: Buffer) -> list[str]:
     routing_map = torch.zeros(3, experts, dtype=torch.bool)
     too_many = routing_map.clone()
     too_many[1, :3] = True  # three experts for router_topk=2
-    _expect_error(failures, RuntimeError, "dispatch first", partial(d.combine, x))
+    expect_error(failures, RuntimeError, "dispatch first", partial(d.combine, x))
     for words, make, kwargs in [
         ("router_topk", TokenDispatcher, {"router_topk": experts + 1}),
         ("max_recv_tokens", TokenDispatcher, {"router_topk": 2, "max_recv_tokens": -1}),
@@ -187,7 +177,7 @@ def _argument_errors(buf: Buffer) -> list[str]:
         ("multiple of 128", TokenDispatcher, {"router_topk": 2, "wire_format": "mxfp8"}),
         ("multiples of 8", MoELayer, {"ffn_hidden_size": 12, "router_topk": 2}),
     ]:
-        _expect_error(failures, ValueError, words, partial(make, buf, **kwargs))
+        expect_error(failures, ValueError, words, partial(make, buf, **kwargs))
     for words, args, kwargs in [
         ("hidden_states", (torch.zeros(3, HIDDEN + 1), probs, routing_map), {}),
         ("hidden_states", (x.double(), probs, routing_map), {}),
@@ -201,7 +191,7 @@ def _argument_errors(buf: Buffer) -> list[str]:
         ("topk_idx", (x, probs[:, :2]), {"topk_idx": torch.zeros(3, 3).long()}),
         ("topk_idx", (x, probs[:, :2]), {"topk_idx": idx.float()}),
     ]:
-        _expect_error(failures, ValueError, words, partial(d.dispatch, *args, **kwargs))
+        expect_error(failures, ValueError, words, partial(d.dispatch, *args, **kwargs))
     return failures
 
 
