@@ -133,8 +133,14 @@ def _wait_flag(flag_ptr, seq, sync, peer, stage):
     """Wait for the flag of call ``seq`` at ``flag_ptr`` from ``peer``, unless the peer is
     masked (``_await``): (whether it arrived, its rows field, the REFUSED bit included)."""
     arrived = _await(flag_ptr, seq.to(tl.int64) << 32, sync, peer, stage)
-    value = tl.atomic_add(flag_ptr, 0, sem="acquire", scope="sys")
-    return arrived, (value & 0xFFFFFFFF).to(tl.int32)
+    return arrived, _flag_rows(flag_ptr)
+
+
+@triton.jit
+def _flag_rows(flag_ptr):
+    """The rows field of the flag at ``flag_ptr`` (its low 32 bits, REFUSED included), read
+    with acquire."""
+    return (tl.atomic_add(flag_ptr, 0, sem="acquire", scope="sys") & 0xFFFFFFFF).to(tl.int32)
 
 
 @triton.jit
@@ -555,8 +561,7 @@ def _dispatch_receive_role(program, seq, tokens, out, heap, sync, k):
     own_flag = own + (seq % 2) * k.L + expert_local
     wait_at_least(own_flag, seq.to(tl.int64) << 32, sync.timeout_ns, sync.status_ptr, rank,
                   STAGE_LL_DISPATCH)  # fmt: skip
-    first = _rows_sent((tl.atomic_add(own_flag, 0, sem="acquire", scope="sys") & 0xFFFFFFFF).to(
-        tl.int32), rank, rank, sync)  # fmt: skip
+    first = _rows_sent(_flag_rows(own_flag), rank, rank, sync)
     length = 0
     for place in range(1, q + 1):
         source = _source_in_order(place, rank)
