@@ -11,6 +11,10 @@
 #          graph capture with hooks), then bench/low_latency.py (JSON, Markdown, PNG into $OUT);
 #          its tests with ranks sharing the GPU run in the step shared
 #          (SHARED_TESTS=tests/test_low_latency.py)
+#   low-latency-sweep  bench/low_latency_sweep.py: the low-latency kernels' launch settings
+#          ($SWEEP_SETTINGS, default the script's), and the default setting of each tree in
+#          $AB_OLD (folders holding src/, as for eager-ab) before and after it, named by the
+#          folder: an A/B and its spread in the same call. Results in $OUT/sweep.tgz
 #   soak   hybrid-ep soak on every local GPU ($SOAK_ROUNDS rounds, default 10000)
 #   soak-token  the same with token rows (Buffer(expand=False))
 #   transport  which NVSHMEM transport carries the puts (NVSHMEM_INFO, NVSHMEM_DEBUG=INFO), with
@@ -175,6 +179,14 @@ for step in $STEPS; do
         low-latency) cmd=(bash -c 'HEP_TEST_DEVICE=cuda HEP_TEST_TIMEOUT=120 python3 -m pytest \
                           -q -rs -p no:cacheprovider tests/test_low_latency.py -m gpu; rc=$?; \
                           python3 bench/low_latency.py --out "$OUT" || rc=1; exit $rc') ;;
+        low-latency-sweep) cmd=(bash -c 'rc=0; old() { for tree in ${AB_OLD:-}; do \
+                                HEP_COMMIT=$(basename $tree) PYTHONPATH=/tmp/site:$tree/src \
+                                python3 bench/low_latency_sweep.py --settings default \
+                                --out $OUT/sweep/$1 || rc=1; done; }; old before; \
+                                python3 bench/low_latency_sweep.py --out $OUT/sweep/new \
+                                ${SWEEP_SETTINGS:+--settings "$SWEEP_SETTINGS"} || rc=1; \
+                                old after; tar czf $OUT/sweep.tgz -C $OUT sweep \
+                                && rm -r $OUT/sweep; exit $rc') ;;
         soak) cmd=(python3 -m hybrid_ep_triton soak --device cuda --rounds "${SOAK_ROUNDS:-10000}") ;;
         soak-token) cmd=(python3 -m hybrid_ep_triton soak --device cuda --token-rows
                          --rounds "${SOAK_ROUNDS:-10000}") ;;
@@ -232,7 +244,7 @@ for step in $STEPS; do
                             hybridep-dp2_ep2 deepep-ep4 hybridep-ep4"}; for case in $cases; do \
                             echo quit | timeout 20 nvidia-cuda-mps-control > /dev/null 2>&1; \
                             mkdir -p /tmp/mps /tmp/mpslog && setsid nvidia-cuda-mps-control -d; \
-                            HEP_TEST_DEVICE=cuda HEP_TEST_TIMEOUT=150 python3 -m pytest -q -rs \
+                            HEP_TEST_DEVICE=cuda HEP_TEST_TIMEOUT=${HEP_TEST_TIMEOUT:-150} python3 -m pytest -q -rs \
                             -p no:cacheprovider "tests/test_megatron.py::test_megatron_flex_dispatcher_on_deep_ep_matches[$case]" \
                             || rc=1; done; echo quit | timeout 20 nvidia-cuda-mps-control; exit $rc') ;;
         *) echo "unknown step $step" >&2; exit 2 ;;

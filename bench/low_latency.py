@@ -335,27 +335,37 @@ def _plot(result: dict, path: str) -> None:
     fig.savefig(path, dpi=120)
 
 
-def main() -> int:
-    from hybrid_ep_triton.tools.bench import commit
-    from hybrid_ep_triton.tools.launcher import run_ranks
-
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def arguments(description: str) -> argparse.ArgumentParser:
+    """The options every low-latency benchmark takes."""
+    p = argparse.ArgumentParser(description=description)
     p.add_argument("--out", default="bench/results")
     p.add_argument("--tokens", type=int, default=128)
     p.add_argument("--warmup", type=int, default=20)
     p.add_argument("--iters", type=int, default=200)
-    args = p.parse_args()
-    opts = dict(tokens=args.tokens, warmup=args.warmup, iters=args.iters)
-    (found,) = run_ranks(_rank, 1, opts, device="cuda", timeout_s=1200)
+    return p
+
+
+def run(rank_fn, args: argparse.Namespace, write, **opts) -> int:
+    """Run ``rank_fn`` on one GPU rank, then ``write`` its result (with the machine, date,
+    commit and tokens) into args.out and print it; 1 if the result has errors."""
+    from hybrid_ep_triton.tools.bench import commit
+    from hybrid_ep_triton.tools.launcher import run_ranks
+
+    opts.update(tokens=args.tokens, warmup=args.warmup, iters=args.iters)
+    (found,) = run_ranks(rank_fn, 1, opts, device="cuda", timeout_s=1800)
     name = torch.cuda.get_device_name(0)
     result = dict(
         machine=f"1x {name}", machine_slug=f"1x{name.replace('NVIDIA ', '').replace(' ', '')}",
         date=datetime.date.today().isoformat(), commit=commit(), tokens=args.tokens, **found,
     )  # fmt: skip
-    stem = _write(result, args.out)
+    stem = write(result, args.out)
     with open(stem + ".md") as f:
         print(f.read())
     return 1 if result["errors"] else 0
+
+
+def main() -> int:
+    return run(_rank, arguments(__doc__.split("\n\n")[0]).parse_args(), _write)
 
 
 if __name__ == "__main__":

@@ -344,6 +344,14 @@ def _token_role(program, seq, tokens, out, heap, sync, k):
     chunks = _token_chunks(tokens.hidden, k)
     t = program // chunks
     chunk = program % chunks
+    # The row first (and with FP8 its cast), so that its read overlaps the scan of the routing.
+    groups = chunk * k.GROUPS + tl.arange(0, k.GROUPS)
+    cols = groups[:, None] * 128 + tl.arange(0, 128)[None, :]
+    cmask = cols < tokens.hidden
+    x = tl.load(tokens.x_ptr + t.to(tl.int64) * tokens.x_stride + cols, mask=cmask, other=0.0)
+    if k.FP8:
+        factor, scales = _fp8_scales(tl.max(tl.abs(x.to(tl.float32)), axis=1), k.ROUND)
+        values = e4m3_bits(x.to(tl.float32) * factor[:, None]).to(tl.uint8)
     slots = tl.arange(0, k.K_P2)
     expert, position = _slot_positions(tokens, t, k)
     own = (expert >= 0) & (expert // k.L == tokens.rank) & (position < out.rows)
@@ -352,14 +360,8 @@ def _token_role(program, seq, tokens, out, heap, sync, k):
         tl.store(tokens.slots_ptr + t * k.K + slots, position, mask=expert >= 0)
         tl.store(out.src_info_ptr + expert_local * out.rows + position, t, mask=own)
     own_rows, own_scales = _output_rows(out, expert_local, position)
-    groups = chunk * k.GROUPS + tl.arange(0, k.GROUPS)
-    cols = groups[:, None] * 128 + tl.arange(0, 128)[None, :]
-    cmask = cols < tokens.hidden
-    x = tl.load(tokens.x_ptr + t.to(tl.int64) * tokens.x_stride + cols, mask=cmask, other=0.0)
     if k.FP8:
         gmask = groups < tokens.hidden // 128
-        factor, scales = _fp8_scales(tl.max(tl.abs(x.to(tl.float32)), axis=1), k.ROUND)
-        values = e4m3_bits(x.to(tl.float32) * factor[:, None]).to(tl.uint8)
         for j in tl.static_range(k.K):
             if _pick(own, slots, j):
                 row = _pick(own_rows.to(tl.int64), slots, j)
@@ -700,9 +702,10 @@ def _combine_receive_role(program, seq, rows, heap, sync, k):
     valid = expert >= 0
     expert = tl.where(valid, expert, 0)
     owner = expert // k.L
-    valid &= _live(sync, owner)  # (a masked rank's experts add nothing)
-    remote = valid & (owner != rank)
+    own = owner == rank
+    remote = valid & ~own
     if tl.max(remote.to(tl.int32), axis=0) > 0:
+        remote &= _live(sync, owner)  # (a masked rank's experts add nothing)
         # A block from another node lands whole, with its slice 0's flag.
         on_node = tl.load(heap.peer_bases_ptr + owner, mask=remote, other=0) != 0
         flags = _flag(heap, rank, _combine_block(expert, rank, k), tl.where(on_node, s, 0), seq,
@@ -713,15 +716,15 @@ def _combine_receive_role(program, seq, rows, heap, sync, k):
             sync.mask_ptr + owner, tl.load(sync.control_ptr + MASK_FAILED), _beats(sync, owner),
             sync.beat_ptr, first_owner, STAGE_LL_COMBINE,
         )  # fmt: skip
-        valid &= ~remote | arrived  # (an owner masked meanwhile adds nothing)
-        remote &= arrived
+        remote &= arrived  # (an owner masked meanwhile adds nothing)
         sent = tl.atomic_add(flags, 0, mask=remote, sem="acquire", scope="sys")
         refused = remote & ((sent & REFUSED) != 0)
         if tl.max(refused.to(tl.int32), axis=0) > 0:
             _note_refusal(tl.min(tl.where(refused, owner, k.W), axis=0), sync)
-        valid &= ~refused
+        remote &= ~refused
+    # (own rows need no flag and no look at the mask: nothing waits before their reads)
+    valid = (valid & own) | remote
     weight = tl.where(valid, weight, 0.0)
-    own = expert // k.L == rank
     own_row = rows.x_ptr + (expert % k.L).to(tl.int64) * rows.x_plane + position * rows.x_row
     staged = _block_row(heap, rank, _combine_block(expert, rank, k), seq, k).to(
         tl.pointer_type(dtype))  # fmt: skip
