@@ -4,8 +4,9 @@
 
 A setting overrides module constants before a Buffer is built (its launchers read them then):
   warps    ops/low_latency._WARPS: warps of every low-latency program
-  groups   runtime/planner.LOW_LATENCY_TOKEN_GROUPS: 128-channel groups of a dispatch program's
+  groups   runtime/planner.LOW_LATENCY_ROW_GROUPS: 128-channel groups of a dispatch program's
            chunk of a token's row (a power of two)
+  fp8_groups  runtime/planner.LOW_LATENCY_FP8_GROUPS: the same with FP8
   block    ops/low_latency._COMBINE_BLOCK_H: columns of a combine tile
   parts    ops/low_latency._SUM_PARTS: column parts of a slice, a combine program each
   stages   ops/low_latency._STAGES: software pipelining of the copy and sum loops
@@ -35,8 +36,9 @@ from low_latency import (
 
 _KNOBS = {
     "warps": [("hybrid_ep_triton.ops.low_latency", "_WARPS")],
-    "groups": [("hybrid_ep_triton.runtime.planner", "LOW_LATENCY_TOKEN_GROUPS"),
-               ("hybrid_ep_triton.ops.low_latency", "LOW_LATENCY_TOKEN_GROUPS")],
+    "groups": [("hybrid_ep_triton.ops.low_latency", "LOW_LATENCY_ROW_GROUPS")],
+    "fp8_groups": [("hybrid_ep_triton.runtime.planner", "LOW_LATENCY_FP8_GROUPS"),
+                   ("hybrid_ep_triton.ops.low_latency", "LOW_LATENCY_FP8_GROUPS")],
     "block": [("hybrid_ep_triton.ops.low_latency", "_COMBINE_BLOCK_H")],
     "parts": [("hybrid_ep_triton.ops.low_latency", "_SUM_PARTS")],
     "stages": [("hybrid_ep_triton.ops.low_latency", "_STAGES")],

@@ -210,7 +210,7 @@ def low_latency_builds(world: int, per_node: int):
     ops/low_latency.py launches them without a hook: dispatch of bf16 rows and of FP8 rows with
     UE8M0 scales, and combine."""
     from hybrid_ep_triton.ops import low_latency as ops
-    from hybrid_ep_triton.runtime.planner import LOW_LATENCY_TOKEN_GROUPS, low_latency_layout
+    from hybrid_ep_triton.runtime.planner import low_latency_layout, next_power_of_2
 
     ll = low_latency_layout(128, 7168, world, 256, torch.bfloat16)
     nodes = world // per_node
@@ -226,9 +226,9 @@ def low_latency_builds(world: int, per_node: int):
     topo = f"EP{world}" if nodes == 1 else f"EP{world} ({nodes}x{per_node}, NVSHMEM)"
     kernel = low_latency_dispatch_kernel
     for label, fp8 in (("", False), (" FP8 UE8M0", True)):
-        constexprs = dict(common, SCAN=1024, GROUPS=LOW_LATENCY_TOKEN_GROUPS, G_P2=64,
-                          QC_P2=4, FP8=fp8, ROUND=fp8, UE8M0=fp8, HAS_STATS=True,
-                          BLOCK_H=ops._BLOCK_H)  # fmt: skip
+        constexprs = dict(common, SCAN=1024, GROUPS=ops.token_groups(fp8), G_P2=64,
+                          QC_P2=next_power_of_2(ll.token_chunks), FP8=fp8, ROUND=fp8,
+                          UE8M0=fp8, HAS_STATS=True, BLOCK_H=ops._BLOCK_H)  # fmt: skip
         pointers = dict(heap, scales_ptr="*u8" if fp8 else "*fp32", recv_ptr="*u8")
         signature, attrs = _signature(kernel, pointers, constexprs)
         yield f"{topo} {kernel.fn.__name__}{label}", ASTSource(kernel, signature, constexprs,

@@ -28,8 +28,8 @@ M the Buffer's low_latency_tokens, S column slices of a row (a program and a fla
 slots of a token (K_P2 its power of 2), SCAN routing entries scanned at a time, ROWS rows and
 BLOCK_H columns of a tile, STAGES tiles in flight (tl.range's num_stages), PARTS column parts of
 a slice that combine's receive role sums in programs of their own, GROUPS 128-channel groups of a
-token's row a dispatch program takes (QC_P2: the power of 2 of a row's chunks of them, G_P2 of
-its groups),
+token's row a dispatch program takes (QC_P2: the power of 2 of a row's chunks that an FP8
+dispatch stages, G_P2 of its groups),
 ROW_BYTES a staged dispatch row (header and payload), FP8 / ROUND / UE8M0 the row format,
 ALIGNED rows 16-byte aligned, HAS_STATS statistics given, ZERO_COPY combine's x is its buffer,
 NODES nodes of the group, SEND / RECEIVE which halves of a call the launch runs.

@@ -1,6 +1,6 @@
 """Names of the words a Buffer's launches share with each other and with the host.
 
-The control block is int64 [CONTROL_WORDS + W] in device memory, one per Buffer; the report is
+The control block is int64 [CONTROL_WORDS] in device memory, one per Buffer; the report is
 int64 [REPORT_WORDS] in the host's pinned memory, written by an exact-mode layout launch; a
 wait that times out records its stage code. Kernels, ops and Buffer name them from here: they
 are tl.constexpr, so the kernels compile them as the literals they stand for, and the host
@@ -32,17 +32,20 @@ HOST_RECORD = tl.constexpr(11)
 HOST_RECORD_SEQ = tl.constexpr(16)
 # The low-latency mode (kernels/low_latency.py): the sequence number of its last call (dispatch
 # and combine count together: a call's receive area is the parity of its number), the tickets
-# of a running launch's programs, and the first rank whose host refused a call's inputs + 1.
+# a sending launch's programs take as they start, and the first rank whose host refused a
+# call's inputs + 1.
 LL_SEQ = tl.constexpr(17)
 LL_TICKET = tl.constexpr(18)
 LL_REFUSED = tl.constexpr(19)
 # Masked ranks (the mask itself is the heap's ll_mask, which peers write into): 1 where the
 # Buffer masks a rank that a wait ran out on (mask_failed_ranks), else 0 (the wait records a
-# timeout); then W words (the control block is [CONTROL_WORDS + W]), 1 where this rank has told
-# every other one that it masks rank i.
+# timeout).
 MASK_FAILED = tl.constexpr(20)
-MASKS_TOLD = tl.constexpr(21)
-CONTROL_WORDS = 21
+# The tickets a receiving launch's programs take as they end (its last one frees the receive
+# area), and 1 where the host masked a rank by hand that the next launch tells the others of.
+LL_DONE = tl.constexpr(21)
+MASKS_NEW = tl.constexpr(22)
+CONTROL_WORDS = 23
 
 STATUS_OK = tl.constexpr(0)
 STATUS_TIMED_OUT = tl.constexpr(1)

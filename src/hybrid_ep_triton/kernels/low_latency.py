@@ -39,12 +39,17 @@ A rank whose host refused a call's inputs still runs it, with no rows and REFUSE
 no peer waits, every peer records the rank in LL_REFUSED (Buffer.check raises it). A masked
 rank (ll_mask: Buffer.update_mask, or a wait on it that ran out with mask_failed_ranks) is
 neither sent to nor waited for: it counts as a source of no rows, and its experts add nothing
-to a combine. A launch's last program tells every other rank of the masks it has not told yet
-(it sets them in their ll_mask), so that their waits on that rank end too.
+to another rank's combine. The program whose wait masks a rank, or for a mask set by hand the
+next launch's program 0, tells every other rank (it sets the mask in their ll_mask), so that
+their waits on that rank end too.
+
+A launch ends with no program waiting on another: a sending launch's programs take tickets as
+they start (``_start``), and the last of them publishes the call's number as it ends; only a
+launch that receives from other ranks counts its programs out, to free its receive area.
 
 In the code each role is a function taking the kernel's arguments in bundles (DispatchRows,
 Received, CombineRows, LowLatencyHeap, LowLatencySync, LowLatencyConsts); the kernels pick each
-program's role, and ``_finish`` ends a launch.
+program's role between ``_start`` and ``_finish``.
 """
 
 from collections import namedtuple
@@ -53,11 +58,12 @@ import triton
 import triton.language as tl
 
 from .control import (
+    LL_DONE,
     LL_REFUSED,
     LL_SEQ,
     LL_TICKET,
     MASK_FAILED,
-    MASKS_TOLD,
+    MASKS_NEW,
     STAGE_LL_COMBINE,
     STAGE_LL_DISPATCH,
     STAGE_LL_FREED,
@@ -109,8 +115,8 @@ LowLatencyHeap = namedtuple(
 )
 LowLatencySync = namedtuple(
     "LowLatencySync",
-    "control_ptr status_ptr timeout_ns scratch_ptr seq_ptr refused mask_ptr beat_ptr bases_ptr "
-    "beat_off",
+    "rank control_ptr status_ptr timeout_ns scratch_ptr seq_ptr refused mask_ptr beat_ptr "
+    "bases_ptr beat_off",
 )
 LowLatencyConsts = namedtuple(
     "LowLatencyConsts",
@@ -129,10 +135,10 @@ def _flag_value(seq, rows):
 
 
 @triton.jit
-def _wait_flag(flag_ptr, seq, sync, peer, stage):
+def _wait_flag(flag_ptr, seq, peer, stage, heap, sync, k):
     """Wait for the flag of call ``seq`` at ``flag_ptr`` from ``peer``, unless the peer is
     masked (``_await``): (whether it arrived, its rows field, the REFUSED bit included)."""
-    arrived = _await(flag_ptr, seq.to(tl.int64) << 32, sync, peer, stage)
+    arrived = _await(flag_ptr, seq.to(tl.int64) << 32, peer, stage, heap, sync, k)
     return arrived, _flag_rows(flag_ptr)
 
 
@@ -144,16 +150,18 @@ def _flag_rows(flag_ptr):
 
 
 @triton.jit
-def _await(flag_ptr, target, sync, peer, stage):
+def _await(flag_ptr, target, peer, stage, heap, sync, k):
     """Whether ``*flag_ptr`` reached ``target``: waits unless ``peer`` is masked, or until it
-    is; past timeout_ns a Buffer with mask_failed_ranks masks it (else the timeout is
-    recorded)."""
+    is; past timeout_ns a Buffer with mask_failed_ranks masks it and tells the other ranks
+    (else the timeout is recorded)."""
     one = tl.zeros([1], tl.int32)
-    arrived = wait_unless_masked(
+    arrived, masked_here = wait_unless_masked(
         flag_ptr + one, target, one == 0, sync.timeout_ns, sync.status_ptr,
         sync.mask_ptr + peer + one, tl.load(sync.control_ptr + MASK_FAILED),
         _beats(sync, peer + one), sync.beat_ptr, peer, stage,
     )  # fmt: skip
+    if tl.max(masked_here.to(tl.int32), axis=0) > 0:
+        _tell_mask(peer, heap, sync, k)
     return tl.max(arrived.to(tl.int32), axis=0) > 0
 
 
@@ -190,11 +198,11 @@ def _live(sync, peer):
 
 
 @triton.jit
-def _wait_freed(peer, seq, rank, heap, sync):
+def _wait_freed(peer, seq, heap, sync, k):
     """Before writing into ``peer``'s receive area for call ``seq``: wait until its receive of
     call seq - 2, which used the same area, is over; False if ``peer`` is (or got) masked."""
-    my_freed = region(heap.peer_bases_ptr, rank, heap.freed_off, tl.int64)
-    return _await(my_freed + peer, seq - 2, sync, peer, STAGE_LL_FREED)
+    my_freed = region(heap.peer_bases_ptr, sync.rank, heap.freed_off, tl.int64)
+    return _await(my_freed + peer, seq - 2, peer, STAGE_LL_FREED, heap, sync, k)
 
 
 @triton.jit
@@ -517,7 +525,7 @@ def _send_rows(program, expert, s, seq, tokens, heap, sync, k):
     cols = tokens.hidden // 4 if k.FP8 else tokens.hidden
     first, last = _slice(cols, s, k)
     on_node = tl.load(heap.peer_bases_ptr + owner) != 0
-    if _wait_freed(owner, seq, rank, heap, sync):  # (else masked: nothing to send)
+    if _wait_freed(owner, seq, heap, sync, k):  # (else masked: nothing to send)
         b = _dispatch_block(expert % k.L, rank, owner, k)
         block_off = heap.staging_off + ((seq % 2) * k.B + b) * k.M * k.ROW_BYTES
         if not on_node:  # through this rank's send area, rows by (expert, position)
@@ -569,8 +577,8 @@ def _dispatch_receive_role(program, seq, tokens, out, heap, sync, k):
         source = _source_in_order(place, rank)
         b = _dispatch_block(expert_local, source, rank, k)
         first += length
-        arrived, sent = _wait_flag(_flag(heap, rank, b, 0, seq, k), seq, sync, source,
-                                   STAGE_LL_DISPATCH)  # fmt: skip
+        arrived, sent = _wait_flag(_flag(heap, rank, b, 0, seq, k), seq, source,
+                                   STAGE_LL_DISPATCH, heap, sync, k)  # fmt: skip
         length = 0  # (a masked source sends none)
         if arrived:
             length = _rows_sent(sent, source, rank, sync)
@@ -578,7 +586,8 @@ def _dispatch_receive_role(program, seq, tokens, out, heap, sync, k):
     b = _dispatch_block(expert_local, source, rank, k)
     if (tl.load(heap.peer_bases_ptr + source) != 0) & (length > 0):
         for s in range(1, k.S):
-            _wait_flag(_flag(heap, rank, b, s, seq, k), seq, sync, source, STAGE_LL_DISPATCH)
+            _wait_flag(_flag(heap, rank, b, s, seq, k), seq, source, STAGE_LL_DISPATCH, heap,
+                       sync, k)  # fmt: skip
     block = _block_row(heap, rank, b, seq, k)
     cols = tokens.hidden // 4 if k.FP8 else tokens.hidden
     for r0 in range(0, length, k.ROWS):
@@ -633,7 +642,7 @@ def _combine_send_role(program, seq, rows, heap, sync, k):
     on_node = tl.load(heap.peer_bases_ptr + j) != 0
     sending = ((length > 0) | (sync.refused != 0)) & (on_node | (s == 0)) & _live(sync, j)
     if sending:
-        sending = _wait_freed(j, seq, rank, heap, sync)  # (False: masked meanwhile)
+        sending = _wait_freed(j, seq, heap, sync, k)  # (False: masked meanwhile)
     if sending:
         b = _combine_block(rank * k.L + expert_local, j, k)
         flag = _flag_value(seq, tl.where(sync.refused != 0, REFUSED, 0))
@@ -711,11 +720,15 @@ def _combine_receive_role(program, seq, rows, heap, sync, k):
         flags = _flag(heap, rank, _combine_block(expert, rank, k), tl.where(on_node, s, 0), seq,
                       k)  # fmt: skip
         first_owner = tl.min(tl.where(remote, owner, k.W), axis=0)
-        arrived = wait_unless_masked(
+        arrived, masked_here = wait_unless_masked(
             flags, seq.to(tl.int64) << 32, remote, sync.timeout_ns, sync.status_ptr,
             sync.mask_ptr + owner, tl.load(sync.control_ptr + MASK_FAILED), _beats(sync, owner),
             sync.beat_ptr, first_owner, STAGE_LL_COMBINE,
         )  # fmt: skip
+        if tl.max(masked_here.to(tl.int32), axis=0) > 0:
+            for j in tl.static_range(k.K):
+                if _pick(masked_here.to(tl.int32), slots, j) > 0:
+                    _tell_mask(_pick(owner, slots, j), heap, sync, k)
         remote &= arrived  # (an owner masked meanwhile adds nothing)
         sent = tl.atomic_add(flags, 0, mask=remote, sem="acquire", scope="sys")
         refused = remote & ((sent & REFUSED) != 0)
@@ -746,71 +759,72 @@ def _combine_receive_role(program, seq, rows, heap, sync, k):
 
 
 @triton.jit
-def _call_seq(sync, SEND: tl.constexpr):
-    """The call's sequence number: a launch that sends starts the next call (and its first
-    program writes the number where a later receive launch of the call reads it)."""
+def _start(sync, SEND: tl.constexpr):
+    """(The call's sequence number, whether this program is the last of the launch to start,
+    whether the host masked a rank by hand that this launch tells of: program 0 tells.) A
+    launch that sends starts the next call (its first program writes the number where a later
+    receive launch of the call reads it), and each of its programs takes a ticket once it has
+    read the number: the last one publishes it when it ends (``_finish``). Taken as the program
+    starts, the ticket's round trip overlaps the program's work."""
+    program = tl.program_id(0)
+    news = tl.load(sync.control_ptr + MASKS_NEW, mask=program == 0, other=0)
     if SEND:
         seq = tl.load(sync.control_ptr + LL_SEQ) + 1
-        if tl.program_id(0) == 0:
+        if program == 0:
             tl.store(sync.seq_ptr, seq)
+        # (1 + (seq >> 62), which is 1: an operand that depends on seq, so that the ticket is
+        # taken after seq is read and no program reads the number its launch publishes)
+        ticket = tl.atomic_add(sync.control_ptr + LL_TICKET, 1 + (seq >> 62), sem="relaxed")
+        last = ticket == tl.num_programs(0) - 1
     else:
         seq = tl.load(sync.seq_ptr)
-    return seq
+        last = program < 0
+    return seq, last, news
 
 
 @triton.jit
-def _finish(seq, rank, heap, sync, k, SEND: tl.constexpr, RECEIVE: tl.constexpr):
-    """Each program takes a ticket; the last one resets the tickets, and where the launch sent
-    publishes ``seq`` as the last call's number, where it received tells every other rank
-    that its receive of call ``seq`` is over (ll_freed)."""
-    # Relaxed: the next launch on the stream reads LL_SEQ after this one; a receiving program
-    # has used every value it read of the receive area (its stores depend on them) when it
-    # takes its ticket.
-    ticket = tl.atomic_add(sync.control_ptr + LL_TICKET, 1, sem="relaxed")
-    if ticket == tl.num_programs(0) - 1:
+def _finish(seq, last, news, heap, sync, k, SEND: tl.constexpr, RECEIVE: tl.constexpr):
+    """The end of each program (``last``, ``news``: ``_start``'s). The launch's last program
+    to start resets the tickets and publishes ``seq`` as the last call's number; program 0
+    tells the other ranks of the masks the host set by hand. Where the launch receives from
+    other ranks, each program takes a ticket as it ends; the last one resets them and tells
+    every other live rank that its receive of call ``seq`` is over (ll_freed)."""
+    if last:
         tl.store(sync.control_ptr + LL_TICKET, 0)
-        _tell_masks(rank, heap, sync, k)
         if SEND:
             tl.store(sync.control_ptr + LL_SEQ, seq)
-        if RECEIVE:
+    if news != 0:
+        tl.store(sync.control_ptr + MASKS_NEW, 0)
+        for masked in range(0, k.W):
+            if tl.load(sync.mask_ptr + masked, volatile=True) != 0:
+                _tell_mask(masked, heap, sync, k)
+    if RECEIVE and k.W > 1:
+        # Relaxed: a receiving program has used every value it read of the receive area (its
+        # stores depend on them) when it takes its ticket.
+        done = tl.atomic_add(sync.control_ptr + LL_DONE, 1, sem="relaxed")
+        if done == tl.num_programs(0) - 1:
+            tl.store(sync.control_ptr + LL_DONE, 0)
             for peer in range(0, k.W):
-                if (peer != rank) & _live(sync, peer):
+                if (peer != sync.rank) & _live(sync, peer):
                     if tl.load(heap.peer_bases_ptr + peer) != 0:
                         freed = region(heap.peer_bases_ptr, peer, heap.freed_off, tl.int64)
-                        signal(freed + rank, seq)
+                        signal(freed + sync.rank, seq)
                     elif k.NODES > 1:
-                        net_signal(heap.net_bases_ptr, peer, heap.freed_off + rank * 8, seq)
+                        net_signal(heap.net_bases_ptr, peer, heap.freed_off + sync.rank * 8, seq)
 
 
 @triton.jit
-def _tell_masks(rank, heap, sync, k):
-    """For each rank this one masks and has not said so yet: set it in every other live
-    rank's ll_mask (the peers of another node by a network signal), and in the masked rank's
-    own: one that is alive finds itself masked, so that its destroy() waits for no one either."""
-    news = 0  # (one look at every rank first: this runs at the end of every launch)
-    for first in range(0, k.W, 64):
-        ranks = first + tl.arange(0, 64)
-        mask = tl.load(sync.mask_ptr + ranks, mask=ranks < k.W, other=0, volatile=True)
-        told = tl.load(sync.control_ptr + MASKS_TOLD + ranks, mask=ranks < k.W, other=0)
-        news += tl.sum(((mask != 0) & (told == 0)).to(tl.int32), axis=0)
-    if news > 0:
-        _tell_new_masks(rank, heap, sync, k)
-
-
-@triton.jit
-def _tell_new_masks(rank, heap, sync, k):
-    """``_tell_masks``' stores, one masked rank at a time."""
-    for masked in range(0, k.W):
-        told = sync.control_ptr + MASKS_TOLD + masked
-        if (tl.load(sync.mask_ptr + masked, volatile=True) != 0) & (tl.load(told) == 0):
-            tl.store(told, 1)
-            for peer in range(0, k.W):
-                if (peer != rank) & ((peer == masked) | _live(sync, peer)):
-                    if tl.load(heap.peer_bases_ptr + peer) != 0:
-                        mask = region(heap.peer_bases_ptr, peer, heap.mask_off, tl.int64)
-                        tl.atomic_xchg(mask + masked, 1, sem="relaxed", scope="sys")
-                    elif k.NODES > 1:
-                        net_signal(heap.net_bases_ptr, peer, heap.mask_off + masked * 8, 1)
+def _tell_mask(masked, heap, sync, k):
+    """That this rank masks rank ``masked``: set it in every other live rank's ll_mask (the
+    peers of another node by a network signal), and in the masked rank's own: one that is
+    alive finds itself masked, so that its destroy() waits for no one either."""
+    for peer in range(0, k.W):
+        if (peer != sync.rank) & ((peer == masked) | _live(sync, peer)):
+            if tl.load(heap.peer_bases_ptr + peer) != 0:
+                mask = region(heap.peer_bases_ptr, peer, heap.mask_off, tl.int64)
+                tl.atomic_xchg(mask + masked, 1, sem="relaxed", scope="sys")
+            elif k.NODES > 1:
+                net_signal(heap.net_bases_ptr, peer, heap.mask_off + masked * 8, 1)
 
 
 @triton.jit(do_not_specialize=SAME_ON_EVERY_RANK)
@@ -844,9 +858,10 @@ def low_latency_dispatch_kernel(
     which finishes."""
     program = tl.program_id(0)
     mask = region(peer_bases_ptr, rank, mask_off, tl.int64)
-    sync = LowLatencySync(control_ptr, control_ptr + STATUS, timeout_ns, scratch_ptr, seq_ptr,
-                          refused, mask, mask + W, peer_bases_ptr, mask_off + W * 8)  # fmt: skip
-    seq = _call_seq(sync, SEND)
+    sync = LowLatencySync(rank, control_ptr, control_ptr + STATUS, timeout_ns, scratch_ptr,
+                          seq_ptr, refused, mask, mask + W, peer_bases_ptr,
+                          mask_off + W * 8)  # fmt: skip
+    seq, last, news = _start(sync, SEND)
     tokens = DispatchRows(rank, x_ptr, x_stride, topk_ptr, slots_ptr, num_tokens, hidden)
     out = Received(recv_ptr, scales_ptr, src_info_ptr, layout_range_ptr, recv_count_ptr,
                    stats_ptr, rows, row_bytes, scale_plane, scale_row_step,
@@ -888,7 +903,7 @@ def low_latency_dispatch_kernel(
                              GROUPS, G_P2, ROW_BYTES, FP8, ROUND, UE8M0, ALIGNED, HAS_STATS,
                              False, NODES),
         )  # fmt: skip
-    _finish(seq, rank, heap, sync,
+    _finish(seq, last, news, heap, sync,
             LowLatencyConsts(W, L, B, M, S, QC_P2, K, K_P2, SCAN, ROWS, BLOCK_H, STAGES, 1,
                              GROUPS, G_P2, ROW_BYTES, FP8, ROUND, UE8M0, ALIGNED, HAS_STATS,
                              False, NODES),
@@ -917,9 +932,10 @@ def low_latency_combine_kernel(
     RECEIVE; a launch of neither kind's programs has one program, which finishes."""
     program = tl.program_id(0)
     mask = region(peer_bases_ptr, rank, mask_off, tl.int64)
-    sync = LowLatencySync(control_ptr, control_ptr + STATUS, timeout_ns, control_ptr, seq_ptr,
-                          refused, mask, mask + W, peer_bases_ptr, mask_off + W * 8)  # fmt: skip
-    seq = _call_seq(sync, SEND)
+    sync = LowLatencySync(rank, control_ptr, control_ptr + STATUS, timeout_ns, control_ptr,
+                          seq_ptr, refused, mask, mask + W, peer_bases_ptr,
+                          mask_off + W * 8)  # fmt: skip
+    seq, last, news = _start(sync, SEND)
     combined = CombineRows(rank, x_ptr, x_plane, x_row, topk_ptr, slots_ptr, weights_ptr,
                            num_tokens, hidden, layout_range_ptr, out_ptr, rows)  # fmt: skip
     heap = LowLatencyHeap(peer_bases_ptr, net_bases_ptr, heap_bytes, freed_off, mask_off,
@@ -939,7 +955,7 @@ def low_latency_combine_kernel(
             LowLatencyConsts(W, L, B, M, S, 1, K, K_P2, 0, ROWS, BLOCK_H, STAGES, PARTS, 0, 0,
                              ROW_BYTES, False, False, False, ALIGNED, False, ZERO_COPY, NODES),
         )  # fmt: skip
-    _finish(seq, rank, heap, sync,
+    _finish(seq, last, news, heap, sync,
             LowLatencyConsts(W, L, B, M, S, 1, K, K_P2, 0, ROWS, BLOCK_H, STAGES, PARTS, 0, 0,
                              ROW_BYTES, False, False, False, ALIGNED, False, ZERO_COPY, NODES),
             SEND, RECEIVE)  # fmt: skip

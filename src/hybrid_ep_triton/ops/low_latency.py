@@ -5,7 +5,7 @@ from typing import NamedTuple
 
 import torch
 
-from ..kernels.control import MASK_FAILED, MASKS_TOLD
+from ..kernels.control import MASK_FAILED, MASKS_NEW
 from ..kernels.low_latency import (
     COUNTED,
     low_latency_combine_kernel,
@@ -23,7 +23,8 @@ from ..runtime.checks import (
 )
 from ..runtime.planner import (
     FP8_GROUP,
-    LOW_LATENCY_TOKEN_GROUPS,
+    LOW_LATENCY_FP8_GROUPS,
+    LOW_LATENCY_ROW_GROUPS,
     ceil_div,
     next_power_of_2,
 )
@@ -163,6 +164,12 @@ def _combine_launcher(rt: Runtime) -> KernelLauncher:
     )
 
 
+def token_groups(fp8: bool) -> int:
+    """128-channel groups of a token's row that a dispatch program takes (the GROUPS its
+    launch passes)."""
+    return LOW_LATENCY_FP8_GROUPS if fp8 else LOW_LATENCY_ROW_GROUPS
+
+
 def _aligned(*tensors: torch.Tensor) -> bool:
     return all(t.data_ptr() % 16 == 0 and t.stride(-2) * t.element_size() % 16 == 0
                for t in tensors)  # fmt: skip
@@ -189,13 +196,14 @@ def launch_dispatch(
     plan, ll = rt.plan, rt.plan.low_latency
     num_tokens, topk = topk_idx.shape
     fp8 = outputs.scale_storage.numel() > 0
-    token_programs = num_tokens * ll.token_chunks if send else 0
+    groups = plan.hidden // FP8_GROUP
+    token_programs = num_tokens * ceil_div(ceil_div(plan.hidden, FP8_GROUP), token_groups(fp8))
+    token_programs *= int(send)
     senders = ll.remote_blocks * ll.slices if send else 0
     counters = ceil_div(plan.experts_per_rank, COUNTED.value) if send else 0
     receivers = plan.experts_per_rank * (rt.world_size - 1) if receive else 0
     grid = token_programs + counters + senders + receivers
     rows = outputs.recv_x.shape[1]
-    groups = plan.hidden // FP8_GROUP
     if not fp8:
         scale_plane = scale_row_step = scale_step = 0
     elif ue8m0:
@@ -212,7 +220,7 @@ def launch_dispatch(
             send_off=_send_off(rt, area), refused=int(refused), K=topk,
             K_P2=next_power_of_2(topk),
             SCAN=min(_MOST_SCANNED, next_power_of_2(max(ll.tokens * topk, 1))),
-            GROUPS=LOW_LATENCY_TOKEN_GROUPS, QC_P2=next_power_of_2(ll.token_chunks),
+            GROUPS=token_groups(fp8), QC_P2=next_power_of_2(ll.token_chunks),
             BLOCK_H=_BLOCK_H,
             G_P2=next_power_of_2(max(groups, 1)), FP8=fp8, ROUND=round_scale, UE8M0=ue8m0,
             ALIGNED=_aligned(x) and plan.hidden * x.element_size() % 16 == 0,
@@ -452,15 +460,16 @@ class Calls:
         launch tells the other ranks of a new mask."""
         self.usable()
         self.require()
-        told = self.rt.control[int(MASKS_TOLD) : int(MASKS_TOLD) + self.rt.world_size]
+        news = self.rt.control[int(MASKS_NEW)]
         if rank is None:
             self._mask_words.zero_()
-            told.zero_()
+            news.fill_(0)
             return
         check_maskable(rank, self.rt.rank, self.rt.world_size)
         check_flag("masked", masked)
         self._mask_words[rank].fill_(int(masked))
-        told[rank].fill_(0)
+        if masked:
+            news.fill_(1)
 
     def query_mask(self, out: torch.Tensor) -> None:
         """Buffer.query_mask."""

@@ -33,7 +33,7 @@ class Runtime:
 
     heap: the symmetric heap (``local`` uint8 tensor, ``peer_bases`` int64 [world]: 0 for the
         ranks of other nodes, ``net_bases`` int64 [world]: addresses for network puts).
-    control: int64 [CONTROL_WORDS + W] on the device, the control block: its words are named in
+    control: int64 [CONTROL_WORDS] on the device, the control block: its words are named in
         kernels/control.py.
     on_gpu: whether ``device`` is a CUDA device (else the CPU, under the interpreter).
     timeout_ns: bound of every wait on a peer, in nanoseconds.
@@ -148,7 +148,7 @@ def make_runtime(
     return Runtime(
         plan=plan,
         heap=allocate_heap(group, plan.heap.total_bytes, device, plan.ranks_per_node),
-        control=torch.zeros(CONTROL_WORDS + plan.world_size, dtype=torch.int64, device=device),
+        control=torch.zeros(CONTROL_WORDS, dtype=torch.int64, device=device),
         rank=dist.get_rank(group),
         world_size=plan.world_size,
         device=device,

@@ -36,9 +36,11 @@ LOCAL_PARTS = 4
 # a row that make one slice at the least.
 LOW_LATENCY_SLICES = 2
 LOW_LATENCY_SLICE_MIN = 2048
-# 128-channel groups of a token's row that one program of a low-latency dispatch reads once
-# (and with FP8 quantizes) and writes to the token's experts.
-LOW_LATENCY_TOKEN_GROUPS = 16
+# 128-channel groups of a token's row that one program of a low-latency dispatch reads once and
+# writes to the token's experts: with FP8 (it quantizes them first, and stages them for the
+# sends in chunks of as many groups, a flag each), and with rows of the Buffer's dtype.
+LOW_LATENCY_FP8_GROUPS = 32
+LOW_LATENCY_ROW_GROUPS = 16
 # Bytes of the header in front of a low-latency dispatch row (the source token index, then
 # padding that keeps the payload 16-byte aligned), as DeepEP's messages have.
 LOW_LATENCY_HEADER = 16
@@ -324,7 +326,7 @@ class LowLatencyLayout:
     ll_own       int64 [2, L]       this rank's own rows of local expert e: (seq << 32) | rows
     ll_quantized int64 [M, QC]      chunk c of this rank's token t is quantized and staged (an
                                     FP8 dispatch quantizes each token once, by chunks of
-                                    LOW_LATENCY_TOKEN_GROUPS 128-channel groups): seq
+                                    LOW_LATENCY_FP8_GROUPS 128-channel groups): seq
     ll_staging   [2, B, M] rows     receive blocks, by parity of the call's sequence number:
                                     dispatch, block (local expert e, source j != this rank):
                                     rows of ``row_bytes`` (a LOW_LATENCY_HEADER, then the
@@ -344,7 +346,7 @@ class LowLatencyLayout:
     remote_blocks: int  # B
     payload_bytes: int  # the widest row a call moves: the Buffer's dtype, or FP8 and scales
     row_bytes: int  # header + payload, a multiple of 16
-    token_chunks: int  # QC: chunks of a token's row, a dispatch program each
+    token_chunks: int  # QC: chunks of a token's row that an FP8 dispatch quantizes, a flag each
 
     @property
     def area_rows(self) -> int:
@@ -363,7 +365,7 @@ def low_latency_layout(
         tokens=tokens, slices=max(1, min(LOW_LATENCY_SLICES, hidden // LOW_LATENCY_SLICE_MIN)),
         experts_per_rank=local, remote_blocks=num_experts - local, payload_bytes=payload,
         row_bytes=LOW_LATENCY_HEADER + ceil_div(payload, 16) * 16,
-        token_chunks=ceil_div(ceil_div(hidden, FP8_GROUP), LOW_LATENCY_TOKEN_GROUPS),
+        token_chunks=ceil_div(ceil_div(hidden, FP8_GROUP), LOW_LATENCY_FP8_GROUPS),
     )  # fmt: skip
 
 
