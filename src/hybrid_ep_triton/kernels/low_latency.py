@@ -39,9 +39,9 @@ A rank whose host refused a call's inputs still runs it, with no rows and REFUSE
 no peer waits, every peer records the rank in LL_REFUSED (Buffer.check raises it). A masked
 rank (ll_mask: Buffer.update_mask, or a wait on it that ran out with mask_failed_ranks) is
 neither sent to nor waited for: it counts as a source of no rows, and its experts add nothing
-to another rank's combine. The program whose wait masks a rank, or for a mask set by hand the
-next launch's program 0, tells every other rank (it sets the mask in their ll_mask), so that
-their waits on that rank end too.
+to another rank's combine. A mask this rank sets (a wait that ran out, or by hand) is
+MASKED_HERE until program 0 of its next launch tells every other rank (sets the mask in their
+ll_mask, and 1 in its own), so that their waits on that rank end too.
 
 A launch ends with no program waiting on another: a sending launch's programs take tickets as
 they start (``_start``), and the last of them publishes the call's number as it ends; only a
@@ -70,6 +70,7 @@ from .control import (
     STATUS,
 )
 from .primitives import (
+    MASKED_HERE,
     SAME_ON_EVERY_RANK,
     net_put_signal,
     net_signal,
@@ -155,14 +156,24 @@ def _await(flag_ptr, target, peer, stage, heap, sync, k):
     is; past timeout_ns a Buffer with mask_failed_ranks masks it and tells the other ranks
     (else the timeout is recorded)."""
     one = tl.zeros([1], tl.int32)
-    arrived, masked_here = wait_unless_masked(
+    arrived = wait_unless_masked(
         flag_ptr + one, target, one == 0, sync.timeout_ns, sync.status_ptr,
         sync.mask_ptr + peer + one, tl.load(sync.control_ptr + MASK_FAILED),
         _beats(sync, peer + one), sync.beat_ptr, peer, stage,
     )  # fmt: skip
-    if tl.max(masked_here.to(tl.int32), axis=0) > 0:
-        _tell_mask(peer, heap, sync, k)
+    _note_masked_here(one == 0, arrived, sync, peer + one)
     return tl.max(arrived.to(tl.int32), axis=0) > 0
+
+
+@triton.jit
+def _note_masked_here(awaited, arrived, sync, peers):
+    """After a wait on ``peers`` [N] where ``awaited``: where one of them did not arrive and
+    a wait of this rank masked it (MASKED_HERE, not told yet), MASKS_NEW, so that the next
+    launch tells the others. (Masked stores, not branches: Triton 3.6 fails to compile a
+    branch after the wait.)"""
+    lost = awaited & ~arrived
+    here = tl.load(sync.mask_ptr + peers, mask=lost, other=0, volatile=True) == MASKED_HERE
+    tl.store(sync.control_ptr + MASKS_NEW, 1, mask=tl.max(here.to(tl.int32), axis=0) > 0)
 
 
 @triton.jit
@@ -720,15 +731,12 @@ def _combine_receive_role(program, seq, rows, heap, sync, k):
         flags = _flag(heap, rank, _combine_block(expert, rank, k), tl.where(on_node, s, 0), seq,
                       k)  # fmt: skip
         first_owner = tl.min(tl.where(remote, owner, k.W), axis=0)
-        arrived, masked_here = wait_unless_masked(
+        arrived = wait_unless_masked(
             flags, seq.to(tl.int64) << 32, remote, sync.timeout_ns, sync.status_ptr,
             sync.mask_ptr + owner, tl.load(sync.control_ptr + MASK_FAILED), _beats(sync, owner),
             sync.beat_ptr, first_owner, STAGE_LL_COMBINE,
         )  # fmt: skip
-        if tl.max(masked_here.to(tl.int32), axis=0) > 0:
-            for j in tl.static_range(k.K):
-                if _pick(masked_here.to(tl.int32), slots, j) > 0:
-                    _tell_mask(_pick(owner, slots, j), heap, sync, k)
+        _note_masked_here(remote, arrived, sync, owner)
         remote &= arrived  # (an owner masked meanwhile adds nothing)
         sent = tl.atomic_add(flags, 0, mask=remote, sem="acquire", scope="sys")
         refused = remote & ((sent & REFUSED) != 0)
@@ -761,7 +769,7 @@ def _combine_receive_role(program, seq, rows, heap, sync, k):
 @triton.jit
 def _start(sync, SEND: tl.constexpr):
     """(The call's sequence number, whether this program is the last of the launch to start,
-    whether the host masked a rank by hand that this launch tells of: program 0 tells.) A
+    whether this rank masked a rank that this launch tells of: program 0 tells.) A
     launch that sends starts the next call (its first program writes the number where a later
     receive launch of the call reads it), and each of its programs takes a ticket once it has
     read the number: the last one publishes it when it ends (``_finish``). Taken as the program
@@ -786,9 +794,10 @@ def _start(sync, SEND: tl.constexpr):
 def _finish(seq, last, news, heap, sync, k, SEND: tl.constexpr, RECEIVE: tl.constexpr):
     """The end of each program (``last``, ``news``: ``_start``'s). The launch's last program
     to start resets the tickets and publishes ``seq`` as the last call's number; program 0
-    tells the other ranks of the masks the host set by hand. Where the launch receives from
-    other ranks, each program takes a ticket as it ends; the last one resets them and tells
-    every other live rank that its receive of call ``seq`` is over (ll_freed)."""
+    tells the other ranks of the masks this rank set (MASKED_HERE) since it last told. Where
+    the launch receives from other ranks, each program takes a ticket as it ends; the last one
+    resets them and tells every other live rank that its receive of call ``seq`` is over
+    (ll_freed)."""
     if last:
         tl.store(sync.control_ptr + LL_TICKET, 0)
         if SEND:
@@ -796,7 +805,10 @@ def _finish(seq, last, news, heap, sync, k, SEND: tl.constexpr, RECEIVE: tl.cons
     if news != 0:
         tl.store(sync.control_ptr + MASKS_NEW, 0)
         for masked in range(0, k.W):
-            if tl.load(sync.mask_ptr + masked, volatile=True) != 0:
+            # (a load and a store, not a compare-and-swap, which Triton 3.6 fails to compile
+            # here; a peer that tells this rank meanwhile writes 1 too)
+            if tl.load(sync.mask_ptr + masked, volatile=True) == MASKED_HERE:
+                tl.store(sync.mask_ptr + masked, 1)
                 _tell_mask(masked, heap, sync, k)
     if RECEIVE and k.W > 1:
         # Relaxed: a receiving program has used every value it read of the receive area (its

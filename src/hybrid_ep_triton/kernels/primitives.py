@@ -259,17 +259,19 @@ def wait_all_at_least(flag_ptrs, target, mask, timeout_ns, status_ptr, peer, sta
 
 # The most timeouts a masking wait lasts while the peer's heartbeat moves (wait_unless_masked).
 BEAT_TIMEOUTS = tl.constexpr(4)
+# The mask word a wait that ran out writes: nonzero as every mask word, and this value until the
+# rank that set it has told the other ranks (which then set 1).
+MASKED_HERE = tl.constexpr(2)
 
 
 @triton.jit
 def wait_unless_masked(flag_ptrs, target, mask, timeout_ns, status_ptr, masked_ptrs,
                        mask_on_timeout, beats, my_beat_ptr, peer, stage):  # fmt: skip
     """wait_all_at_least() for flags of peers that may be masked (``*masked_ptrs`` nonzero,
-    [N] beside ``flag_ptrs``): returns ([N] whether each flag arrived where ``mask``, [N]
-    whether this wait masked its peer). A masked peer is not waited for, nor any longer once
-    another program masks it. Past ``timeout_ns``, with ``mask_on_timeout`` the peers still
-    awaited are masked and the wait ends; without, the timeout is recorded as wait_at_least()
-    does.
+    [N] beside ``flag_ptrs``): returns [N], whether each flag arrived where ``mask``. A masked
+    peer is not waited for, nor any longer once another program masks it. Past ``timeout_ns``,
+    with ``mask_on_timeout`` the peers still awaited and not masked yet are masked (set to
+    MASKED_HERE) and the wait ends; without, the timeout is recorded as wait_at_least() does.
 
     Heartbeats: while it waits, a rank writes the time into ``*my_beat_ptr``; ``beats`` [N]
     holds the addresses (int64, 0: none) of the peers' such words. A peer whose heartbeat moves
@@ -281,7 +283,6 @@ def wait_unless_masked(flag_ptrs, target, mask, timeout_ns, status_ptr, masked_p
     beat_ptrs = tl.where(has_beat, beats, 0).to(tl.pointer_type(tl.int64))
     last_beats = tl.load(beat_ptrs, mask=has_beat, other=0, volatile=True)
     arrived, waiting = _awaited(flag_ptrs, target, mask, masked_ptrs, status_ptr)
-    masked_here = tl.zeros(flag_ptrs.shape, tl.int1)
     while waiting:
         now = clock_ns()
         tl.store(my_beat_ptr, now)
@@ -291,14 +292,14 @@ def wait_unless_masked(flag_ptrs, target, mask, timeout_ns, status_ptr, masked_p
             starts = tl.where(moved, now, starts)
             last_beats = seen
             left = mask & ~arrived & (now - starts > timeout_ns)
-            before = tl.atomic_xchg(masked_ptrs, tl.full(masked_ptrs.shape, 1, tl.int64),
-                                    mask=left)  # fmt: skip
-            masked_here |= left & (before == 0)
+            unmasked = tl.where(left, 0, -1).to(tl.int64)  # (-1: no word holds it)
+            tl.atomic_cas(masked_ptrs, unmasked, tl.full(masked_ptrs.shape, MASKED_HERE,
+                                                         tl.int64))  # fmt: skip
         else:
             _time_out_after(start, timeout_ns, status_ptr, peer, stage)
         arrived, waiting = _awaited(flag_ptrs, target, mask, masked_ptrs, status_ptr)
     tl.debug_barrier()
-    return arrived, masked_here
+    return arrived
 
 
 @triton.jit

@@ -11,6 +11,7 @@ from ..kernels.low_latency import (
     low_latency_combine_kernel,
     low_latency_dispatch_kernel,
 )
+from ..kernels.primitives import MASKED_HERE
 from ..runtime.checks import (
     check_event,
     check_flag,
@@ -467,7 +468,7 @@ class Calls:
             return
         check_maskable(rank, self.rt.rank, self.rt.world_size)
         check_flag("masked", masked)
-        self._mask_words[rank].fill_(int(masked))
+        self._mask_words[rank].fill_(int(MASKED_HERE) if masked else 0)
         if masked:
             news.fill_(1)
 
@@ -476,7 +477,7 @@ class Calls:
         self.usable()
         self.require()
         check_mask_out(out, self.rt.world_size, self.rt.device)
-        out.copy_(self._mask_words)
+        out.copy_(self._mask_words != 0)
 
     def masked_ranks(self) -> list[int]:
         """Buffer.masked_ranks."""
