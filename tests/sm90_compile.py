@@ -1,7 +1,8 @@
 """Compile every kernel for sm_90 with Triton's own ptxas, on a machine without a GPU.
 
-Run as a script (``python tests/sm90_compile.py``) without TRITON_INTERPRET, because the
-interpreter replaces ``triton.jit``. Compiles the launch shapes of EP2 and EP8 within one node
+Run as a script (``python tests/sm90_compile.py [--low-latency]``) without TRITON_INTERPRET,
+because the interpreter replaces ``triton.jit``; ``--low-latency``: only the low-latency
+kernels, at EP2 and EP8. Compiles the launch shapes of EP2 and EP8 within one node
 and of EP16 as 2 nodes of 8, whose kernels link NVSHMEM's sm_90 device bitcode as pip installs
 it, and prints one line per kernel (dispatch and its layout also with one row per token,
 expand=False; dispatch of FP8 rows at EP8, with token rows at EP16; quantizing, and an exact-mode
@@ -262,6 +263,14 @@ def _compile_build(index: int) -> None:
 
 
 def main() -> int:
+    if sys.argv[1:] == ["--low-latency"]:
+        # Only the low-latency kernels, at EP2 and EP8 in one node, one after another: the
+        # quick check that a Triton version compiles them (kernels/low_latency.py).
+        for world, per_node in ((2, 2), (8, 8)):
+            for label, source, options in low_latency_builds(world, per_node):
+                compiled = triton.compile(source, target=SM90, options=options)
+                print(f"{label}: {_resource_usage(compiled.asm['cubin'])}")
+        return 0
     # Into Triton's cache side by side on every core, those that link NVSHMEM (the slowest)
     # first; then each build again here, a cache hit, for its machine code.
     linked = [bool(options.get("extern_libs")) for _, _, options in builds()]
