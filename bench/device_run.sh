@@ -269,4 +269,9 @@ if [ "${SAVE_TRITON_CACHE:-0}" = 1 ]; then
         | tar cf - --null -T -) | "${PACK[@]}" | split -b 15m - "$saved."
     du -sh "$TRITON_CACHE_DIR" "$saved".* | tee -a "$OUT/summary.txt"
 fi
+# A call returns at most 8 files, the first by name: past that, the logs travel in one archive
+# named to come first (a step's log was lost so).
+if [ "$(find "$OUT" -maxdepth 1 -type f | wc -l)" -gt 8 ]; then
+    (cd "$OUT" && tar czf 00-logs.tgz gpus.txt summary.txt ./*.log && rm -f gpus.txt ./*.log)
+fi
 exit $status
