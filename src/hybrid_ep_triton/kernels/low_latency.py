@@ -153,8 +153,8 @@ def _flag_rows(flag_ptr):
 @triton.jit
 def _await(flag_ptr, target, peer, stage, heap, sync, k):
     """Whether ``*flag_ptr`` reached ``target``: waits unless ``peer`` is masked, or until it
-    is; past timeout_ns a Buffer with mask_failed_ranks masks it and tells the other ranks
-    (else the timeout is recorded)."""
+    is; past timeout_ns a Buffer with mask_failed_ranks masks it, and the next launch tells
+    the other ranks (else the timeout is recorded)."""
     one = tl.zeros([1], tl.int32)
     arrived = wait_unless_masked(
         flag_ptr + one, target, one == 0, sync.timeout_ns, sync.status_ptr,
