@@ -42,7 +42,8 @@ LL_REFUSED = tl.constexpr(19)
 # timeout).
 MASK_FAILED = tl.constexpr(20)
 # The tickets a receiving launch's programs take as they end (its last one frees the receive
-# area), and 1 where the host masked a rank by hand that the next launch tells the others of.
+# area), and 1 where this rank masked a rank (by hand, or a wait that ran out) that the next
+# launch tells the others of.
 LL_DONE = tl.constexpr(21)
 MASKS_NEW = tl.constexpr(22)
 CONTROL_WORDS = 23

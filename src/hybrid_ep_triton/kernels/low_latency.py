@@ -156,24 +156,26 @@ def _await(flag_ptr, target, peer, stage, heap, sync, k):
     is; past timeout_ns a Buffer with mask_failed_ranks masks it, and the next launch tells
     the other ranks (else the timeout is recorded)."""
     one = tl.zeros([1], tl.int32)
-    arrived = wait_unless_masked(
-        flag_ptr + one, target, one == 0, sync.timeout_ns, sync.status_ptr,
-        sync.mask_ptr + peer + one, tl.load(sync.control_ptr + MASK_FAILED),
-        _beats(sync, peer + one), sync.beat_ptr, peer, stage,
-    )  # fmt: skip
-    _note_masked_here(one == 0, arrived, sync, peer + one)
+    arrived = _await_all(flag_ptr + one, target, one == 0, peer + one, peer, stage, sync)
     return tl.max(arrived.to(tl.int32), axis=0) > 0
 
 
 @triton.jit
-def _note_masked_here(awaited, arrived, sync, peers):
-    """After a wait on ``peers`` [N] where ``awaited``: where one of them did not arrive and
-    a wait of this rank masked it (MASKED_HERE, not told yet), MASKS_NEW, so that the next
-    launch tells the others. (Masked stores, not branches: Triton 3.6 fails to compile a
-    branch after the wait.)"""
+def _await_all(flag_ptrs, target, awaited, peers, first_peer, stage, sync):
+    """[N], whether each flag of ``flag_ptrs`` [N] from ``peers`` [N] reached ``target`` where
+    ``awaited``, as ``_await`` waits (``first_peer``: the one a recorded timeout names). Where
+    a peer did not arrive and a wait of this rank masked it (MASKED_HERE, not told yet), sets
+    MASKS_NEW, so that the next launch tells the others. (Masked stores, not branches: Triton
+    3.6 fails to compile a branch after the wait.)"""
+    arrived = wait_unless_masked(
+        flag_ptrs, target, awaited, sync.timeout_ns, sync.status_ptr, sync.mask_ptr + peers,
+        tl.load(sync.control_ptr + MASK_FAILED), _beats(sync, peers), sync.beat_ptr,
+        first_peer, stage,
+    )  # fmt: skip
     lost = awaited & ~arrived
     here = tl.load(sync.mask_ptr + peers, mask=lost, other=0, volatile=True) == MASKED_HERE
     tl.store(sync.control_ptr + MASKS_NEW, 1, mask=tl.max(here.to(tl.int32), axis=0) > 0)
+    return arrived
 
 
 @triton.jit
@@ -731,12 +733,8 @@ def _combine_receive_role(program, seq, rows, heap, sync, k):
         flags = _flag(heap, rank, _combine_block(expert, rank, k), tl.where(on_node, s, 0), seq,
                       k)  # fmt: skip
         first_owner = tl.min(tl.where(remote, owner, k.W), axis=0)
-        arrived = wait_unless_masked(
-            flags, seq.to(tl.int64) << 32, remote, sync.timeout_ns, sync.status_ptr,
-            sync.mask_ptr + owner, tl.load(sync.control_ptr + MASK_FAILED), _beats(sync, owner),
-            sync.beat_ptr, first_owner, STAGE_LL_COMBINE,
-        )  # fmt: skip
-        _note_masked_here(remote, arrived, sync, owner)
+        arrived = _await_all(flags, seq.to(tl.int64) << 32, remote, owner, first_owner,
+                             STAGE_LL_COMBINE, sync)  # fmt: skip
         remote &= arrived  # (an owner masked meanwhile adds nothing)
         sent = tl.atomic_add(flags, 0, mask=remote, sem="acquire", scope="sys")
         refused = remote & ((sent & REFUSED) != 0)

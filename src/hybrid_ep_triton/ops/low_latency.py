@@ -198,8 +198,8 @@ def launch_dispatch(
     num_tokens, topk = topk_idx.shape
     fp8 = outputs.scale_storage.numel() > 0
     groups = plan.hidden // FP8_GROUP
-    token_programs = num_tokens * ceil_div(ceil_div(plan.hidden, FP8_GROUP), token_groups(fp8))
-    token_programs *= int(send)
+    chunks = ceil_div(ceil_div(plan.hidden, FP8_GROUP), token_groups(fp8))
+    token_programs = num_tokens * chunks if send else 0
     senders = ll.remote_blocks * ll.slices if send else 0
     counters = ceil_div(plan.experts_per_rank, COUNTED.value) if send else 0
     receivers = plan.experts_per_rank * (rt.world_size - 1) if receive else 0

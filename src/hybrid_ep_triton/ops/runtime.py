@@ -231,8 +231,8 @@ def agreed_plan(
 
 
 def mask_words(rt: Runtime) -> torch.Tensor:
-    """This rank's ll_mask in its heap, int64 [W] (1: the low-latency calls skip that rank;
-    empty without the mode)."""
+    """This rank's ll_mask in its heap, int64 [W] (nonzero: the low-latency calls skip that
+    rank; empty without the mode)."""
     start, size = rt.plan.heap.ll_mask, 8 * rt.world_size if rt.plan.low_latency.tokens else 0
     return rt.heap.local[start : start + size].view(torch.int64)
 

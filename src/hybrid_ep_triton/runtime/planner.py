@@ -318,8 +318,9 @@ class LowLatencyLayout:
 
     ll_freed     int64 [W]          rank i's last low-latency call whose receive is over (so
                                     that a sender two calls later may overwrite its area)
-    ll_mask      int64 [W + 1]      1 where rank i is masked here (Buffer.update_mask, a wait
-                                    that ran out, or a peer that masked it and said so); then
+    ll_mask      int64 [W + 1]      nonzero where rank i is masked here (Buffer.update_mask,
+                                    a wait that ran out: MASKED_HERE until this rank has told
+                                    the others; a peer that masked it and said so: 1); then
                                     this rank's heartbeat: the time, written while it waits
     ll_flags     int64 [2, B, S]    slice s of receive block b has landed: (seq << 32) | rows
                                     (a block from another node lands whole, with slice 0's)
