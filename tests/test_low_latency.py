@@ -640,7 +640,9 @@ def _masked_body(rank: int, world: int, grp: Group, how: str, stall_at: int = 0,
     seconds after its first case (a live rank late for the others' next call while they waited
     on MASKED). "killed": a live rank raises its failures (the launcher reports only failed
     ranks once one has died)."""
-    by_hand = how == "by hand" or (how == "told" and rank == 0)
+    # (masked by a live rank: the masked rank, alive, waits for the others, checks that it
+    # was told, and frees the heap with them)
+    masked_by_hand = how in ("by hand", "told")
     failures: list[str] = []
     buf = Buffer(None, hidden_size=grp.hidden, max_tokens_per_rank=grp.tokens,
                  num_experts=grp.num_experts, low_latency_tokens=grp.tokens,
@@ -659,17 +661,19 @@ def _masked_body(rank: int, world: int, grp: Group, how: str, stall_at: int = 0,
             _masked_case(buf, rank, grp, index, case, local, fail, stall_at)
         if how == "killed":
             os.kill(os.getpid(), signal.SIGKILL)
-        if how == "told":  # once the others are done: they told this rank too
+        if masked_by_hand:  # once the others are done: they told this rank too
             dist.barrier()
             if buf.masked_ranks != [MASKED]:
                 fail(f"the masked rank's own mask holds {buf.masked_ranks}")
+            # (as the others do: with no mask, destroy() frees the heap with every rank)
+            buf.clean_mask()
         buf.destroy()
         return failures
     try:
         _expect(fail, "masking this rank", ValueError, lambda: buf.update_mask(rank), "own rank")
         wrong = torch.zeros(world, dtype=I64, device=dev)
         _expect(fail, "a mask output of int64", ValueError, lambda: buf.query_mask(wrong), "int32")
-        if by_hand:
+        if how == "by hand" or (how == "told" and rank == 0):
             buf.update_mask(MASKED)
         for index, case in cases:
             _masked_case(buf, rank, grp, index, case, local, fail, stall_at)
@@ -689,12 +693,14 @@ def _masked_body(rank: int, world: int, grp: Group, how: str, stall_at: int = 0,
         buf.clean_mask()
         if buf.masked_ranks:
             fail(f"after clean_mask, masked_ranks {buf.masked_ranks}")
+        if how == "killed":  # (so that destroy() frees nothing with the dead rank: on GPUs
+            buf.update_mask(MASKED)  # it would wait for it)
     except Exception as e:
         fail(raised(e))
     finally:
-        buf.destroy()
-        if how == "told":
+        if masked_by_hand:
             dist.barrier()
+        buf.destroy()
     if how == "killed" and failures:
         raise AssertionError("\n".join(failures))
     return failures

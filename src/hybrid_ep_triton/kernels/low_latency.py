@@ -253,10 +253,12 @@ def _flag(heap, rank, block, s, seq, k):
 
 @triton.jit
 def _block_row(heap, rank, block, seq, k):
-    """Address (int64) of the first row of receive block ``block`` of call ``seq``'s area in
-    ``rank``'s heap."""
+    """The first row (a uint8 pointer, 16-byte aligned) of receive block ``block`` of call
+    ``seq``'s area in ``rank``'s heap."""
     first = ((seq % 2) * k.B + block) * k.M * k.ROW_BYTES
-    return _heap_address(heap, rank, heap.staging_off + first)
+    row = _heap_address(heap, rank, heap.staging_off + first).to(tl.pointer_type(tl.uint8))
+    # (said, so that the rows' copies move 16 bytes at a time)
+    return tl.multiple_of(row, 16)
 
 
 # -- moving rows ---------------------------------------------------------------------------
@@ -380,17 +382,16 @@ def _token_role(program, seq, tokens, out, heap, sync, k):
     if chunk == 0:
         tl.store(tokens.slots_ptr + t * k.K + slots, position, mask=expert >= 0)
         tl.store(out.src_info_ptr + expert_local * out.rows + position, t, mask=own)
-    own_rows, own_scales = _output_rows(out, expert_local, position)
+    # (addresses from the picked expert and position rather than picked addresses, so that
+    # the compiler sees the rows' alignment, row_bytes', and stores them 16 bytes at a time)
     if k.FP8:
         gmask = groups < tokens.hidden // 128
         for j in tl.static_range(k.K):
             if _pick(own, slots, j):
-                row = _pick(own_rows.to(tl.int64), slots, j)
-                scale_row = _pick(own_scales.to(tl.int64), slots, j)
-                tl.store(row.to(tl.pointer_type(tl.uint8)) + cols, values,
-                         mask=cmask)  # fmt: skip
-                _store_scales(scale_row.to(out.scales_ptr.dtype)
-                              + tl.zeros([1], tl.int32), groups, scales[None, :],
+                row, scale_row = _output_rows(out, _pick(expert_local, slots, j),
+                                              _pick(position, slots, j))  # fmt: skip
+                tl.store(row + cols, values, mask=cmask)
+                _store_scales(scale_row + tl.zeros([1], tl.int32), groups, scales[None, :],
                               gmask[None, :], out.scale_step, k.UE8M0)  # fmt: skip
         if k.W > 1:
             if tl.max(((expert >= 0) & (expert // k.L != tokens.rank)).to(tl.int32), axis=0):
@@ -400,8 +401,9 @@ def _token_role(program, seq, tokens, out, heap, sync, k):
         dtype = tokens.x_ptr.dtype.element_ty
         for j in tl.static_range(k.K):
             if _pick(own, slots, j):
-                row = _pick(own_rows.to(tl.int64), slots, j)
-                tl.store(row.to(tl.pointer_type(dtype)) + cols, x, mask=cmask)
+                row, _ = _output_rows(out, _pick(expert_local, slots, j),
+                                      _pick(position, slots, j))  # fmt: skip
+                tl.store(row.to(tl.pointer_type(dtype), bitcast=True) + cols, x, mask=cmask)
 
 
 @triton.jit
@@ -607,8 +609,7 @@ def _dispatch_receive_role(program, seq, tokens, out, heap, sync, k):
         r = r0 + tl.arange(0, k.ROWS)
         position = first + r
         rmask = (r < length) & (position < out.rows)
-        token_ptr, payload = _staged((block + r.to(tl.int64) * k.ROW_BYTES).to(
-            tl.pointer_type(tl.uint8)))  # fmt: skip
+        token_ptr, payload = _staged(block + r.to(tl.int64) * k.ROW_BYTES)
         tl.store(out.src_info_ptr + expert_local * out.rows + position,
                  tl.load(token_ptr, mask=rmask), mask=rmask)  # fmt: skip
         values, scale_rows = _output_rows(out, expert_local, position)
@@ -626,8 +627,8 @@ def _dispatch_receive_role(program, seq, tokens, out, heap, sync, k):
 
 @triton.jit
 def _output_rows(out, expert_local, position):
-    """Rows ``position`` [ROWS] of local expert ``expert_local`` of recv_x: (their first bytes,
-    their first scales)."""
+    """Rows ``position`` (a scalar, or [ROWS]) of local expert ``expert_local`` of recv_x: (their
+    first bytes, their first scales)."""
     row = expert_local.to(tl.int64) * out.rows + position
     scale_row = (out.scales_ptr + expert_local.to(tl.int64) * out.scale_plane
                  + position * out.scale_row_step)  # fmt: skip
@@ -665,7 +666,8 @@ def _combine_send_role(program, seq, rows, heap, sync, k):
             + first.to(tl.int64) * (rows.x_row)
         )
         if on_node:
-            dst = _block_row(heap, j, b, seq, k).to(tl.pointer_type(rows.x_ptr.dtype.element_ty))
+            dst = _block_row(heap, j, b, seq, k).to(tl.pointer_type(rows.x_ptr.dtype.element_ty),
+                                                    bitcast=True)  # fmt: skip
             col_first, col_last = _slice(rows.hidden, s, k)
             _copy_block(src, rows.x_row, dst, rows.hidden, length, col_first, col_last, k)
             signal(_flag(heap, j, b, s, seq, k), flag)
@@ -679,7 +681,8 @@ def _put_combine_rows(src, expert_local, first, length, j, b, flag, seq, rows, h
     ``j`` on another node: from this rank's send area, the buffer [L, rows, H] of
     get_next_low_latency_combine_buffer (with ZERO_COPY, x itself), one put-with-signal."""
     dtype = rows.x_ptr.dtype.element_ty
-    area = _heap_address(heap, rows.rank, heap.send_off).to(tl.pointer_type(dtype))
+    area = tl.multiple_of(_heap_address(heap, rows.rank, heap.send_off).to(tl.pointer_type(dtype)),
+                          16)  # fmt: skip
     first_row = area + (expert_local.to(tl.int64) * rows.rows + first) * rows.hidden
     if not k.ZERO_COPY:
         _copy_block(src, rows.x_row, first_row, rows.hidden, length, 0, rows.hidden, k)
@@ -746,8 +749,10 @@ def _combine_receive_role(program, seq, rows, heap, sync, k):
     weight = tl.where(valid, weight, 0.0)
     own_row = rows.x_ptr + (expert % k.L).to(tl.int64) * rows.x_plane + position * rows.x_row
     staged = _block_row(heap, rank, _combine_block(expert, rank, k), seq, k).to(
-        tl.pointer_type(dtype))  # fmt: skip
+        tl.pointer_type(dtype), bitcast=True)  # fmt: skip
     src = tl.where(own, own_row, staged + position * rows.hidden)
+    if k.ALIGNED:  # (said: the compiler does not see it through the choice of rows)
+        src = tl.multiple_of(src, 16)
     first, last = _slice(rows.hidden, s, k)
     part = tl.cdiv(tl.cdiv(last - first, k.PARTS), 16) * 16
     first += program % k.PARTS * part

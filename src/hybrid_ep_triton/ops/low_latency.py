@@ -172,7 +172,9 @@ def token_groups(fp8: bool) -> int:
 
 
 def _aligned(*tensors: torch.Tensor) -> bool:
-    return all(t.data_ptr() % 16 == 0 and t.stride(-2) * t.element_size() % 16 == 0
+    """Whether every row of each tensor (its last dimension) starts 16-byte aligned."""
+    return all(t.data_ptr() % 16 == 0
+               and all(stride * t.element_size() % 16 == 0 for stride in t.stride()[:-1])
                for t in tensors)  # fmt: skip
 
 
@@ -266,7 +268,7 @@ def launch_combine(
             weights_ptr=topk_weights, out_ptr=out, num_tokens=num_tokens, hidden=plan.hidden,
             rows=x.shape[1], send_off=_send_off(rt, area), refused=int(refused), K=topk,
             K_P2=next_power_of_2(topk), BLOCK_H=_COMBINE_BLOCK_H, PARTS=_SUM_PARTS,
-            ALIGNED=_aligned(x[0], out) and plan.hidden * x.element_size() % 16 == 0,
+            ALIGNED=_aligned(x, out) and plan.hidden * x.element_size() % 16 == 0,
             ZERO_COPY=zero_copy, SEND=send, RECEIVE=receive,
         ),
         aligned=dict(slots_ptr=token_slots, layout_range_ptr=layout_range, seq_ptr=call_seq),
