@@ -35,6 +35,7 @@ from hybrid_ep_triton.kernels.dispatch import dispatch_kernel
 from hybrid_ep_triton.kernels.low_latency import (
     low_latency_combine_kernel,
     low_latency_dispatch_kernel,
+    low_latency_farewell_kernel,
 )
 from hybrid_ep_triton.kernels.quantize import NO_QUANTIZER, quantize_block_scaled_kernel
 from hybrid_ep_triton.kernels.route import layout_kernel
@@ -209,7 +210,7 @@ def builds(topologies=TOPOLOGIES):
 def low_latency_builds(world: int, per_node: int):
     """Yield (label, ASTSource, options) of the low-latency kernels at 128 tokens a rank, as
     ops/low_latency.py launches them without a hook: dispatch of bf16 rows and of FP8 rows with
-    UE8M0 scales, and combine."""
+    UE8M0 scales, combine, and destroy()'s farewell."""
     from hybrid_ep_triton.ops import low_latency as ops
     from hybrid_ep_triton.runtime.planner import low_latency_layout, next_power_of_2
 
@@ -240,6 +241,10 @@ def low_latency_builds(world: int, per_node: int):
     constexprs = {k: v for k, v in constexprs.items() if k in params}
     pointers = dict(heap, weights_ptr="*fp32", out_ptr="*bf16")
     signature, attrs = _signature(kernel, pointers, constexprs)
+    yield f"{topo} {kernel.fn.__name__}", ASTSource(kernel, signature, constexprs, attrs), options
+    kernel = low_latency_farewell_kernel
+    constexprs = dict(W=world, W_P2=world, NODES=nodes)
+    signature, attrs = _signature(kernel, dict(heap, verdict_ptr="*i64"), constexprs)
     yield f"{topo} {kernel.fn.__name__}", ASTSource(kernel, signature, constexprs, attrs), options
 
 

@@ -34,7 +34,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from hybrid_ep_triton import Buffer, reference
-from hybrid_ep_triton.ops.low_latency import LowLatencyHandle
+from hybrid_ep_triton.ops.low_latency import LowLatencyHandle, farewell
 from hybrid_ep_triton.runtime.planner import deepep_low_latency_bytes
 from hybrid_ep_triton.tools.launcher import RankFailure, rank_device
 
@@ -789,6 +789,33 @@ def test_rank_killed_outright_is_masked(launch):
         launch(_masked_body, grp.world_size, grp, "killed", 1, 4, fresh=True,
                failure_grace_s=300)  # fmt: skip
     assert list(failed.value.failures) == [MASKED], failed.value.failures
+
+
+def _farewell_body(rank: int, world: int, ranks_per_node, how: str) -> list[str]:
+    """destroy()'s farewell: ``how`` "all": every rank comes, and each frees the heap with the
+    others; "masked": rank 0 has masked rank 1 (not told yet: no call was made), and every
+    rank leaves the heap; "silent": rank MASKED comes only once the others are done, and every
+    rank leaves it, the others after timeout_s. Each rank's verdict, then destroy()."""
+    buf = Buffer(None, hidden_size=128, max_tokens_per_rank=4, num_experts=8,
+                 low_latency_tokens=4, ranks_per_node=ranks_per_node, device=rank_device(),
+                 timeout_s=3.0 if how == "silent" else 60.0)  # fmt: skip
+    if how == "masked" and rank == 0:
+        buf.update_mask(1)
+    silent = how == "silent" and rank == MASKED
+    if silent:
+        dist.barrier()
+    together = farewell(buf._rt)  # (internals: what destroy() decides)
+    if how == "silent" and not silent:
+        dist.barrier()
+    buf.destroy()
+    want = how == "all"
+    return [] if together == want else [f"{how}: rank {rank} frees together: {together}"]
+
+
+@pytest.mark.parametrize("ranks_per_node", [None, 2], ids=["W4", "2x2"])
+@pytest.mark.parametrize("how", ["all", "masked", "silent"])
+def test_destroy_frees_together_only_where_every_rank_says_so(launch, how, ranks_per_node):
+    _assert_no_failures(launch(_farewell_body, 4, ranks_per_node, how))
 
 
 # --- refused inputs ------------------------------------------------------------------------

@@ -11,7 +11,7 @@ from .ops import low_latency, operators, status
 from .ops.handle import DispatchHandle, check_handle
 from .ops.low_latency import LowLatencyHandle
 from .ops.refusal import Refusals
-from .ops.runtime import agreed_plan, make_runtime, release
+from .ops.runtime import agreed_plan, make_runtime
 from .ops.scaled_rows import ScaledValues
 from .ops.streams import CommStream
 from .runtime.checks import (
@@ -328,10 +328,12 @@ class Buffer:
         return self._rt.kernel_build_seconds
 
     def destroy(self) -> None:
-        """Free the symmetric buffers (collective, unless a rank is masked; idempotent)."""
+        """Free the symmetric buffers with the other ranks (idempotent); with the low-latency
+        mode only where every rank says so within timeout_s, else leave them to the process's
+        end (a rank masked, gone or silent)."""
         if getattr(self, "_rt", None) is not None:
             operators.unregister(self._id)
-            release(self._rt)
+            low_latency.release(self._rt)
             self._rt = None
 
     def __enter__(self) -> "Buffer":

@@ -47,6 +47,10 @@ A launch ends with no program waiting on another: a sending launch's programs ta
 they start (``_start``), and the last of them publishes the call's number as it ends; only a
 launch that receives from other ranks counts its programs out, to free its receive area.
 
+destroy() frees the heap with the other ranks only where all of them say so in time
+(``low_latency_farewell_kernel``): a rank masked, gone or silent leaves every live rank
+leaving the heap as it is, none waiting for it.
+
 In the code each role is a function taking the kernel's arguments in bundles (DispatchRows,
 Received, CombineRows, LowLatencyHeap, LowLatencySync, LowLatencyConsts); the kernels pick each
 program's role between ``_start`` and ``_finish``.
@@ -72,6 +76,7 @@ from .control import (
 from .primitives import (
     MASKED_HERE,
     SAME_ON_EVERY_RANK,
+    clock_ns,
     net_put_signal,
     net_signal,
     region,
@@ -93,6 +98,10 @@ INV_E4M3_MAX = tl.constexpr(1.0 / 448.0)
 HEADER = tl.constexpr(16)
 # Local experts whose lists one program of a dispatch's count role counts.
 COUNTED = tl.constexpr(8)
+# A rank's word in ll_farewell (destroy()): it frees the heap with the others, or it leaves it
+# (a peer masked, silent or leaving).
+FREE_TOGETHER = tl.constexpr(1)
+LEAVING = tl.constexpr(2)
 
 # The kernels' arguments in bundles (as in kernels/combine.py: namedtuples of runtime values,
 # LowLatencyConsts built in the call that passes it).
@@ -974,3 +983,47 @@ def low_latency_combine_kernel(
             LowLatencyConsts(W, L, B, M, S, 1, K, K_P2, 0, ROWS, BLOCK_H, STAGES, PARTS, 0, 0,
                              ROW_BYTES, False, False, False, ALIGNED, False, ZERO_COPY, NODES),
             SEND, RECEIVE)  # fmt: skip
+
+
+@triton.jit(do_not_specialize=SAME_ON_EVERY_RANK)
+def low_latency_farewell_kernel(
+    peer_bases_ptr, net_bases_ptr, mask_off, farewell_off, rank, timeout_ns, verdict_ptr,
+    W: tl.constexpr, W_P2: tl.constexpr, NODES: tl.constexpr,
+):  # fmt: skip
+    """destroy(), one program: whether this rank frees the heap with the others (on GPUs
+    NVSHMEM's free waits for every rank: one that never comes would hold the others forever).
+    It says its word in its place of every rank's ll_farewell (LEAVING where it has masked a
+    rank, else FREE_TOGETHER), and waits, up to timeout_ns, for every other rank's word: all
+    FREE_TOGETHER, the verdict is FREE_TOGETHER; a word LEAVING or the time run out, LEAVING,
+    which it then says, so that a rank that decides later leaves as well. Writes the verdict
+    into *verdict_ptr."""
+    peers = tl.arange(0, W_P2)
+    others = (peers < W) & (peers != rank)
+    masked = tl.load(region(peer_bases_ptr, rank, mask_off, tl.int64) + peers, mask=others,
+                     other=0) != 0  # fmt: skip
+    mine = tl.where(tl.max(masked.to(tl.int32), axis=0) > 0, LEAVING, FREE_TOGETHER)
+    _say_farewell(mine, peer_bases_ptr, net_bases_ptr, farewell_off, rank, W, NODES)
+    words = region(peer_bases_ptr, rank, farewell_off, tl.int64) + peers
+    start = clock_ns()
+    said = tl.zeros([W_P2], tl.int64)
+    waiting = True
+    while waiting:
+        said = tl.where(others, tl.load(words, mask=others, other=0, volatile=True), mine)
+        waiting = ((tl.min(said, axis=0) == 0) & (tl.max(said, axis=0) < LEAVING)
+                   & (clock_ns() - start < timeout_ns))  # fmt: skip
+    together = (tl.min(said, axis=0) == FREE_TOGETHER) & (tl.max(said, axis=0) == FREE_TOGETHER)
+    verdict = tl.where(together, FREE_TOGETHER, LEAVING)
+    _say_farewell(verdict, peer_bases_ptr, net_bases_ptr, farewell_off, rank, W, NODES)
+    tl.store(verdict_ptr, verdict)
+
+
+@triton.jit
+def _say_farewell(word, peer_bases_ptr, net_bases_ptr, farewell_off, rank, W, NODES):
+    """``word`` into this rank's place of every other rank's ll_farewell (another node's by a
+    network signal)."""
+    for peer in range(0, W):
+        if peer != rank:
+            if tl.load(peer_bases_ptr + peer) != 0:
+                signal(region(peer_bases_ptr, peer, farewell_off, tl.int64) + rank, word)
+            elif NODES > 1:
+                net_signal(net_bases_ptr, peer, farewell_off + rank * 8, word)

@@ -8,8 +8,10 @@ import torch
 from ..kernels.control import MASK_FAILED, MASKS_NEW
 from ..kernels.low_latency import (
     COUNTED,
+    FREE_TOGETHER,
     low_latency_combine_kernel,
     low_latency_dispatch_kernel,
+    low_latency_farewell_kernel,
 )
 from ..kernels.primitives import MASKED_HERE
 from ..runtime.checks import (
@@ -31,7 +33,7 @@ from ..runtime.planner import (
 )
 from . import operators, status
 from .launch import KernelLauncher
-from .runtime import Runtime, mask_words
+from .runtime import Runtime
 
 # Warps of a low-latency program: most move a few rows, and many programs hide the latency of
 # each one's scan and waits.
@@ -300,6 +302,42 @@ def run_refused_combine(rt: Runtime, area: int) -> None:
         torch.empty(1, dtype=torch.int64, device=device), zero_copy=True, send=True,
         receive=True, area=area, refused=True,
     )  # fmt: skip
+
+
+def mask_words(rt: Runtime) -> torch.Tensor:
+    """This rank's ll_mask in its heap, int64 [W] (nonzero: the low-latency calls skip that
+    rank; empty without the mode)."""
+    start, size = rt.plan.heap.ll_mask, 8 * rt.world_size if rt.plan.low_latency.tokens else 0
+    return rt.heap.local[start : start + size].view(torch.int64)
+
+
+def release(rt: Runtime) -> None:
+    """Free ``rt``'s heap with the other ranks (on GPUs NVSHMEM's free waits for every rank);
+    with the mode, only where ``farewell`` says so, else leave it without waiting for anyone:
+    on GPUs the heap and NVSHMEM then stay until the process ends."""
+    if not rt.plan.low_latency.tokens or farewell(rt):
+        rt.heap.close()
+    else:
+        rt.heap.abandon()
+
+
+def farewell(rt: Runtime) -> bool:
+    """Whether every rank says, within timeout_s, that it frees the heap with the others, none
+    masked here or by another rank (kernels/low_latency.py, low_latency_farewell_kernel; a
+    host synchronisation). Said again, it gives the same answer at once."""
+    if rt.world_size == 1:
+        return True
+    heap = rt.plan.heap
+    verdict = torch.zeros(1, dtype=torch.int64, device=rt.device)
+    launch = KernelLauncher(
+        low_latency_farewell_kernel, on_compile=rt.on_compile,
+        peer_bases_ptr=rt.heap.peer_bases, net_bases_ptr=rt.heap.net_bases,
+        mask_off=heap.ll_mask, farewell_off=heap.ll_farewell, rank=rt.rank,
+        timeout_ns=rt.timeout_ns, W=rt.world_size, W_P2=next_power_of_2(rt.world_size),
+        NODES=rt.plan.nodes, num_warps=1, **rt.compile_options,
+    )  # fmt: skip
+    launch((1,), specialized={}, aligned=dict(verdict_ptr=verdict))
+    return int(verdict.item()) == FREE_TOGETHER.value
 
 
 def _check_after_launch(rt: Runtime) -> None:

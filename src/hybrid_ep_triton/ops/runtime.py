@@ -228,20 +228,3 @@ def agreed_plan(
         low_latency_tokens=low_latency_tokens,
     )  # fmt: skip
     return plan, device, context_sms
-
-
-def mask_words(rt: Runtime) -> torch.Tensor:
-    """This rank's ll_mask in its heap, int64 [W] (nonzero: the low-latency calls skip that
-    rank; empty without the mode)."""
-    start, size = rt.plan.heap.ll_mask, 8 * rt.world_size if rt.plan.low_latency.tokens else 0
-    return rt.heap.local[start : start + size].view(torch.int64)
-
-
-def release(rt: Runtime) -> None:
-    """Free ``rt``'s heap: collectively (on GPUs NVSHMEM's free waits for every rank), or where
-    a rank is masked, without waiting for anyone (on GPUs the heap and NVSHMEM then stay until
-    the process ends)."""
-    if bool(mask_words(rt).any()):
-        rt.heap.abandon()
-    else:
-        rt.heap.close()

@@ -303,6 +303,7 @@ class HeapLayout:
     net_outbox: int
     ll_freed: int
     ll_mask: int
+    ll_farewell: int
     ll_flags: int
     ll_own: int
     ll_quantized: int
@@ -322,6 +323,8 @@ class LowLatencyLayout:
                                     a wait that ran out: MASKED_HERE until this rank has told
                                     the others; a peer that masked it and said so: 1); then
                                     this rank's heartbeat: the time, written while it waits
+    ll_farewell  int64 [W]          rank i's word at destroy(): it frees the heap with the
+                                    others (1) or leaves it (2); 0 while it has not said
     ll_flags     int64 [2, B, S]    slice s of receive block b has landed: (seq << 32) | rows
                                     (a block from another node lands whole, with slice 0's)
     ll_own       int64 [2, L]       this rank's own rows of local expert e: (seq << 32) | rows
@@ -376,6 +379,7 @@ def low_latency_region_sizes(ll: LowLatencyLayout, world_size: int, num_experts:
     return [
         ("ll_freed", world_size * 8 if on else 0),
         ("ll_mask", (world_size + 1) * 8 if on else 0),
+        ("ll_farewell", world_size * 8 if on else 0),
         ("ll_flags", 2 * ll.remote_blocks * ll.slices * 8 if on else 0),
         ("ll_own", 2 * ll.experts_per_rank * 8 if on else 0),
         ("ll_quantized", ll.tokens * ll.token_chunks * 8),
