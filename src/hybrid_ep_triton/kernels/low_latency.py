@@ -992,8 +992,8 @@ def low_latency_farewell_kernel(
 ):  # fmt: skip
     """destroy(), one program: whether this rank frees the heap with the others (on GPUs
     NVSHMEM's free waits for every rank: one that never comes would hold the others forever).
-    It says its word in its place of every rank's ll_farewell (LEAVING where it has masked a
-    rank, else FREE_TOGETHER), and waits, up to timeout_ns, for every other rank's word: all
+    It says its word in its place of every live rank's ll_farewell (LEAVING where it has
+    masked a rank, else FREE_TOGETHER), and waits, up to timeout_ns, for every other rank's word: all
     FREE_TOGETHER, the verdict is FREE_TOGETHER; a word LEAVING or the time run out, LEAVING,
     which it then says, so that a rank that decides later leaves as well. Writes the verdict
     into *verdict_ptr."""
@@ -1002,7 +1002,7 @@ def low_latency_farewell_kernel(
     masked = tl.load(region(peer_bases_ptr, rank, mask_off, tl.int64) + peers, mask=others,
                      other=0) != 0  # fmt: skip
     mine = tl.where(tl.max(masked.to(tl.int32), axis=0) > 0, LEAVING, FREE_TOGETHER)
-    _say_farewell(mine, peer_bases_ptr, net_bases_ptr, farewell_off, rank, W, NODES)
+    _say_farewell(mine, masked, peer_bases_ptr, net_bases_ptr, farewell_off, rank, W, NODES)
     words = region(peer_bases_ptr, rank, farewell_off, tl.int64) + peers
     start = clock_ns()
     said = tl.zeros([W_P2], tl.int64)
@@ -1013,16 +1013,17 @@ def low_latency_farewell_kernel(
                    & (clock_ns() - start < timeout_ns))  # fmt: skip
     together = (tl.min(said, axis=0) == FREE_TOGETHER) & (tl.max(said, axis=0) == FREE_TOGETHER)
     verdict = tl.where(together, FREE_TOGETHER, LEAVING)
-    _say_farewell(verdict, peer_bases_ptr, net_bases_ptr, farewell_off, rank, W, NODES)
+    _say_farewell(verdict, masked, peer_bases_ptr, net_bases_ptr, farewell_off, rank, W, NODES)
     tl.store(verdict_ptr, verdict)
 
 
 @triton.jit
-def _say_farewell(word, peer_bases_ptr, net_bases_ptr, farewell_off, rank, W, NODES):
-    """``word`` into this rank's place of every other rank's ll_farewell (another node's by a
-    network signal)."""
+def _say_farewell(word, masked, peer_bases_ptr, net_bases_ptr, farewell_off, rank, W, NODES):
+    """``word`` into this rank's place of the ll_farewell of every other rank not ``masked``
+    ([W_P2]: one may be gone, its memory with it; another node's by a network signal)."""
+    peers = tl.arange(0, masked.shape[0])
     for peer in range(0, W):
-        if peer != rank:
+        if (peer != rank) & (tl.sum(tl.where((peers == peer) & masked, 1, 0), axis=0) == 0):
             if tl.load(peer_bases_ptr + peer) != 0:
                 signal(region(peer_bases_ptr, peer, farewell_off, tl.int64) + rank, word)
             elif NODES > 1:
