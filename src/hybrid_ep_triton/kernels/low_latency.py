@@ -104,7 +104,8 @@ FREE_TOGETHER = tl.constexpr(1)
 LEAVING = tl.constexpr(2)
 
 # The kernels' arguments in bundles (as in kernels/combine.py: namedtuples of runtime values,
-# LowLatencyConsts built in the call that passes it).
+# LowLatencyConsts built in the call that passes it: assigned to a variable, its fields are no
+# longer constexprs under Triton 3.6).
 DispatchRows = namedtuple(
     "DispatchRows", "rank x_ptr x_stride topk_ptr slots_ptr num_tokens hidden"
 )
