@@ -994,10 +994,10 @@ def low_latency_farewell_kernel(
     """destroy(), one program: whether this rank frees the heap with the others (on GPUs
     NVSHMEM's free waits for every rank: one that never comes would hold the others forever).
     It says its word in its place of every live rank's ll_farewell (LEAVING where it has
-    masked a rank, else FREE_TOGETHER), and waits, up to timeout_ns, for every other rank's word: all
-    FREE_TOGETHER, the verdict is FREE_TOGETHER; a word LEAVING or the time run out, LEAVING,
-    which it then says, so that a rank that decides later leaves as well. Writes the verdict
-    into *verdict_ptr."""
+    masked a rank, else FREE_TOGETHER), and waits, up to timeout_ns, for every other rank's
+    word: all FREE_TOGETHER, the verdict is FREE_TOGETHER; a word LEAVING or the time run out,
+    LEAVING, which it then says, so that a rank that decides later leaves as well. Writes the
+    verdict into *verdict_ptr."""
     peers = tl.arange(0, W_P2)
     others = (peers < W) & (peers != rank)
     masked = tl.load(region(peer_bases_ptr, rank, mask_off, tl.int64) + peers, mask=others,
