@@ -12,8 +12,8 @@ ptxas' resource usage
 identical code, e.g. before and after a change that should not change it); any compile or link
 error fails. Integer arguments that
 the JIT would specialise as multiples of 16 (pointers, hidden sizes, strides) are marked so.
-The builds compile side by side on every core first (24 builds: 3:17 on one of this project's 2
-CPU cores, 1:55 on both), into Triton's cache, which the printing pass then reads.
+The builds (36) compile side by side on every core first, into Triton's cache, which the
+printing pass then reads.
 """
 
 import hashlib
