@@ -994,17 +994,20 @@ def low_latency_farewell_kernel(
     """destroy(), one program: whether this rank frees the heap with the others (on GPUs
     NVSHMEM's free waits for every rank: one that never comes would hold the others forever).
     It says its word in its place of every live rank's ll_farewell (LEAVING where it has
-    masked a rank, else FREE_TOGETHER), and waits, up to timeout_ns, for every other rank's
-    word: all FREE_TOGETHER, the verdict is FREE_TOGETHER; a word LEAVING or the time run out,
-    LEAVING, which it then says, so that a rank that decides later leaves as well. Writes the
-    verdict into *verdict_ptr."""
+    masked a rank or left before, else FREE_TOGETHER), and waits, up to timeout_ns, for every
+    other rank's word: all FREE_TOGETHER, the verdict is FREE_TOGETHER; a word LEAVING or the
+    time run out, LEAVING, which it then says, so that a rank that decides later leaves as well.
+    Writes the verdict into its own place of its ll_farewell and into *verdict_ptr."""
     peers = tl.arange(0, W_P2)
     others = (peers < W) & (peers != rank)
     masked = tl.load(region(peer_bases_ptr, rank, mask_off, tl.int64) + peers, mask=others,
                      other=0) != 0  # fmt: skip
-    mine = tl.where(tl.max(masked.to(tl.int32), axis=0) > 0, LEAVING, FREE_TOGETHER)
-    _say_farewell(mine, masked, peer_bases_ptr, net_bases_ptr, farewell_off, rank, W, NODES)
     words = region(peer_bases_ptr, rank, farewell_off, tl.int64) + peers
+    # (this rank's own word holds its last verdict: said again, it does not take LEAVING back)
+    left = tl.load(words, mask=peers == rank, other=0) == LEAVING
+    leaving = tl.max((masked | left).to(tl.int32), axis=0) > 0
+    mine = tl.where(leaving, LEAVING, FREE_TOGETHER)
+    _say_farewell(mine, masked, peer_bases_ptr, net_bases_ptr, farewell_off, rank, W, NODES)
     start = clock_ns()
     said = tl.zeros([W_P2], tl.int64)
     waiting = True
@@ -1015,6 +1018,7 @@ def low_latency_farewell_kernel(
     together = (tl.min(said, axis=0) == FREE_TOGETHER) & (tl.max(said, axis=0) == FREE_TOGETHER)
     verdict = tl.where(together, FREE_TOGETHER, LEAVING)
     _say_farewell(verdict, masked, peer_bases_ptr, net_bases_ptr, farewell_off, rank, W, NODES)
+    tl.store(words, verdict, mask=peers == rank)
     tl.store(verdict_ptr, verdict)
 
 

@@ -325,6 +325,7 @@ class LowLatencyLayout:
                                     this rank's heartbeat: the time, written while it waits
     ll_farewell  int64 [W]          rank i's word at destroy(): it frees the heap with the
                                     others (1) or leaves it (2); 0 while it has not said
+                                    (this rank's own place: its last verdict)
     ll_flags     int64 [2, B, S]    slice s of receive block b has landed: (seq << 32) | rows
                                     (a block from another node lands whole, with slice 0's)
     ll_own       int64 [2, L]       this rank's own rows of local expert e: (seq << 32) | rows
