@@ -693,8 +693,8 @@ def _masked_body(rank: int, world: int, grp: Group, how: str, stall_at: int = 0,
         buf.clean_mask()
         if buf.masked_ranks:
             fail(f"after clean_mask, masked_ranks {buf.masked_ranks}")
-        if how == "killed":  # (so that destroy() frees nothing with the dead rank: on GPUs
-            buf.update_mask(MASKED)  # it would wait for it)
+        if how == "killed":  # (so that destroy() does not wait timeout_s for the dead rank's
+            buf.update_mask(MASKED)  # farewell)
     except Exception as e:
         fail(raised(e))
     finally:
