@@ -266,9 +266,8 @@ def _block_row(heap, rank, block, seq, k):
     """The first row (a uint8 pointer, 16-byte aligned) of receive block ``block`` of call
     ``seq``'s area in ``rank``'s heap."""
     first = ((seq % 2) * k.B + block) * k.M * k.ROW_BYTES
-    row = _heap_address(heap, rank, heap.staging_off + first).to(tl.pointer_type(tl.uint8))
-    # (said, so that the rows' copies move 16 bytes at a time)
-    return tl.multiple_of(row, 16)
+    # (region says the alignment, so that the rows' copies move 16 bytes at a time)
+    return region(heap.peer_bases_ptr, rank, heap.staging_off + first, tl.uint8)
 
 
 # -- moving rows ---------------------------------------------------------------------------
@@ -691,8 +690,7 @@ def _put_combine_rows(src, expert_local, first, length, j, b, flag, seq, rows, h
     ``j`` on another node: from this rank's send area, the buffer [L, rows, H] of
     get_next_low_latency_combine_buffer (with ZERO_COPY, x itself), one put-with-signal."""
     dtype = rows.x_ptr.dtype.element_ty
-    area = tl.multiple_of(_heap_address(heap, rows.rank, heap.send_off).to(tl.pointer_type(dtype)),
-                          16)  # fmt: skip
+    area = region(heap.peer_bases_ptr, rows.rank, heap.send_off, dtype)
     first_row = area + (expert_local.to(tl.int64) * rows.rows + first) * rows.hidden
     if not k.ZERO_COPY:
         _copy_block(src, rows.x_row, first_row, rows.hidden, length, 0, rows.hidden, k)
@@ -831,11 +829,8 @@ def _finish(seq, last, news, heap, sync, k, SEND: tl.constexpr, RECEIVE: tl.cons
             tl.store(sync.control_ptr + LL_DONE, 0)
             for peer in range(0, k.W):
                 if (peer != sync.rank) & _live(sync, peer):
-                    if tl.load(heap.peer_bases_ptr + peer) != 0:
-                        freed = region(heap.peer_bases_ptr, peer, heap.freed_off, tl.int64)
-                        signal(freed + sync.rank, seq)
-                    elif k.NODES > 1:
-                        net_signal(heap.net_bases_ptr, peer, heap.freed_off + sync.rank * 8, seq)
+                    _signal_peer(heap.peer_bases_ptr, heap.net_bases_ptr, peer, heap.freed_off,
+                                 sync.rank, seq, k.NODES)  # fmt: skip
 
 
 @triton.jit
@@ -1028,8 +1023,16 @@ def _say_farewell(word, masked, peer_bases_ptr, net_bases_ptr, farewell_off, ran
     ([W_P2]: one may be gone, its memory with it; another node's by a network signal)."""
     peers = tl.arange(0, masked.shape[0])
     for peer in range(0, W):
-        if (peer != rank) & (tl.sum(tl.where((peers == peer) & masked, 1, 0), axis=0) == 0):
-            if tl.load(peer_bases_ptr + peer) != 0:
-                signal(region(peer_bases_ptr, peer, farewell_off, tl.int64) + rank, word)
-            elif NODES > 1:
-                net_signal(net_bases_ptr, peer, farewell_off + rank * 8, word)
+        if (peer != rank) & (_pick(masked.to(tl.int32), peers, peer) == 0):
+            _signal_peer(peer_bases_ptr, net_bases_ptr, peer, farewell_off, rank, word, NODES)
+
+
+@triton.jit
+def _signal_peer(peer_bases_ptr, net_bases_ptr, peer, region_off, index, value, NODES):
+    """Set int64 word ``index`` of the region at byte ``region_off`` of ``peer``'s heap to
+    ``value`` after this program's writes (``signal``): on this node by a store, on another
+    by a network signal."""
+    if tl.load(peer_bases_ptr + peer) != 0:
+        signal(region(peer_bases_ptr, peer, region_off, tl.int64) + index, value)
+    elif NODES > 1:
+        net_signal(net_bases_ptr, peer, region_off + index * 8, value)
