@@ -34,14 +34,24 @@ ROW_BYTES a staged dispatch row (header and payload), FP8 / ROUND / UE8M0 the ro
 ALIGNED rows 16-byte aligned, HAS_STATS statistics given, ZERO_COPY combine's x is its buffer,
 NODES nodes of the group, SEND / RECEIVE which halves of a call the launch runs.
 
+Every kernel bundles its arguments once, at its top: namedtuples of runtime values (dispatch's
+Tokens, Layout, Outputs, Heap, Sync; combine's Rows, CombineHeap, CombineSync; ...) and ``k``, a
+constexpr namedtuple of its meta-parameters (``k: tl.constexpr = DispatchConsts(...)``: without
+the annotation Triton 3.6 turns the fields of an assigned namedtuple into tensors). Roles and
+helpers take the bundles and read the fields they use.
+
 The steps of the normal mode's data moves (send a chunk, pack and forward a network slot, expand,
 reduce, sum) are ``noinline`` functions: each gets a register allocation of its own, so that a
 kernel needs the most any step needs rather than their sum (sm_90 at 16 warps without spills).
-They take flat arguments, while the roles around them take the kernels' bundles: a noinline
-function's parameters are its calling convention, and a bundle passes every one of its fields.
-Triton 3.6 to 3.9 accept namedtuples there, but bundling them changes the machine code, which
-only a GPU A/B can clear; kernel arguments themselves stay flat, grouped under labelled comments,
-as the driver launches (ops/launch.py) and the prebuild records take them.
+A bundle passed to one becomes one parameter per field, and LLVM drops the fields it does not
+read, so a helper costs what its flat argument list did: the same registers and stack, and the
+same sm_90 code but for the order of its parameters and the registers chosen around the calls.
+
+The kernels themselves take flat arguments, grouped under labelled comments: Triton 3.6-3.9
+compile tuple arguments, but a launch binds the arguments by name (ops/launch.py's
+KernelLauncher) and a Relaunch builds the driver's parameter array from the compiled signature,
+one scalar or pointer each; a tuple there would send every launch back through Triton's
+launcher.
 
 What these kernels need of Triton beyond its API (cache keys settled before Triton 3.8, the
 interpreter's scalars as indices before 3.7) is runtime/triton_compat.py's, applied when

@@ -66,328 +66,201 @@ from .work import column, part_columns, remote_entries, remote_item, slice_width
 
 
 @triton.jit
-def _expert_rows(staged, smask, staged_rows_ptr, MS: tl.constexpr, MS_P2: tl.constexpr):
+def _expert_rows(staged, smask, rows, k):
     """The expert-major rows of y of staged rows ``staged`` [CHUNK] (where ``smask``) as
     [CHUNK, MS_P2] (-1: none), their entry numbers [MS_P2], and how many entries to loop over."""
-    entries = tl.arange(0, MS_P2)
-    rows = tl.load(
-        staged_rows_ptr + staged.to(tl.int64)[:, None] * MS + entries[None, :],
-        mask=smask[:, None] & (entries[None, :] < MS),
+    entries = tl.arange(0, k.MS_P2)
+    expert_rows = tl.load(
+        rows.staged_rows_ptr + staged.to(tl.int64)[:, None] * k.MS + entries[None, :],
+        mask=smask[:, None] & (entries[None, :] < k.MS),
         other=-1,
     )
     # Rows dropped past max_recv_tokens left holes: loop up to the last kept entry.
-    num_copies = tl.max(tl.max(tl.where(rows >= 0, entries[None, :] + 1, 0), axis=1), axis=0)
-    return rows, entries, num_copies
+    num_copies = tl.max(tl.max(tl.where(expert_rows >= 0, entries[None, :] + 1, 0), axis=1), axis=0)
+    return expert_rows, entries, num_copies
 
 
 @triton.jit
-def _gather_expert_rows(
-    acc,
-    rows,
-    entries,
-    num_copies,
-    cols,
-    cmask,
-    y_ptr,
-    y_stride,
-    weights_ptr,
-    HAS_WEIGHTS: tl.constexpr,
-    COPY_UNROLL: tl.constexpr,
-):
-    """``acc`` [CHUNK, BLOCK_H] fp32 plus, per row, the sum of its expert rows ``rows`` of y in
-    columns ``cols`` (times their weights)."""
+def _gather_expert_rows(acc, expert_rows, entries, num_copies, cols, cmask, rows, k):
+    """``acc`` [CHUNK, BLOCK_H] fp32 plus, per row, the sum of its expert rows ``expert_rows``
+    of y in columns ``cols`` (times their weights)."""
     # COPY_UNROLL independent gathers in flight per step, not one at a time.
-    for i0 in range(0, num_copies, COPY_UNROLL):
-        for u in tl.static_range(COPY_UNROLL):
-            row_i = column(rows, entries, i0 + u)
+    for i0 in range(0, num_copies, k.COPY_UNROLL):
+        for u in tl.static_range(k.COPY_UNROLL):
+            row_i = column(expert_rows, entries, i0 + u)
             valid = row_i >= 0
             part = tl.load(
-                y_ptr + row_i.to(tl.int64)[:, None] * y_stride + cols[None, :],
+                rows.y_ptr + row_i.to(tl.int64)[:, None] * rows.y_stride + cols[None, :],
                 mask=valid[:, None] & cmask[None, :],
                 other=0.0,
             ).to(tl.float32)
-            if HAS_WEIGHTS:
-                part *= tl.load(weights_ptr + row_i, mask=valid, other=0.0)[:, None]
+            if k.HAS_WEIGHTS:
+                part *= tl.load(rows.weights_ptr + row_i, mask=valid, other=0.0)[:, None]
             acc += part
     return acc
 
 
 @triton.jit
-def _store_expert_sums(
-    dst_ptr,
-    dst_rows,
-    dmask,
-    src_rows,
-    h_first,
-    h_last,
-    hidden,
-    y_ptr,
-    y_stride,
-    weights_ptr,
-    staged_rows_ptr,
-    MS: tl.constexpr,
-    MS_P2: tl.constexpr,
-    CHUNK: tl.constexpr,
-    BLOCK_H: tl.constexpr,
-    HAS_WEIGHTS: tl.constexpr,
-    COPY_UNROLL: tl.constexpr,
-):
+def _store_expert_sums(dst_ptr, dst_rows, dmask, src_rows, h_first, h_last, rows, k):
     """Columns [h_first, h_last) of rows ``dst_rows`` [CHUNK] of ``dst_ptr`` (where ``dmask``):
     the sum in fp32 of the expert-major rows of y (times their weights) of staged rows
     ``src_rows`` [CHUNK] (-1: none, a zero row), rounded to dst's dtype."""
-    rows, entries, num_copies = _expert_rows(src_rows, src_rows >= 0, staged_rows_ptr, MS, MS_P2)
-    for h0 in range(h_first, h_last, BLOCK_H):
-        cols = h0 + tl.arange(0, BLOCK_H)
+    expert_rows, entries, num_copies = _expert_rows(src_rows, src_rows >= 0, rows, k)
+    for h0 in range(h_first, h_last, k.BLOCK_H):
+        cols = h0 + tl.arange(0, k.BLOCK_H)
         cmask = cols < h_last
-        acc = _gather_expert_rows(
-            tl.zeros([CHUNK, BLOCK_H], tl.float32), rows, entries, num_copies, cols, cmask,
-            y_ptr, y_stride, weights_ptr, HAS_WEIGHTS, COPY_UNROLL,
-        )  # fmt: skip
-        ptrs = dst_ptr + dst_rows.to(tl.int64)[:, None] * hidden + cols[None, :]
+        acc = tl.zeros([k.CHUNK, k.BLOCK_H], tl.float32)
+        acc = _gather_expert_rows(acc, expert_rows, entries, num_copies, cols, cmask, rows, k)
+        ptrs = dst_ptr + dst_rows.to(tl.int64)[:, None] * rows.hidden + cols[None, :]
         tl.store(ptrs, acc.to(dst_ptr.dtype.element_ty), mask=dmask[:, None] & cmask[None, :])
 
 
 @triton.jit(noinline=True)
-def _reduce_chunk(
-    staged_first,
-    staged_end,
-    h_first,
-    h_last,
-    hidden,
-    y_ptr,
-    y_stride,
-    weights_ptr,
-    staged_rows_ptr,
-    partial_ptr,
-    MS: tl.constexpr,
-    MS_P2: tl.constexpr,
-    CHUNK: tl.constexpr,
-    BLOCK_H: tl.constexpr,
-    HAS_WEIGHTS: tl.constexpr,
-    COPY_UNROLL: tl.constexpr,
-):
+def _reduce_chunk(staged_first, staged_end, h_first, h_last, rows, k):
     """Reduce columns [h_first, h_last) of the expert-major rows of staged rows
-    [staged_first, staged_end) into one partial row each, stored as the same rows of
-    ``partial_ptr``."""
-    staged = staged_first + tl.arange(0, CHUNK)
+    [staged_first, staged_end) into one partial row each, stored as the same rows of the
+    outbox."""
+    staged = staged_first + tl.arange(0, k.CHUNK)
     jmask = staged < staged_end
-    _store_expert_sums(
-        partial_ptr, staged, jmask, tl.where(jmask, staged, -1), h_first, h_last, hidden, y_ptr,
-        y_stride, weights_ptr, staged_rows_ptr, MS, MS_P2, CHUNK, BLOCK_H, HAS_WEIGHTS,
-        COPY_UNROLL,
-    )  # fmt: skip
+    src_rows = tl.where(jmask, staged, -1)
+    _store_expert_sums(rows.outbox_ptr, staged, jmask, src_rows, h_first, h_last, rows, k)
 
 
 @triton.jit
-def _stream_rows(
-    c,
-    num_tokens,
-    world_size,
-    token_rank_pos_ptr,
-    send_chunk_start_ptr,
-    T_MAX: tl.constexpr,
-    W_P2: tl.constexpr,
-    CHUNK: tl.constexpr,
-):
+def _stream_rows(c, rows, k):
     """Tokens [CHUNK] of chunk ``c`` of this rank, their mask, and the row of each (token,
     rank) [CHUNK, W_P2] in this rank's stream to that rank (own rank) or in the staging block of
     what that rank sent back (other ranks), or -1 where the token has no expert there."""
-    ranks = tl.arange(0, W_P2)
-    tokens = c * CHUNK + tl.arange(0, CHUNK)
-    tmask = tokens < num_tokens
-    rmask = tmask[:, None] & (ranks[None, :] < world_size)
+    ranks = tl.arange(0, k.W_P2)
+    tokens = c * k.CHUNK + tl.arange(0, k.CHUNK)
+    tmask = tokens < rows.num_tokens
+    rmask = tmask[:, None] & (ranks[None, :] < k.W)
     pos = tl.load(
-        token_rank_pos_ptr + tokens[:, None] * world_size + ranks[None, :], mask=rmask, other=-1
+        rows.token_rank_pos_ptr + tokens[:, None] * k.W + ranks[None, :], mask=rmask, other=-1
     )
-    starts = tl.load(send_chunk_start_ptr + c * world_size + ranks, mask=ranks < world_size)
-    stream_rows = tl.where(pos >= 0, ranks[None, :] * T_MAX + starts[None, :] + pos, -1)
+    starts = tl.load(rows.send_chunk_start_ptr + c * k.W + ranks, mask=ranks < k.W)
+    stream_rows = tl.where(pos >= 0, ranks[None, :] * k.T_MAX + starts[None, :] + pos, -1)
     return tokens, tmask, ranks, stream_rows
 
 
 @triton.jit(noinline=True)
-def _sum_own_rows(
-    c,
-    h_first,
-    h_last,
-    num_tokens,
-    hidden,
-    rank,
-    world_size,
-    token_rank_pos_ptr,
-    send_chunk_start_ptr,
-    staged_rows_ptr,
-    y_ptr,
-    y_stride,
-    weights_ptr,
-    out_ptr,
-    T_MAX: tl.constexpr,
-    MS: tl.constexpr,
-    MS_P2: tl.constexpr,
-    W_P2: tl.constexpr,
-    CHUNK: tl.constexpr,
-    BLOCK_H: tl.constexpr,
-    HAS_WEIGHTS: tl.constexpr,
-    COPY_UNROLL: tl.constexpr,
-):
+def _sum_own_rows(c, h_first, h_last, rows, k):
     """Columns [h_first, h_last) of the out rows of chunk ``c``: per token, the sum in fp32 of
     its expert rows on this rank (times their weights), rounded to out's dtype like the partial
     rows the other ranks send (0 for a token with no expert here)."""
-    tokens, tmask, ranks, stream_rows = _stream_rows(
-        c, num_tokens, world_size, token_rank_pos_ptr, send_chunk_start_ptr, T_MAX, W_P2, CHUNK
-    )
-    _store_expert_sums(
-        out_ptr, tokens, tmask, column(stream_rows, ranks, rank), h_first, h_last, hidden, y_ptr,
-        y_stride, weights_ptr, staged_rows_ptr, MS, MS_P2, CHUNK, BLOCK_H, HAS_WEIGHTS,
-        COPY_UNROLL,
-    )  # fmt: skip
+    tokens, tmask, ranks, stream_rows = _stream_rows(c, rows, k)
+    own_rows = column(stream_rows, ranks, rows.rank)
+    _store_expert_sums(rows.out_ptr, tokens, tmask, own_rows, h_first, h_last, rows, k)
 
 
 @triton.jit(noinline=True)
-def _add_partial_rows(
-    c,
-    h_first,
-    h_last,
-    num_tokens,
-    hidden,
-    rank,
-    world_size,
-    token_rank_pos_ptr,
-    send_chunk_start_ptr,
-    partial_ptr,
-    out_ptr,
-    token_node_pos_ptr,
-    node_slots_ptr,
-    slice_first,
-    T_MAX: tl.constexpr,
-    W_P2: tl.constexpr,
-    CHUNK: tl.constexpr,
-    BLOCK_H: tl.constexpr,
-    R: tl.constexpr,
-    NODES: tl.constexpr,
-    N_P2: tl.constexpr,
-    NET_COLS: tl.constexpr,
-    NODE_STRIDE: tl.constexpr,
-):
-    """Add, in fp32, the partial rows from the other ranks of this node (``partial_ptr``: the
-    staging area) and, across nodes, the partial sums of every other node (``node_slots_ptr``:
-    this item's NetSlot data from node 0, NODE_STRIDE elements apart, whose columns start at
+def _add_partial_rows(c, h_first, h_last, node_slots_ptr, slice_first, rows, here, k):
+    """Add, in fp32, the partial rows from the other ranks of this node (in this rank's staging
+    area) and, across nodes, the partial sums of every other node (``node_slots_ptr``: this
+    item's NetSlot data from node 0 in the inbox, a node's slots apart, whose columns start at
     ``slice_first``) to columns [h_first, h_last) of the out rows of chunk ``c`` that hold the own
     sums."""
-    tokens, tmask, ranks, stream_rows = _stream_rows(
-        c, num_tokens, world_size, token_rank_pos_ptr, send_chunk_start_ptr, T_MAX, W_P2, CHUNK
+    # A NetSlot of each node's work items after another (the inbox), as elements of out's dtype.
+    NODE_STRIDE: tl.constexpr = (
+        k.NC_MAX * k.H_SLICES * k.SLOT_BYTES * 8 // rows.out_ptr.dtype.element_ty.primitive_bitwidth
     )
-    partial_rows = tl.where(ranks[None, :] != rank, stream_rows, -1)
-    if NODES > 1:  # ranks of other nodes sent theirs through their node
-        near = ranks[None, :] // R == rank // R
+    tokens, tmask, ranks, stream_rows = _stream_rows(c, rows, k)
+    partial_rows = tl.where(ranks[None, :] != rows.rank, stream_rows, -1)
+    if k.NODES > 1:  # ranks of other nodes sent theirs through their node
+        near = ranks[None, :] // k.R == rows.rank // k.R
         partial_rows = tl.where(near, partial_rows, -1)
-        nodes = tl.arange(0, N_P2)
-        node_rows = tl.load(token_node_pos_ptr + tokens[:, None] * NODES + nodes[None, :],
-                            mask=tmask[:, None] & (nodes[None, :] < NODES), other=-1)  # fmt: skip
+        nodes = tl.arange(0, k.N_P2)
+        node_rows = tl.load(
+            rows.token_node_pos_ptr + tokens[:, None] * k.NODES + nodes[None, :],
+            mask=tmask[:, None] & (nodes[None, :] < k.NODES),
+            other=-1,
+        )
     # Tokens without an expert on another rank are final already.
     remote = tmask & (tl.max(partial_rows, axis=1) >= 0)
-    if NODES > 1:
+    if k.NODES > 1:
         remote = remote | (tmask & (tl.max(node_rows, axis=1) >= 0))
-    out_rows = out_ptr + tokens.to(tl.int64)[:, None] * hidden
-    for h0 in range(h_first, h_last, BLOCK_H):
-        cols = h0 + tl.arange(0, BLOCK_H)
+    out_rows = rows.out_ptr + tokens.to(tl.int64)[:, None] * rows.hidden
+    for h0 in range(h_first, h_last, k.BLOCK_H):
+        cols = h0 + tl.arange(0, k.BLOCK_H)
         mask = remote[:, None] & (cols[None, :] < h_last)
         # Another program of this launch wrote the own sums: bypass L1.
         acc = tl.load(out_rows + cols[None, :], mask=mask, cache_modifier=".cg").to(tl.float32)
-        for q in tl.static_range(W_P2):
+        for q in tl.static_range(k.W_P2):
             row = column(partial_rows, ranks, q)
             acc += tl.load(
-                partial_ptr + row.to(tl.int64)[:, None] * hidden + cols[None, :],
+                here.staging + row.to(tl.int64)[:, None] * rows.hidden + cols[None, :],
                 mask=(row >= 0)[:, None] & mask,
                 other=0.0,
                 cache_modifier=".cg",
             ).to(tl.float32)
-        if NODES > 1:
-            for node in tl.static_range(NODES):
+        if k.NODES > 1:
+            for node in tl.static_range(k.NODES):
                 row = column(node_rows, nodes, node)
                 acc += tl.load(
-                    node_slots_ptr + node * NODE_STRIDE + row[:, None] * NET_COLS
+                    node_slots_ptr
+                    + node * NODE_STRIDE
+                    + row[:, None] * k.NET_COLS
                     + (cols - slice_first)[None, :],
                     mask=(row >= 0)[:, None] & mask,
                     other=0.0,
                     cache_modifier=".cg",
-                ).to(tl.float32)  # fmt: skip
-        tl.store(out_rows + cols[None, :], acc.to(out_ptr.dtype.element_ty), mask=mask)
+                ).to(tl.float32)
+        tl.store(out_rows + cols[None, :], acc.to(rows.out_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit(noinline=True)
 def _sum_node_partials(
-    data_ptr,
-    num_rows,
-    h_first,
-    h_last,
-    hidden,
-    staging_ptr,
-    first_block,
-    fwd_rows_ptr,
-    T_MAX: tl.constexpr,
-    R: tl.constexpr,
-    R_P2: tl.constexpr,
-    CHUNK: tl.constexpr,
-    BLOCK_H: tl.constexpr,
-    NET_COLS: tl.constexpr,
+    data_ptr, num_rows, h_first, h_last, first_block, fwd_rows_ptr, rows, here, k
 ):
     """The partial sums of this node for ``num_rows`` rows of a network slot: per row, the sum
     in fp32 of node rank r's partial row (staging block ``first_block + r``, at the row
     ``fwd_rows_ptr`` [num_rows, R] recorded when dispatch forwarded it), rounded to the
     staging dtype, into columns [h_first, h_last) of the slot's data at ``data_ptr``."""
-    rows = tl.arange(0, CHUNK)
-    valid = rows < num_rows
-    locals_ = tl.arange(0, R_P2)
-    stream_rows = tl.load(fwd_rows_ptr + rows[:, None] * R + locals_[None, :],
-                          mask=valid[:, None] & (locals_[None, :] < R), other=-1)  # fmt: skip
-    for h0 in range(h_first, h_last, BLOCK_H):
-        cols = h0 + tl.arange(0, BLOCK_H)
+    slot_rows = tl.arange(0, k.CHUNK)
+    valid = slot_rows < num_rows
+    locals_ = tl.arange(0, k.R_P2)
+    stream_rows = tl.load(
+        fwd_rows_ptr + slot_rows[:, None] * k.R + locals_[None, :],
+        mask=valid[:, None] & (locals_[None, :] < k.R),
+        other=-1,
+    )
+    for h0 in range(h_first, h_last, k.BLOCK_H):
+        cols = h0 + tl.arange(0, k.BLOCK_H)
         cmask = cols < h_last
-        acc = tl.zeros([CHUNK, BLOCK_H], tl.float32)
-        for r in tl.static_range(R_P2):
-            if r < R:
+        acc = tl.zeros([k.CHUNK, k.BLOCK_H], tl.float32)
+        for r in tl.static_range(k.R_P2):
+            if r < k.R:
                 row = column(stream_rows, locals_, r)
-                staged = (first_block + r) * T_MAX + row.to(tl.int64)
+                staged = (first_block + r) * k.T_MAX + row.to(tl.int64)
                 acc += tl.load(
-                    staging_ptr + staged[:, None] * hidden + cols[None, :],
+                    here.staging + staged[:, None] * rows.hidden + cols[None, :],
                     mask=(row >= 0)[:, None] & cmask[None, :],
                     other=0.0,
                     cache_modifier=".cg",
                 ).to(tl.float32)
-        ptrs = data_ptr + rows[:, None] * NET_COLS + (cols - h_first)[None, :]
+        ptrs = data_ptr + slot_rows[:, None] * k.NET_COLS + (cols - h_first)[None, :]
         tl.store(ptrs, acc.to(data_ptr.dtype.element_ty), mask=valid[:, None] & cmask[None, :])
 
 
 @triton.jit(noinline=True)
-def _copy_rows(
-    src_ptr,
-    dst_ptr,
-    num_rows,
-    h_first,
-    h_last,
-    hidden,
-    CHUNK: tl.constexpr,
-    BLOCK_H: tl.constexpr,
-    STAGES: tl.constexpr,
-):
+def _copy_rows(src_ptr, dst_ptr, num_rows, h_first, h_last, rows, k):
     """Copy columns [h_first, h_last) of rows [0, num_rows), num_rows <= CHUNK, from ``src_ptr``
     to ``dst_ptr`` (both rows of ``hidden`` elements), STAGES tiles' loads in flight (through
     shared memory) while one is stored. Loads bypass L1: other programs of the launch wrote
     ``src_ptr``."""
-    rows = tl.arange(0, CHUNK)
-    rmask = rows < num_rows
-    offs = rows.to(tl.int64)[:, None] * hidden
-    for h0 in tl.range(h_first, h_last, BLOCK_H, num_stages=STAGES):
-        cols = h0 + tl.arange(0, BLOCK_H)
+    chunk_rows = tl.arange(0, k.CHUNK)
+    rmask = chunk_rows < num_rows
+    offs = chunk_rows.to(tl.int64)[:, None] * rows.hidden
+    for h0 in tl.range(h_first, h_last, k.COPY_BLOCK_H, num_stages=k.STAGES):
+        cols = h0 + tl.arange(0, k.COPY_BLOCK_H)
         mask = rmask[:, None] & (cols[None, :] < h_last)
         tile = tl.load(src_ptr + offs + cols[None, :], mask=mask, cache_modifier=".cg")
         tl.store(dst_ptr + offs + cols[None, :], tile, mask=mask)
 
 
 # Each program of a launch has one role (module docstring); a role is a function that takes the
-# kernel's arguments in bundles by keyword, as in dispatch: namedtuples of runtime values, and
-# CombineConsts, built in the call that passes it (assigned to a name in a jit function, a
-# namedtuple's constexpr fields would become tensors). The roles are inlined.
+# kernel's arguments in bundles, as in dispatch: namedtuples of runtime values, and ``k``, the
+# CombineConsts. The roles are inlined.
 Rows = namedtuple(
     "Rows",
     "rank y_ptr y_stride weights_ptr outbox_ptr out_ptr num_tokens hidden token_rank_pos_ptr "
@@ -431,25 +304,16 @@ def _reduce_role(rows, here, sync, k):
         if w < tl.cdiv(src_tokens, k.CHUNK) * k.H_SLICES:
             table = rows.recv_chunk_start_ptr + src * (k.NC_MAX + 1)
             c = w // k.H_SLICES
-            h_first, h_last = part_columns(w, part, here.slice_cols, here.part_cols, rows.hidden,
-                                           k.H_SLICES)  # fmt: skip
+            h_first, h_last = part_columns(
+                w, part, here.slice_cols, here.part_cols, rows.hidden, k.H_SLICES
+            )
             _reduce_chunk(
                 staged_first=src * k.T_MAX + tl.load(table + c),
                 staged_end=src * k.T_MAX + tl.load(table + c + 1),
                 h_first=h_first,
                 h_last=h_last,
-                hidden=rows.hidden,
-                y_ptr=rows.y_ptr,
-                y_stride=rows.y_stride,
-                weights_ptr=rows.weights_ptr,
-                staged_rows_ptr=rows.staged_rows_ptr,
-                partial_ptr=rows.outbox_ptr,
-                MS=k.MS,
-                MS_P2=k.MS_P2,
-                CHUNK=k.CHUNK,
-                BLOCK_H=k.BLOCK_H,
-                HAS_WEIGHTS=k.HAS_WEIGHTS,
-                COPY_UNROLL=k.COPY_UNROLL,
+                rows=rows,
+                k=k,
             )
             signal(here.reduced_flags + (src * items_of_src + w) * k.LP_MAX + part, sync.seq)
         item = take_work(sync.control_ptr + FIRST_QUEUE)
@@ -483,8 +347,9 @@ def _send_role(sender, node_first, rows, heap, here, sync, k):
             # Reducers of this launch: they never wait, so this rank names itself.
             for part in range(0, sync.local_parts):
                 reduced = here.reduced_flags + (src * items_of_src + w) * k.LP_MAX + part
-                wait_at_least(reduced, sync.seq, sync.timeout_ns, sync.status_ptr, rank,
-                              STAGE_COMBINE_DATA)  # fmt: skip
+                wait_at_least(
+                    reduced, sync.seq, sync.timeout_ns, sync.status_ptr, rank, STAGE_COMBINE_DATA
+                )
             start = tl.load(table + w // k.H_SLICES)
             h_first = (w % k.H_SLICES) * here.slice_cols
             _copy_rows(
@@ -494,10 +359,8 @@ def _send_role(sender, node_first, rows, heap, here, sync, k):
                 num_rows=tl.load(table + w // k.H_SLICES + 1) - start,
                 h_first=h_first,
                 h_last=tl.minimum(h_first + here.slice_cols, rows.hidden),
-                hidden=rows.hidden,
-                CHUNK=k.CHUNK,
-                BLOCK_H=k.COPY_BLOCK_H,
-                STAGES=k.STAGES,
+                rows=rows,
+                k=k,
             )
             flags = region(heap.peer_bases_ptr, dst, heap.chunk_flags_off, tl.int64)
             signal(flags + block * items_of_src + w, sync.seq)
@@ -549,20 +412,21 @@ def _net_send_role(sender, node_first, rows, heap, here, sync, k):
                     num_rows=num_rows,
                     h_first=h_first,
                     h_last=h_last,
-                    hidden=rows.hidden,
-                    staging_ptr=here.staging,
                     first_block=node * k.R,
                     fwd_rows_ptr=rows.fwd_rows_ptr + (node * k.T_MAX + first) * k.R,
-                    T_MAX=k.T_MAX,
-                    R=k.R,
-                    R_P2=k.R_P2,
-                    CHUNK=k.CHUNK,
-                    BLOCK_H=k.BLOCK_H,
-                    NET_COLS=k.NET_COLS,
+                    rows=rows,
+                    here=here,
+                    k=k,
                 )
                 # src started this launch: its inbox is free.
-                wait_at_least(here.my_ready + src * k.P_MAX + sender, sync.seq, sync.timeout_ns,
-                              sync.status_ptr, src, STAGE_COMBINE_READY)  # fmt: skip
+                wait_at_least(
+                    here.my_ready + src * k.P_MAX + sender,
+                    sync.seq,
+                    sync.timeout_ns,
+                    sync.status_ptr,
+                    src,
+                    STAGE_COMBINE_READY,
+                )
                 there = my_node * items_of_src + w
                 net_put_signal(
                     net_bases_ptr=heap.net_bases_ptr,
@@ -591,73 +455,34 @@ def _finish_role(node_first, rows, heap, here, sync, k):
     items_of_src = k.NC_MAX * k.H_SLICES
     rank = rows.rank
     dtype = rows.out_ptr.dtype.element_ty
-    SLOT_ELEMS: tl.constexpr = k.SLOT_BYTES * 8 // dtype.primitive_bitwidth
     DATA_ELEM: tl.constexpr = k.DATA_OFF * 8 // dtype.primitive_bitwidth
     own_items = tl.cdiv(rows.num_tokens, k.CHUNK) * k.H_SLICES * sync.local_parts
     item = take_work(sync.control_ptr + SECOND_QUEUE)
     while item < own_items * tl.minimum(k.W, 2):
         w = (item % own_items) // sync.local_parts
         part = item % sync.local_parts
-        h_first, h_last = part_columns(w, part, here.slice_cols, here.part_cols, rows.hidden,
-                                       k.H_SLICES)  # fmt: skip
+        h_first, h_last = part_columns(
+            w, part, here.slice_cols, here.part_cols, rows.hidden, k.H_SLICES
+        )
         summed = here.reduced_flags + (rank * items_of_src + w) * k.LP_MAX + part
         if item < own_items:
-            _sum_own_rows(
-                c=w // k.H_SLICES,
-                h_first=h_first,
-                h_last=h_last,
-                num_tokens=rows.num_tokens,
-                hidden=rows.hidden,
-                rank=rank,
-                world_size=k.W,
-                token_rank_pos_ptr=rows.token_rank_pos_ptr,
-                send_chunk_start_ptr=rows.send_chunk_start_ptr,
-                staged_rows_ptr=rows.staged_rows_ptr,
-                y_ptr=rows.y_ptr,
-                y_stride=rows.y_stride,
-                weights_ptr=rows.weights_ptr,
-                out_ptr=rows.out_ptr,
-                T_MAX=k.T_MAX,
-                MS=k.MS,
-                MS_P2=k.MS_P2,
-                W_P2=k.W_P2,
-                CHUNK=k.CHUNK,
-                BLOCK_H=k.BLOCK_H,
-                HAS_WEIGHTS=k.HAS_WEIGHTS,
-                COPY_UNROLL=k.COPY_UNROLL,
-            )
+            _sum_own_rows(c=w // k.H_SLICES, h_first=h_first, h_last=h_last, rows=rows, k=k)
             signal(summed, sync.seq)
         else:
-            wait_at_least(summed, sync.seq, sync.timeout_ns, sync.status_ptr, rank,
-                          STAGE_COMBINE_DATA)  # fmt: skip
+            wait_at_least(
+                summed, sync.seq, sync.timeout_ns, sync.status_ptr, rank, STAGE_COMBINE_DATA
+            )
             _wait_partials(w=w, node_first=node_first, rank=rank, here=here, sync=sync, k=k)
+            inbox = region(heap.peer_bases_ptr, rank, heap.net_inbox_off + w * k.SLOT_BYTES, dtype)
             _add_partial_rows(
                 c=w // k.H_SLICES,
                 h_first=h_first,
                 h_last=h_last,
-                num_tokens=rows.num_tokens,
-                hidden=rows.hidden,
-                rank=rank,
-                world_size=k.W,
-                token_rank_pos_ptr=rows.token_rank_pos_ptr,
-                send_chunk_start_ptr=rows.send_chunk_start_ptr,
-                partial_ptr=here.staging,
-                out_ptr=rows.out_ptr,
-                token_node_pos_ptr=rows.token_node_pos_ptr,
-                node_slots_ptr=region(
-                    heap.peer_bases_ptr, rank, heap.net_inbox_off + w * k.SLOT_BYTES, dtype
-                )
-                + DATA_ELEM,
+                node_slots_ptr=inbox + DATA_ELEM,
                 slice_first=(w % k.H_SLICES) * here.slice_cols,
-                T_MAX=k.T_MAX,
-                W_P2=k.W_P2,
-                CHUNK=k.CHUNK,
-                BLOCK_H=k.BLOCK_H,
-                R=k.R,
-                NODES=k.NODES,
-                N_P2=k.N_P2,
-                NET_COLS=k.NET_COLS,
-                NODE_STRIDE=items_of_src * SLOT_ELEMS,
+                rows=rows,
+                here=here,
+                k=k,
             )
         item = take_work(sync.control_ptr + SECOND_QUEUE)
 
@@ -723,17 +548,32 @@ def _roles(pid, rows, heap, sync, k):
     if pid < sync.num_reducers:
         _reduce_role(rows=rows, here=here, sync=sync, k=k)
     elif pid < sync.num_reducers + sync.num_senders:
-        _send_role(sender=pid - sync.num_reducers, node_first=node_first, rows=rows, heap=heap,
-                   here=here, sync=sync, k=k)  # fmt: skip
+        _send_role(
+            sender=pid - sync.num_reducers,
+            node_first=node_first,
+            rows=rows,
+            heap=heap,
+            here=here,
+            sync=sync,
+            k=k,
+        )
     elif is_net_sender:
-        _net_send_role(sender=pid - sync.num_reducers - sync.num_senders, node_first=node_first,
-                       rows=rows, heap=heap, here=here, sync=sync, k=k)  # fmt: skip
+        _net_send_role(
+            sender=pid - sync.num_reducers - sync.num_senders,
+            node_first=node_first,
+            rows=rows,
+            heap=heap,
+            here=here,
+            sync=sync,
+            k=k,
+        )
     else:
         _finish_role(node_first=node_first, rows=rows, heap=heap, here=here, sync=sync, k=k)
 
 
 @triton.jit(do_not_specialize=SAME_ON_EVERY_RANK)
 def combine_kernel(
+    # Rows: the expert outputs, their weights, the outbox, the summed rows
     y_ptr,  # [N, H], row stride y_stride
     y_stride,
     weights_ptr,  # [N] float32 (unused unless HAS_WEIGHTS)
@@ -742,22 +582,27 @@ def combine_kernel(
     num_tokens,
     hidden,
     rank,
+    # The split of the launch into roles
     num_reducers,  # programs [0, num_reducers) reduce
     num_senders,  # P: the next P programs send (across nodes the P after them send over the
     # network); the others finish this rank's tokens
     local_parts,  # column parts of a work item for reducers and finishers (<= LP_MAX)
+    # Layout: the dispatch handle's tables
     token_rank_pos_ptr,  # [T, W] int32
     send_chunk_start_ptr,  # [NC_MAX + 1, W] int32
     recv_chunk_start_ptr,  # [W, NC_MAX + 1] int32
     recv_src_tokens_ptr,  # [W] int32
     staged_rows_ptr,  # [W, T_MAX, MS] int32
+    # Heap: peers' bases and the regions' offsets in the symmetric heap
     peer_bases_ptr,
     ready_off,
     chunk_flags_off,
     reduced_flags_off,
     staging_off,
+    # Sync: the control block, the bound of every wait
     control_ptr,
     timeout_ns,
+    # Across nodes: layout tables, the forwarded rows, network heap regions
     token_node_pos_ptr,  # [T, N] int32
     recv_net_chunk_start_ptr,  # [N, NC_MAX + 1] int32
     fwd_rows_ptr,  # [N, T_MAX, R] int32
@@ -766,6 +611,7 @@ def combine_kernel(
     net_inbox_off,
     net_outbox_off,
     heap_bytes,
+    # Meta-parameters (the glossary in kernels/__init__.py)
     W: tl.constexpr,
     T_MAX: tl.constexpr,
     NC_MAX: tl.constexpr,
@@ -794,20 +640,19 @@ def combine_kernel(
     seq = tl.load(control_ptr + DATA_SEQ) + 1
     status_ptr = control_ptr + STATUS
     # The arguments in bundles for the roles (positional: in the order of the bundles' fields).
-    rows = Rows(rank, y_ptr, y_stride, weights_ptr, outbox_ptr, out_ptr, num_tokens, hidden,
-                token_rank_pos_ptr, send_chunk_start_ptr, recv_chunk_start_ptr,
-                recv_src_tokens_ptr, staged_rows_ptr, token_node_pos_ptr,
-                recv_net_chunk_start_ptr, fwd_rows_ptr)  # fmt: skip
-    heap = CombineHeap(peer_bases_ptr, ready_off, chunk_flags_off, reduced_flags_off, staging_off,
-                       net_bases_ptr, net_flags_off, net_inbox_off, net_outbox_off,
-                       heap_bytes)  # fmt: skip
-    sync = CombineSync(control_ptr, status_ptr, seq, timeout_ns, num_reducers, num_senders,
-                       local_parts)  # fmt: skip
-    # Built in the call: assigned to a name, its constexpr fields would become tensors.
-    _roles(
-        pid=pid, rows=rows, heap=heap, sync=sync,
-        k=CombineConsts(W, T_MAX, NC_MAX, H_SLICES, P_MAX, MS, MS_P2, W_P2, CHUNK, BLOCK_H,
-                        COPY_BLOCK_H, HAS_WEIGHTS, COPY_UNROLL, LP_MAX, STAGES, R, R_P2, NODES,
-                        N_P2, NET_COLS, DATA_OFF, SLOT_BYTES),
-    )  # fmt: skip
+    rows = Rows(rank, y_ptr, y_stride, weights_ptr, outbox_ptr, out_ptr, num_tokens,
+                hidden, token_rank_pos_ptr, send_chunk_start_ptr,
+                recv_chunk_start_ptr, recv_src_tokens_ptr, staged_rows_ptr,
+                token_node_pos_ptr, recv_net_chunk_start_ptr, fwd_rows_ptr)  # fmt: skip
+    heap = CombineHeap(peer_bases_ptr, ready_off, chunk_flags_off,
+                       reduced_flags_off, staging_off, net_bases_ptr, net_flags_off,
+                       net_inbox_off, net_outbox_off, heap_bytes)  # fmt: skip
+    sync = CombineSync(
+        control_ptr, status_ptr, seq, timeout_ns, num_reducers, num_senders, local_parts
+    )
+    k: tl.constexpr = CombineConsts(W, T_MAX, NC_MAX, H_SLICES, P_MAX, MS, MS_P2,
+                                    W_P2, CHUNK, BLOCK_H, COPY_BLOCK_H, HAS_WEIGHTS,
+                                    COPY_UNROLL, LP_MAX, STAGES, R, R_P2, NODES,
+                                    N_P2, NET_COLS, DATA_OFF, SLOT_BYTES)  # fmt: skip
+    _roles(pid=pid, rows=rows, heap=heap, sync=sync, k=k)
     finish_launch(control_ptr, seq, num_programs)

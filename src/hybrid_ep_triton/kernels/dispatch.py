@@ -163,13 +163,13 @@ def _zero_rows(
             tl.store(weights_ptr + rows, tl.zeros([CHUNK], tl.float32), mask=rmask)
         zeros = tl.zeros([CHUNK, BLOCK_H], out_ptr.dtype.element_ty)
         for part in tl.static_range(PARTS):
-            _, lo, hi = row_part(out_ptr, out_ptr, part, 0, data_cols + SCALE_WORDS, data_cols,
-                                 SCALE_WORDS)  # fmt: skip
+            _, lo, hi = row_part(
+                out_ptr, out_ptr, part, 0, data_cols + SCALE_WORDS, data_cols, SCALE_WORDS
+            )
             dst, stride, offset = out_part(out_ptr, out_scales_ptr, part, data_cols, SCALE_WORDS)
             for h0 in range(lo, hi, BLOCK_H):
                 cols = h0 + tl.arange(0, BLOCK_H)
-                _store_tile(dst, tl.where(rmask, rows, -1), cols - offset, cols < hi, zeros,
-                            stride)  # fmt: skip
+                _store_tile(dst, tl.where(rmask, rows, -1), cols - offset, cols < hi, zeros, stride)
 
 
 @triton.jit
@@ -197,38 +197,28 @@ def _clear_slots(
 
 
 @triton.jit
-def _chunk_slots(
-    c,
-    topk_idx_ptr,
-    num_tokens,
-    topk,
-    num_experts,
-    experts_per_rank,
-    slot_pos_ptr,
-    chunk_expert_base_ptr,
-    CHUNK: tl.constexpr,
-    K_P2: tl.constexpr,
-    TOKEN_ROWS: tl.constexpr,
-):
+def _chunk_slots(c, tok, lay, k):
     """The slots of chunk ``c`` of this rank's tokens: tokens [CHUNK] and their mask, slot
     offsets [CHUNK, K_P2] into topk_idx, each slot's destination rank (-1 for an unused slot),
     and what the destination records of the slot: the expert-major row it lands on there, or
     with TOKEN_ROWS its local expert id there."""
-    slots = tl.arange(0, K_P2)
-    tokens = c * CHUNK + tl.arange(0, CHUNK)
-    tmask = tokens < num_tokens
-    slot_offs = tokens[:, None] * topk + slots[None, :]
+    slots = tl.arange(0, k.K_P2)
+    tokens = c * k.CHUNK + tl.arange(0, k.CHUNK)
+    tmask = tokens < tok.num_tokens
+    slot_offs = tokens[:, None] * tok.topk + slots[None, :]
     ids = tl.load(
-        topk_idx_ptr + slot_offs, mask=tmask[:, None] & (slots[None, :] < topk), other=-1
+        tok.topk_idx_ptr + slot_offs, mask=tmask[:, None] & (slots[None, :] < tok.topk), other=-1
     ).to(tl.int32)
     used = ids >= 0
-    dest = tl.where(used, ids // experts_per_rank, -1)
-    if TOKEN_ROWS:
-        return tokens, tmask, slot_offs, dest, ids % experts_per_rank
+    dest = tl.where(used, ids // tok.experts_per_rank, -1)
+    if k.TOKEN_ROWS:
+        return tokens, tmask, slot_offs, dest, ids % tok.experts_per_rank
     # Row 0 of chunk_expert_base: the expert's base row; row c + 1: the chunk's offset in it.
-    out_row = tl.load(chunk_expert_base_ptr + ids, mask=used, other=0)
-    out_row += tl.load(chunk_expert_base_ptr + (c + 1) * num_experts + ids, mask=used, other=0)
-    out_row += tl.load(slot_pos_ptr + slot_offs, mask=used, other=0)
+    out_row = tl.load(lay.chunk_expert_base_ptr + ids, mask=used, other=0)
+    out_row += tl.load(
+        lay.chunk_expert_base_ptr + (c + 1) * tok.num_experts + ids, mask=used, other=0
+    )
+    out_row += tl.load(lay.slot_pos_ptr + slot_offs, mask=used, other=0)
     return tokens, tmask, slot_offs, dest, out_row
 
 
@@ -265,268 +255,179 @@ def token_rows_first(recv_chunk_start_ptr, recv_src_tokens_ptr, src, T_MAX, NC_M
 
 
 @triton.jit(noinline=True)
-def _send_chunk(
-    c,
-    h_first,
-    h_last,
-    x_ptr,
-    x_stride,
-    x_scales_ptr,
-    x_scales_stride,
-    topk_idx_ptr,
-    topk_weights_ptr,
-    num_tokens,
-    topk,
-    hidden,
-    data_cols,
-    num_experts,
-    experts_per_rank,
-    world_size,
-    rank,
-    slot_pos_ptr,
-    token_rank_pos_ptr,
-    send_chunk_start_ptr,
-    chunk_expert_base_ptr,
-    peer_bases_ptr,
-    meta_rows_off,
-    meta_weights_off,
-    staging_off,
-    node_first,
-    T_MAX: tl.constexpr,
-    MS: tl.constexpr,
-    MS_P2: tl.constexpr,
-    K_P2: tl.constexpr,
-    R: tl.constexpr,
-    R_P2: tl.constexpr,
-    CHUNK: tl.constexpr,
-    BLOCK_H: tl.constexpr,
-    HAS_WEIGHTS: tl.constexpr,
-    TOKEN_ROWS: tl.constexpr,
-    STAGES: tl.constexpr,
-    SCALE_WORDS: tl.constexpr,
-):
+def _send_chunk(c, h_first, h_last, node_first, tok, lay, heap, k):
     """Push columns [h_first, h_last) of chunk ``c`` of this rank's tokens to every other rank of
     this node (the R ranks from ``node_first``) that holds one of their experts: each row once per
     rank, with the expert-major rows (or with TOKEN_ROWS the local expert ids) and weights of its
     slots there (every column slice writes these, so the receiver of a slice needs no other)."""
-    PARTS: tl.constexpr = 2 if SCALE_WORDS > 0 else 1
-    dtype = x_ptr.dtype.element_ty
-    locals_ = tl.arange(0, R_P2)
+    PARTS: tl.constexpr = 2 if k.SCALE_WORDS > 0 else 1
+    dtype = tok.x_ptr.dtype.element_ty
+    locals_ = tl.arange(0, k.R_P2)
     ranks = node_first + locals_
-    tokens, tmask, slot_offs, dest, recorded = _chunk_slots(
-        c, topk_idx_ptr, num_tokens, topk, num_experts, experts_per_rank, slot_pos_ptr,
-        chunk_expert_base_ptr, CHUNK, K_P2, TOKEN_ROWS,
-    )  # fmt: skip
-    x_rows = x_ptr + tokens.to(tl.int64)[:, None] * x_stride
-    scale_rows = x_scales_ptr + tokens.to(tl.int64)[:, None] * x_scales_stride
-    if HAS_WEIGHTS:
-        weight = tl.load(topk_weights_ptr + slot_offs, mask=dest >= 0, other=0.0)
+    tokens, tmask, slot_offs, dest, recorded = _chunk_slots(c, tok, lay, k)
+    x_rows = tok.x_ptr + tokens.to(tl.int64)[:, None] * tok.x_stride
+    scale_rows = tok.x_scales_ptr + tokens.to(tl.int64)[:, None] * tok.x_scales_stride
+    if k.HAS_WEIGHTS:
+        weight = tl.load(tok.topk_weights_ptr + slot_offs, mask=dest >= 0, other=0.0)
     # Row of each (token, other destination) in that destination's staging area, or -1.
-    rmask = tmask[:, None] & (locals_[None, :] < R) & (ranks[None, :] != rank)
+    rmask = tmask[:, None] & (locals_[None, :] < k.R) & (ranks[None, :] != tok.rank)
     pos = tl.load(
-        token_rank_pos_ptr + tokens[:, None] * world_size + ranks[None, :], mask=rmask, other=-1
+        lay.token_rank_pos_ptr + tokens[:, None] * k.W + ranks[None, :], mask=rmask, other=-1
     )
-    starts = tl.load(send_chunk_start_ptr + c * world_size + ranks, mask=locals_ < R)
-    stream_rows = tl.where(pos >= 0, rank * T_MAX + starts[None, :] + pos, -1)
-    for r in tl.static_range(R_P2):
-        if r < R:
+    starts = tl.load(lay.send_chunk_start_ptr + c * k.W + ranks, mask=locals_ < k.R)
+    stream_rows = tl.where(pos >= 0, tok.rank * k.T_MAX + starts[None, :] + pos, -1)
+    for r in tl.static_range(k.R_P2):
+        if r < k.R:
             q = node_first + r
             row = column(stream_rows, locals_, r)
             sel = (dest == q) & (row >= 0)[:, None]
-            meta = row.to(tl.int64) * MS
-            meta_rows = region(peer_bases_ptr, q, meta_rows_off, tl.int32) + meta
-            entry = _store_packed(meta_rows, sel, recorded, row >= 0, MS, -1, MS_P2, CHUNK)
-            if HAS_WEIGHTS:
-                meta_weights = region(peer_bases_ptr, q, meta_weights_off, tl.float32)
+            meta = row.to(tl.int64) * k.MS
+            meta_rows = region(heap.peer_bases_ptr, q, heap.meta_rows_off, tl.int32) + meta
+            entry = _store_packed(meta_rows, sel, recorded, row >= 0, k.MS, -1, k.MS_P2, k.CHUNK)
+            if k.HAS_WEIGHTS:
+                meta_weights = region(heap.peer_bases_ptr, q, heap.meta_weights_off, tl.float32)
                 tl.store((meta_weights + meta)[:, None] + entry, weight, mask=sel)
     for part in tl.static_range(PARTS):
-        src, lo, hi = row_part(x_rows, scale_rows, part, h_first, h_last, data_cols, SCALE_WORDS)
+        src, lo, hi = row_part(
+            x_rows, scale_rows, part, h_first, h_last, tok.data_cols, k.SCALE_WORDS
+        )
         # STAGES tiles' loads in flight (through shared memory) while one is stored.
-        for h0 in tl.range(lo, hi, BLOCK_H, num_stages=STAGES):
-            cols = h0 + tl.arange(0, BLOCK_H)
+        for h0 in tl.range(lo, hi, k.BLOCK_H, num_stages=k.STAGES):
+            cols = h0 + tl.arange(0, k.BLOCK_H)
             cmask = cols < hi
             tile = tl.load(src + cols[None, :], mask=tmask[:, None] & cmask[None, :])
-            for r in tl.static_range(R_P2):
-                if r < R:
+            for r in tl.static_range(k.R_P2):
+                if r < k.R:
                     row = column(stream_rows, locals_, r)
-                    staging = region(peer_bases_ptr, node_first + r, staging_off, dtype)
-                    ptrs = staging + row.to(tl.int64)[:, None] * hidden + cols[None, :]
+                    staging = region(heap.peer_bases_ptr, node_first + r, heap.staging_off, dtype)
+                    ptrs = staging + row.to(tl.int64)[:, None] * tok.hidden + cols[None, :]
                     tl.store(ptrs, tile, mask=(row >= 0)[:, None] & cmask[None, :])
 
 
 @triton.jit(noinline=True)
-def _pack_node_slot(
-    c,
-    node,
-    h_first,
-    h_last,
-    num_rows,
-    slot_ptr,
-    x_ptr,
-    x_stride,
-    x_scales_ptr,
-    x_scales_stride,
-    data_cols,
-    topk_idx_ptr,
-    topk_weights_ptr,
-    num_tokens,
-    topk,
-    num_experts,
-    experts_per_rank,
-    world_size,
-    slot_pos_ptr,
-    token_rank_pos_ptr,
-    token_node_pos_ptr,
-    send_chunk_start_ptr,
-    chunk_expert_base_ptr,
-    MS: tl.constexpr,
-    MS_P2: tl.constexpr,
-    K_P2: tl.constexpr,
-    R: tl.constexpr,
-    R_P2: tl.constexpr,
-    NODES: tl.constexpr,
-    CHUNK: tl.constexpr,
-    BLOCK_H: tl.constexpr,
-    HAS_WEIGHTS: tl.constexpr,
-    TOKEN_ROWS: tl.constexpr,
-    STAGES: tl.constexpr,
-    META_INTS: tl.constexpr,
-    META_FLOATS: tl.constexpr,
-    NET_COLS: tl.constexpr,
-    DATA_OFF: tl.constexpr,
-    SCALE_WORDS: tl.constexpr,
-):
+def _pack_node_slot(c, node, h_first, h_last, num_rows, slot_ptr, tok, lay, k):
     """Write columns [h_first, h_last) of the tokens of chunk ``c`` that go to node ``node`` into
     the network slot at ``slot_ptr`` (a NetSlot, see the planner): row i is the chunk's i-th
     token to that node (``num_rows`` of them), with, per rank r of that node, the token's row in
     this rank's stream to r and what a direct send would record there. Rows past num_rows get
     no destination, so that what an earlier call left there is never forwarded."""
-    PARTS: tl.constexpr = 2 if SCALE_WORDS > 0 else 1
-    dtype = x_ptr.dtype.element_ty
-    locals_ = tl.arange(0, R_P2)
-    ranks = node * R + locals_
-    tokens, tmask, slot_offs, dest, recorded = _chunk_slots(
-        c, topk_idx_ptr, num_tokens, topk, num_experts, experts_per_rank, slot_pos_ptr,
-        chunk_expert_base_ptr, CHUNK, K_P2, TOKEN_ROWS,
-    )  # fmt: skip
-    row = tl.load(token_node_pos_ptr + tokens * NODES + node, mask=tmask, other=-1)
+    PARTS: tl.constexpr = 2 if k.SCALE_WORDS > 0 else 1
+    dtype = tok.x_ptr.dtype.element_ty
+    locals_ = tl.arange(0, k.R_P2)
+    ranks = node * k.R + locals_
+    tokens, tmask, slot_offs, dest, recorded = _chunk_slots(c, tok, lay, k)
+    row = tl.load(lay.token_node_pos_ptr + tokens * k.NODES + node, mask=tmask, other=-1)
     sent = row >= 0
     meta = slot_ptr.to(tl.pointer_type(tl.int32))
-    weights = (slot_ptr + CHUNK * META_INTS * 4).to(tl.pointer_type(tl.float32))
-    if HAS_WEIGHTS:
-        weight = tl.load(topk_weights_ptr + slot_offs, mask=dest >= 0, other=0.0)
-    rmask = sent[:, None] & (locals_[None, :] < R)
+    weights = (slot_ptr + k.CHUNK * k.META_INTS * 4).to(tl.pointer_type(tl.float32))
+    if k.HAS_WEIGHTS:
+        weight = tl.load(tok.topk_weights_ptr + slot_offs, mask=dest >= 0, other=0.0)
+    rmask = sent[:, None] & (locals_[None, :] < k.R)
     pos = tl.load(
-        token_rank_pos_ptr + tokens[:, None] * world_size + ranks[None, :], mask=rmask, other=-1
+        lay.token_rank_pos_ptr + tokens[:, None] * k.W + ranks[None, :], mask=rmask, other=-1
     )
-    starts = tl.load(send_chunk_start_ptr + c * world_size + ranks, mask=locals_ < R)
+    starts = tl.load(lay.send_chunk_start_ptr + c * k.W + ranks, mask=locals_ < k.R)
     stream_rows = tl.where(pos >= 0, starts[None, :] + pos, -1)
-    for r in tl.static_range(R_P2):
-        if r < R:
-            row_meta = meta + row * META_INTS + r * (1 + MS)
+    for r in tl.static_range(k.R_P2):
+        if r < k.R:
+            row_meta = meta + row * k.META_INTS + r * (1 + k.MS)
             tl.store(row_meta, column(stream_rows, locals_, r), mask=sent)
-            sel = (dest == node * R + r) & sent[:, None]
-            entry = _store_packed(row_meta + 1, sel, recorded, sent, MS, -1, MS_P2, CHUNK)
-            if HAS_WEIGHTS:
-                row_weights = weights + row * META_FLOATS + r * MS
+            sel = (dest == node * k.R + r) & sent[:, None]
+            entry = _store_packed(row_meta + 1, sel, recorded, sent, k.MS, -1, k.MS_P2, k.CHUNK)
+            if k.HAS_WEIGHTS:
+                row_weights = weights + row * k.META_FLOATS + r * k.MS
                 tl.store(row_weights[:, None] + entry, weight, mask=sel)
-    unused = tl.arange(0, CHUNK) >= num_rows
+    unused = tl.arange(0, k.CHUNK) >= num_rows
     tl.store(
-        meta + tl.arange(0, CHUNK)[:, None] * META_INTS + locals_[None, :] * (1 + MS),
-        tl.full([CHUNK, R_P2], -1, tl.int32),
-        mask=unused[:, None] & (locals_[None, :] < R),
+        meta + tl.arange(0, k.CHUNK)[:, None] * k.META_INTS + locals_[None, :] * (1 + k.MS),
+        tl.full([k.CHUNK, k.R_P2], -1, tl.int32),
+        mask=unused[:, None] & (locals_[None, :] < k.R),
     )
-    data = (slot_ptr + DATA_OFF).to(tl.pointer_type(dtype))
-    x_rows = x_ptr + tokens.to(tl.int64)[:, None] * x_stride
-    scale_rows = x_scales_ptr + tokens.to(tl.int64)[:, None] * x_scales_stride
+    data = (slot_ptr + k.DATA_OFF).to(tl.pointer_type(dtype))
+    x_rows = tok.x_ptr + tokens.to(tl.int64)[:, None] * tok.x_stride
+    scale_rows = tok.x_scales_ptr + tokens.to(tl.int64)[:, None] * tok.x_scales_stride
     for part in tl.static_range(PARTS):
-        src, lo, hi = row_part(x_rows, scale_rows, part, h_first, h_last, data_cols,
-                               SCALE_WORDS)  # fmt: skip
-        for h0 in tl.range(lo, hi, BLOCK_H, num_stages=STAGES):
-            cols = h0 + tl.arange(0, BLOCK_H)
+        src, lo, hi = row_part(
+            x_rows, scale_rows, part, h_first, h_last, tok.data_cols, k.SCALE_WORDS
+        )
+        for h0 in tl.range(lo, hi, k.BLOCK_H, num_stages=k.STAGES):
+            cols = h0 + tl.arange(0, k.BLOCK_H)
             mask = sent[:, None] & (cols < hi)[None, :]
             tile = tl.load(src + cols[None, :], mask=mask)
-            tl.store(data + row[:, None] * NET_COLS + (cols - h_first)[None, :], tile, mask=mask)
+            tl.store(data + row[:, None] * k.NET_COLS + (cols - h_first)[None, :], tile, mask=mask)
 
 
 @triton.jit(noinline=True)
 def _forward_slot(
-    slot_ptr,
-    num_rows,
-    src,
-    h_first,
-    h_last,
-    hidden,
-    node_first,
-    peer_bases_ptr,
-    meta_rows_off,
-    meta_weights_off,
-    staging_off,
-    fwd_rows_ptr,
-    record,
-    T_MAX: tl.constexpr,
-    MS: tl.constexpr,
-    MS_P2: tl.constexpr,
-    R: tl.constexpr,
-    R_P2: tl.constexpr,
-    CHUNK: tl.constexpr,
-    BLOCK_H: tl.constexpr,
-    HAS_WEIGHTS: tl.constexpr,
-    WRITE_ROWS: tl.constexpr,
-    META_INTS: tl.constexpr,
-    META_FLOATS: tl.constexpr,
-    NET_COLS: tl.constexpr,
-    DATA_OFF: tl.constexpr,
-    dtype: tl.constexpr,
+    slot_ptr, num_rows, src, h_first, h_last, node_first, fwd_rows_ptr, record, tok, out, heap, k
 ):
     """Forward a network slot that rank ``src`` (of another node) put here: each of its
     ``num_rows`` rows to every rank of this node that needs it, into that rank's staging area
     (block ``src``, at the row of src's stream to it) with its metadata, as a direct send from
     src would have left it. With ``record`` (and WRITE_ROWS) the rows at each node rank go to
     ``fwd_rows_ptr`` [num_rows, R], which combine reads."""
-    slot_rows = tl.arange(0, CHUNK)
+    dtype = out.recv_x_ptr.dtype.element_ty
+    slot_rows = tl.arange(0, k.CHUNK)
     valid = slot_rows < num_rows
-    locals_ = tl.arange(0, R_P2)
-    entries = tl.arange(0, MS_P2)
+    locals_ = tl.arange(0, k.R_P2)
+    entries = tl.arange(0, k.MS_P2)
     meta = slot_ptr.to(tl.pointer_type(tl.int32))
-    weights = (slot_ptr + CHUNK * META_INTS * 4).to(tl.pointer_type(tl.float32))
-    lmask = valid[:, None] & (locals_[None, :] < R)
+    weights = (slot_ptr + k.CHUNK * k.META_INTS * 4).to(tl.pointer_type(tl.float32))
+    lmask = valid[:, None] & (locals_[None, :] < k.R)
     # The slot landed during this launch: loads bypass L1, as for staged rows.
     stream_rows = tl.load(
-        meta + slot_rows[:, None] * META_INTS + locals_[None, :] * (1 + MS),
+        meta + slot_rows[:, None] * k.META_INTS + locals_[None, :] * (1 + k.MS),
         mask=lmask,
         other=-1,
         cache_modifier=".cg",
     )
-    if WRITE_ROWS:
-        tl.store(fwd_rows_ptr + slot_rows[:, None] * R + locals_[None, :], stream_rows,
-                 mask=lmask & record)  # fmt: skip
-    for r in tl.static_range(R_P2):
-        if r < R:
+    if k.WRITE_ROWS:
+        tl.store(
+            fwd_rows_ptr + slot_rows[:, None] * k.R + locals_[None, :],
+            stream_rows,
+            mask=lmask & record,
+        )
+    for r in tl.static_range(k.R_P2):
+        if r < k.R:
             q = node_first + r
             row = column(stream_rows, locals_, r)
-            staged = src * T_MAX + row.to(tl.int64)
-            emask = (row >= 0)[:, None] & (entries[None, :] < MS)
-            values = tl.load(meta + slot_rows[:, None] * META_INTS + r * (1 + MS) + 1
-                             + entries[None, :], mask=emask, cache_modifier=".cg")  # fmt: skip
-            meta_rows = region(peer_bases_ptr, q, meta_rows_off, tl.int32)
-            tl.store(meta_rows + staged[:, None] * MS + entries[None, :], values, mask=emask)
-            if HAS_WEIGHTS:
-                values = tl.load(weights + slot_rows[:, None] * META_FLOATS + r * MS
-                                 + entries[None, :], mask=emask, cache_modifier=".cg")  # fmt: skip
-                meta_weights = region(peer_bases_ptr, q, meta_weights_off, tl.float32)
-                tl.store(meta_weights + staged[:, None] * MS + entries[None, :], values, mask=emask)
-    data = (slot_ptr + DATA_OFF).to(tl.pointer_type(dtype))
-    for h0 in range(h_first, h_last, BLOCK_H):
-        cols = h0 + tl.arange(0, BLOCK_H)
+            staged = src * k.T_MAX + row.to(tl.int64)
+            emask = (row >= 0)[:, None] & (entries[None, :] < k.MS)
+            values = tl.load(
+                meta + slot_rows[:, None] * k.META_INTS + r * (1 + k.MS) + 1 + entries[None, :],
+                mask=emask,
+                cache_modifier=".cg",
+            )
+            meta_rows = region(heap.peer_bases_ptr, q, heap.meta_rows_off, tl.int32)
+            tl.store(meta_rows + staged[:, None] * k.MS + entries[None, :], values, mask=emask)
+            if k.HAS_WEIGHTS:
+                values = tl.load(
+                    weights + slot_rows[:, None] * k.META_FLOATS + r * k.MS + entries[None, :],
+                    mask=emask,
+                    cache_modifier=".cg",
+                )
+                meta_weights = region(heap.peer_bases_ptr, q, heap.meta_weights_off, tl.float32)
+                tl.store(
+                    meta_weights + staged[:, None] * k.MS + entries[None, :], values, mask=emask
+                )
+    data = (slot_ptr + k.DATA_OFF).to(tl.pointer_type(dtype))
+    for h0 in range(h_first, h_last, k.BLOCK_H):
+        cols = h0 + tl.arange(0, k.BLOCK_H)
         cmask = cols < h_last
-        tile = tl.load(data + slot_rows[:, None] * NET_COLS + (cols - h_first)[None, :],
-                       mask=valid[:, None] & cmask[None, :], cache_modifier=".cg")  # fmt: skip
-        for r in tl.static_range(R_P2):
-            if r < R:
+        tile = tl.load(
+            data + slot_rows[:, None] * k.NET_COLS + (cols - h_first)[None, :],
+            mask=valid[:, None] & cmask[None, :],
+            cache_modifier=".cg",
+        )
+        for r in tl.static_range(k.R_P2):
+            if r < k.R:
                 row = column(stream_rows, locals_, r)
-                staging = region(peer_bases_ptr, node_first + r, staging_off, dtype)
-                ptrs = staging + (src * T_MAX + row.to(tl.int64))[:, None] * hidden + cols[None, :]
+                staging = region(heap.peer_bases_ptr, node_first + r, heap.staging_off, dtype)
+                ptrs = (
+                    staging
+                    + (src * k.T_MAX + row.to(tl.int64))[:, None] * tok.hidden
+                    + cols[None, :]
+                )
                 tl.store(ptrs, tile, mask=(row >= 0)[:, None] & cmask[None, :])
 
 
@@ -537,87 +438,76 @@ def _expand_chunk(
     h_first,
     h_last,
     part,
-    hidden,
-    data_cols,
-    topk,
-    num_out_rows,
     token_row_offset,
     meta_rows_ptr,
     meta_weights_ptr,
     staging_ptr,
-    staged_rows_ptr,
-    recv_x_ptr,
-    recv_scales_ptr,
-    recv_weights_ptr,
-    recv_topk_idx_ptr,
-    MS: tl.constexpr,
-    MS_P2: tl.constexpr,
-    K_P2: tl.constexpr,
-    CHUNK: tl.constexpr,
-    BLOCK_H: tl.constexpr,
-    HAS_WEIGHTS: tl.constexpr,
-    WRITE_ROWS: tl.constexpr,
-    TOKEN_ROWS: tl.constexpr,
-    SCALE_WORDS: tl.constexpr,
+    tok,
+    out,
+    k,
 ):
     """Copy columns [h_first, h_last) of staged rows [staged_first, staged_end) to their rows of
     recv_x: the expert-major rows in their metadata, or with TOKEN_ROWS the one row
     ``staged + token_row_offset``. Column ``part`` 0 of a staged chunk also records those rows
     in staged_rows (if WRITE_ROWS) and copies the rows' weights (and with TOKEN_ROWS their
     local expert ids into recv_topk_idx)."""
-    PARTS: tl.constexpr = 2 if SCALE_WORDS > 0 else 1
-    entries = tl.arange(0, MS_P2)
-    staged = staged_first + tl.arange(0, CHUNK)
+    PARTS: tl.constexpr = 2 if k.SCALE_WORDS > 0 else 1
+    entries = tl.arange(0, k.MS_P2)
+    staged = staged_first + tl.arange(0, k.CHUNK)
     jmask = staged < staged_end
-    emask = jmask[:, None] & (entries[None, :] < MS)
-    meta = staged.to(tl.int64)[:, None] * MS + entries[None, :]
+    emask = jmask[:, None] & (entries[None, :] < k.MS)
+    meta = staged.to(tl.int64)[:, None] * k.MS + entries[None, :]
     # Entries whose row and weight this part records: all in part 0, none in the others (a
     # bound, not a scalar flag, so that every mask stays a tensor of the entries' shape).
-    recorded = emask & (entries[None, :] < tl.where(part == 0, MS, 0))
-    if TOKEN_ROWS:
+    recorded = emask & (entries[None, :] < tl.where(part == 0, k.MS, 0))
+    if k.TOKEN_ROWS:
         token_row = staged + token_row_offset
-        token_row = tl.where(jmask & (token_row < num_out_rows), token_row, -1)
+        token_row = tl.where(jmask & (token_row < out.num_out_rows), token_row, -1)
         rows = tl.where(entries[None, :] == 0, token_row[:, None], -1)
         num_copies = 1
         # Slot i of a row: the i-th entry of its metadata (packed; -1 past them).
-        slots = tl.arange(0, K_P2)
-        slot_meta = staged.to(tl.int64)[:, None] * MS + slots[None, :]
-        smask = (token_row >= 0)[:, None] & (slots[None, :] < tl.where(part == 0, topk, 0))
-        mmask = smask & (slots[None, :] < MS)
-        out_slots = token_row.to(tl.int64)[:, None] * topk + slots[None, :]
+        slots = tl.arange(0, k.K_P2)
+        slot_meta = staged.to(tl.int64)[:, None] * k.MS + slots[None, :]
+        smask = (token_row >= 0)[:, None] & (slots[None, :] < tl.where(part == 0, tok.topk, 0))
+        mmask = smask & (slots[None, :] < k.MS)
+        out_slots = token_row.to(tl.int64)[:, None] * tok.topk + slots[None, :]
         local_ids = tl.load(meta_rows_ptr + slot_meta, mask=mmask, other=-1, cache_modifier=".cg")
-        if WRITE_ROWS:
-            tl.store(recv_topk_idx_ptr + out_slots, local_ids, mask=smask)
-        if HAS_WEIGHTS:
+        if k.WRITE_ROWS:
+            tl.store(out.recv_topk_idx_ptr + out_slots, local_ids, mask=smask)
+        if k.HAS_WEIGHTS:
             weights = tl.load(
-                meta_weights_ptr + slot_meta, mask=mmask & (local_ids >= 0), other=0.0,
+                meta_weights_ptr + slot_meta,
+                mask=mmask & (local_ids >= 0),
+                other=0.0,
                 cache_modifier=".cg",
-            )  # fmt: skip
-            tl.store(recv_weights_ptr + out_slots, weights, mask=smask)
+            )
+            tl.store(out.recv_weights_ptr + out_slots, weights, mask=smask)
     else:
         rows = tl.load(meta_rows_ptr + meta, mask=emask, other=-1, cache_modifier=".cg")
         # Entries are packed: the copies of the token with the most of them, drops included.
         num_copies = tl.max(tl.sum((rows >= 0).to(tl.int32), axis=1), axis=0)
-        rows = tl.where(rows < num_out_rows, rows, -1)  # past max_recv_tokens: dropped
-        if HAS_WEIGHTS:
+        rows = tl.where(rows < out.num_out_rows, rows, -1)  # past max_recv_tokens: dropped
+        if k.HAS_WEIGHTS:
             weights = tl.load(meta_weights_ptr + meta, mask=recorded, cache_modifier=".cg")
-            tl.store(recv_weights_ptr + rows, weights, mask=recorded & (rows >= 0))
-    if WRITE_ROWS:
-        tl.store(staged_rows_ptr + meta, rows, mask=recorded)
-    src_rows = staging_ptr + staged.to(tl.int64)[:, None] * hidden
+            tl.store(out.recv_weights_ptr + rows, weights, mask=recorded & (rows >= 0))
+    if k.WRITE_ROWS:
+        tl.store(out.staged_rows_ptr + meta, rows, mask=recorded)
+    src_rows = staging_ptr + staged.to(tl.int64)[:, None] * tok.hidden
     for p in tl.static_range(PARTS):
-        _, lo, hi = row_part(src_rows, src_rows, p, h_first, h_last, data_cols, SCALE_WORDS)
-        dst, stride, offset = out_part(recv_x_ptr, recv_scales_ptr, p, data_cols, SCALE_WORDS)
-        cols = lo + tl.arange(0, BLOCK_H)
+        _, lo, hi = row_part(src_rows, src_rows, p, h_first, h_last, tok.data_cols, k.SCALE_WORDS)
+        dst, stride, offset = out_part(
+            out.recv_x_ptr, out.recv_scales_ptr, p, tok.data_cols, k.SCALE_WORDS
+        )
+        cols = lo + tl.arange(0, k.BLOCK_H)
         tile = tl.load(
             src_rows + cols[None, :],
             mask=jmask[:, None] & (cols[None, :] < hi),
             cache_modifier=".cg",
         )
-        for h0 in range(lo, hi, BLOCK_H):
-            cols = h0 + tl.arange(0, BLOCK_H)
+        for h0 in range(lo, hi, k.BLOCK_H):
+            cols = h0 + tl.arange(0, k.BLOCK_H)
             cmask = cols < hi
-            next_cols = cols + BLOCK_H
+            next_cols = cols + k.BLOCK_H
             next_tile = tl.load(
                 src_rows + next_cols[None, :],
                 mask=jmask[:, None] & (next_cols[None, :] < hi),
@@ -629,102 +519,79 @@ def _expand_chunk(
 
 
 @triton.jit(noinline=True)
-def _expand_own_chunk(
-    c,
-    h_first,
-    h_last,
-    x_ptr,
-    x_stride,
-    topk_idx_ptr,
-    topk_weights_ptr,
-    num_tokens,
-    topk,
-    data_cols,
-    num_experts,
-    experts_per_rank,
-    rank,
-    num_out_rows,
-    slot_pos_ptr,
-    token_rank_pos_ptr,
-    own_stream_first,
-    own_token_rows_first,
-    chunk_expert_base_ptr,
-    staged_rows_ptr,
-    recv_x_ptr,
-    recv_scales_ptr,
-    recv_weights_ptr,
-    recv_topk_idx_ptr,
-    x_scales_ptr,
-    x_scales_stride,
-    W: tl.constexpr,
-    MS: tl.constexpr,
-    MS_P2: tl.constexpr,
-    K_P2: tl.constexpr,
-    CHUNK: tl.constexpr,
-    BLOCK_H: tl.constexpr,
-    HAS_WEIGHTS: tl.constexpr,
-    WRITE_ROWS: tl.constexpr,
-    TOKEN_ROWS: tl.constexpr,
-    STAGES: tl.constexpr,
-    SCALE_WORDS: tl.constexpr,
-):
+def _expand_own_chunk(c, h_first, h_last, own_stream_first, own_token_rows_first, tok, lay, out, k):
     """Copy columns [h_first, h_last) of this rank's tokens of chunk ``c`` straight from ``x``
     to the expert-major rows of their local experts (with TOKEN_ROWS: to one row per token,
     from row ``own_token_rows_first`` on, with its slots' local expert ids in recv_topk_idx and
     weights packed in slot order), and (if WRITE_ROWS) record those rows in staged_rows as the
     rows of the token's place in its stream to this rank, which starts at row
     ``own_stream_first``, packed in slot order as a sender packs them."""
-    PARTS: tl.constexpr = 2 if SCALE_WORDS > 0 else 1
-    slots = tl.arange(0, K_P2)
-    tokens, tmask, slot_offs, dest, recorded = _chunk_slots(
-        c, topk_idx_ptr, num_tokens, topk, num_experts, experts_per_rank, slot_pos_ptr,
-        chunk_expert_base_ptr, CHUNK, K_P2, TOKEN_ROWS,
-    )  # fmt: skip
-    mine = dest == rank
+    PARTS: tl.constexpr = 2 if k.SCALE_WORDS > 0 else 1
+    slots = tl.arange(0, k.K_P2)
+    tokens, tmask, slot_offs, dest, recorded = _chunk_slots(c, tok, lay, k)
+    mine = dest == tok.rank
     any_mine = tl.max(mine.to(tl.int32), axis=1) > 0
-    stream_pos = tl.load(token_rank_pos_ptr + tokens * W + rank, mask=tmask)
-    if HAS_WEIGHTS:
-        weight = tl.load(topk_weights_ptr + slot_offs, mask=mine)
-    if TOKEN_ROWS:
+    stream_pos = tl.load(lay.token_rank_pos_ptr + tokens * k.W + tok.rank, mask=tmask)
+    if k.HAS_WEIGHTS:
+        weight = tl.load(tok.topk_weights_ptr + slot_offs, mask=mine)
+    if k.TOKEN_ROWS:
         token_row = own_token_rows_first + stream_pos
-        token_row = tl.where(any_mine & (token_row < num_out_rows), token_row, -1)
+        token_row = tl.where(any_mine & (token_row < out.num_out_rows), token_row, -1)
         out_row = tl.where(slots[None, :] == 0, token_row[:, None], -1)
         packed = (slots[None, :] == 0) & any_mine[:, None]  # one staged_rows entry per token
         kept = mine & (token_row >= 0)[:, None]
-        out_slots = token_row.to(tl.int64) * topk
-        if WRITE_ROWS:
+        out_slots = token_row.to(tl.int64) * tok.topk
+        if k.WRITE_ROWS:
             _store_packed(
-                recv_topk_idx_ptr + out_slots, kept, recorded, token_row >= 0, topk, -1, K_P2,
-                CHUNK,
-            )  # fmt: skip
-        if HAS_WEIGHTS:
+                out.recv_topk_idx_ptr + out_slots,
+                kept,
+                recorded,
+                token_row >= 0,
+                tok.topk,
+                -1,
+                k.K_P2,
+                k.CHUNK,
+            )
+        if k.HAS_WEIGHTS:
             _store_packed(
-                recv_weights_ptr + out_slots, kept, weight, token_row >= 0, topk, 0.0, K_P2, CHUNK
+                out.recv_weights_ptr + out_slots,
+                kept,
+                weight,
+                token_row >= 0,
+                tok.topk,
+                0.0,
+                k.K_P2,
+                k.CHUNK,
             )
     else:
-        out_row = tl.where(mine & (recorded < num_out_rows), recorded, -1)  # past max_recv_tokens
+        out_row = tl.where(
+            mine & (recorded < out.num_out_rows), recorded, -1
+        )  # past max_recv_tokens
         packed = mine
-        if HAS_WEIGHTS:
-            tl.store(recv_weights_ptr + out_row, weight, mask=out_row >= 0)
-    if WRITE_ROWS:
-        meta = staged_rows_ptr + (own_stream_first + stream_pos).to(tl.int64) * MS
-        _store_packed(meta, packed, out_row, any_mine, MS, -1, MS_P2, CHUNK)
-    x_rows = x_ptr + tokens.to(tl.int64)[:, None] * x_stride
-    scale_rows = x_scales_ptr + tokens.to(tl.int64)[:, None] * x_scales_stride
+        if k.HAS_WEIGHTS:
+            tl.store(out.recv_weights_ptr + out_row, weight, mask=out_row >= 0)
+    if k.WRITE_ROWS:
+        meta = out.staged_rows_ptr + (own_stream_first + stream_pos).to(tl.int64) * k.MS
+        _store_packed(meta, packed, out_row, any_mine, k.MS, -1, k.MS_P2, k.CHUNK)
+    x_rows = tok.x_ptr + tokens.to(tl.int64)[:, None] * tok.x_stride
+    scale_rows = tok.x_scales_ptr + tokens.to(tl.int64)[:, None] * tok.x_scales_stride
     wanted = tl.max(out_row, axis=1) >= 0
     for p in tl.static_range(PARTS):
-        src, lo, hi = row_part(x_rows, scale_rows, p, h_first, h_last, data_cols, SCALE_WORDS)
-        dst, stride, offset = out_part(recv_x_ptr, recv_scales_ptr, p, data_cols, SCALE_WORDS)
-        for h0 in tl.range(lo, hi, BLOCK_H, num_stages=STAGES):
-            cols = h0 + tl.arange(0, BLOCK_H)
+        src, lo, hi = row_part(x_rows, scale_rows, p, h_first, h_last, tok.data_cols, k.SCALE_WORDS)
+        dst, stride, offset = out_part(
+            out.recv_x_ptr, out.recv_scales_ptr, p, tok.data_cols, k.SCALE_WORDS
+        )
+        for h0 in tl.range(lo, hi, k.BLOCK_H, num_stages=k.STAGES):
+            cols = h0 + tl.arange(0, k.BLOCK_H)
             cmask = cols < hi
             tile = tl.load(src + cols[None, :], mask=wanted[:, None] & cmask[None, :])
-            if TOKEN_ROWS:  # one row per token, in entry 0
+            if k.TOKEN_ROWS:  # one row per token, in entry 0
                 _store_tile(dst, column(out_row, slots, 0), cols - offset, cmask, tile, stride)
             else:
-                for k in tl.static_range(K_P2):
-                    _store_tile(dst, column(out_row, slots, k), cols - offset, cmask, tile,
-                                stride)  # fmt: skip
+                for slot in tl.static_range(k.K_P2):
+                    _store_tile(
+                        dst, column(out_row, slots, slot), cols - offset, cmask, tile, stride
+                    )
 
 
 @triton.jit
@@ -743,10 +610,8 @@ def _output_pointer(word_ptr, like):
 
 
 # Each program of a launch has one role (module docstring); a role is a function that takes the
-# kernel's arguments in bundles by keyword: the runtime values (namedtuples of tensors, passed
-# field by field) and the compile-time ones (DispatchConsts, built in the call that passes it: a
-# namedtuple assigned to a name in a jit function has its constexpr fields turned into tensors).
-# The roles are inlined: the machine code is that of one kernel body.
+# kernel's arguments in bundles (kernels/__init__.py): namedtuples of runtime values, and ``k``,
+# the DispatchConsts. The roles are inlined: the machine code is that of one kernel body.
 Tokens = namedtuple(
     "Tokens",
     "rank x_ptr x_stride x_scales_ptr x_scales_stride topk_idx_ptr topk_weights_ptr num_tokens "
@@ -798,32 +663,48 @@ def _quantize_role(tok, sync, k):
             values = tok.x_ptr.to(tl.pointer_type(tl.uint8))  # x and x_scales: int32 words
             if k.QUANTIZE == QUANTIZE_FP8:
                 quantize_block(
-                    src_ptr=tok.source_ptr, src_stride=tok.source_stride, values_ptr=values,
+                    src_ptr=tok.source_ptr,
+                    src_stride=tok.source_stride,
+                    values_ptr=values,
                     values_stride=tok.x_stride * 4,
                     scales_ptr=tok.x_scales_ptr.to(tl.pointer_type(tl.float32)),
-                    scales_stride=tok.x_scales_stride, first_row=first_row,
-                    num_rows=tok.num_tokens, first_group=first_group, last_group=last_group,
+                    scales_stride=tok.x_scales_stride,
+                    first_row=first_row,
+                    num_rows=tok.num_tokens,
+                    first_group=first_group,
+                    last_group=last_group,
                     ROWS=k.CHUNK,
-                )  # fmt: skip
+                )
             elif k.QUANTIZE == QUANTIZE_MXFP8:
                 quantize_mxfp8_block(
-                    src_ptr=tok.source_ptr, src_stride=tok.source_stride, values_ptr=values,
-                    values_stride=tok.x_stride * 4,
-                    scales_ptr=tok.x_scales_ptr.to(tl.pointer_type(tl.uint8)),
-                    scales_stride=tok.x_scales_stride * 4, first_row=first_row,
-                    num_rows=tok.num_tokens, first_group=first_group, last_group=last_group,
-                    ROWS=k.CHUNK,
-                )  # fmt: skip
-            else:  # NVFP4, without a per-tensor scale (a row's scales are all it carries)
-                quantize_nvfp4_block(
-                    src_ptr=tok.source_ptr, src_stride=tok.source_stride, values_ptr=values,
+                    src_ptr=tok.source_ptr,
+                    src_stride=tok.source_stride,
+                    values_ptr=values,
                     values_stride=tok.x_stride * 4,
                     scales_ptr=tok.x_scales_ptr.to(tl.pointer_type(tl.uint8)),
                     scales_stride=tok.x_scales_stride * 4,
-                    per_tensor_scale_ptr=sync.quantized_flags_ptr, first_row=first_row,
-                    num_rows=tok.num_tokens, first_group=first_group, last_group=last_group,
-                    ROWS=k.CHUNK, PER_TENSOR_SCALE=False,
-                )  # fmt: skip
+                    first_row=first_row,
+                    num_rows=tok.num_tokens,
+                    first_group=first_group,
+                    last_group=last_group,
+                    ROWS=k.CHUNK,
+                )
+            else:  # NVFP4, without a per-tensor scale (a row's scales are all it carries)
+                quantize_nvfp4_block(
+                    src_ptr=tok.source_ptr,
+                    src_stride=tok.source_stride,
+                    values_ptr=values,
+                    values_stride=tok.x_stride * 4,
+                    scales_ptr=tok.x_scales_ptr.to(tl.pointer_type(tl.uint8)),
+                    scales_stride=tok.x_scales_stride * 4,
+                    per_tensor_scale_ptr=sync.quantized_flags_ptr,
+                    first_row=first_row,
+                    num_rows=tok.num_tokens,
+                    first_group=first_group,
+                    last_group=last_group,
+                    ROWS=k.CHUNK,
+                    PER_TENSOR_SCALE=False,
+                )
             signal(sync.quantized_flags_ptr + item, sync.seq)
             item = take_work(sync.control_ptr + SECOND_QUEUE)
 
@@ -849,51 +730,35 @@ def _send_role(sender, send_cols, node_first, tok, lay, heap, sync, k):
         h_last = tl.minimum(h_first + send_cols, tok.hidden)
         if k.QUANTIZE:
             _wait_quantized(
-                sync.quantized_flags_ptr, c, sync.seq, sync.timeout_ns, sync.status_ptr, rank,
+                sync.quantized_flags_ptr,
+                c,
+                sync.seq,
+                sync.timeout_ns,
+                sync.status_ptr,
+                rank,
                 QUANT_SLICES,
-            )  # fmt: skip
+            )
         if k.NODES > 1:
-            _send_to_nodes(w=w, c=c, h_first=h_first, h_last=h_last, tok=tok, lay=lay, heap=heap,
-                           sync=sync, k=k)  # fmt: skip
+            _send_to_nodes(
+                w=w,
+                c=c,
+                h_first=h_first,
+                h_last=h_last,
+                tok=tok,
+                lay=lay,
+                heap=heap,
+                sync=sync,
+                k=k,
+            )
         _send_chunk(
             c=c,
             h_first=h_first,
             h_last=h_last,
-            x_ptr=tok.x_ptr,
-            x_stride=tok.x_stride,
-            x_scales_ptr=tok.x_scales_ptr,
-            x_scales_stride=tok.x_scales_stride,
-            topk_idx_ptr=tok.topk_idx_ptr,
-            topk_weights_ptr=tok.topk_weights_ptr,
-            num_tokens=tok.num_tokens,
-            topk=tok.topk,
-            hidden=tok.hidden,
-            data_cols=tok.data_cols,
-            num_experts=tok.num_experts,
-            experts_per_rank=tok.experts_per_rank,
-            world_size=k.W,
-            rank=rank,
-            slot_pos_ptr=lay.slot_pos_ptr,
-            token_rank_pos_ptr=lay.token_rank_pos_ptr,
-            send_chunk_start_ptr=lay.send_chunk_start_ptr,
-            chunk_expert_base_ptr=lay.chunk_expert_base_ptr,
-            peer_bases_ptr=heap.peer_bases_ptr,
-            meta_rows_off=heap.meta_rows_off,
-            meta_weights_off=heap.meta_weights_off,
-            staging_off=heap.staging_off,
             node_first=node_first,
-            T_MAX=k.T_MAX,
-            MS=k.MS,
-            MS_P2=k.MS_P2,
-            K_P2=k.K_P2,
-            R=k.R,
-            R_P2=k.R_P2,
-            CHUNK=k.CHUNK,
-            BLOCK_H=k.BLOCK_H,
-            HAS_WEIGHTS=k.HAS_WEIGHTS,
-            TOKEN_ROWS=k.TOKEN_ROWS,
-            STAGES=k.STAGES,
-            SCALE_WORDS=k.SCALE_WORDS,
+            tok=tok,
+            lay=lay,
+            heap=heap,
+            k=k,
         )
         for peer in range(node_first, node_first + k.R):
             if peer != rank:
@@ -925,39 +790,9 @@ def _send_to_nodes(w, c, h_first, h_last, tok, lay, heap, sync, k):
                 h_last=h_last,
                 num_rows=num_rows,
                 slot_ptr=slot,
-                x_ptr=tok.x_ptr,
-                x_stride=tok.x_stride,
-                x_scales_ptr=tok.x_scales_ptr,
-                x_scales_stride=tok.x_scales_stride,
-                data_cols=tok.data_cols,
-                topk_idx_ptr=tok.topk_idx_ptr,
-                topk_weights_ptr=tok.topk_weights_ptr,
-                num_tokens=tok.num_tokens,
-                topk=tok.topk,
-                num_experts=tok.num_experts,
-                experts_per_rank=tok.experts_per_rank,
-                world_size=k.W,
-                slot_pos_ptr=lay.slot_pos_ptr,
-                token_rank_pos_ptr=lay.token_rank_pos_ptr,
-                token_node_pos_ptr=lay.token_node_pos_ptr,
-                send_chunk_start_ptr=lay.send_chunk_start_ptr,
-                chunk_expert_base_ptr=lay.chunk_expert_base_ptr,
-                MS=k.MS,
-                MS_P2=k.MS_P2,
-                K_P2=k.K_P2,
-                R=k.R,
-                R_P2=k.R_P2,
-                NODES=k.NODES,
-                CHUNK=k.CHUNK,
-                BLOCK_H=k.BLOCK_H,
-                HAS_WEIGHTS=k.HAS_WEIGHTS,
-                TOKEN_ROWS=k.TOKEN_ROWS,
-                STAGES=k.STAGES,
-                META_INTS=k.META_INTS,
-                META_FLOATS=k.META_FLOATS,
-                NET_COLS=k.NET_COLS,
-                DATA_OFF=k.DATA_OFF,
-                SCALE_WORDS=k.SCALE_WORDS,
+                tok=tok,
+                lay=lay,
+                k=k,
             )
             there = my_node * ITEMS + w
             net_put_signal(
@@ -989,8 +824,14 @@ def _forward_role(forwarder, send_cols, node_first, my_ready, tok, lay, out, hea
     # This node's ranks started this launch (their earlier launches are done with their
     # staging areas): their sender `forwarder` said so.
     for peer in range(node_first, node_first + k.R):
-        wait_at_least(my_ready + peer * k.P_MAX + forwarder, sync.seq, sync.timeout_ns,
-                      sync.status_ptr, peer, STAGE_DISPATCH_READY)  # fmt: skip
+        wait_at_least(
+            my_ready + peer * k.P_MAX + forwarder,
+            sync.seq,
+            sync.timeout_ns,
+            sync.status_ptr,
+            peer,
+            STAGE_DISPATCH_READY,
+        )
     my_node = rank // k.R
     net_flags = region(heap.peer_bases_ptr, rank, heap.net_flags_off, tl.int64)
     for node in range(0, k.NODES):
@@ -1014,39 +855,20 @@ def _forward_role(forwarder, send_cols, node_first, my_ready, tok, lay, out, hea
                 c = w // k.H_SLICES
                 first = tl.load(table + c)
                 h_first = (w % k.H_SLICES) * send_cols
+                slot_off = heap.net_inbox_off + (node * ITEMS + w) * k.SLOT_BYTES
                 _forward_slot(
-                    slot_ptr=region(
-                        heap.peer_bases_ptr,
-                        rank,
-                        heap.net_inbox_off + (node * ITEMS + w) * k.SLOT_BYTES,
-                        tl.uint8,
-                    ),  # fmt: skip
+                    slot_ptr=region(heap.peer_bases_ptr, rank, slot_off, tl.uint8),
                     num_rows=tl.load(table + c + 1) - first,
                     src=src,
                     h_first=h_first,
                     h_last=tl.minimum(h_first + send_cols, tok.hidden),
-                    hidden=tok.hidden,
                     node_first=node_first,
-                    peer_bases_ptr=heap.peer_bases_ptr,
-                    meta_rows_off=heap.meta_rows_off,
-                    meta_weights_off=heap.meta_weights_off,
-                    staging_off=heap.staging_off,
                     fwd_rows_ptr=out.fwd_rows_ptr + (node * k.T_MAX + first).to(tl.int64) * k.R,
                     record=w % k.H_SLICES == 0,
-                    T_MAX=k.T_MAX,
-                    MS=k.MS,
-                    MS_P2=k.MS_P2,
-                    R=k.R,
-                    R_P2=k.R_P2,
-                    CHUNK=k.CHUNK,
-                    BLOCK_H=k.BLOCK_H,
-                    HAS_WEIGHTS=k.HAS_WEIGHTS,
-                    WRITE_ROWS=k.WRITE_ROWS,
-                    META_INTS=k.META_INTS,
-                    META_FLOATS=k.META_FLOATS,
-                    NET_COLS=k.NET_COLS,
-                    DATA_OFF=k.DATA_OFF,
-                    dtype=out.recv_x_ptr.dtype.element_ty,
+                    tok=tok,
+                    out=out,
+                    heap=heap,
+                    k=k,
                 )
                 for peer in range(node_first, node_first + k.R):
                     flags = region(heap.peer_bases_ptr, peer, heap.chunk_flags_off, tl.int64)
@@ -1074,8 +896,14 @@ def _outputs_from_host(expander, out, sync, aborted, rank):
         for i in tl.static_range(HOST_RECORD_VALUES):
             tl.store(sync.control_ptr + HOST_RECORD + i, record_word(record, 1 + i))
         signal(sync.control_ptr + HOST_RECORD_SEQ, sync.seq)
-    wait_at_least(sync.control_ptr + HOST_RECORD_SEQ, sync.seq, sync.timeout_ns, sync.status_ptr,
-                  rank, STAGE_DISPATCH_OUTPUTS)  # fmt: skip
+    wait_at_least(
+        sync.control_ptr + HOST_RECORD_SEQ,
+        sync.seq,
+        sync.timeout_ns,
+        sync.status_ptr,
+        rank,
+        STAGE_DISPATCH_OUTPUTS,
+    )
     num_out_rows = tl.load(sync.control_ptr + HOST_RECORD, volatile=True).to(tl.int32)
     if tl.load(sync.status_ptr, volatile=True) != 0:
         num_out_rows = -1
@@ -1086,14 +914,16 @@ def _outputs_from_host(expander, out, sync, aborted, rank):
     recv_scales_ptr = _output_pointer(control + HOST_RECORD + 2, out.recv_scales_ptr)
     recv_weights_ptr = _output_pointer(control + HOST_RECORD + 3, out.recv_weights_ptr)
     recv_topk_idx_ptr = _output_pointer(control + HOST_RECORD + 4, out.recv_topk_idx_ptr)
-    outputs = Outputs(num_out_rows, out.staged_rows_ptr, recv_x_ptr, recv_scales_ptr,
-                      recv_weights_ptr, recv_topk_idx_ptr, out.fwd_rows_ptr)  # fmt: skip
+    outputs = Outputs(num_out_rows, out.staged_rows_ptr, recv_x_ptr,
+                      recv_scales_ptr, recv_weights_ptr, recv_topk_idx_ptr,
+                      out.fwd_rows_ptr)  # fmt: skip
     return outputs, aborted
 
 
 @triton.jit
-def _expand_role(expander, num_expanders, send_cols, node_first, my_ready, tok, lay, out, heap,
-                 sync, k):  # fmt: skip
+def _expand_role(
+    expander, num_expanders, send_cols, node_first, my_ready, tok, lay, out, heap, sync, k
+):
     """Expander ``expander`` of ``num_expanders`` (the programs after the senders and
     forwarders). Waits only for senders and forwarders, which come first in the launch order:
     for each other rank's work item, its flag in this rank's chunk flags (and first for its
@@ -1120,8 +950,9 @@ def _expand_role(expander, num_expanders, send_cols, node_first, my_ready, tok, 
     remote_items = remote * sync.staged_parts
     own_token_rows_first = 0
     if k.TOKEN_ROWS:
-        own_token_rows_first = token_rows_first(lay.recv_chunk_start_ptr, lay.recv_src_tokens_ptr,
-                                                rank, k.T_MAX, k.NC_MAX, k.CHUNK)  # fmt: skip
+        own_token_rows_first = token_rows_first(
+            lay.recv_chunk_start_ptr, lay.recv_src_tokens_ptr, rank, k.T_MAX, k.NC_MAX, k.CHUNK
+        )
     item = take_work(sync.control_ptr + FIRST_QUEUE)
     while item < own_items + remote_items:
         is_own, index = interleaved(item, own_items, remote_items)
@@ -1129,11 +960,25 @@ def _expand_role(expander, num_expanders, send_cols, node_first, my_ready, tok, 
             c = index // sync.expand_slices
             h_first = (index % sync.expand_slices) * own_cols
             if k.QUANTIZE:
-                _wait_quantized(sync.quantized_flags_ptr, c, sync.seq, sync.timeout_ns,
-                                sync.status_ptr, rank, QUANT_SLICES)  # fmt: skip
-            _expand_own(c=c, h_first=h_first, h_last=tl.minimum(h_first + own_cols, tok.hidden),
-                        own_token_rows_first=own_token_rows_first, tok=tok, lay=lay, out=out,
-                        k=k)  # fmt: skip
+                _wait_quantized(
+                    sync.quantized_flags_ptr,
+                    c,
+                    sync.seq,
+                    sync.timeout_ns,
+                    sync.status_ptr,
+                    rank,
+                    QUANT_SLICES,
+                )
+            _expand_own(
+                c=c,
+                h_first=h_first,
+                h_last=tl.minimum(h_first + own_cols, tok.hidden),
+                own_token_rows_first=own_token_rows_first,
+                tok=tok,
+                lay=lay,
+                out=out,
+                k=k,
+            )
         else:
             part = index % sync.staged_parts
             w, src = remote_item(index // sync.staged_parts, rank, k.W)
@@ -1156,58 +1001,48 @@ def _expand_role(expander, num_expanders, send_cols, node_first, my_ready, tok, 
                 )
                 table = lay.recv_chunk_start_ptr + src * (k.NC_MAX + 1)
                 c = w // k.H_SLICES
-                h_first, h_last = part_columns(w, part, send_cols, part_cols, tok.hidden,
-                                               k.H_SLICES)  # fmt: skip
-                _expand_staged(table=table, c=c, src=src, h_first=h_first, h_last=h_last,
-                               part=part, tok=tok, lay=lay, out=out, heap=heap, k=k)  # fmt: skip
+                h_first, h_last = part_columns(
+                    w, part, send_cols, part_cols, tok.hidden, k.H_SLICES
+                )
+                _expand_staged(
+                    table=table,
+                    c=c,
+                    src=src,
+                    h_first=h_first,
+                    h_last=h_last,
+                    part=part,
+                    tok=tok,
+                    lay=lay,
+                    out=out,
+                    heap=heap,
+                    k=k,
+                )
         item = take_work(sync.control_ptr + FIRST_QUEUE)
-    _zero_tail(expander=expander, num_expanders=num_expanders, aborted=aborted, tok=tok, lay=lay,
-               out=out, k=k)  # fmt: skip
+    _zero_tail(
+        expander=expander,
+        num_expanders=num_expanders,
+        aborted=aborted,
+        tok=tok,
+        lay=lay,
+        out=out,
+        k=k,
+    )
 
 
 @triton.jit
 def _expand_own(c, h_first, h_last, own_token_rows_first, tok, lay, out, k):
     """An expander's own work item: columns [h_first, h_last) of this rank's chunk ``c``."""
-    rank = tok.rank
+    chunk_first = tl.load(lay.send_chunk_start_ptr + c * k.W + tok.rank)  # in the own stream
     _expand_own_chunk(
         c=c,
         h_first=h_first,
         h_last=h_last,
-        x_ptr=tok.x_ptr,
-        x_stride=tok.x_stride,
-        topk_idx_ptr=tok.topk_idx_ptr,
-        topk_weights_ptr=tok.topk_weights_ptr,
-        num_tokens=tok.num_tokens,
-        topk=tok.topk,
-        data_cols=tok.data_cols,
-        num_experts=tok.num_experts,
-        experts_per_rank=tok.experts_per_rank,
-        rank=rank,
-        num_out_rows=out.num_out_rows,
-        slot_pos_ptr=lay.slot_pos_ptr,
-        token_rank_pos_ptr=lay.token_rank_pos_ptr,
-        own_stream_first=rank * k.T_MAX + tl.load(lay.send_chunk_start_ptr + c * k.W + rank),
-        own_token_rows_first=own_token_rows_first
-        + tl.load(lay.send_chunk_start_ptr + c * k.W + rank),
-        chunk_expert_base_ptr=lay.chunk_expert_base_ptr,
-        staged_rows_ptr=out.staged_rows_ptr,
-        recv_x_ptr=out.recv_x_ptr,
-        recv_scales_ptr=out.recv_scales_ptr,
-        recv_weights_ptr=out.recv_weights_ptr,
-        recv_topk_idx_ptr=out.recv_topk_idx_ptr,
-        x_scales_ptr=tok.x_scales_ptr,
-        x_scales_stride=tok.x_scales_stride,
-        W=k.W,
-        MS=k.MS,
-        MS_P2=k.MS_P2,
-        K_P2=k.K_P2,
-        CHUNK=k.CHUNK,
-        BLOCK_H=k.BLOCK_H,
-        HAS_WEIGHTS=k.HAS_WEIGHTS,
-        WRITE_ROWS=k.WRITE_ROWS,
-        TOKEN_ROWS=k.TOKEN_ROWS,
-        STAGES=k.STAGES,
-        SCALE_WORDS=k.SCALE_WORDS,
+        own_stream_first=tok.rank * k.T_MAX + chunk_first,
+        own_token_rows_first=own_token_rows_first + chunk_first,
+        tok=tok,
+        lay=lay,
+        out=out,
+        k=k,
     )
 
 
@@ -1221,37 +1056,24 @@ def _expand_staged(table, c, src, h_first, h_last, part, tok, lay, out, heap, k)
     token_row_offset = 0
     if k.TOKEN_ROWS:
         token_row_offset = (
-            token_rows_first(lay.recv_chunk_start_ptr, lay.recv_src_tokens_ptr, src, k.T_MAX,
-                             k.NC_MAX, k.CHUNK) - src * k.T_MAX
-        )  # fmt: skip
+            token_rows_first(
+                lay.recv_chunk_start_ptr, lay.recv_src_tokens_ptr, src, k.T_MAX, k.NC_MAX, k.CHUNK
+            )
+            - src * k.T_MAX
+        )
     _expand_chunk(
         staged_first=src * k.T_MAX + tl.load(table + c),
         staged_end=src * k.T_MAX + tl.load(table + c + 1),
         h_first=h_first,
         h_last=h_last,
         part=part,
-        hidden=tok.hidden,
-        data_cols=tok.data_cols,
-        topk=tok.topk,
-        num_out_rows=out.num_out_rows,
         token_row_offset=token_row_offset,
         meta_rows_ptr=region(heap.peer_bases_ptr, rank, heap.meta_rows_off, tl.int32),
         meta_weights_ptr=region(heap.peer_bases_ptr, rank, heap.meta_weights_off, tl.float32),
         staging_ptr=region(heap.peer_bases_ptr, rank, heap.staging_off, dtype),
-        staged_rows_ptr=out.staged_rows_ptr,
-        recv_x_ptr=out.recv_x_ptr,
-        recv_scales_ptr=out.recv_scales_ptr,
-        recv_weights_ptr=out.recv_weights_ptr,
-        recv_topk_idx_ptr=out.recv_topk_idx_ptr,
-        MS=k.MS,
-        MS_P2=k.MS_P2,
-        K_P2=k.K_P2,
-        CHUNK=k.CHUNK,
-        BLOCK_H=k.BLOCK_H,
-        HAS_WEIGHTS=k.HAS_WEIGHTS,
-        WRITE_ROWS=k.WRITE_ROWS,
-        TOKEN_ROWS=k.TOKEN_ROWS,
-        SCALE_WORDS=k.SCALE_WORDS,
+        tok=tok,
+        out=out,
+        k=k,
     )
 
 
@@ -1266,19 +1088,48 @@ def _zero_tail(expander, num_expanders, aborted, tok, lay, out, k):
         seg = tl.load(lay.expert_layout_ptr + e)
         first = seg + tl.load(lay.expert_layout_ptr + epr + e)
         last = tl.minimum(seg + tl.load(lay.expert_layout_ptr + 2 * epr + e), num_out_rows)
-        _zero_rows(out.recv_x_ptr, out.recv_scales_ptr, out.recv_weights_ptr, first, last,
-                   tok.data_cols, k.SCALE_WORDS, ROW_WEIGHTS, k.CHUNK, k.BLOCK_H)  # fmt: skip
+        _zero_rows(
+            out.recv_x_ptr,
+            out.recv_scales_ptr,
+            out.recv_weights_ptr,
+            first,
+            last,
+            tok.data_cols,
+            k.SCALE_WORDS,
+            ROW_WEIGHTS,
+            k.CHUNK,
+            k.BLOCK_H,
+        )
     valid_rows = tl.where(
         aborted, 0, tl.minimum(tl.load(lay.info_ptr + INFO_ROWS), num_out_rows)
     ).to(tl.int32)
     for b in range(expander, tl.cdiv(num_out_rows - valid_rows, k.CHUNK), num_expanders):
         first = valid_rows + b * k.CHUNK
         last = tl.minimum(first + k.CHUNK, num_out_rows)
-        _zero_rows(out.recv_x_ptr, out.recv_scales_ptr, out.recv_weights_ptr, first, last,
-                   tok.data_cols, k.SCALE_WORDS, ROW_WEIGHTS, k.CHUNK, k.BLOCK_H)  # fmt: skip
+        _zero_rows(
+            out.recv_x_ptr,
+            out.recv_scales_ptr,
+            out.recv_weights_ptr,
+            first,
+            last,
+            tok.data_cols,
+            k.SCALE_WORDS,
+            ROW_WEIGHTS,
+            k.CHUNK,
+            k.BLOCK_H,
+        )
         if k.TOKEN_ROWS:
-            _clear_slots(out.recv_topk_idx_ptr, out.recv_weights_ptr, first, last, tok.topk,
-                         k.HAS_WEIGHTS, k.WRITE_ROWS, k.CHUNK, k.K_P2)  # fmt: skip
+            _clear_slots(
+                out.recv_topk_idx_ptr,
+                out.recv_weights_ptr,
+                first,
+                last,
+                tok.topk,
+                k.HAS_WEIGHTS,
+                k.WRITE_ROWS,
+                k.CHUNK,
+                k.K_P2,
+            )
 
 
 @triton.jit
@@ -1299,23 +1150,48 @@ def _roles(pid, tok, lay, out, heap, sync, num_programs, k):
     if pid < 0:
         _quantize_role(tok=tok, sync=sync, k=k)
     elif pid < sync.num_senders:
-        _send_role(sender=pid, send_cols=send_cols, node_first=node_first, tok=tok, lay=lay,
-                   heap=heap, sync=sync, k=k)  # fmt: skip
+        _send_role(
+            sender=pid,
+            send_cols=send_cols,
+            node_first=node_first,
+            tok=tok,
+            lay=lay,
+            heap=heap,
+            sync=sync,
+            k=k,
+        )
     elif is_forwarder:
-        _forward_role(forwarder=pid - sync.num_senders, send_cols=send_cols,
-                      node_first=node_first, my_ready=my_ready, tok=tok, lay=lay, out=out,
-                      heap=heap, sync=sync, k=k)  # fmt: skip
+        _forward_role(
+            forwarder=pid - sync.num_senders,
+            send_cols=send_cols,
+            node_first=node_first,
+            my_ready=my_ready,
+            tok=tok,
+            lay=lay,
+            out=out,
+            heap=heap,
+            sync=sync,
+            k=k,
+        )
     else:
         _expand_role(
             expander=pid - sync.num_senders - num_forwarders,
             num_expanders=num_programs - sync.num_quantizers - sync.num_senders - num_forwarders,
-            send_cols=send_cols, node_first=node_first, my_ready=my_ready, tok=tok, lay=lay,
-            out=out, heap=heap, sync=sync, k=k,
-        )  # fmt: skip
+            send_cols=send_cols,
+            node_first=node_first,
+            my_ready=my_ready,
+            tok=tok,
+            lay=lay,
+            out=out,
+            heap=heap,
+            sync=sync,
+            k=k,
+        )
 
 
 @triton.jit(do_not_specialize=UNSPECIALISED + SAME_ON_EVERY_RANK)
 def dispatch_kernel(
+    # Tokens: this rank's rows and their routing
     x_ptr,  # [T, H], row stride x_stride; FP8 rows: [T, H / 4] int32 words of e4m3 values
     x_stride,
     x_scales_ptr,  # FP8 rows: [T, SCALE_WORDS] float32 as int32 words, row stride x_scales_stride
@@ -1329,10 +1205,12 @@ def dispatch_kernel(
     num_experts,
     experts_per_rank,
     rank,
+    # Outputs' size, and the split of the launch into roles
     num_out_rows,  # N: rows of recv_x
     num_senders,  # P: the first P programs send, the others expand
     expand_slices,  # column slices of an own chunk in the expansion
     staged_parts,  # column parts of a staged work item in the expansion
+    # Layout: the layout kernel's tables (kernels/route.py)
     slot_pos_ptr,  # [T, K] int32
     token_rank_pos_ptr,  # [T, W] int32
     send_chunk_start_ptr,  # [NC_MAX + 1, W] int32
@@ -1341,19 +1219,23 @@ def dispatch_kernel(
     recv_src_tokens_ptr,  # [W] int32
     expert_layout_ptr,  # [3, L] int32
     info_ptr,  # [4] int64
+    # Outputs
     staged_rows_ptr,  # out [W, T_MAX, MS] int32: expert-major rows of each staged row, or -1
     recv_x_ptr,  # out [N, H] (FP8 rows: [N, H / 4] int32 words)
     recv_scales_ptr,  # out, FP8 rows: [N, SCALE_WORDS] float32 as int32 words; else unused
     recv_weights_ptr,  # out [N] float32, with TOKEN_ROWS [N, K] (unused unless HAS_WEIGHTS)
     recv_topk_idx_ptr,  # out [N, K] int32 with TOKEN_ROWS and WRITE_ROWS, else unused
+    # Heap: peers' bases and the regions' offsets in the symmetric heap
     peer_bases_ptr,
     ready_off,
     chunk_flags_off,
     meta_rows_off,
     meta_weights_off,
     staging_off,
+    # Sync: the control block, the bound of every wait
     control_ptr,
     timeout_ns,
+    # Across nodes: layout tables, the forwarded rows, network heap regions
     token_node_pos_ptr,  # [T, N] int32
     send_chunk_node_start_ptr,  # [NC_MAX + 1, N] int32
     recv_net_chunk_start_ptr,  # [N, NC_MAX + 1] int32
@@ -1363,12 +1245,15 @@ def dispatch_kernel(
     net_inbox_off,
     net_outbox_off,
     heap_bytes,
+    # Quantizing (QUANTIZE): the rows to quantize, their flags, the quantizers
     source_ptr,  # QUANTIZE: [T, H] of the Buffer's dtype, row stride source_stride
     source_stride,
     quantized_flags_ptr,  # QUANTIZE: int64 [NC_MAX, QUANT_SLICES]: seq once the item is in x
     num_quantizers,  # QUANTIZE: the first programs, which quantize; else 0
+    # Exact mode (OUTPUTS_FROM_HOST): the host's record of the outputs
     outputs_addr,  # OUTPUTS_FROM_HOST: int64 [8] in the host's pinned memory, as an address
     outputs_tag,  # OUTPUTS_FROM_HOST: the tag of the record the host writes there; else -1
+    # Meta-parameters (the glossary in kernels/__init__.py)
     W: tl.constexpr,
     T_MAX: tl.constexpr,
     NC_MAX: tl.constexpr,
@@ -1408,24 +1293,23 @@ def dispatch_kernel(
     tok = Tokens(rank, x_ptr, x_stride, x_scales_ptr, x_scales_stride, topk_idx_ptr,
                  topk_weights_ptr, num_tokens, topk, hidden, data_cols, num_experts,
                  experts_per_rank, source_ptr, source_stride)  # fmt: skip
-    lay = Layout(slot_pos_ptr, token_rank_pos_ptr, send_chunk_start_ptr, chunk_expert_base_ptr,
-                 recv_chunk_start_ptr, recv_src_tokens_ptr, expert_layout_ptr, info_ptr,
-                 token_node_pos_ptr, send_chunk_node_start_ptr,
-                 recv_net_chunk_start_ptr)  # fmt: skip
-    out = Outputs(num_out_rows, staged_rows_ptr, recv_x_ptr, recv_scales_ptr, recv_weights_ptr,
-                  recv_topk_idx_ptr, fwd_rows_ptr)  # fmt: skip
-    heap = Heap(peer_bases_ptr, ready_off, chunk_flags_off, meta_rows_off, meta_weights_off,
-                staging_off, net_bases_ptr, net_flags_off, net_inbox_off, net_outbox_off,
-                heap_bytes)  # fmt: skip
-    sync = Sync(control_ptr, status_ptr, seq, timeout_ns, aborted, num_quantizers, num_senders,
-                expand_slices, staged_parts, quantized_flags_ptr, outputs_addr,
-                outputs_tag)  # fmt: skip
-    # Built in the call: assigned to a name, its constexpr fields would become tensors.
-    _roles(
-        pid=pid, tok=tok, lay=lay, out=out, heap=heap, sync=sync, num_programs=num_programs,
-        k=DispatchConsts(W, T_MAX, NC_MAX, H_SLICES, P_MAX, MS, MS_P2, K_P2, CHUNK, BLOCK_H,
-                         HAS_WEIGHTS, WRITE_ROWS, TOKEN_ROWS, STAGES, R, R_P2, NODES, META_INTS,
-                         META_FLOATS, NET_COLS, DATA_OFF, SLOT_BYTES, SCALE_WORDS, QUANTIZE,
-                         CHANNEL_GROUPS, OUTPUTS_FROM_HOST),
-    )  # fmt: skip
+    lay = Layout(slot_pos_ptr, token_rank_pos_ptr, send_chunk_start_ptr,
+                 chunk_expert_base_ptr, recv_chunk_start_ptr, recv_src_tokens_ptr,
+                 expert_layout_ptr, info_ptr, token_node_pos_ptr,
+                 send_chunk_node_start_ptr, recv_net_chunk_start_ptr)  # fmt: skip
+    out = Outputs(num_out_rows, staged_rows_ptr, recv_x_ptr, recv_scales_ptr,
+                  recv_weights_ptr, recv_topk_idx_ptr, fwd_rows_ptr)  # fmt: skip
+    heap = Heap(peer_bases_ptr, ready_off, chunk_flags_off, meta_rows_off,
+                meta_weights_off, staging_off, net_bases_ptr, net_flags_off,
+                net_inbox_off, net_outbox_off, heap_bytes)  # fmt: skip
+    sync = Sync(control_ptr, status_ptr, seq, timeout_ns, aborted, num_quantizers,
+                num_senders, expand_slices, staged_parts, quantized_flags_ptr,
+                outputs_addr, outputs_tag)  # fmt: skip
+    k: tl.constexpr = DispatchConsts(W, T_MAX, NC_MAX, H_SLICES, P_MAX, MS, MS_P2,
+                                     K_P2, CHUNK, BLOCK_H, HAS_WEIGHTS, WRITE_ROWS,
+                                     TOKEN_ROWS, STAGES, R, R_P2, NODES, META_INTS,
+                                     META_FLOATS, NET_COLS, DATA_OFF, SLOT_BYTES,
+                                     SCALE_WORDS, QUANTIZE, CHANNEL_GROUPS,
+                                     OUTPUTS_FROM_HOST)  # fmt: skip
+    _roles(pid=pid, tok=tok, lay=lay, out=out, heap=heap, sync=sync, num_programs=num_programs, k=k)
     finish_launch(control_ptr, seq, num_programs)

@@ -103,9 +103,8 @@ COUNTED = tl.constexpr(8)
 FREE_TOGETHER = tl.constexpr(1)
 LEAVING = tl.constexpr(2)
 
-# The kernels' arguments in bundles (as in kernels/combine.py: namedtuples of runtime values,
-# LowLatencyConsts built in the call that passes it: assigned to a variable, its fields are no
-# longer constexprs under Triton 3.6).
+# The kernels' arguments in bundles: namedtuples of runtime values, and LowLatencyConsts, a
+# constexpr of the meta-parameters (kernels/__init__.py).
 DispatchRows = namedtuple(
     "DispatchRows", "rank x_ptr x_stride topk_ptr slots_ptr num_tokens hidden"
 )
@@ -178,10 +177,18 @@ def _await_all(flag_ptrs, target, awaited, peers, first_peer, stage, sync):
     MASKS_NEW, so that the next launch tells the others. (Masked stores, not branches: Triton
     3.6 fails to compile a branch after the wait.)"""
     arrived = wait_unless_masked(
-        flag_ptrs, target, awaited, sync.timeout_ns, sync.status_ptr, sync.mask_ptr + peers,
-        tl.load(sync.control_ptr + MASK_FAILED), _beats(sync, peers), sync.beat_ptr,
-        first_peer, stage,
-    )  # fmt: skip
+        flag_ptrs,
+        target,
+        awaited,
+        sync.timeout_ns,
+        sync.status_ptr,
+        sync.mask_ptr + peers,
+        tl.load(sync.control_ptr + MASK_FAILED),
+        _beats(sync, peers),
+        sync.beat_ptr,
+        first_peer,
+        stage,
+    )
     lost = awaited & ~arrived
     here = tl.load(sync.mask_ptr + peers, mask=lost, other=0, volatile=True) == MASKED_HERE
     tl.store(sync.control_ptr + MASKS_NEW, 1, mask=tl.max(here.to(tl.int32), axis=0) > 0)
@@ -282,8 +289,9 @@ def _slice(num_cols, s, k):
 
 
 @triton.jit
-def _copy_rows(src, dst, rmask, first, last, BLOCK: tl.constexpr, ALIGNED: tl.constexpr,
-               STAGES: tl.constexpr):  # fmt: skip
+def _copy_rows(
+    src, dst, rmask, first, last, BLOCK: tl.constexpr, ALIGNED: tl.constexpr, STAGES: tl.constexpr
+):
     """Copy columns [first, last) of each row from ``src`` to ``dst`` (pointers [ROWS] to the
     rows' first elements) where ``rmask``, BLOCK at a time, STAGES tiles in flight; ALIGNED:
     every row starts 16-byte aligned."""
@@ -336,9 +344,19 @@ def _staged(rows):
 
 @triton.jit
 def _copy_payloads(
-    src, dst, scale_rows, rmask, hidden, first, last, scale_step, UE8M0: tl.constexpr,
-    COPY_SCALES: tl.constexpr, dtype: tl.constexpr, k,
-):  # fmt: skip
+    src,
+    dst,
+    scale_rows,
+    rmask,
+    hidden,
+    first,
+    last,
+    scale_step,
+    UE8M0: tl.constexpr,
+    COPY_SCALES: tl.constexpr,
+    dtype: tl.constexpr,
+    k,
+):
     """Payload columns [first, last) of rows ``src`` to ``dst`` (uint8 pointers [ROWS]): rows of
     ``dtype`` (columns are elements); or with k.FP8 staged FP8 rows (columns are 32-bit words
     of the values), and with COPY_SCALES their float32 scales, stored from ``scale_rows`` as
@@ -346,8 +364,16 @@ def _copy_payloads(
     if k.FP8:
         # (words: tiles of as many bytes as the Buffer's dtype's)
         words = src.to(tl.pointer_type(tl.int32), bitcast=True)
-        _copy_rows(words, dst.to(tl.pointer_type(tl.int32), bitcast=True), rmask, first, last,
-                   k.BLOCK_H // 2, True, k.STAGES)  # fmt: skip
+        _copy_rows(
+            words,
+            dst.to(tl.pointer_type(tl.int32), bitcast=True),
+            rmask,
+            first,
+            last,
+            k.BLOCK_H // 2,
+            True,
+            k.STAGES,
+        )
         if COPY_SCALES:
             groups = tl.arange(0, k.G_P2)
             gmask = rmask[:, None] & (groups < hidden // 128)[None, :]
@@ -355,9 +381,16 @@ def _copy_payloads(
             scales = tl.load(staged_scales[:, None] + groups[None, :], mask=gmask)
             _store_scales(scale_rows, groups, scales, gmask, scale_step, UE8M0)
     else:
-        _copy_rows(src.to(tl.pointer_type(dtype), bitcast=True),
-                   dst.to(tl.pointer_type(dtype), bitcast=True), rmask, first, last, k.BLOCK_H,
-                   k.ALIGNED, k.STAGES)  # fmt: skip
+        _copy_rows(
+            src.to(tl.pointer_type(dtype), bitcast=True),
+            dst.to(tl.pointer_type(dtype), bitcast=True),
+            rmask,
+            first,
+            last,
+            k.BLOCK_H,
+            k.ALIGNED,
+            k.STAGES,
+        )
 
 
 # -- dispatch ------------------------------------------------------------------------------
@@ -397,21 +430,28 @@ def _token_role(program, seq, tokens, out, heap, sync, k):
         gmask = groups < tokens.hidden // 128
         for j in tl.static_range(k.K):
             if _pick(own, slots, j):
-                row, scale_row = _output_rows(out, _pick(expert_local, slots, j),
-                                              _pick(position, slots, j))  # fmt: skip
+                row, scale_row = _output_rows(
+                    out, _pick(expert_local, slots, j), _pick(position, slots, j)
+                )
                 tl.store(row + cols, values, mask=cmask)
-                _store_scales(scale_row + tl.zeros([1], tl.int32), groups, scales[None, :],
-                              gmask[None, :], out.scale_step, k.UE8M0)  # fmt: skip
+                _store_scales(
+                    scale_row + tl.zeros([1], tl.int32),
+                    groups,
+                    scales[None, :],
+                    gmask[None, :],
+                    out.scale_step,
+                    k.UE8M0,
+                )
         if k.W > 1:
             if tl.max(((expert >= 0) & (expert // k.L != tokens.rank)).to(tl.int32), axis=0):
-                _stage_quantized(t, chunk, groups, cols, cmask, values, scales, seq, tokens,
-                                 heap, k)  # fmt: skip
+                _stage_quantized(
+                    t, chunk, groups, cols, cmask, values, scales, seq, tokens, heap, k
+                )
     else:
         dtype = tokens.x_ptr.dtype.element_ty
         for j in tl.static_range(k.K):
             if _pick(own, slots, j):
-                row, _ = _output_rows(out, _pick(expert_local, slots, j),
-                                      _pick(position, slots, j))  # fmt: skip
+                row, _ = _output_rows(out, _pick(expert_local, slots, j), _pick(position, slots, j))
                 tl.store(row.to(tl.pointer_type(dtype), bitcast=True) + cols, x, mask=cmask)
 
 
@@ -449,8 +489,9 @@ def _stage_quantized(t, chunk, groups, cols, cmask, values, scales, seq, tokens,
     tl.store(scale_row + groups, scales, mask=groups < tokens.hidden // 128)
     quantized = region(heap.peer_bases_ptr, tokens.rank, heap.quantized_off, tl.int64)
     tl.debug_barrier()  # every thread's stores, then the flag
-    tl.atomic_xchg(quantized + t * _token_chunks(tokens.hidden, k) + chunk, seq, sem="release",
-                   scope="gpu")  # fmt: skip
+    tl.atomic_xchg(
+        quantized + t * _token_chunks(tokens.hidden, k) + chunk, seq, sem="release", scope="gpu"
+    )
 
 
 @triton.jit
@@ -486,11 +527,20 @@ def _token_rows(tokens, token, rmask, seq, heap, sync, k):
         chunk = tl.arange(0, k.QC_P2)
         flags = quantized + token[:, None] * chunks + chunk[None, :]
         mask = rmask[:, None] & (chunk < chunks)[None, :]
-        wait_all_at_least(tl.reshape(flags, [k.ROWS * k.QC_P2]), seq,
-                          tl.reshape(mask, [k.ROWS * k.QC_P2]), sync.timeout_ns,
-                          sync.status_ptr, tokens.rank, STAGE_LL_DISPATCH)  # fmt: skip
-        rows = _heap_address(heap, tokens.rank, heap.send_off
-                             + ((k.B + k.L) * k.M + token.to(tl.int64)) * k.ROW_BYTES)  # fmt: skip
+        wait_all_at_least(
+            tl.reshape(flags, [k.ROWS * k.QC_P2]),
+            seq,
+            tl.reshape(mask, [k.ROWS * k.QC_P2]),
+            sync.timeout_ns,
+            sync.status_ptr,
+            tokens.rank,
+            STAGE_LL_DISPATCH,
+        )
+        rows = _heap_address(
+            heap,
+            tokens.rank,
+            heap.send_off + ((k.B + k.L) * k.M + token.to(tl.int64)) * k.ROW_BYTES,
+        )
         return tl.multiple_of(rows.to(tl.pointer_type(tl.uint8)) + HEADER, 16)
     rows = tokens.x_ptr + token.to(tl.int64) * tokens.x_stride
     return rows.to(tl.pointer_type(tl.uint8), bitcast=True)
@@ -565,18 +615,36 @@ def _send_rows(program, expert, s, seq, tokens, heap, sync, k):
             token_ptr, payload = _staged(row.to(tl.pointer_type(tl.uint8)))
             if s == 0:
                 tl.store(token_ptr, token, mask=rmask)
-            _copy_payloads(_token_rows(tokens, token, rmask, seq, heap, sync, k), payload,
-                           (payload + tokens.hidden).to(tl.pointer_type(tl.float32),
-                                                        bitcast=True),
-                           rmask, tokens.hidden, first, last, 1, False, s == 0 and on_node,
-                           dtype, k)  # fmt: skip
+            _copy_payloads(
+                _token_rows(tokens, token, rmask, seq, heap, sync, k),
+                payload,
+                (payload + tokens.hidden).to(tl.pointer_type(tl.float32), bitcast=True),
+                rmask,
+                tokens.hidden,
+                first,
+                last,
+                1,
+                False,
+                s == 0 and on_node,
+                dtype,
+                k,
+            )
         if on_node:
             signal(_flag(heap, owner, b, s, seq, k), flag)
         elif k.NODES > 1:
             flag_off = heap.flags_off + ((seq % 2) * k.B + b) * k.S * 8
             if length > 0:
-                net_put_signal(heap.net_bases_ptr, rank, owner, block_off, block,
-                               length * k.ROW_BYTES, flag_off, flag, heap.heap_bytes)  # fmt: skip
+                net_put_signal(
+                    heap.net_bases_ptr,
+                    rank,
+                    owner,
+                    block_off,
+                    block,
+                    length * k.ROW_BYTES,
+                    flag_off,
+                    flag,
+                    heap.heap_bytes,
+                )
             else:
                 net_signal(heap.net_bases_ptr, owner, flag_off, flag)
 
@@ -593,16 +661,18 @@ def _dispatch_receive_role(program, seq, tokens, out, heap, sync, k):
     rank = tokens.rank
     own = region(heap.peer_bases_ptr, rank, heap.own_off, tl.int64)
     own_flag = own + (seq % 2) * k.L + expert_local
-    wait_at_least(own_flag, seq.to(tl.int64) << 32, sync.timeout_ns, sync.status_ptr, rank,
-                  STAGE_LL_DISPATCH)  # fmt: skip
+    wait_at_least(
+        own_flag, seq.to(tl.int64) << 32, sync.timeout_ns, sync.status_ptr, rank, STAGE_LL_DISPATCH
+    )
     first = _rows_sent(_flag_rows(own_flag), rank, rank, sync)
     length = 0
     for place in range(1, q + 1):
         source = _source_in_order(place, rank)
         b = _dispatch_block(expert_local, source, rank, k)
         first += length
-        arrived, sent = _wait_flag(_flag(heap, rank, b, 0, seq, k), seq, source,
-                                   STAGE_LL_DISPATCH, heap, sync, k)  # fmt: skip
+        arrived, sent = _wait_flag(
+            _flag(heap, rank, b, 0, seq, k), seq, source, STAGE_LL_DISPATCH, heap, sync, k
+        )
         length = 0  # (a masked source sends none)
         if arrived:
             length = _rows_sent(sent, source, rank, sync)
@@ -610,8 +680,9 @@ def _dispatch_receive_role(program, seq, tokens, out, heap, sync, k):
     b = _dispatch_block(expert_local, source, rank, k)
     if (tl.load(heap.peer_bases_ptr + source) != 0) & (length > 0):
         for s in range(1, k.S):
-            _wait_flag(_flag(heap, rank, b, s, seq, k), seq, source, STAGE_LL_DISPATCH, heap,
-                       sync, k)  # fmt: skip
+            _wait_flag(
+                _flag(heap, rank, b, s, seq, k), seq, source, STAGE_LL_DISPATCH, heap, sync, k
+            )
     block = _block_row(heap, rank, b, seq, k)
     cols = tokens.hidden // 4 if k.FP8 else tokens.hidden
     for r0 in range(0, length, k.ROWS):
@@ -619,14 +690,29 @@ def _dispatch_receive_role(program, seq, tokens, out, heap, sync, k):
         position = first + r
         rmask = (r < length) & (position < out.rows)
         token_ptr, payload = _staged(block + r.to(tl.int64) * k.ROW_BYTES)
-        tl.store(out.src_info_ptr + expert_local * out.rows + position,
-                 tl.load(token_ptr, mask=rmask), mask=rmask)  # fmt: skip
+        tl.store(
+            out.src_info_ptr + expert_local * out.rows + position,
+            tl.load(token_ptr, mask=rmask),
+            mask=rmask,
+        )
         values, scale_rows = _output_rows(out, expert_local, position)
-        _copy_payloads(payload, values, scale_rows, rmask, tokens.hidden, 0, cols,
-                       out.scale_step, k.UE8M0, True, tokens.x_ptr.dtype.element_ty,
-                       k)  # fmt: skip
-    tl.store(out.layout_range_ptr + expert_local * k.W + source,
-             (first.to(tl.int64) << 32) | length)  # fmt: skip
+        _copy_payloads(
+            payload,
+            values,
+            scale_rows,
+            rmask,
+            tokens.hidden,
+            0,
+            cols,
+            out.scale_step,
+            k.UE8M0,
+            True,
+            tokens.x_ptr.dtype.element_ty,
+            k,
+        )
+    tl.store(
+        out.layout_range_ptr + expert_local * k.W + source, (first.to(tl.int64) << 32) | length
+    )
     if q == k.W - 1:
         received = tl.minimum(first + length, out.rows)
         tl.store(out.recv_count_ptr + expert_local, received)
@@ -639,8 +725,9 @@ def _output_rows(out, expert_local, position):
     """Rows ``position`` (a scalar, or [ROWS]) of local expert ``expert_local`` of recv_x: (their
     first bytes, their first scales)."""
     row = expert_local.to(tl.int64) * out.rows + position
-    scale_row = (out.scales_ptr + expert_local.to(tl.int64) * out.scale_plane
-                 + position * out.scale_row_step)  # fmt: skip
+    scale_row = (
+        out.scales_ptr + expert_local.to(tl.int64) * out.scale_plane + position * out.scale_row_step
+    )
     return out.recv_ptr + row * out.row_bytes, scale_row
 
 
@@ -658,8 +745,7 @@ def _combine_send_role(program, seq, rows, heap, sync, k):
     j = program // k.S % (k.W - 1)
     rank = rows.rank
     j += (j >= rank).to(tl.int32)
-    span = tl.load(rows.layout_range_ptr + expert_local * k.W + j, mask=sync.refused == 0,
-                   other=0)  # fmt: skip
+    span = tl.load(rows.layout_range_ptr + expert_local * k.W + j, mask=sync.refused == 0, other=0)
     first = (span >> 32).to(tl.int32)
     length = (span & 0xFFFFFFFF).to(tl.int32)
     on_node = tl.load(heap.peer_bases_ptr + j) != 0
@@ -675,8 +761,9 @@ def _combine_send_role(program, seq, rows, heap, sync, k):
             + first.to(tl.int64) * (rows.x_row)
         )
         if on_node:
-            dst = _block_row(heap, j, b, seq, k).to(tl.pointer_type(rows.x_ptr.dtype.element_ty),
-                                                    bitcast=True)  # fmt: skip
+            dst = _block_row(heap, j, b, seq, k).to(
+                tl.pointer_type(rows.x_ptr.dtype.element_ty), bitcast=True
+            )
             col_first, col_last = _slice(rows.hidden, s, k)
             _copy_block(src, rows.x_row, dst, rows.hidden, length, col_first, col_last, k)
             signal(_flag(heap, j, b, s, seq, k), flag)
@@ -697,9 +784,17 @@ def _put_combine_rows(src, expert_local, first, length, j, b, flag, seq, rows, h
     block_off = heap.staging_off + ((seq % 2) * k.B + b) * k.M * k.ROW_BYTES
     flag_off = heap.flags_off + ((seq % 2) * k.B + b) * k.S * 8
     if length > 0:
-        net_put_signal(heap.net_bases_ptr, rows.rank, j, block_off, first_row,
-                       length * rows.hidden * (dtype.primitive_bitwidth // 8), flag_off, flag,
-                       heap.heap_bytes)  # fmt: skip
+        net_put_signal(
+            heap.net_bases_ptr,
+            rows.rank,
+            j,
+            block_off,
+            first_row,
+            length * rows.hidden * (dtype.primitive_bitwidth // 8),
+            flag_off,
+            flag,
+            heap.heap_bytes,
+        )
     else:
         net_signal(heap.net_bases_ptr, j, flag_off, flag)
 
@@ -711,8 +806,16 @@ def _copy_block(src, src_stride, dst, dst_stride, num_rows, first, last, k):
     a time."""
     for r0 in range(0, num_rows, k.ROWS):
         r = (r0 + tl.arange(0, k.ROWS)).to(tl.int64)
-        _copy_rows(src + r * src_stride, dst + r * dst_stride, r < num_rows, first, last,
-                   k.BLOCK_H, k.ALIGNED, k.STAGES)  # fmt: skip
+        _copy_rows(
+            src + r * src_stride,
+            dst + r * dst_stride,
+            r < num_rows,
+            first,
+            last,
+            k.BLOCK_H,
+            k.ALIGNED,
+            k.STAGES,
+        )
 
 
 @triton.jit
@@ -741,11 +844,11 @@ def _combine_receive_role(program, seq, rows, heap, sync, k):
         remote &= _live(sync, owner)  # (a masked rank's experts add nothing)
         # A block from another node lands whole, with its slice 0's flag.
         on_node = tl.load(heap.peer_bases_ptr + owner, mask=remote, other=0) != 0
-        flags = _flag(heap, rank, _combine_block(expert, rank, k), tl.where(on_node, s, 0), seq,
-                      k)  # fmt: skip
+        flags = _flag(heap, rank, _combine_block(expert, rank, k), tl.where(on_node, s, 0), seq, k)
         first_owner = tl.min(tl.where(remote, owner, k.W), axis=0)
-        arrived = _await_all(flags, seq.to(tl.int64) << 32, remote, owner, first_owner,
-                             STAGE_LL_COMBINE, sync)  # fmt: skip
+        arrived = _await_all(
+            flags, seq.to(tl.int64) << 32, remote, owner, first_owner, STAGE_LL_COMBINE, sync
+        )
         remote &= arrived  # (an owner masked meanwhile adds nothing)
         sent = tl.atomic_add(flags, 0, mask=remote, sem="acquire", scope="sys")
         refused = remote & ((sent & REFUSED) != 0)
@@ -757,7 +860,8 @@ def _combine_receive_role(program, seq, rows, heap, sync, k):
     weight = tl.where(valid, weight, 0.0)
     own_row = rows.x_ptr + (expert % k.L).to(tl.int64) * rows.x_plane + position * rows.x_row
     staged = _block_row(heap, rank, _combine_block(expert, rank, k), seq, k).to(
-        tl.pointer_type(dtype), bitcast=True)  # fmt: skip
+        tl.pointer_type(dtype), bitcast=True
+    )
     src = tl.where(own, own_row, staged + position * rows.hidden)
     if k.ALIGNED:  # (said: the compiler does not see it through the choice of rows)
         src = tl.multiple_of(src, 16)
@@ -768,8 +872,9 @@ def _combine_receive_role(program, seq, rows, heap, sync, k):
     for c0 in tl.range(first, last, k.BLOCK_H, num_stages=k.STAGES):
         cols = c0 + tl.arange(0, k.BLOCK_H)
         cmask = cols < last
-        tile = tl.load(src[:, None] + cols[None, :], mask=valid[:, None] & cmask[None, :],
-                       other=0.0)  # fmt: skip
+        tile = tl.load(
+            src[:, None] + cols[None, :], mask=valid[:, None] & cmask[None, :], other=0.0
+        )
         total = tl.sum(tile.to(tl.float32) * weight[:, None], axis=0)
         tl.store(rows.out_ptr + t.to(tl.int64) * rows.hidden + cols, total.to(dtype), mask=cmask)
 
@@ -829,8 +934,15 @@ def _finish(seq, last, news, heap, sync, k, SEND: tl.constexpr, RECEIVE: tl.cons
             tl.store(sync.control_ptr + LL_DONE, 0)
             for peer in range(0, k.W):
                 if (peer != sync.rank) & _live(sync, peer):
-                    _signal_peer(heap.peer_bases_ptr, heap.net_bases_ptr, peer, heap.freed_off,
-                                 sync.rank, seq, k.NODES)  # fmt: skip
+                    _signal_peer(
+                        heap.peer_bases_ptr,
+                        heap.net_bases_ptr,
+                        peer,
+                        heap.freed_off,
+                        sync.rank,
+                        seq,
+                        k.NODES,
+                    )
 
 
 @triton.jit
@@ -850,44 +962,92 @@ def _tell_mask(masked, heap, sync, k):
 @triton.jit(do_not_specialize=SAME_ON_EVERY_RANK)
 def low_latency_dispatch_kernel(
     # Tokens: x [T, H] (row stride x_stride), topk_idx [T, K]; out: token_slots [T, K] int32
-    x_ptr, x_stride, topk_ptr, slots_ptr, num_tokens, hidden, rank,
+    x_ptr,
+    x_stride,
+    topk_ptr,
+    slots_ptr,
+    num_tokens,
+    hidden,
+    rank,
     # Outputs, rows = W * M' per local expert: recv_x [L, rows, H] as bytes (row_bytes a row),
     # its scales (float32, or uint8 with UE8M0: see Received), src_info [L, rows] int32,
     # layout_range [L, W] int64, recv_count [L] int32, statistics [L] int32, call_seq [1]
-    recv_ptr, scales_ptr, src_info_ptr, layout_range_ptr, recv_count_ptr, stats_ptr, seq_ptr,
-    rows, row_bytes, scale_plane, scale_row_step, scale_step,
+    recv_ptr,
+    scales_ptr,
+    src_info_ptr,
+    layout_range_ptr,
+    recv_count_ptr,
+    stats_ptr,
+    seq_ptr,
+    rows,
+    row_bytes,
+    scale_plane,
+    scale_row_step,
+    scale_step,
     # Heap: every rank's base, byte offsets of the low-latency regions (send_off: the send area
     # of this call, by the host's parity)
-    peer_bases_ptr, net_bases_ptr, heap_bytes, freed_off, mask_off, flags_off, own_off,
-    quantized_off, staging_off, send_off,
+    peer_bases_ptr,
+    net_bases_ptr,
+    heap_bytes,
+    freed_off,
+    mask_off,
+    flags_off,
+    own_off,
+    quantized_off,
+    staging_off,
+    send_off,
     # Sync: control block, bound of every wait, the send role's scratch [B * S, M] int32,
     # whether this rank's host refused the call
-    control_ptr, timeout_ns, scratch_ptr, refused,
+    control_ptr,
+    timeout_ns,
+    scratch_ptr,
+    refused,
     # Meta-parameters (the glossary in kernels/__init__.py)
-    W: tl.constexpr, L: tl.constexpr, B: tl.constexpr, M: tl.constexpr, S: tl.constexpr,
-    QC_P2: tl.constexpr, K: tl.constexpr, K_P2: tl.constexpr, SCAN: tl.constexpr,
-    ROWS: tl.constexpr, BLOCK_H: tl.constexpr, STAGES: tl.constexpr, GROUPS: tl.constexpr,
+    W: tl.constexpr,
+    L: tl.constexpr,
+    B: tl.constexpr,
+    M: tl.constexpr,
+    S: tl.constexpr,
+    QC_P2: tl.constexpr,
+    K: tl.constexpr,
+    K_P2: tl.constexpr,
+    SCAN: tl.constexpr,
+    ROWS: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    STAGES: tl.constexpr,
+    GROUPS: tl.constexpr,
     G_P2: tl.constexpr,
-    ROW_BYTES: tl.constexpr, FP8: tl.constexpr, ROUND: tl.constexpr, UE8M0: tl.constexpr,
-    ALIGNED: tl.constexpr, HAS_STATS: tl.constexpr, NODES: tl.constexpr, SEND: tl.constexpr,
+    ROW_BYTES: tl.constexpr,
+    FP8: tl.constexpr,
+    ROUND: tl.constexpr,
+    UE8M0: tl.constexpr,
+    ALIGNED: tl.constexpr,
+    HAS_STATS: tl.constexpr,
+    NODES: tl.constexpr,
+    SEND: tl.constexpr,
     RECEIVE: tl.constexpr,
-):  # fmt: skip
+):
     """Where SEND, programs [0, T * QC) take the tokens' chunks, the next L / COUNTED count
     the local experts' lists, the next B * S send;
     where RECEIVE, the next L * (W - 1) receive; a launch of none of them has one program,
     which finishes."""
     program = tl.program_id(0)
+    k: tl.constexpr = LowLatencyConsts(W, L, B, M, S, QC_P2, K, K_P2, SCAN, ROWS,
+                                       BLOCK_H, STAGES, 1, GROUPS, G_P2, ROW_BYTES,
+                                       FP8, ROUND, UE8M0, ALIGNED, HAS_STATS, False,
+                                       NODES)  # fmt: skip
     mask = region(peer_bases_ptr, rank, mask_off, tl.int64)
-    sync = LowLatencySync(rank, control_ptr, control_ptr + STATUS, timeout_ns, scratch_ptr,
-                          seq_ptr, refused, mask, mask + W, peer_bases_ptr,
-                          mask_off + W * 8)  # fmt: skip
+    sync = LowLatencySync(rank, control_ptr, control_ptr + STATUS, timeout_ns,
+                          scratch_ptr, seq_ptr, refused, mask, mask + W,
+                          peer_bases_ptr, mask_off + W * 8)  # fmt: skip
     seq, last, news = _start(sync, SEND)
     tokens = DispatchRows(rank, x_ptr, x_stride, topk_ptr, slots_ptr, num_tokens, hidden)
-    out = Received(recv_ptr, scales_ptr, src_info_ptr, layout_range_ptr, recv_count_ptr,
-                   stats_ptr, rows, row_bytes, scale_plane, scale_row_step,
-                   scale_step)  # fmt: skip
-    heap = LowLatencyHeap(peer_bases_ptr, net_bases_ptr, heap_bytes, freed_off, mask_off,
-                          flags_off, own_off, quantized_off, staging_off, send_off)  # fmt: skip
+    out = Received(recv_ptr, scales_ptr, src_info_ptr, layout_range_ptr,
+                   recv_count_ptr, stats_ptr, rows, row_bytes, scale_plane,
+                   scale_row_step, scale_step)  # fmt: skip
+    heap = LowLatencyHeap(peer_bases_ptr, net_bases_ptr, heap_bytes, freed_off,
+                          mask_off, flags_off, own_off, quantized_off, staging_off,
+                          send_off)  # fmt: skip
     token_programs = 0
     counters = 0
     senders = 0
@@ -897,95 +1057,170 @@ def low_latency_dispatch_kernel(
         senders = B * S
     if program < token_programs:
         _token_role(
-            program, seq, tokens, out, heap, sync,
-            LowLatencyConsts(W, L, B, M, S, QC_P2, K, K_P2, SCAN, ROWS, BLOCK_H, STAGES, 1,
-                             GROUPS, G_P2, ROW_BYTES, FP8, ROUND, UE8M0, ALIGNED, HAS_STATS,
-                             False, NODES),
-        )  # fmt: skip
+            program,
+            seq,
+            tokens,
+            out,
+            heap,
+            sync,
+            k,
+        )
     elif program - token_programs < counters:
         _count_role(
-            program - token_programs, seq, tokens, out, heap, sync,
-            LowLatencyConsts(W, L, B, M, S, QC_P2, K, K_P2, SCAN, ROWS, BLOCK_H, STAGES, 1,
-                             GROUPS, G_P2, ROW_BYTES, FP8, ROUND, UE8M0, ALIGNED, HAS_STATS,
-                             False, NODES),
-        )  # fmt: skip
+            program - token_programs,
+            seq,
+            tokens,
+            out,
+            heap,
+            sync,
+            k,
+        )
     elif program - token_programs - counters < senders:
         _send_role(
-            program - token_programs - counters, seq, tokens, heap, sync,
-            LowLatencyConsts(W, L, B, M, S, QC_P2, K, K_P2, SCAN, ROWS, BLOCK_H, STAGES, 1,
-                             GROUPS, G_P2, ROW_BYTES, FP8, ROUND, UE8M0, ALIGNED, HAS_STATS,
-                             False, NODES),
-        )  # fmt: skip
+            program - token_programs - counters,
+            seq,
+            tokens,
+            heap,
+            sync,
+            k,
+        )
     elif RECEIVE and program - token_programs - counters - senders < L * (W - 1):
         _dispatch_receive_role(
-            program - token_programs - counters - senders, seq, tokens, out, heap, sync,
-            LowLatencyConsts(W, L, B, M, S, QC_P2, K, K_P2, SCAN, ROWS, BLOCK_H, STAGES, 1,
-                             GROUPS, G_P2, ROW_BYTES, FP8, ROUND, UE8M0, ALIGNED, HAS_STATS,
-                             False, NODES),
-        )  # fmt: skip
-    _finish(seq, last, news, heap, sync,
-            LowLatencyConsts(W, L, B, M, S, QC_P2, K, K_P2, SCAN, ROWS, BLOCK_H, STAGES, 1,
-                             GROUPS, G_P2, ROW_BYTES, FP8, ROUND, UE8M0, ALIGNED, HAS_STATS,
-                             False, NODES),
-            SEND, RECEIVE)  # fmt: skip
+            program - token_programs - counters - senders,
+            seq,
+            tokens,
+            out,
+            heap,
+            sync,
+            k,
+        )
+    _finish(
+        seq,
+        last,
+        news,
+        heap,
+        sync,
+        k,
+        SEND,
+        RECEIVE,
+    )
 
 
 @triton.jit(do_not_specialize=SAME_ON_EVERY_RANK)
 def low_latency_combine_kernel(
     # Rows: x [L, rows, H] (strides x_plane, x_row) in recv_x's order, topk_idx [T, K],
     # token_slots [T, K] int32 (the dispatch's), topk_weights [T, K] float32
-    x_ptr, x_plane, x_row, topk_ptr, slots_ptr, weights_ptr, num_tokens, hidden, rank,
+    x_ptr,
+    x_plane,
+    x_row,
+    topk_ptr,
+    slots_ptr,
+    weights_ptr,
+    num_tokens,
+    hidden,
+    rank,
     # The dispatch's layout_range [L, W] int64; out [T, H]; call_seq [1] int64; rows = W * M'
-    layout_range_ptr, out_ptr, seq_ptr, rows,
+    layout_range_ptr,
+    out_ptr,
+    seq_ptr,
+    rows,
     # Heap, as for dispatch (send_off: the buffer of get_next_low_latency_combine_buffer)
-    peer_bases_ptr, net_bases_ptr, heap_bytes, freed_off, mask_off, flags_off, own_off,
-    quantized_off, staging_off, send_off,
+    peer_bases_ptr,
+    net_bases_ptr,
+    heap_bytes,
+    freed_off,
+    mask_off,
+    flags_off,
+    own_off,
+    quantized_off,
+    staging_off,
+    send_off,
     # Sync, as for dispatch
-    control_ptr, timeout_ns, refused,
+    control_ptr,
+    timeout_ns,
+    refused,
     # Meta-parameters
-    W: tl.constexpr, L: tl.constexpr, B: tl.constexpr, M: tl.constexpr, S: tl.constexpr,
-    K: tl.constexpr, K_P2: tl.constexpr, ROW_BYTES: tl.constexpr, ROWS: tl.constexpr,
-    BLOCK_H: tl.constexpr, STAGES: tl.constexpr, PARTS: tl.constexpr, ALIGNED: tl.constexpr,
-    ZERO_COPY: tl.constexpr, NODES: tl.constexpr, SEND: tl.constexpr, RECEIVE: tl.constexpr,
-):  # fmt: skip
+    W: tl.constexpr,
+    L: tl.constexpr,
+    B: tl.constexpr,
+    M: tl.constexpr,
+    S: tl.constexpr,
+    K: tl.constexpr,
+    K_P2: tl.constexpr,
+    ROW_BYTES: tl.constexpr,
+    ROWS: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    STAGES: tl.constexpr,
+    PARTS: tl.constexpr,
+    ALIGNED: tl.constexpr,
+    ZERO_COPY: tl.constexpr,
+    NODES: tl.constexpr,
+    SEND: tl.constexpr,
+    RECEIVE: tl.constexpr,
+):
     """Programs [0, L * (W - 1) * S) send where SEND, the next T * S * PARTS receive where
     RECEIVE; a launch of neither kind's programs has one program, which finishes."""
     program = tl.program_id(0)
+    k: tl.constexpr = LowLatencyConsts(W, L, B, M, S, 1, K, K_P2, 0, ROWS, BLOCK_H,
+                                       STAGES, PARTS, 0, 0, ROW_BYTES, False, False,
+                                       False, ALIGNED, False, ZERO_COPY, NODES)  # fmt: skip
     mask = region(peer_bases_ptr, rank, mask_off, tl.int64)
-    sync = LowLatencySync(rank, control_ptr, control_ptr + STATUS, timeout_ns, control_ptr,
-                          seq_ptr, refused, mask, mask + W, peer_bases_ptr,
-                          mask_off + W * 8)  # fmt: skip
+    sync = LowLatencySync(rank, control_ptr, control_ptr + STATUS, timeout_ns,
+                          control_ptr, seq_ptr, refused, mask, mask + W,
+                          peer_bases_ptr, mask_off + W * 8)  # fmt: skip
     seq, last, news = _start(sync, SEND)
-    combined = CombineRows(rank, x_ptr, x_plane, x_row, topk_ptr, slots_ptr, weights_ptr,
-                           num_tokens, hidden, layout_range_ptr, out_ptr, rows)  # fmt: skip
-    heap = LowLatencyHeap(peer_bases_ptr, net_bases_ptr, heap_bytes, freed_off, mask_off,
-                          flags_off, own_off, quantized_off, staging_off, send_off)  # fmt: skip
+    combined = CombineRows(rank, x_ptr, x_plane, x_row, topk_ptr, slots_ptr,
+                           weights_ptr, num_tokens, hidden, layout_range_ptr,
+                           out_ptr, rows)  # fmt: skip
+    heap = LowLatencyHeap(peer_bases_ptr, net_bases_ptr, heap_bytes, freed_off,
+                          mask_off, flags_off, own_off, quantized_off, staging_off,
+                          send_off)  # fmt: skip
     senders = 0
     if SEND:
         senders = L * (W - 1) * S
     if program < senders:
         _combine_send_role(
-            program, seq, combined, heap, sync,
-            LowLatencyConsts(W, L, B, M, S, 1, K, K_P2, 0, ROWS, BLOCK_H, STAGES, PARTS, 0, 0,
-                             ROW_BYTES, False, False, False, ALIGNED, False, ZERO_COPY, NODES),
-        )  # fmt: skip
+            program,
+            seq,
+            combined,
+            heap,
+            sync,
+            k,
+        )
     elif RECEIVE and program - senders < num_tokens * S * PARTS:
         _combine_receive_role(
-            program - senders, seq, combined, heap, sync,
-            LowLatencyConsts(W, L, B, M, S, 1, K, K_P2, 0, ROWS, BLOCK_H, STAGES, PARTS, 0, 0,
-                             ROW_BYTES, False, False, False, ALIGNED, False, ZERO_COPY, NODES),
-        )  # fmt: skip
-    _finish(seq, last, news, heap, sync,
-            LowLatencyConsts(W, L, B, M, S, 1, K, K_P2, 0, ROWS, BLOCK_H, STAGES, PARTS, 0, 0,
-                             ROW_BYTES, False, False, False, ALIGNED, False, ZERO_COPY, NODES),
-            SEND, RECEIVE)  # fmt: skip
+            program - senders,
+            seq,
+            combined,
+            heap,
+            sync,
+            k,
+        )
+    _finish(
+        seq,
+        last,
+        news,
+        heap,
+        sync,
+        k,
+        SEND,
+        RECEIVE,
+    )
 
 
 @triton.jit(do_not_specialize=SAME_ON_EVERY_RANK)
 def low_latency_farewell_kernel(
-    peer_bases_ptr, net_bases_ptr, mask_off, farewell_off, rank, timeout_ns, verdict_ptr,
-    W: tl.constexpr, W_P2: tl.constexpr, NODES: tl.constexpr,
-):  # fmt: skip
+    peer_bases_ptr,
+    net_bases_ptr,
+    mask_off,
+    farewell_off,
+    rank,
+    timeout_ns,
+    verdict_ptr,
+    W: tl.constexpr,
+    W_P2: tl.constexpr,
+    NODES: tl.constexpr,
+):
     """destroy(), one program: whether this rank frees the heap with the others (on GPUs
     NVSHMEM's free waits for every rank: one that never comes would hold the others forever).
     It says its word in its place of every live rank's ll_farewell (LEAVING where it has
@@ -995,8 +1230,9 @@ def low_latency_farewell_kernel(
     Writes the verdict into its own place of its ll_farewell and into *verdict_ptr."""
     peers = tl.arange(0, W_P2)
     others = (peers < W) & (peers != rank)
-    masked = tl.load(region(peer_bases_ptr, rank, mask_off, tl.int64) + peers, mask=others,
-                     other=0) != 0  # fmt: skip
+    masked = (
+        tl.load(region(peer_bases_ptr, rank, mask_off, tl.int64) + peers, mask=others, other=0) != 0
+    )
     words = region(peer_bases_ptr, rank, farewell_off, tl.int64) + peers
     # (this rank's own word holds its last verdict: said again, it does not take LEAVING back)
     left = tl.load(words, mask=peers == rank, other=0) == LEAVING
@@ -1008,8 +1244,11 @@ def low_latency_farewell_kernel(
     waiting = True
     while waiting:
         said = tl.where(others, tl.load(words, mask=others, other=0, volatile=True), mine)
-        waiting = ((tl.min(said, axis=0) == 0) & (tl.max(said, axis=0) < LEAVING)
-                   & (clock_ns() - start < timeout_ns))  # fmt: skip
+        waiting = (
+            (tl.min(said, axis=0) == 0)
+            & (tl.max(said, axis=0) < LEAVING)
+            & (clock_ns() - start < timeout_ns)
+        )
     together = (tl.min(said, axis=0) == FREE_TOGETHER) & (tl.max(said, axis=0) == FREE_TOGETHER)
     verdict = tl.where(together, FREE_TOGETHER, LEAVING)
     _say_farewell(verdict, masked, peer_bases_ptr, net_bases_ptr, farewell_off, rank, W, NODES)

@@ -154,19 +154,34 @@ else:
     @core.extern
     def _putmem_signal_block(dst, src, nbytes, flag, value, sig_op, pe, _semantic=None):
         return core.extern_elementwise(
-            "", "", [dst, src, nbytes, flag, value, sig_op, pe],
-            {(core.int64, core.int64, core.int64, core.int64, core.int64, core.int32,
-              core.int32): ("nvshmemx_putmem_signal_block", core.int32)},
-            is_pure=False, _semantic=_semantic,
-        )  # fmt: skip
+            "",
+            "",
+            [dst, src, nbytes, flag, value, sig_op, pe],
+            {
+                (
+                    core.int64,
+                    core.int64,
+                    core.int64,
+                    core.int64,
+                    core.int64,
+                    core.int32,
+                    core.int32,
+                ): ("nvshmemx_putmem_signal_block", core.int32)
+            },
+            is_pure=False,
+            _semantic=_semantic,
+        )
 
     @core.extern
     def _signal_op(flag, value, sig_op, pe, _semantic=None):
         return core.extern_elementwise(
-            "", "", [flag, value, sig_op, pe],
+            "",
+            "",
+            [flag, value, sig_op, pe],
             {(core.int64, core.int64, core.int32, core.int32): ("nvshmemx_signal_op", core.int32)},
-            is_pure=False, _semantic=_semantic,
-        )  # fmt: skip
+            is_pure=False,
+            _semantic=_semantic,
+        )
 
     @triton.jit
     def net_put_signal(net_bases_ptr, rank, pe, dst_off, src, nbytes, flag_off, value, heap_bytes):
@@ -180,10 +195,14 @@ else:
         tl.debug_barrier()
         # Sizes and values may be compile-time constants: make every argument a typed scalar.
         _putmem_signal_block(
-            base + dst_off, src.to(tl.int64), tl.zeros([], tl.int64) + nbytes, base + flag_off,
-            tl.zeros([], tl.int64) + value, tl.full([], _SIGNAL_SET, tl.int32),
+            base + dst_off,
+            src.to(tl.int64),
+            tl.zeros([], tl.int64) + nbytes,
+            base + flag_off,
+            tl.zeros([], tl.int64) + value,
+            tl.full([], _SIGNAL_SET, tl.int32),
             (tl.zeros([], tl.int32) + pe).to(tl.int32),
-        )  # fmt: skip
+        )
 
     @triton.jit
     def net_signal(net_bases_ptr, pe, flag_off, value):
@@ -191,9 +210,11 @@ else:
         not ordered after earlier puts to ``pe``, so it carries no data with it)."""
         tl.debug_barrier()
         _signal_op(
-            tl.load(net_bases_ptr + pe) + flag_off, tl.zeros([], tl.int64) + value,
-            tl.full([], _SIGNAL_SET, tl.int32), (tl.zeros([], tl.int32) + pe).to(tl.int32),
-        )  # fmt: skip
+            tl.load(net_bases_ptr + pe) + flag_off,
+            tl.zeros([], tl.int64) + value,
+            tl.full([], _SIGNAL_SET, tl.int32),
+            (tl.zeros([], tl.int32) + pe).to(tl.int32),
+        )
 
 
 @triton.jit
@@ -265,8 +286,19 @@ MASKED_HERE = tl.constexpr(2)
 
 
 @triton.jit
-def wait_unless_masked(flag_ptrs, target, mask, timeout_ns, status_ptr, masked_ptrs,
-                       mask_on_timeout, beats, my_beat_ptr, peer, stage):  # fmt: skip
+def wait_unless_masked(
+    flag_ptrs,
+    target,
+    mask,
+    timeout_ns,
+    status_ptr,
+    masked_ptrs,
+    mask_on_timeout,
+    beats,
+    my_beat_ptr,
+    peer,
+    stage,
+):
     """wait_all_at_least() for flags of peers that may be masked (``*masked_ptrs`` nonzero,
     [N] beside ``flag_ptrs``): returns [N], whether each flag arrived where ``mask``. A masked
     peer is not waited for, nor any longer once another program masks it. Past ``timeout_ns``,
@@ -293,8 +325,7 @@ def wait_unless_masked(flag_ptrs, target, mask, timeout_ns, status_ptr, masked_p
             last_beats = seen
             left = mask & ~arrived & (now - starts > timeout_ns)
             unmasked = tl.where(left, 0, -1).to(tl.int64)  # (-1: no word holds it)
-            tl.atomic_cas(masked_ptrs, unmasked, tl.full(masked_ptrs.shape, MASKED_HERE,
-                                                         tl.int64))  # fmt: skip
+            tl.atomic_cas(masked_ptrs, unmasked, tl.full(masked_ptrs.shape, MASKED_HERE, tl.int64))
         else:
             _time_out_after(start, timeout_ns, status_ptr, peer, stage)
         arrived, waiting = _awaited(flag_ptrs, target, mask, masked_ptrs, status_ptr)
@@ -388,9 +419,18 @@ def record_word(words, i):
 
 @triton.jit
 def wait_item(
-    my_ready, carrier, rank, channel, flag_ptr, seq, timeout_ns, status_ptr, ready_stage,
-    data_stage, P_MAX,
-):  # fmt: skip
+    my_ready,
+    carrier,
+    rank,
+    channel,
+    flag_ptr,
+    seq,
+    timeout_ns,
+    status_ptr,
+    ready_stage,
+    data_stage,
+    P_MAX,
+):
     """Wait until a work item has landed here: first for program ``channel`` of rank
     ``carrier``, which delivers it, to have started the launch, so that a peer that never came
     times out at ``ready_stage``, then for the item's flag at ``flag_ptr`` (``data_stage``).
@@ -401,8 +441,9 @@ def wait_item(
     # deadlines pass together and this wait could win, naming this rank (seen on an H200
     # across 2 nodes of 1 rank: 2026-12-03-1xH200-shared-647fab0.log), so it waits twice as long.
     timeout = tl.where(carrier == rank, 2 * timeout_ns, timeout_ns)
-    wait_at_least(my_ready + carrier * P_MAX + channel, seq, timeout, status_ptr, carrier,
-                  ready_stage)  # fmt: skip
+    wait_at_least(
+        my_ready + carrier * P_MAX + channel, seq, timeout, status_ptr, carrier, ready_stage
+    )
     wait_at_least(flag_ptr, seq, timeout, status_ptr, carrier, data_stage)
 
 
@@ -424,9 +465,19 @@ def rail_peer(node, rank, R: tl.constexpr):
 
 @triton.jit
 def handshake(
-    peer_bases_ptr, net_bases_ptr, ready_off, rank, seq, timeout_ns, status_ptr, stage, P_MAX,
-    channel, R: tl.constexpr, NODES: tl.constexpr,
-):  # fmt: skip
+    peer_bases_ptr,
+    net_bases_ptr,
+    ready_off,
+    rank,
+    seq,
+    timeout_ns,
+    status_ptr,
+    stage,
+    P_MAX,
+    channel,
+    R: tl.constexpr,
+    NODES: tl.constexpr,
+):
     """Tell every peer this rank writes to or is written by that this rank's ``channel``
     started launch ``seq`` (so this rank's earlier launches, which read its staging areas, are
     over), then wait until ``channel`` of each has said the same. Those peers: every rank of
@@ -447,8 +498,9 @@ def handshake(
         for node in range(0, NODES):
             if node * R != node_first:
                 peer = rail_peer(node, rank, R)
-                wait_at_least(my_ready + peer * P_MAX + channel, seq, timeout_ns, status_ptr,
-                              peer, stage)  # fmt: skip
+                wait_at_least(
+                    my_ready + peer * P_MAX + channel, seq, timeout_ns, status_ptr, peer, stage
+                )
 
 
 @triton.jit
@@ -499,15 +551,34 @@ def finish_launch(control_ptr, seq, num_programs):
 def start_channel(channel, rank, stage, heap, sync, k):
     """handshake() for program ``channel`` of a role (its ready flags, then its peers')."""
     handshake(
-        heap.peer_bases_ptr, heap.net_bases_ptr, heap.ready_off, rank, sync.seq, sync.timeout_ns,
-        sync.status_ptr, stage, k.P_MAX, channel, k.R, k.NODES,
-    )  # fmt: skip
+        heap.peer_bases_ptr,
+        heap.net_bases_ptr,
+        heap.ready_off,
+        rank,
+        sync.seq,
+        sync.timeout_ns,
+        sync.status_ptr,
+        stage,
+        k.P_MAX,
+        channel,
+        k.R,
+        k.NODES,
+    )
 
 
 @triton.jit
 def wait_landed(my_ready, carrier, rank, channel, flag_ptr, ready_stage, data_stage, sync, k):
     """wait_item() with a role's bundles."""
     wait_item(
-        my_ready, carrier, rank, channel, flag_ptr, sync.seq, sync.timeout_ns, sync.status_ptr,
-        ready_stage, data_stage, k.P_MAX,
-    )  # fmt: skip
+        my_ready,
+        carrier,
+        rank,
+        channel,
+        flag_ptr,
+        sync.seq,
+        sync.timeout_ns,
+        sync.status_ptr,
+        ready_stage,
+        data_stage,
+        k.P_MAX,
+    )

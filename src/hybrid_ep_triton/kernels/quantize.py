@@ -79,10 +79,18 @@ else:
         and saturation for finite values), for code where the per-element arithmetic of the
         bit rounding is the cost; the interpreter keeps the bit rounding (its float8
         conversion rounds some values near a power of two wrongly)."""
-        return tl.inline_asm_elementwise(
-            "{ .reg .b16 pair; cvt.rn.satfinite.e4m3x2.f32 pair, $1, $1; cvt.u32.u16 $0, pair; }",
-            "=r,r", [v], dtype=tl.int32, is_pure=True, pack=1,
-        ) & 0xFF  # fmt: skip
+        return (
+            tl.inline_asm_elementwise(
+                "{ .reg .b16 pair; cvt.rn.satfinite.e4m3x2.f32 pair, $1, $1; "
+                "cvt.u32.u16 $0, pair; }",
+                "=r,r",
+                [v],
+                dtype=tl.int32,
+                is_pure=True,
+                pack=1,
+            )
+            & 0xFF
+        )
 
 
 @triton.jit
@@ -113,8 +121,11 @@ def quantize_block(
         floored = tl.maximum(amax, AMAX_FLOOR)
         scale = tl.where(amax > 0, tl.math.div_rn(floored, E4M3_MAX), 0.0)
         bits = to_e4m3_bits(x * tl.math.div_rn(E4M3_MAX, floored)[:, None])
-        tl.store(values_ptr + rows[:, None] * values_stride + cols[None, :], bits.to(tl.uint8),
-                 mask=rmask[:, None])  # fmt: skip
+        tl.store(
+            values_ptr + rows[:, None] * values_stride + cols[None, :],
+            bits.to(tl.uint8),
+            mask=rmask[:, None],
+        )
         tl.store(scales_ptr + rows * scales_stride + g, scale, mask=rmask)
 
 
@@ -134,10 +145,18 @@ def quantize_fp8_kernel(
     GROUPS."""
     first = tl.program_id(1) * GROUPS
     quantize_block(
-        x_ptr, x_stride, values_ptr, hidden, scales_ptr, hidden // 128,
-        tl.program_id(0) * BLOCK_T, num_tokens, first, tl.minimum(first + GROUPS, hidden // 128),
+        x_ptr,
+        x_stride,
+        values_ptr,
+        hidden,
+        scales_ptr,
+        hidden // 128,
+        tl.program_id(0) * BLOCK_T,
+        num_tokens,
+        first,
+        tl.minimum(first + GROUPS, hidden // 128),
         BLOCK_T,
-    )  # fmt: skip
+    )
 
 
 # -- MXFP8 and NVFP4 -------------------------------------------------------------------------
@@ -188,8 +207,9 @@ def quantize_mxfp8_block(
     channels = blocks[:, None] * 32 + tl.arange(0, 32)[None, :]  # [4, 32]
     for g in range(first_group, last_group):
         cols = g * 128 + channels
-        x = tl.load(src_ptr + rows[:, None, None] * src_stride + cols[None, :, :],
-                    mask=rmask[:, None, None])  # fmt: skip
+        x = tl.load(
+            src_ptr + rows[:, None, None] * src_stride + cols[None, :, :], mask=rmask[:, None, None]
+        )
         x = x.to(tl.float32)
         bits = x.to(tl.int32, bitcast=True)
         magnitude = bits & 0x7FFFFFFF
@@ -203,10 +223,16 @@ def quantize_mxfp8_block(
         sign = (bits >> 24) & 0x80
         over_infinity = sign | tl.where(magnitude >= 0x7F800000, 0x7F, 0)
         quantized = tl.where(finite[:, :, None], quantized, over_infinity)
-        tl.store(values_ptr + rows[:, None, None] * values_stride + cols[None, :, :],
-                 quantized.to(tl.uint8), mask=rmask[:, None, None])  # fmt: skip
-        tl.store(scales_ptr + rows[:, None] * scales_stride + (g * 4 + blocks)[None, :],
-                 biased.to(tl.uint8), mask=rmask[:, None])  # fmt: skip
+        tl.store(
+            values_ptr + rows[:, None, None] * values_stride + cols[None, :, :],
+            quantized.to(tl.uint8),
+            mask=rmask[:, None, None],
+        )
+        tl.store(
+            scales_ptr + rows[:, None] * scales_stride + (g * 4 + blocks)[None, :],
+            biased.to(tl.uint8),
+            mask=rmask[:, None],
+        )
 
 
 @triton.jit
@@ -242,16 +268,19 @@ def quantize_nvfp4_block(
     blocks = tl.arange(0, 8)
     pairs = tl.arange(0, 8)
     # Channel 16 * block + 2 * pair + half of a group, [8, 8, 2].
-    channels = (blocks[:, None, None] * 16 + pairs[None, :, None] * 2
-                + tl.arange(0, 2)[None, None, :])  # fmt: skip
+    channels = (
+        blocks[:, None, None] * 16 + pairs[None, :, None] * 2 + tl.arange(0, 2)[None, None, :]
+    )
     bytes_ = blocks[:, None] * 8 + pairs[None, :]  # [8, 8]
     if PER_TENSOR_SCALE:
         s = tl.load(per_tensor_scale_ptr)
         numerator = tl.math.div_rn(1.0, s)
     for g in range(first_group, last_group):
         cols = g * 128 + channels
-        x = tl.load(src_ptr + rows[:, None, None, None] * src_stride + cols[None, :, :, :],
-                    mask=rmask[:, None, None, None])  # fmt: skip
+        x = tl.load(
+            src_ptr + rows[:, None, None, None] * src_stride + cols[None, :, :, :],
+            mask=rmask[:, None, None, None],
+        )
         x = x.to(tl.float32)
         magnitude = x.to(tl.int32, bitcast=True) & 0x7FFFFFFF
         amax = tl.max(tl.max(magnitude, axis=3), axis=2).to(tl.float32, bitcast=True)
@@ -268,10 +297,16 @@ def quantize_nvfp4_block(
         codes = to_e2m1_bits(x * reciprocal[:, :, None, None])
         low, high = tl.split(codes)
         packed = low | (high << 4)
-        tl.store(values_ptr + rows[:, None, None] * values_stride + (g * 64 + bytes_)[None, :, :],
-                 packed.to(tl.uint8), mask=rmask[:, None, None])  # fmt: skip
-        tl.store(scales_ptr + rows[:, None] * scales_stride + (g * 8 + blocks)[None, :],
-                 scale_bits.to(tl.uint8), mask=rmask[:, None])  # fmt: skip
+        tl.store(
+            values_ptr + rows[:, None, None] * values_stride + (g * 64 + bytes_)[None, :, :],
+            packed.to(tl.uint8),
+            mask=rmask[:, None, None],
+        )
+        tl.store(
+            scales_ptr + rows[:, None] * scales_stride + (g * 8 + blocks)[None, :],
+            scale_bits.to(tl.uint8),
+            mask=rmask[:, None],
+        )
 
 
 @triton.jit
@@ -294,9 +329,32 @@ def quantize_block_scaled_kernel(
     first = tl.program_id(1) * GROUPS
     last = tl.minimum(first + GROUPS, hidden // 128)
     if NVFP4:
-        quantize_nvfp4_block(x_ptr, x_stride, values_ptr, hidden // 2, scales_ptr, hidden // 16,
-                             per_tensor_scale_ptr, first_row, num_tokens, first, last, BLOCK_T,
-                             PER_TENSOR_SCALE)  # fmt: skip
+        quantize_nvfp4_block(
+            x_ptr,
+            x_stride,
+            values_ptr,
+            hidden // 2,
+            scales_ptr,
+            hidden // 16,
+            per_tensor_scale_ptr,
+            first_row,
+            num_tokens,
+            first,
+            last,
+            BLOCK_T,
+            PER_TENSOR_SCALE,
+        )
     else:
-        quantize_mxfp8_block(x_ptr, x_stride, values_ptr, hidden, scales_ptr, hidden // 32,
-                             first_row, num_tokens, first, last, BLOCK_T)  # fmt: skip
+        quantize_mxfp8_block(
+            x_ptr,
+            x_stride,
+            values_ptr,
+            hidden,
+            scales_ptr,
+            hidden // 32,
+            first_row,
+            num_tokens,
+            first,
+            last,
+            BLOCK_T,
+        )

@@ -77,8 +77,17 @@ def _first_bad_row(bad):
 
 
 @triton.jit
-def _flat_slots(topk_idx_ptr, chunk, first, num_tokens, topk, num_experts, n: tl.constexpr,
-                CHUNK: tl.constexpr, K_P2: tl.constexpr):  # fmt: skip
+def _flat_slots(
+    topk_idx_ptr,
+    chunk,
+    first,
+    num_tokens,
+    topk,
+    num_experts,
+    n: tl.constexpr,
+    CHUNK: tl.constexpr,
+    K_P2: tl.constexpr,
+):
     """Slots [first, first + n) of the chunk, flat (slot i is entry i % K_P2 of the chunk's token
     i // K_P2): token, offset into topk_idx, inside the chunk, expert id (-1 for none or one out
     of range)."""
@@ -106,9 +115,8 @@ def _store_positions(to, tokens, token_ok, targets, num_targets, pos_ptr, count_
 
 
 # Each program of a launch has one role (module docstring); a role is a function that takes the
-# kernel's arguments in bundles by keyword, as in dispatch and combine: namedtuples of runtime
-# values, and LayoutConsts, built in the call that passes it (assigned to a name in a jit
-# function, a namedtuple's constexpr fields would become tensors). Everything is inlined: the
+# kernel's arguments in bundles, as in dispatch and combine: namedtuples of runtime values, and
+# ``k``, the LayoutConsts. Everything is inlined: the
 # machine code is that of one kernel body, and the calls keep the order in which the kernel
 # used to evaluate its expressions.
 Routing = namedtuple(
@@ -144,8 +152,15 @@ def _count_role(chunk, bad_row_ptr, rt, out, k):
     rank_count_ptr = out.send_chunk_start_ptr + chunk * rt.world_size
     node_count_ptr = out.send_chunk_node_start_ptr + chunk * k.NODES
     _count_slots(chunk=chunk, expert_count_ptr=expert_count_ptr, rt=rt, out=out, k=k)
-    _count_tokens(chunk=chunk, rank_count_ptr=rank_count_ptr, bad_row_ptr=bad_row_ptr,
-                  node_count_ptr=node_count_ptr, rt=rt, out=out, k=k)  # fmt: skip
+    _count_tokens(
+        chunk=chunk,
+        rank_count_ptr=rank_count_ptr,
+        bad_row_ptr=bad_row_ptr,
+        node_count_ptr=node_count_ptr,
+        rt=rt,
+        out=out,
+        k=k,
+    )
 
 
 @triton.jit
@@ -157,16 +172,30 @@ def _count_slots(chunk, expert_count_ptr, rt, out, k):
     expert_count = tl.zeros([k.E_P2], tl.int32)
     for i0 in range(0, k.CHUNK * k.K_P2, k.PAIRS):
         token, offs, in_chunk, ids = _flat_slots(
-            rt.topk_idx_ptr, chunk, i0, rt.num_tokens, rt.topk, rt.num_experts, k.PAIRS, k.CHUNK,
+            rt.topk_idx_ptr,
+            chunk,
+            i0,
+            rt.num_tokens,
+            rt.topk,
+            rt.num_experts,
+            k.PAIRS,
+            k.CHUNK,
             k.K_P2,
-        )  # fmt: skip
+        )
         if not k.TOKEN_ROWS:
             pos = tl.zeros([k.PAIRS], tl.int32)
             for j0 in range(0, k.CHUNK * k.K_P2, k.PAIRS):
                 other_token, _, _, other_ids = _flat_slots(
-                    rt.topk_idx_ptr, chunk, j0, rt.num_tokens, rt.topk, rt.num_experts, k.PAIRS,
-                    k.CHUNK, k.K_P2,
-                )  # fmt: skip
+                    rt.topk_idx_ptr,
+                    chunk,
+                    j0,
+                    rt.num_tokens,
+                    rt.topk,
+                    rt.num_experts,
+                    k.PAIRS,
+                    k.CHUNK,
+                    k.K_P2,
+                )
                 earlier = (ids[:, None] == other_ids[None, :]) & (
                     other_token[None, :] < token[:, None]
                 )
@@ -206,15 +235,17 @@ def _count_tokens(chunk, rank_count_ptr, bad_row_ptr, node_count_ptr, rt, out, k
     dest = tl.where(slot_ids >= 0, slot_ids // rt.experts_per_rank, -1)
     ranks = tl.arange(0, k.W_P2)
     to_rank = tl.sum((dest[:, :, None] == ranks[None, None, :]).to(tl.int32), axis=1) > 0
-    _store_positions(to_rank, tokens, token_ok, ranks, rt.world_size, out.token_rank_pos_ptr,
-                     rank_count_ptr)  # fmt: skip
+    _store_positions(
+        to_rank, tokens, token_ok, ranks, rt.world_size, out.token_rank_pos_ptr, rank_count_ptr
+    )
     if k.NODES > 1:
         nodes = tl.arange(0, k.N_P2)
         # Unused slots (dest -1) select no node: integer division truncates towards zero.
         in_node = (dest[:, :, None] >= 0) & (dest[:, :, None] // k.R == nodes[None, None, :])
         to_node = (tl.sum(in_node.to(tl.int32), axis=1) > 0) & (nodes[None, :] != rt.rank // k.R)
-        _store_positions(to_node, tokens, token_ok, nodes, k.NODES, out.token_node_pos_ptr,
-                         node_count_ptr)  # fmt: skip
+        _store_positions(
+            to_node, tokens, token_ok, nodes, k.NODES, out.token_node_pos_ptr, node_count_ptr
+        )
 
 
 @triton.jit
@@ -236,13 +267,21 @@ def _exchange_role(rt, out, heap, sync, k):
     counts = _wait_rows(seq=seq, status_ptr=status_ptr, rt=rt, heap=heap, sync=sync, k=k)
     first_invalid, first_cause = _read_sources(counts=counts, rt=rt, out=out, k=k)
     seg_start, padded, total = _destination_segments(counts=counts, rt=rt, out=out, k=k)
-    needed = _own_segments(counts=counts, seg_start=seg_start, padded=padded, total=total, rt=rt,
-                           out=out, k=k)  # fmt: skip
+    needed = _own_segments(
+        counts=counts, seg_start=seg_start, padded=padded, total=total, rt=rt, out=out, k=k
+    )
     tl.store(out.info_ptr + INFO_ROWS, needed)
     tl.store(sync.control_ptr + LAYOUT_SEQ, seq)
     if sync.report_tag != 0:
-        _report(needed=needed, first_invalid=first_invalid, bad=bad, status_ptr=status_ptr,
-                first_cause=first_cause, sync=sync, k=k)  # fmt: skip
+        _report(
+            needed=needed,
+            first_invalid=first_invalid,
+            bad=bad,
+            status_ptr=status_ptr,
+            first_cause=first_cause,
+            sync=sync,
+            k=k,
+        )
 
 
 @triton.jit
@@ -295,9 +334,16 @@ def _publish_rows(seq, bad, totals, rt, out, heap, k):
                 signal(flag, seq)
             else:
                 net_put_signal(
-                    heap.net_bases_ptr, rt.rank, peer, heap.layout_in_off + row_off, row,
-                    k.LR * 4, heap.count_flags_off + rt.rank * 8, seq, heap.heap_bytes,
-                )  # fmt: skip
+                    heap.net_bases_ptr,
+                    rt.rank,
+                    peer,
+                    heap.layout_in_off + row_off,
+                    row,
+                    k.LR * 4,
+                    heap.count_flags_off + rt.rank * 8,
+                    seq,
+                    heap.heap_bytes,
+                )
         else:
             signal(flag, seq)
 
@@ -346,10 +392,12 @@ def _write_row(row, peer, totals, invalid, rt, out, k):
         start, cnt = _chunk_starts_in_place(ptrs, chunks, rt.num_chunks, carry)
         tl.store(row + k.ROW + chunks, start, mask=chunks <= rt.num_chunks)
         if k.NODES > 1:
-            node_starts = tl.load(out.send_chunk_node_start_ptr + chunks * k.NODES + peer // k.R,
-                                  mask=chunks <= rt.num_chunks, cache_modifier=".cg")  # fmt: skip
-            tl.store(row + k.ROW + k.NC_MAX + 1 + chunks, node_starts,
-                     mask=chunks <= rt.num_chunks)  # fmt: skip
+            node_starts = tl.load(
+                out.send_chunk_node_start_ptr + chunks * k.NODES + peer // k.R,
+                mask=chunks <= rt.num_chunks,
+                cache_modifier=".cg",
+            )
+            tl.store(row + k.ROW + k.NC_MAX + 1 + chunks, node_starts, mask=chunks <= rt.num_chunks)
         carry += tl.sum(cnt, axis=0)
 
 
@@ -401,8 +449,9 @@ def _read_sources(counts, rt, out, k):
             rail = nodes[:, None] * k.R + rt.rank % k.R
             tl.store(
                 out.recv_net_chunk_start_ptr + nodes[:, None] * (k.NC_MAX + 1) + chunks[None, :],
-                tl.load(table + rail * k.LR + k.NC_MAX + 1 + chunks[None, :], mask=nm), mask=nm,
-            )  # fmt: skip
+                tl.load(table + rail * k.LR + k.NC_MAX + 1 + chunks[None, :], mask=nm),
+                mask=nm,
+            )
     return first_invalid, first_cause
 
 
@@ -450,23 +499,26 @@ def _own_segments(counts, seg_start, padded, total, rt, out, k):
     my_padded = tl.sum(tl.where(mine, padded, 0), axis=0)
     lmask = local < rt.experts_per_rank
     tl.store(out.expert_layout_ptr + local, my_start, mask=lmask)
-    tl.store(out.expert_layout_ptr + rt.experts_per_rank + local,
-             tl.sum(tl.where(mine, total, 0), 0), mask=lmask)  # fmt: skip
+    tl.store(
+        out.expert_layout_ptr + rt.experts_per_rank + local,
+        tl.sum(tl.where(mine, total, 0), 0),
+        mask=lmask,
+    )
     tl.store(out.expert_layout_ptr + 2 * rt.experts_per_rank + local, my_padded, mask=lmask)
     if k.TOKEN_ROWS:
         # One row per received token: every source's stream to this rank.
         srcs = tl.arange(0, k.W_P2)
         smask = srcs < rt.world_size
         src_tokens = tl.load(counts + srcs * k.LR + rt.num_experts + 0, mask=smask, other=0)
-        streamed = tl.load(counts + k.ROW + srcs * k.LR + tl.cdiv(src_tokens, k.CHUNK),
-                           mask=smask, other=0)  # fmt: skip
+        streamed = tl.load(
+            counts + k.ROW + srcs * k.LR + tl.cdiv(src_tokens, k.CHUNK), mask=smask, other=0
+        )
         tl.store(out.tokens_per_expert_ptr + local, my_padded.to(tl.int64), mask=lmask)
         needed = tl.sum(streamed, axis=0).to(tl.int64)
     else:
         # Rows past max_rows are dropped: tokens_per_expert counts those in the output.
         present = tl.minimum(my_start + my_padded, rt.max_rows) - my_start
-        tl.store(out.tokens_per_expert_ptr + local, tl.maximum(present, 0).to(tl.int64),
-                 mask=lmask)  # fmt: skip
+        tl.store(out.tokens_per_expert_ptr + local, tl.maximum(present, 0).to(tl.int64), mask=lmask)
         needed = tl.sum(my_padded, axis=0).to(tl.int64)
     return needed
 
@@ -508,6 +560,7 @@ def _roles(chunk, rt, out, heap, sync, k):
 
 @triton.jit(do_not_specialize=UNSPECIALISED + SAME_ON_EVERY_RANK)
 def layout_kernel(
+    # Routing: this rank's tokens' experts and the group's sizes
     topk_idx_ptr,  # in [T, K] int32 or int64
     num_tokens,
     num_chunks,
@@ -518,6 +571,7 @@ def layout_kernel(
     world_size,
     pad_multiple,
     max_rows,  # rows of this rank's output: tokens_per_expert is clipped to them
+    # Outputs: the handle's tables
     slot_pos_ptr,  # out [T, K] int32: position among the chunk's slots of the same expert, or -1
     token_rank_pos_ptr,  # out [T, W] int32: position among the chunk's tokens to that rank, or -1
     chunk_expert_base_ptr,  # out [NC + 1, E] int32: row 0 the destination row of each expert's
@@ -531,12 +585,14 @@ def layout_kernel(
     info_ptr,  # out int64 [4]: rows needed, first source whose dispatch cannot go ahead (or -1),
     # first invalid row of this rank (or 2**62), that source's cause (1: invalid routing; above:
     # the host's refusal code)
+    # Heap and sync: peers' bases, the control block, regions, the bound of every wait
     peer_bases_ptr,
     control_ptr,  # int64 [CONTROL_WORDS] (kernels/control.py): LAYOUT_SEQ, STATUS, LAYOUT_TICKET,
     # BAD_ROW
     count_flags_off,
     layout_in_off,
     timeout_ns,
+    # Across nodes: the tables of the streams through other nodes, network heap
     token_node_pos_ptr,  # out [T, N] int32: position among the chunk's tokens to that node, or -1
     send_chunk_node_start_ptr,  # out [NC_MAX + 1, N] int32: offset of each chunk in the stream to
     # node N (its rank of this rank's local index forwards it)
@@ -545,10 +601,12 @@ def layout_kernel(
     net_bases_ptr,  # int64 [W]: addresses for network puts (see primitives)
     layout_out_off,
     heap_bytes,
+    # The host's report, and this rank's refusal
     report_addr,  # int64 [REPORT_WORDS] in the host's pinned memory, as an address
     report_tag,  # 0, or: write the REPORT_* words (kernels/control.py) there, REPORT_TAG last
     refused,  # int32: 0, or the code of this rank's refused argument (no tokens then): every
     # rank's layout reports it as invalid routing is reported
+    # Meta-parameters (the glossary in kernels/__init__.py)
     CHUNK: tl.constexpr,
     K_P2: tl.constexpr,
     W_P2: tl.constexpr,
@@ -567,18 +625,18 @@ def layout_kernel(
 ):
     chunk = tl.program_id(0)
     # The arguments in bundles for the roles (positional: in the order of the bundles' fields).
-    rt = Routing(topk_idx_ptr, num_tokens, num_chunks, topk, num_experts, experts_per_rank, rank,
-                 world_size, pad_multiple, max_rows, refused)  # fmt: skip
+    rt = Routing(topk_idx_ptr, num_tokens, num_chunks, topk, num_experts,
+                 experts_per_rank, rank, world_size, pad_multiple, max_rows, refused)  # fmt: skip
     out = HandleParts(slot_pos_ptr, token_rank_pos_ptr, chunk_expert_base_ptr,
-                      send_chunk_start_ptr, recv_chunk_start_ptr, recv_src_tokens_ptr,
-                      expert_layout_ptr, tokens_per_expert_ptr, info_ptr, token_node_pos_ptr,
-                      send_chunk_node_start_ptr, recv_net_chunk_start_ptr)  # fmt: skip
-    heap = LayoutHeap(peer_bases_ptr, count_flags_off, layout_in_off, net_bases_ptr,
-                      layout_out_off, heap_bytes)  # fmt: skip
+                      send_chunk_start_ptr, recv_chunk_start_ptr,
+                      recv_src_tokens_ptr, expert_layout_ptr, tokens_per_expert_ptr,
+                      info_ptr, token_node_pos_ptr, send_chunk_node_start_ptr,
+                      recv_net_chunk_start_ptr)  # fmt: skip
+    heap = LayoutHeap(
+        peer_bases_ptr, count_flags_off, layout_in_off, net_bases_ptr, layout_out_off, heap_bytes
+    )
     sync = LayoutSync(control_ptr, timeout_ns, report_addr, report_tag)
-    # Built in the call: assigned to a name, its constexpr fields would become tensors.
-    _roles(
-        chunk=chunk, rt=rt, out=out, heap=heap, sync=sync,
-        k=LayoutConsts(CHUNK, K_P2, W_P2, E_P2, L_P2, PAIRS, NC_MAX, ROW, C_BLOCK, TABLE_BLOCK,
-                       TOKEN_ROWS, LR, R, NODES, N_P2),
-    )  # fmt: skip
+    k: tl.constexpr = LayoutConsts(CHUNK, K_P2, W_P2, E_P2, L_P2, PAIRS, NC_MAX,
+                                   ROW, C_BLOCK, TABLE_BLOCK, TOKEN_ROWS, LR, R,
+                                   NODES, N_P2)  # fmt: skip
+    _roles(chunk=chunk, rt=rt, out=out, heap=heap, sync=sync, k=k)
