@@ -88,8 +88,9 @@ class Buffer:
         self._streams = CommStream(device)
         self._refusals = Refusals(self._rt, agree_on_inputs)
         self._overflows = status.Overflows(self._rt.rank)
-        self._low_latency = low_latency.Calls(self._rt, self._id, self._streams,
-                                              self._check_usable, mask_failed_ranks)  # fmt: skip
+        self._low_latency = low_latency.Calls(
+            self._rt, self._id, self._streams, self._check_usable, mask_failed_ranks
+        )
 
     # -- normal mode ------------------------------------------------------------------------
 
@@ -130,7 +131,8 @@ class Buffer:
         self._refusals.usable_for(call, self._check_usable)
         rt = self._rt
         refuse = lambda argument: self._refusals.refuse_dispatch(  # noqa: E731
-            handle, call, argument, max_recv_tokens)  # fmt: skip
+            handle, call, argument, max_recv_tokens
+        )
         with self._refusals.of(call, refuse, handle, along=handle is not None) as checks:
             checks.check_handle()
             x, x_scales, scaled = check_dispatch_inputs(
@@ -183,17 +185,21 @@ class Buffer:
         self._refusals.usable_for("combine", self._check_usable)
         rt = self._rt
         refuse = lambda argument: self._refusals.refuse_along(  # noqa: E731
-            handle, "combine", f"combine's {argument}")  # fmt: skip
+            handle, "combine", f"combine's {argument}"
+        )
         with self._refusals.of("combine", refuse, handle, along=True) as checks:
             checks.check_handle()
-            check_combine_inputs(rt.plan, rt.device, y, weights, handle.num_recv_rows,
-                                 previous_event)  # fmt: skip
+            check_combine_inputs(
+                rt.plan, rt.device, y, weights, handle.num_recv_rows, previous_event
+            )
         if isinstance(y, ScaledValues):
             y = y.dequantize()
         out, event = self._streams.run(
             lambda: operators.run_combine(rt, self._id, y, weights, handle),
-            (y, weights), previous_event, async_finish,
-        )  # fmt: skip
+            (y, weights),
+            previous_event,
+            async_finish,
+        )
         return (out, event) if async_finish else out
 
     def check(self, handle: DispatchHandle | None = None) -> None:
@@ -285,8 +291,9 @@ class Buffer:
         self._check_usable()
         return self._low_latency.next_combine_buffer(handle)
 
-    def clean_low_latency_buffer(self, num_max_dispatch_tokens_per_rank: int, hidden: int,
-                                 num_experts: int) -> None:  # fmt: skip
+    def clean_low_latency_buffer(
+        self, num_max_dispatch_tokens_per_rank: int, hidden: int, num_experts: int
+    ) -> None:
         """DeepEP's call to zero its flags (none here): a barrier of the live ranks."""
         self._check_usable()
         self._low_latency.clean(num_max_dispatch_tokens_per_rank, hidden, num_experts)

@@ -727,8 +727,10 @@ def low_latency_dispatch(
     xs = [x.cpu() for x in xs]
     for j, (x, idx) in enumerate(zip(xs, topk_idxs, strict=True)):
         if x.shape[0] > max_tokens or idx.shape[0] != x.shape[0]:
-            raise ValueError(f"rank {j}: x {tuple(x.shape)}, topk_idx {tuple(idx.shape)}, "
-                             f"max_tokens {max_tokens}")  # fmt: skip
+            raise ValueError(
+                f"rank {j}: x {tuple(x.shape)}, topk_idx {tuple(idx.shape)}, "
+                f"max_tokens {max_tokens}"
+            )
     hidden = xs[rank].shape[1]
     rows, layout_range = _low_latency_rows(topk_idxs, num_experts, rank)
     local, capacity = len(rows), world * max_tokens

@@ -109,17 +109,33 @@ def get_low_latency_rdma_size_hint(
 # DeepEP's recommended configurations by group size (deep_ep/buffers/legacy.py), as
 # (nvl send, nvl recv, rdma send, rdma recv) tokens.
 _DISPATCH_CONFIGS = {
-    2: (24, 256, 6, 128), 4: (6, 256, 6, 128), 8: (6, 256, 6, 128), 16: (36, 288, 20, 128),
-    24: (32, 288, 8, 128), 32: (32, 288, 8, 128), 48: (32, 288, 8, 128),
-    64: (32, 288, 8, 128), 96: (20, 480, 12, 128), 128: (20, 560, 12, 128),
-    144: (32, 720, 12, 128), 160: (28, 720, 12, 128),
-}  # fmt: skip
+    2: (24, 256, 6, 128),
+    4: (6, 256, 6, 128),
+    8: (6, 256, 6, 128),
+    16: (36, 288, 20, 128),
+    24: (32, 288, 8, 128),
+    32: (32, 288, 8, 128),
+    48: (32, 288, 8, 128),
+    64: (32, 288, 8, 128),
+    96: (20, 480, 12, 128),
+    128: (20, 560, 12, 128),
+    144: (32, 720, 12, 128),
+    160: (28, 720, 12, 128),
+}
 _COMBINE_CONFIGS = {
-    2: (10, 256, 6, 128), 4: (9, 256, 6, 128), 8: (4, 256, 6, 128), 16: (4, 288, 12, 128),
-    24: (1, 288, 8, 128), 32: (1, 288, 8, 128), 48: (1, 288, 8, 128), 64: (1, 288, 8, 128),
-    96: (1, 480, 8, 128), 128: (1, 560, 8, 128), 144: (2, 720, 8, 128),
+    2: (10, 256, 6, 128),
+    4: (9, 256, 6, 128),
+    8: (4, 256, 6, 128),
+    16: (4, 288, 12, 128),
+    24: (1, 288, 8, 128),
+    32: (1, 288, 8, 128),
+    48: (1, 288, 8, 128),
+    64: (1, 288, 8, 128),
+    96: (1, 480, 8, 128),
+    128: (1, 560, 8, 128),
+    144: (2, 720, 8, 128),
     160: (2, 720, 8, 128),
-}  # fmt: skip
+}
 
 
 class DispatchHandle(tuple):
@@ -411,8 +427,9 @@ class Buffer:
         with torch.no_grad():
             rows = _rows(x)
             if handle is not None:
-                return self._cached_dispatch(rows, handle, topk_idx, topk_weights, prior,
-                                             async_finish)  # fmt: skip
+                return self._cached_dispatch(
+                    rows, handle, topk_idx, topk_weights, prior, async_finish
+                )
             routing = self._routing(
                 _values(rows), topk_idx, is_token_in_rank, num_tokens_per_expert
             )
@@ -426,8 +443,15 @@ class Buffer:
                 lambda: self._dispatch_both(rows, meta_rows, routing, worst, prior, async_finish),
                 growable=worst is None,
             )
-            return self._dispatch_outputs(parts, routing, is_token_in_rank, num_tokens_per_expert,
-                                          expert_alignment, worst, async_finish)  # fmt: skip
+            return self._dispatch_outputs(
+                parts,
+                routing,
+                is_token_in_rank,
+                num_tokens_per_expert,
+                expert_alignment,
+                worst,
+                async_finish,
+            )
 
     def combine(
         self,
@@ -471,9 +495,11 @@ class Buffer:
             combined_weights = None
             if topk_weights is not None:
                 meta = torch.zeros(
-                    topk_weights.shape[0], 2 * handle.topk + 2, dtype=torch.float32,
+                    topk_weights.shape[0],
+                    2 * handle.topk + 2,
+                    dtype=torch.float32,
                     device=topk_weights.device,
-                )  # fmt: skip
+                )
                 meta[:, handle.topk : 2 * handle.topk] = topk_weights
                 outputs = handle.meta_buffer.combine(
                     meta, handle.meta, previous_event=prior, async_finish=async_finish
@@ -502,8 +528,9 @@ class Buffer:
         if self._low_latency is not None:
             self._low_latency.clean_low_latency_buffer(
                 min(num_max_dispatch_tokens_per_rank, self._low_latency.low_latency_tokens),
-                hidden, num_experts,
-            )  # fmt: skip
+                hidden,
+                num_experts,
+            )
 
     def low_latency_dispatch(
         self,
@@ -541,11 +568,17 @@ class Buffer:
         with torch.no_grad():
             buffer = self._low_latency_buffer(x, num_max_dispatch_tokens_per_rank, num_experts)
             recv_x, count, inner, event, hook = buffer.low_latency_dispatch(
-                x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts,
+                x,
+                topk_idx,
+                num_max_dispatch_tokens_per_rank,
+                num_experts,
                 cumulative_local_expert_recv_stats=cumulative_local_expert_recv_stats,
-                use_fp8=use_fp8, round_scale=round_scale, use_ue8m0=use_ue8m0,
-                async_finish=async_finish, return_recv_hook=return_recv_hook,
-            )  # fmt: skip
+                use_fp8=use_fp8,
+                round_scale=round_scale,
+                use_ue8m0=use_ue8m0,
+                async_finish=async_finish,
+                return_recv_hook=return_recv_hook,
+            )
         handle = LowLatencyHandle(inner, buffer)
         return recv_x, count, handle, self._event([event] if event else [], async_finish), hook
 
@@ -588,9 +621,15 @@ class Buffer:
             x = buffer.get_next_low_latency_combine_buffer(inner)
         with torch.no_grad():
             combined, event, hook = buffer.low_latency_combine(
-                x, topk_idx, topk_weights, inner, zero_copy=zero_copy,
-                async_finish=async_finish, return_recv_hook=return_recv_hook, out=out,
-            )  # fmt: skip
+                x,
+                topk_idx,
+                topk_weights,
+                inner,
+                zero_copy=zero_copy,
+                async_finish=async_finish,
+                return_recv_hook=return_recv_hook,
+                out=out,
+            )
         return combined, self._event([event] if event else [], async_finish), hook
 
     def get_next_low_latency_combine_buffer(self, handle: LowLatencyHandle) -> torch.Tensor:
@@ -645,9 +684,15 @@ class Buffer:
         if kind != "tokens":
             hidden, dtype = kind, torch.float32
         return _HepBuffer(
-            self.group, hidden_size=hidden, max_tokens_per_rank=capacity, num_experts=experts,
-            dtype=dtype, expand=False, ranks_per_node=self.ranks_per_node, device=device,
-        )  # fmt: skip
+            self.group,
+            hidden_size=hidden,
+            max_tokens_per_rank=capacity,
+            num_experts=experts,
+            dtype=dtype,
+            expand=False,
+            ranks_per_node=self.ranks_per_node,
+            device=device,
+        )
 
     def _dispatch_both(self, rows, meta_rows, routing, worst, prior, async_finish):
         """The token rows' dispatch, then the metadata rows' (the same routing, so the same
@@ -659,8 +704,16 @@ class Buffer:
         meta_out = meta.dispatch(meta_rows, routing.slots, **kwargs)
         return tokens, token_out, meta, meta_out
 
-    def _dispatch_outputs(self, parts, routing, is_token_in_rank, num_tokens_per_expert,
-                          alignment, worst, async_finish):  # fmt: skip
+    def _dispatch_outputs(
+        self,
+        parts,
+        routing,
+        is_token_in_rank,
+        num_tokens_per_expert,
+        alignment,
+        worst,
+        async_finish,
+    ):
         tokens, token_out, meta, meta_out = parts
         (recv_x, _, _, tokens_per_expert, token_handle), events = _split_event(
             token_out, async_finish
@@ -689,16 +742,23 @@ class Buffer:
             counts = round_up(counts, alignment).tolist()
         else:
             counts = []
-        rank_prefix = torch.full((self.group_size, self.group_size), -1, dtype=torch.int32,
-                                 device=recv_src_idx.device)  # fmt: skip
+        rank_prefix = torch.full(
+            (self.group_size, self.group_size), -1, dtype=torch.int32, device=recv_src_idx.device
+        )
         received = torch.bincount(src_rank[src_rank >= 0], minlength=self.group_size)
         rank_prefix[:, self.rank] = received.cumsum(0).int()
         if is_token_in_rank is None:
             is_token_in_rank = _token_ranks(routing.slots, local_experts, self.group_size)
         parts = (rank_prefix, None, None, recv_src_idx, is_token_in_rank, None)
         handle = DispatchHandle(parts, token_handle, tokens, meta_handle, meta, topk)
-        return (recv_x, recv_topk_idx, recv_topk_weights, counts, handle,
-                self._event(events, async_finish))  # fmt: skip
+        return (
+            recv_x,
+            recv_topk_idx,
+            recv_topk_weights,
+            counts,
+            handle,
+            self._event(events, async_finish),
+        )
 
     def _counts_from(self, num_tokens_per_expert: torch.Tensor, local_experts: int):
         """This rank's received count per local expert: the sum of every rank's
@@ -733,9 +793,9 @@ class Buffer:
         hidden = x.shape[-1]
         if buffer is not None and (
             buffer.low_latency_tokens >= num_max_dispatch_tokens_per_rank
-            and (buffer.hidden_size, buffer.num_experts, buffer.dtype) == (hidden, num_experts,
-                                                                          x.dtype)
-        ):  # fmt: skip
+            and (buffer.hidden_size, buffer.num_experts, buffer.dtype)
+            == (hidden, num_experts, x.dtype)
+        ):
             return buffer
         if buffer is not None:
             self._retired.append(buffer)
@@ -744,10 +804,16 @@ class Buffer:
             _tokens_that_fit(self.num_rdma_bytes, hidden, self.group_size, num_experts),
         )
         self._low_latency = _HepBuffer(
-            self.group, hidden_size=hidden, max_tokens_per_rank=0, num_experts=num_experts,
-            dtype=x.dtype, ranks_per_node=self.ranks_per_node, device=x.device,
-            low_latency_tokens=tokens, mask_failed_ranks=self.enable_shrink,
-        )  # fmt: skip
+            self.group,
+            hidden_size=hidden,
+            max_tokens_per_rank=0,
+            num_experts=num_experts,
+            dtype=x.dtype,
+            ranks_per_node=self.ranks_per_node,
+            device=x.device,
+            low_latency_tokens=tokens,
+            mask_failed_ranks=self.enable_shrink,
+        )
         for rank in self._masked.nonzero().flatten().tolist():
             self._low_latency.update_mask(rank, True)
         return self._low_latency

@@ -394,10 +394,15 @@ class HybridEPBuffer:
         """The Buffer of ``kind`` (expand, dtype, device) for ``capacity`` tokens a rank."""
         expand, dtype, device = kind
         return _HepBuffer(
-            self.group, hidden_size=self.hidden_dim, max_tokens_per_rank=capacity,
-            num_experts=self.num_of_experts, dtype=dtype, expand=expand, device=device,
+            self.group,
+            hidden_size=self.hidden_dim,
+            max_tokens_per_rank=capacity,
+            num_experts=self.num_of_experts,
+            dtype=dtype,
+            expand=expand,
+            device=device,
             ranks_per_node=self.num_of_hybrid_ep_ranks_per_nvlink_domain,
-        )  # fmt: skip
+        )
 
     def _rows(self, hidden: torch.Tensor, scaling_factor: torch.Tensor | None):
         """hidden as the Buffer takes it: contiguous rows, or an FP8 pair (values, scales)."""
@@ -467,9 +472,13 @@ class HybridEPBuffer:
             leaf = slot_probs.detach().requires_grad_(True)
         with torch.set_grad_enabled(keep_graph):
             outputs = buffer.dispatch(
-                rows, slots, leaf, pad_multiple=pad, max_recv_tokens=worst,
+                rows,
+                slots,
+                leaf,
+                pad_multiple=pad,
+                max_recv_tokens=worst,
                 expert_recv_stats=stats,
-            )  # fmt: skip
+            )
         return buffer, outputs, stats, leaf if keep_graph else None
 
     def _along(self, rows, topk_weights, probs, handle: TokenHandle):

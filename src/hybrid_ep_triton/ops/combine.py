@@ -27,23 +27,46 @@ def _combine_launcher(rt: Runtime) -> KernelLauncher:
     """combine_kernel with the arguments that stay the same for a Buffer."""
     plan, cfg, heap = rt.plan, rt.plan.config, rt.plan.heap
     return KernelLauncher(
-        combine_kernel, on_compile=rt.on_compile,
-        outbox_ptr=rt.outbox, hidden=plan.hidden, rank=rt.rank,
+        combine_kernel,
+        on_compile=rt.on_compile,
+        outbox_ptr=rt.outbox,
+        hidden=plan.hidden,
+        rank=rt.rank,
         num_reducers=_reducers(programs_beside_senders(rt), rt.world_size),
-        num_senders=cfg.senders, local_parts=local_parts(plan, cfg.combine_block_h),
-        peer_bases_ptr=rt.heap.peer_bases, ready_off=heap.combine_ready,
-        chunk_flags_off=heap.chunk_flags, reduced_flags_off=heap.reduced_flags,
-        staging_off=heap.staging, control_ptr=rt.control, timeout_ns=rt.timeout_ns,
-        W=rt.world_size, T_MAX=plan.max_tokens, NC_MAX=plan.max_chunks, H_SLICES=cfg.h_slices,
-        P_MAX=MAX_PROGRAMS, MS=plan.meta_stride, MS_P2=next_power_of_2(plan.meta_stride),
-        W_P2=next_power_of_2(rt.world_size), CHUNK=cfg.chunk_tokens,
-        BLOCK_H=cfg.combine_block_h, COPY_BLOCK_H=cfg.block_h, COPY_UNROLL=cfg.copy_unroll,
-        LP_MAX=LOCAL_PARTS, STAGES=cfg.copy_stages, num_warps=cfg.num_warps,
-        maxnreg=MAX_REGISTERS, net_bases_ptr=rt.heap.net_bases, net_flags_off=heap.net_flags,
-        net_inbox_off=heap.net_inbox, net_outbox_off=heap.net_outbox,
-        heap_bytes=heap.total_bytes, **net_slot_constants(plan), **rt.compile_options,
+        num_senders=cfg.senders,
+        local_parts=local_parts(plan, cfg.combine_block_h),
+        peer_bases_ptr=rt.heap.peer_bases,
+        ready_off=heap.combine_ready,
+        chunk_flags_off=heap.chunk_flags,
+        reduced_flags_off=heap.reduced_flags,
+        staging_off=heap.staging,
+        control_ptr=rt.control,
+        timeout_ns=rt.timeout_ns,
+        W=rt.world_size,
+        T_MAX=plan.max_tokens,
+        NC_MAX=plan.max_chunks,
+        H_SLICES=cfg.h_slices,
+        P_MAX=MAX_PROGRAMS,
+        MS=plan.meta_stride,
+        MS_P2=next_power_of_2(plan.meta_stride),
+        W_P2=next_power_of_2(rt.world_size),
+        CHUNK=cfg.chunk_tokens,
+        BLOCK_H=cfg.combine_block_h,
+        COPY_BLOCK_H=cfg.block_h,
+        COPY_UNROLL=cfg.copy_unroll,
+        LP_MAX=LOCAL_PARTS,
+        STAGES=cfg.copy_stages,
+        num_warps=cfg.num_warps,
+        maxnreg=MAX_REGISTERS,
+        net_bases_ptr=rt.heap.net_bases,
+        net_flags_off=heap.net_flags,
+        net_inbox_off=heap.net_inbox,
+        net_outbox_off=heap.net_outbox,
+        heap_bytes=heap.total_bytes,
+        **net_slot_constants(plan),
+        **rt.compile_options,
         **topology_constants(plan, "R", "NODES", "R_P2", "N_P2"),
-    )  # fmt: skip
+    )
 
 
 def reduce_tokens(
@@ -61,18 +84,27 @@ def reduce_tokens(
     rt.relaunches[key] = rt.launcher(_combine_launcher)(
         (channel_programs(rt.plan) + programs_beside_senders(rt),),
         specialized=dict(
-            y_ptr=y, y_stride=y.stride(0), weights_ptr=weights, num_tokens=handle.num_tokens,
+            y_ptr=y,
+            y_stride=y.stride(0),
+            weights_ptr=weights,
+            num_tokens=handle.num_tokens,
             HAS_WEIGHTS=has_weights,
         ),
         aligned=dict(out_ptr=out, **handle.args(*_COMBINE_PARTS)),
         changing=("y_ptr", "y_stride", "weights_ptr", "out_ptr"),
         views_of=handle.ints,
-    )  # fmt: skip
+    )
     return out
 
 
 # The handle parts combine reads.
 _COMBINE_PARTS = (
-    "token_rank_pos", "send_chunk_start", "recv_chunk_start", "recv_src_tokens", "staged_rows",
-    "token_node_pos", "recv_net_chunk_start", "fwd_rows",
-)  # fmt: skip
+    "token_rank_pos",
+    "send_chunk_start",
+    "recv_chunk_start",
+    "recv_src_tokens",
+    "staged_rows",
+    "token_node_pos",
+    "recv_net_chunk_start",
+    "fwd_rows",
+)

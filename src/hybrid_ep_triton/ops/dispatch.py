@@ -59,9 +59,13 @@ def compute_layout(
     size, parts = state_layout(plan, num_tokens, topk)
     state = torch.empty(size, dtype=torch.int64, device=rt.device)
     handle = make_handle(
-        plan, topk_idx, state, -1 if max_recv_tokens is None else max_recv_tokens,
-        max_recv_tokens, parts,
-    )  # fmt: skip
+        plan,
+        topk_idx,
+        state,
+        -1 if max_recv_tokens is None else max_recv_tokens,
+        max_recv_tokens,
+        parts,
+    )
     # A repeated call changes these arguments only (the others are fixed by the key).
     key = ("layout", num_tokens, topk, pad_multiple, max_recv_tokens, refused)
     address = state.data_ptr()
@@ -74,28 +78,41 @@ def compute_layout(
     rt.relaunches[key] = rt.launcher(_layout_launcher)(
         (max(num_chunks, 1),),
         specialized=dict(
-            topk_idx_ptr=topk_idx, num_tokens=num_tokens, num_chunks=num_chunks, topk=topk,
-            pad_multiple=pad_multiple, report_tag=report_tag, refused=refused,
+            topk_idx_ptr=topk_idx,
+            num_tokens=num_tokens,
+            num_chunks=num_chunks,
+            topk=topk,
+            pad_multiple=pad_multiple,
+            report_tag=report_tag,
+            refused=refused,
             max_rows=2**31 - 1 if max_recv_tokens is None else max_recv_tokens,
             K_P2=next_power_of_2(topk),
             PAIRS=min(plan.config.chunk_tokens * next_power_of_2(topk), _PAIRS),
         ),
         aligned=dict(
-            tokens_per_expert_ptr=handle.tokens_per_expert, info_ptr=state,
+            tokens_per_expert_ptr=handle.tokens_per_expert,
+            info_ptr=state,
             **handle.args(*_LAYOUT_PARTS),
         ),
         changing=("topk_idx_ptr", "report_tag", "tokens_per_expert_ptr", "info_ptr"),
         views_of=handle.ints,
-    )  # fmt: skip
+    )
     return handle
 
 
 # The handle parts the layout kernel writes.
 _LAYOUT_PARTS = (
-    "slot_pos", "token_rank_pos", "chunk_expert_base", "send_chunk_start", "recv_chunk_start",
-    "recv_src_tokens", "expert_layout", "token_node_pos", "send_chunk_node_start",
+    "slot_pos",
+    "token_rank_pos",
+    "chunk_expert_base",
+    "send_chunk_start",
+    "recv_chunk_start",
+    "recv_src_tokens",
+    "expert_layout",
+    "token_node_pos",
+    "send_chunk_node_start",
     "recv_net_chunk_start",
-)  # fmt: skip
+)
 
 
 def _layout_launcher(rt: Runtime) -> KernelLauncher:
@@ -103,20 +120,34 @@ def _layout_launcher(rt: Runtime) -> KernelLauncher:
     plan, heap = rt.plan, rt.plan.heap
     e_p2, w_p2 = next_power_of_2(plan.num_experts), next_power_of_2(rt.world_size)
     return KernelLauncher(
-        layout_kernel, on_compile=rt.on_compile,
-        num_experts=plan.num_experts, experts_per_rank=plan.experts_per_rank, rank=rt.rank,
-        world_size=rt.world_size, peer_bases_ptr=rt.heap.peer_bases, control_ptr=rt.control,
-        count_flags_off=heap.count_flags, layout_in_off=heap.layout_in,
-        timeout_ns=rt.timeout_ns, net_bases_ptr=rt.heap.net_bases,
-        layout_out_off=heap.layout_out, heap_bytes=heap.total_bytes,
+        layout_kernel,
+        on_compile=rt.on_compile,
+        num_experts=plan.num_experts,
+        experts_per_rank=plan.experts_per_rank,
+        rank=rt.rank,
+        world_size=rt.world_size,
+        peer_bases_ptr=rt.heap.peer_bases,
+        control_ptr=rt.control,
+        count_flags_off=heap.count_flags,
+        layout_in_off=heap.layout_in,
+        timeout_ns=rt.timeout_ns,
+        net_bases_ptr=rt.heap.net_bases,
+        layout_out_off=heap.layout_out,
+        heap_bytes=heap.total_bytes,
         report_addr=rt.report.data_ptr(),
-        CHUNK=plan.config.chunk_tokens, W_P2=w_p2, E_P2=e_p2,
-        L_P2=next_power_of_2(plan.experts_per_rank), NC_MAX=plan.max_chunks,
-        ROW=plan.counts_row, LR=plan.layout_row, C_BLOCK=max(1, _EXCHANGE_TILE // e_p2),
+        CHUNK=plan.config.chunk_tokens,
+        W_P2=w_p2,
+        E_P2=e_p2,
+        L_P2=next_power_of_2(plan.experts_per_rank),
+        NC_MAX=plan.max_chunks,
+        ROW=plan.counts_row,
+        LR=plan.layout_row,
+        C_BLOCK=max(1, _EXCHANGE_TILE // e_p2),
         TABLE_BLOCK=min(next_power_of_2(plan.max_chunks + 1), _EXCHANGE_TILE // w_p2),
-        TOKEN_ROWS=plan.token_rows, **rt.compile_options,
+        TOKEN_ROWS=plan.token_rows,
+        **rt.compile_options,
         **topology_constants(plan, "R", "NODES", "N_P2"),
-    )  # fmt: skip
+    )
 
 
 def _own_slices(rt: Runtime, expanders: int, cols: int, block: int) -> int:
@@ -130,10 +161,17 @@ def _move_launcher(rt: Runtime) -> KernelLauncher:
     for a Buffer (the unused scale pointers: any tensor)."""
     plan = rt.plan
     return _data_move_launcher(
-        rt, plan.hidden, plan.hidden, plan.config.block_h, plan.net_slot.cols, scale_words=0,
-        x_scales_ptr=rt.control, x_scales_stride=0, recv_scales_ptr=rt.control,
+        rt,
+        plan.hidden,
+        plan.hidden,
+        plan.config.block_h,
+        plan.net_slot.cols,
+        scale_words=0,
+        x_scales_ptr=rt.control,
+        x_scales_stride=0,
+        recv_scales_ptr=rt.control,
         **_no_quantizers(rt),
-    )  # fmt: skip
+    )
 
 
 def _pair_move_launcher(rt: Runtime, name: str) -> KernelLauncher:
@@ -141,17 +179,25 @@ def _pair_move_launcher(rt: Runtime, name: str) -> KernelLauncher:
     words (see planner.ScaledRows)."""
     rows = rt.plan.scaled_rows(name)
     return _data_move_launcher(
-        rt, rows.words, rows.data_words, rows.block, rows.net_cols, rows.scale_words,
+        rt,
+        rows.words,
+        rows.data_words,
+        rows.block,
+        rows.net_cols,
+        rows.scale_words,
         **_no_quantizers(rt),
-    )  # fmt: skip
+    )
 
 
 def _no_quantizers(rt: Runtime) -> dict:
     """The quantizers' arguments of a launch that has none (the unused pointers: any tensor)."""
     return dict(
-        QUANTIZE=NO_QUANTIZER.value, CHANNEL_GROUPS=0, source_ptr=rt.control, source_stride=0,
+        QUANTIZE=NO_QUANTIZER.value,
+        CHANNEL_GROUPS=0,
+        source_ptr=rt.control,
+        source_stride=0,
         quantized_flags_ptr=rt.control,
-    )  # fmt: skip
+    )
 
 
 def _quantizing_move_launcher(rt: Runtime, name: str) -> KernelLauncher:
@@ -163,12 +209,20 @@ def _quantizing_move_launcher(rt: Runtime, name: str) -> KernelLauncher:
     words = functools.partial(torch.empty, plan.max_tokens, dtype=torch.int32, device=rt.device)
     items = plan.max_chunks * _quantizer_slices(plan)
     return _data_move_launcher(
-        rt, rows.words, rows.data_words, rows.block, rows.net_cols, rows.scale_words,
-        QUANTIZE=QUANTIZERS[name], CHANNEL_GROUPS=_channel_groups(plan),
-        x_ptr=words(rows.data_words), x_stride=rows.data_words,
-        x_scales_ptr=words(rows.scale_words), x_scales_stride=rows.scale_words,
+        rt,
+        rows.words,
+        rows.data_words,
+        rows.block,
+        rows.net_cols,
+        rows.scale_words,
+        QUANTIZE=QUANTIZERS[name],
+        CHANNEL_GROUPS=_channel_groups(plan),
+        x_ptr=words(rows.data_words),
+        x_stride=rows.data_words,
+        x_scales_ptr=words(rows.scale_words),
+        x_scales_stride=rows.scale_words,
         quantized_flags_ptr=torch.zeros(items, dtype=torch.int64, device=rt.device),
-    )  # fmt: skip
+    )
 
 
 def _quantizers(rt: Runtime, num_tokens: int) -> int:
@@ -200,26 +254,54 @@ def _data_move_launcher(
     plan, cfg, heap = rt.plan, rt.plan.config, rt.plan.heap
     slot = plan.net_slot
     return KernelLauncher(
-        dispatch_kernel, on_compile=rt.on_compile,
-        hidden=cols, data_cols=data_cols, num_experts=plan.num_experts,
-        experts_per_rank=plan.experts_per_rank, rank=rt.rank, num_senders=cfg.senders,
+        dispatch_kernel,
+        on_compile=rt.on_compile,
+        hidden=cols,
+        data_cols=data_cols,
+        num_experts=plan.num_experts,
+        experts_per_rank=plan.experts_per_rank,
+        rank=rt.rank,
+        num_senders=cfg.senders,
         expand_slices=_own_slices(rt, programs_beside_senders(rt), cols, block),
-        staged_parts=local_parts(plan, block, cols), peer_bases_ptr=rt.heap.peer_bases,
-        ready_off=heap.dispatch_ready, chunk_flags_off=heap.chunk_flags,
-        meta_rows_off=heap.meta_rows, meta_weights_off=heap.meta_weights,
-        staging_off=heap.staging, control_ptr=rt.control, timeout_ns=rt.timeout_ns,
-        W=rt.world_size, T_MAX=plan.max_tokens, NC_MAX=plan.max_chunks, H_SLICES=cfg.h_slices,
-        P_MAX=MAX_PROGRAMS, MS=plan.meta_stride, MS_P2=next_power_of_2(plan.meta_stride),
-        W_P2=next_power_of_2(rt.world_size), CHUNK=cfg.chunk_tokens, BLOCK_H=block,
-        TOKEN_ROWS=plan.token_rows, STAGES=cfg.copy_stages, num_warps=cfg.num_warps,
-        maxnreg=MAX_REGISTERS, net_bases_ptr=rt.heap.net_bases, net_flags_off=heap.net_flags,
-        net_inbox_off=heap.net_inbox, net_outbox_off=heap.net_outbox,
-        heap_bytes=heap.total_bytes, outputs_addr=rt.outputs_record.data_ptr(),
+        staged_parts=local_parts(plan, block, cols),
+        peer_bases_ptr=rt.heap.peer_bases,
+        ready_off=heap.dispatch_ready,
+        chunk_flags_off=heap.chunk_flags,
+        meta_rows_off=heap.meta_rows,
+        meta_weights_off=heap.meta_weights,
+        staging_off=heap.staging,
+        control_ptr=rt.control,
+        timeout_ns=rt.timeout_ns,
+        W=rt.world_size,
+        T_MAX=plan.max_tokens,
+        NC_MAX=plan.max_chunks,
+        H_SLICES=cfg.h_slices,
+        P_MAX=MAX_PROGRAMS,
+        MS=plan.meta_stride,
+        MS_P2=next_power_of_2(plan.meta_stride),
+        W_P2=next_power_of_2(rt.world_size),
+        CHUNK=cfg.chunk_tokens,
+        BLOCK_H=block,
+        TOKEN_ROWS=plan.token_rows,
+        STAGES=cfg.copy_stages,
+        num_warps=cfg.num_warps,
+        maxnreg=MAX_REGISTERS,
+        net_bases_ptr=rt.heap.net_bases,
+        net_flags_off=heap.net_flags,
+        net_inbox_off=heap.net_inbox,
+        net_outbox_off=heap.net_outbox,
+        heap_bytes=heap.total_bytes,
+        outputs_addr=rt.outputs_record.data_ptr(),
         META_INTS=slot.meta_ints,
-        META_FLOATS=slot.meta_floats, NET_COLS=net_cols, DATA_OFF=slot.data_offset,
-        SLOT_BYTES=slot.bytes, SCALE_WORDS=scale_words, **rt.compile_options,
-        **topology_constants(plan, "R", "NODES", "R_P2"), **bound,
-    )  # fmt: skip
+        META_FLOATS=slot.meta_floats,
+        NET_COLS=net_cols,
+        DATA_OFF=slot.data_offset,
+        SLOT_BYTES=slot.bytes,
+        SCALE_WORDS=scale_words,
+        **rt.compile_options,
+        **topology_constants(plan, "R", "NODES", "R_P2"),
+        **bound,
+    )
 
 
 Moved = tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]
@@ -248,9 +330,17 @@ class PreparedMove:
     """
 
     __slots__ = (
-        "rt", "handle", "cached", "has_weights", "rows", "scaled", "dtype", "topk_weights",
-        "inputs", "key",
-    )  # fmt: skip
+        "rt",
+        "handle",
+        "cached",
+        "has_weights",
+        "rows",
+        "scaled",
+        "dtype",
+        "topk_weights",
+        "inputs",
+        "key",
+    )
 
     def __init__(
         self,
@@ -274,8 +364,15 @@ class PreparedMove:
             self.inputs = (as_words(x), x.stride(0) // 4, scales, scales.stride(0))
         else:
             self.inputs = (x, x.stride(0))
-        self.key = ("move", self.rows, scaled, self.has_weights, cached, handle.num_tokens,
-                    handle.topk)  # fmt: skip
+        self.key = (
+            "move",
+            self.rows,
+            scaled,
+            self.has_weights,
+            cached,
+            handle.num_tokens,
+            handle.topk,
+        )
 
     def __call__(self, num_rows: int) -> Moved:
         outputs = self._allocate(num_rows)
@@ -292,7 +389,7 @@ class PreparedMove:
             placeholder(torch.int32) if scaled else None,
             placeholder(torch.float32) if self.has_weights else None,
             placeholder(torch.int32) if self.rt.plan.token_rows and not self.cached else None,
-        )  # fmt: skip
+        )
         self._launch(0, tag, *self._arguments(outputs, outputs_are_words=True))
 
     def deliver(self, num_rows: int, tag: int) -> Moved:
@@ -372,10 +469,19 @@ def write_host_record(words, tag: int, values: tuple[int, ...]) -> None:
 
 # The handle parts the data move reads (and, for a new handle, writes: staged_rows, fwd_rows).
 _MOVE_PARTS = (
-    "slot_pos", "token_rank_pos", "send_chunk_start", "chunk_expert_base", "recv_chunk_start",
-    "recv_src_tokens", "expert_layout", "staged_rows", "token_node_pos",
-    "send_chunk_node_start", "recv_net_chunk_start", "fwd_rows",
-)  # fmt: skip
+    "slot_pos",
+    "token_rank_pos",
+    "send_chunk_start",
+    "chunk_expert_base",
+    "recv_chunk_start",
+    "recv_src_tokens",
+    "expert_layout",
+    "staged_rows",
+    "token_node_pos",
+    "send_chunk_node_start",
+    "recv_net_chunk_start",
+    "fwd_rows",
+)
 # The data move's arguments from the caller or its layout (Triton specialises on them), then
 # the outputs and the handle's info, which this library allocates.
 _MOVE_SPECIALIZED = ("topk_idx_ptr", "topk_weights_ptr", "num_out_rows", "outputs_tag")
@@ -423,16 +529,21 @@ def _launch_move(
     return launch(
         (quantizers + channel_programs(rt.plan) + programs_beside_senders(rt),),
         specialized=dict(
-            named, num_tokens=handle.num_tokens, topk=handle.topk,
-            K_P2=next_power_of_2(handle.topk), HAS_WEIGHTS=has_weights, WRITE_ROWS=not cached,
-            num_quantizers=quantizers, OUTPUTS_FROM_HOST=named["outputs_tag"] > 0,
+            named,
+            num_tokens=handle.num_tokens,
+            topk=handle.topk,
+            K_P2=next_power_of_2(handle.topk),
+            HAS_WEIGHTS=has_weights,
+            WRITE_ROWS=not cached,
+            num_quantizers=quantizers,
+            OUTPUTS_FROM_HOST=named["outputs_tag"] > 0,
         ),
         aligned=dict(
             zip(aligned, values[len(specialized) :], strict=True), **handle.args(*_MOVE_PARTS)
         ),
         changing=(*specialized, *aligned),
         views_of=handle.ints,
-    )  # fmt: skip
+    )
 
 
 def as_words(t: torch.Tensor) -> torch.Tensor:

@@ -29,9 +29,11 @@ def topology_constants(plan: Plan, *names: str) -> dict:
     """The constexprs ``names`` of the node topology: R (ranks per node), NODES, and their
     powers of 2, R_P2 and N_P2."""
     values = dict(
-        R=plan.ranks_per_node, NODES=plan.nodes, R_P2=next_power_of_2(plan.ranks_per_node),
+        R=plan.ranks_per_node,
+        NODES=plan.nodes,
+        R_P2=next_power_of_2(plan.ranks_per_node),
         N_P2=next_power_of_2(plan.nodes),
-    )  # fmt: skip
+    )
     return {name: values[name] for name in names}
 
 

@@ -19,14 +19,30 @@ from .launch import TensorView
 # peer waited for it, and whose refusal its next dispatch with a new layout publishes instead.
 INVALID_ROUTING = 1
 ALONG_A_HANDLE = (
-    *(f"cached dispatch's {argument}" for argument in
-      ("quantize", "x", "topk_weights", "handle", "expert_recv_stats", "previous_event")),
+    *(
+        f"cached dispatch's {argument}"
+        for argument in (
+            "quantize",
+            "x",
+            "topk_weights",
+            "handle",
+            "expert_recv_stats",
+            "previous_event",
+        )
+    ),
     *(f"combine's {argument}" for argument in ("y", "weights", "previous_event")),
-)  # fmt: skip
+)
 REFUSABLE = (
-    "x", "topk_idx", "topk_weights", "pad_multiple", "max_recv_tokens", "previous_event",
-    "expert_recv_stats", "quantize", *ALONG_A_HANDLE,
-)  # fmt: skip
+    "x",
+    "topk_idx",
+    "topk_weights",
+    "pad_multiple",
+    "max_recv_tokens",
+    "previous_event",
+    "expert_recv_stats",
+    "quantize",
+    *ALONG_A_HANDLE,
+)
 
 
 def refusal_code(argument: str) -> int:

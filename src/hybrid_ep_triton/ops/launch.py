@@ -166,11 +166,18 @@ class KernelLauncher:
             return None
         driver = triton.runtime.driver.active
         device = driver.get_current_device()
-        key = (device, grid, *[
-            value if name in constexprs else value in _INT32 if name in unspecialized
-            else _specialization(value)
-            for name, value in specialized.items()
-        ])  # fmt: skip
+        key = (
+            device,
+            grid,
+            *[
+                value
+                if name in constexprs
+                else value in _INT32
+                if name in unspecialized
+                else _specialization(value)
+                for name, value in specialized.items()
+            ],
+        )
         entry = self._specialisations.get(key)
         through_triton = entry is None  # which also launched it
         if through_triton:
@@ -191,13 +198,14 @@ class KernelLauncher:
             runner(*args, stream=driver.get_current_stream(device))
         checked = {
             i: _specialization(specialized[name])
-            for i, name in enumerate(changing) if name in specialized and name not in unspecialized
-        }  # fmt: skip
+            for i, name in enumerate(changing)
+            if name in specialized and name not in unspecialized
+        }
         views = [
             (index[name], value.address - views_of.data_ptr())
             for name, value in aligned.items()
             if isinstance(value, TensorView) and value.base is views_of
-        ]  # fmt: skip
+        ]
         if parameters is None:
             launch = _TritonLaunch(runner, args, device)
         else:
@@ -322,9 +330,15 @@ class _DriverLaunch:
         self.args = memoryview(values)  # the same memory: its items are set faster than numpy's
         meta = compiled.metadata
         self._call = (
-            cuda.cuLaunchKernel, compiled.function, *(*grid, 1, 1)[:3], 32 * meta.num_warps, 1,
-            1, meta.shared, self._params.ctypes.data,
-        )  # fmt: skip
+            cuda.cuLaunchKernel,
+            compiled.function,
+            *(*grid, 1, 1)[:3],
+            32 * meta.num_warps,
+            1,
+            1,
+            meta.shared,
+            self._params.ctypes.data,
+        )
         self._device, self._name = device, compiled.name
         self._stream = triton.runtime.driver.active.get_current_stream
         self._success = cuda.CUresult.CUDA_SUCCESS

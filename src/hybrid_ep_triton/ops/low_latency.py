@@ -98,21 +98,23 @@ def allocate_dispatch(
         recv_x = torch.empty(experts, rows, hidden, dtype=torch.float8_e4m3fn, device=device)
         groups = hidden // FP8_GROUP
         if ue8m0:
-            storage = torch.empty(experts, ceil_div(groups, 4), rows, dtype=torch.int32,
-                                  device=device).view(torch.uint8)  # fmt: skip
+            storage = torch.empty(
+                experts, ceil_div(groups, 4), rows, dtype=torch.int32, device=device
+            ).view(torch.uint8)
         else:
             storage = torch.empty(experts, groups, rows, dtype=torch.float32, device=device)
     else:
         recv_x = torch.empty(experts, rows, hidden, dtype=plan.dtype, device=device)
         storage = torch.empty(0, dtype=torch.float32, device=device)
     return DispatchOutputs(
-        recv_x=recv_x, scale_storage=storage,
+        recv_x=recv_x,
+        scale_storage=storage,
         recv_count=torch.empty(experts, dtype=torch.int32, device=device),
         src_info=torch.empty(experts, rows, dtype=torch.int32, device=device),
         layout_range=torch.empty(experts, rt.world_size, dtype=torch.int64, device=device),
         token_slots=torch.empty(num_tokens, topk, dtype=torch.int32, device=device),
         call_seq=torch.empty(1, dtype=torch.int64, device=device),
-    )  # fmt: skip
+    )
 
 
 def caller_scales(storage: torch.Tensor) -> torch.Tensor:
@@ -143,22 +145,39 @@ def _send_off(rt: Runtime, area: int) -> int:
 def _heap_constants(rt: Runtime) -> dict:
     plan, heap, ll = rt.plan, rt.plan.heap, rt.plan.low_latency
     return dict(
-        peer_bases_ptr=rt.heap.peer_bases, net_bases_ptr=rt.heap.net_bases,
-        heap_bytes=heap.total_bytes, freed_off=heap.ll_freed, mask_off=heap.ll_mask,
+        peer_bases_ptr=rt.heap.peer_bases,
+        net_bases_ptr=rt.heap.net_bases,
+        heap_bytes=heap.total_bytes,
+        freed_off=heap.ll_freed,
+        mask_off=heap.ll_mask,
         flags_off=heap.ll_flags,
-        own_off=heap.ll_own, quantized_off=heap.ll_quantized, staging_off=heap.ll_staging,
-        control_ptr=rt.control, timeout_ns=rt.timeout_ns, rank=rt.rank, W=rt.world_size,
-        L=plan.experts_per_rank, B=ll.remote_blocks, M=ll.tokens, S=ll.slices,
-        ROW_BYTES=ll.row_bytes, ROWS=_TILE_ROWS, STAGES=_STAGES, NODES=plan.nodes,
-        num_warps=_WARPS, **rt.compile_options,
-    )  # fmt: skip
+        own_off=heap.ll_own,
+        quantized_off=heap.ll_quantized,
+        staging_off=heap.ll_staging,
+        control_ptr=rt.control,
+        timeout_ns=rt.timeout_ns,
+        rank=rt.rank,
+        W=rt.world_size,
+        L=plan.experts_per_rank,
+        B=ll.remote_blocks,
+        M=ll.tokens,
+        S=ll.slices,
+        ROW_BYTES=ll.row_bytes,
+        ROWS=_TILE_ROWS,
+        STAGES=_STAGES,
+        NODES=plan.nodes,
+        num_warps=_WARPS,
+        **rt.compile_options,
+    )
 
 
 def _dispatch_launcher(rt: Runtime) -> KernelLauncher:
     return KernelLauncher(
-        low_latency_dispatch_kernel, on_compile=rt.on_compile, scratch_ptr=rt.ll_scratch,
+        low_latency_dispatch_kernel,
+        on_compile=rt.on_compile,
+        scratch_ptr=rt.ll_scratch,
         **_heap_constants(rt),
-    )  # fmt: skip
+    )
 
 
 def _combine_launcher(rt: Runtime) -> KernelLauncher:
@@ -175,9 +194,11 @@ def token_groups(fp8: bool) -> int:
 
 def _aligned(*tensors: torch.Tensor) -> bool:
     """Whether every row of each tensor (its last dimension) starts 16-byte aligned."""
-    return all(t.data_ptr() % 16 == 0
-               and all(stride * t.element_size() % 16 == 0 for stride in t.stride()[:-1])
-               for t in tensors)  # fmt: skip
+    return all(
+        t.data_ptr() % 16 == 0
+        and all(stride * t.element_size() % 16 == 0 for stride in t.stride()[:-1])
+        for t in tensors
+    )
 
 
 def launch_dispatch(
@@ -218,26 +239,44 @@ def launch_dispatch(
     rt.launcher(_dispatch_launcher)(
         (max(grid, 1),),
         specialized=dict(
-            x_ptr=x, x_stride=x.stride(0), topk_ptr=topk_idx, num_tokens=num_tokens,
+            x_ptr=x,
+            x_stride=x.stride(0),
+            topk_ptr=topk_idx,
+            num_tokens=num_tokens,
             stats_ptr=stats if stats is not None else outputs.recv_count,
-            hidden=plan.hidden, rows=rows, row_bytes=outputs.recv_x[0, 0].nbytes,
-            scale_plane=scale_plane, scale_row_step=scale_row_step, scale_step=scale_step,
-            send_off=_send_off(rt, area), refused=int(refused), K=topk,
+            hidden=plan.hidden,
+            rows=rows,
+            row_bytes=outputs.recv_x[0, 0].nbytes,
+            scale_plane=scale_plane,
+            scale_row_step=scale_row_step,
+            scale_step=scale_step,
+            send_off=_send_off(rt, area),
+            refused=int(refused),
+            K=topk,
             K_P2=next_power_of_2(topk),
             SCAN=min(_MOST_SCANNED, next_power_of_2(max(ll.tokens * topk, 1))),
-            GROUPS=token_groups(fp8), QC_P2=next_power_of_2(ll.token_chunks),
+            GROUPS=token_groups(fp8),
+            QC_P2=next_power_of_2(ll.token_chunks),
             BLOCK_H=_BLOCK_H,
-            G_P2=next_power_of_2(max(groups, 1)), FP8=fp8, ROUND=round_scale, UE8M0=ue8m0,
+            G_P2=next_power_of_2(max(groups, 1)),
+            FP8=fp8,
+            ROUND=round_scale,
+            UE8M0=ue8m0,
             ALIGNED=_aligned(x) and plan.hidden * x.element_size() % 16 == 0,
-            HAS_STATS=stats is not None, SEND=send, RECEIVE=receive,
+            HAS_STATS=stats is not None,
+            SEND=send,
+            RECEIVE=receive,
         ),
         aligned=dict(
-            slots_ptr=outputs.token_slots, recv_ptr=outputs.recv_x.view(torch.uint8),
-            scales_ptr=outputs.scale_storage, src_info_ptr=outputs.src_info,
-            layout_range_ptr=outputs.layout_range, recv_count_ptr=outputs.recv_count,
+            slots_ptr=outputs.token_slots,
+            recv_ptr=outputs.recv_x.view(torch.uint8),
+            scales_ptr=outputs.scale_storage,
+            src_info_ptr=outputs.src_info,
+            layout_range_ptr=outputs.layout_range,
+            recv_count_ptr=outputs.recv_count,
             seq_ptr=outputs.call_seq,
         ),
-    )  # fmt: skip
+    )
 
 
 def launch_combine(
@@ -266,15 +305,28 @@ def launch_combine(
     rt.launcher(_combine_launcher)(
         (max(grid, 1),),
         specialized=dict(
-            x_ptr=x, x_plane=x.stride(0), x_row=x.stride(1), topk_ptr=topk_idx,
-            weights_ptr=topk_weights, out_ptr=out, num_tokens=num_tokens, hidden=plan.hidden,
-            rows=x.shape[1], send_off=_send_off(rt, area), refused=int(refused), K=topk,
-            K_P2=next_power_of_2(topk), BLOCK_H=_COMBINE_BLOCK_H, PARTS=_SUM_PARTS,
+            x_ptr=x,
+            x_plane=x.stride(0),
+            x_row=x.stride(1),
+            topk_ptr=topk_idx,
+            weights_ptr=topk_weights,
+            out_ptr=out,
+            num_tokens=num_tokens,
+            hidden=plan.hidden,
+            rows=x.shape[1],
+            send_off=_send_off(rt, area),
+            refused=int(refused),
+            K=topk,
+            K_P2=next_power_of_2(topk),
+            BLOCK_H=_COMBINE_BLOCK_H,
+            PARTS=_SUM_PARTS,
             ALIGNED=_aligned(x, out) and plan.hidden * x.element_size() % 16 == 0,
-            ZERO_COPY=zero_copy, SEND=send, RECEIVE=receive,
+            ZERO_COPY=zero_copy,
+            SEND=send,
+            RECEIVE=receive,
         ),
         aligned=dict(slots_ptr=token_slots, layout_range_ptr=layout_range, seq_ptr=call_seq),
-    )  # fmt: skip
+    )
 
 
 def run_refused_dispatch(rt: Runtime, area: int) -> None:
@@ -285,8 +337,19 @@ def run_refused_dispatch(rt: Runtime, area: int) -> None:
     outputs = allocate_dispatch(rt, 0, 1, plan.low_latency.tokens, False, False)
     x = torch.empty(0, plan.hidden, dtype=plan.dtype, device=rt.device)
     no_routing = torch.empty(0, 1, dtype=torch.int64, device=rt.device)
-    launch_dispatch(rt, x, no_routing, None, outputs, round_scale=False, ue8m0=False, send=True,
-                    receive=True, area=area, refused=True)  # fmt: skip
+    launch_dispatch(
+        rt,
+        x,
+        no_routing,
+        None,
+        outputs,
+        round_scale=False,
+        ue8m0=False,
+        send=True,
+        receive=True,
+        area=area,
+        refused=True,
+    )
 
 
 def run_refused_combine(rt: Runtime, area: int) -> None:
@@ -296,12 +359,20 @@ def run_refused_combine(rt: Runtime, area: int) -> None:
     x = combine_buffer(rt, plan.low_latency.tokens, area)
     no_slots = torch.empty(0, 1, dtype=torch.int32, device=device)
     launch_combine(
-        rt, x, no_slots, no_slots.float(), no_slots,
+        rt,
+        x,
+        no_slots,
+        no_slots.float(),
+        no_slots,
         torch.zeros(plan.experts_per_rank, rt.world_size, dtype=torch.int64, device=device),
         torch.empty(0, plan.hidden, dtype=plan.dtype, device=device),
-        torch.empty(1, dtype=torch.int64, device=device), zero_copy=True, send=True,
-        receive=True, area=area, refused=True,
-    )  # fmt: skip
+        torch.empty(1, dtype=torch.int64, device=device),
+        zero_copy=True,
+        send=True,
+        receive=True,
+        area=area,
+        refused=True,
+    )
 
 
 def mask_words(rt: Runtime) -> torch.Tensor:
@@ -330,12 +401,20 @@ def farewell(rt: Runtime) -> bool:
     heap = rt.plan.heap
     verdict = torch.zeros(1, dtype=torch.int64, device=rt.device)
     launch = KernelLauncher(
-        low_latency_farewell_kernel, on_compile=rt.on_compile,
-        peer_bases_ptr=rt.heap.peer_bases, net_bases_ptr=rt.heap.net_bases,
-        mask_off=heap.ll_mask, farewell_off=heap.ll_farewell, rank=rt.rank,
-        timeout_ns=rt.timeout_ns, W=rt.world_size, W_P2=next_power_of_2(rt.world_size),
-        NODES=rt.plan.nodes, num_warps=1, **rt.compile_options,
-    )  # fmt: skip
+        low_latency_farewell_kernel,
+        on_compile=rt.on_compile,
+        peer_bases_ptr=rt.heap.peer_bases,
+        net_bases_ptr=rt.heap.net_bases,
+        mask_off=heap.ll_mask,
+        farewell_off=heap.ll_farewell,
+        rank=rt.rank,
+        timeout_ns=rt.timeout_ns,
+        W=rt.world_size,
+        W_P2=next_power_of_2(rt.world_size),
+        NODES=rt.plan.nodes,
+        num_warps=1,
+        **rt.compile_options,
+    )
     launch((1,), specialized={}, aligned=dict(verdict_ptr=verdict))
     return int(verdict.item()) == FREE_TOGETHER.value
 
@@ -389,14 +468,36 @@ class Calls:
 
         return hook
 
-    def dispatch(self, x, topk_idx, max_tokens, num_experts, stats, use_fp8, round_scale,
-                 use_ue8m0, async_finish, return_recv_hook, previous_event):  # fmt: skip
+    def dispatch(
+        self,
+        x,
+        topk_idx,
+        max_tokens,
+        num_experts,
+        stats,
+        use_fp8,
+        round_scale,
+        use_ue8m0,
+        async_finish,
+        return_recv_hook,
+        previous_event,
+    ):
         """Buffer.low_latency_dispatch (its docstring says what is what)."""
         rt = self.rt
         call, area = self.start("low_latency_dispatch", return_recv_hook)
         try:
-            check_low_latency_dispatch(rt.plan, rt.device, x, topk_idx, max_tokens, num_experts,
-                                       stats, use_fp8, round_scale, use_ue8m0)  # fmt: skip
+            check_low_latency_dispatch(
+                rt.plan,
+                rt.device,
+                x,
+                topk_idx,
+                max_tokens,
+                num_experts,
+                stats,
+                use_fp8,
+                round_scale,
+                use_ue8m0,
+            )
             check_event(previous_event, rt.on_gpu)
         except ValueError:
             call[0] = False
@@ -404,32 +505,72 @@ class Calls:
             raise
         topk_idx = topk_idx.contiguous()  # (the kernels read it as [T, K], rows K apart)
         outputs, event = self.streams.run(
-            lambda: dispatch(self.runtime_id, x, topk_idx, stats, max_tokens, use_fp8,
-                             round_scale, use_ue8m0, not return_recv_hook, area, False),
-            (x, topk_idx, stats), previous_event, async_finish,
-        )  # fmt: skip
+            lambda: dispatch(
+                self.runtime_id,
+                x,
+                topk_idx,
+                stats,
+                max_tokens,
+                use_fp8,
+                round_scale,
+                use_ue8m0,
+                not return_recv_hook,
+                area,
+                False,
+            ),
+            (x, topk_idx, stats),
+            previous_event,
+            async_finish,
+        )
         outputs = DispatchOutputs(*outputs)
         hook = None
         if return_recv_hook:
-            hook = self.hook(call, lambda: dispatch_receive(
-                self.runtime_id, x, topk_idx, stats, *outputs, round_scale, use_ue8m0))  # fmt: skip
+            hook = self.hook(
+                call,
+                lambda: dispatch_receive(
+                    self.runtime_id, x, topk_idx, stats, *outputs, round_scale, use_ue8m0
+                ),
+            )
         recv_x = outputs.recv_x
         if use_fp8:
             recv_x = recv_x, caller_scales(outputs.scale_storage)
         handle = LowLatencyHandle(
-            outputs.src_info, outputs.layout_range, max_tokens, rt.plan.hidden,
-            rt.plan.num_experts, outputs.token_slots,
-        )  # fmt: skip
+            outputs.src_info,
+            outputs.layout_range,
+            max_tokens,
+            rt.plan.hidden,
+            rt.plan.num_experts,
+            outputs.token_slots,
+        )
         return recv_x, outputs.recv_count, handle, event, hook
 
-    def combine(self, x, topk_idx, topk_weights, handle, zero_copy, async_finish,
-                return_recv_hook, out, previous_event):  # fmt: skip
+    def combine(
+        self,
+        x,
+        topk_idx,
+        topk_weights,
+        handle,
+        zero_copy,
+        async_finish,
+        return_recv_hook,
+        out,
+        previous_event,
+    ):
         """Buffer.low_latency_combine (its docstring says what is what)."""
         rt = self.rt
         call, area = self.start("low_latency_combine", return_recv_hook)
         try:
-            self._check_combine(x, topk_idx, topk_weights, handle, zero_copy, async_finish,
-                                return_recv_hook, out, area)  # fmt: skip
+            self._check_combine(
+                x,
+                topk_idx,
+                topk_weights,
+                handle,
+                zero_copy,
+                async_finish,
+                return_recv_hook,
+                out,
+                area,
+            )
             check_event(previous_event, rt.on_gpu)
         except ValueError:
             call[0] = False
@@ -437,21 +578,33 @@ class Calls:
             raise
         topk_idx, topk_weights = topk_idx.contiguous(), topk_weights.contiguous()
         if out is None:
-            out = torch.empty(topk_idx.shape[0], rt.plan.hidden, dtype=rt.plan.dtype,
-                              device=rt.device)  # fmt: skip
+            out = torch.empty(
+                topk_idx.shape[0], rt.plan.hidden, dtype=rt.plan.dtype, device=rt.device
+            )
         parts = (x, topk_idx, topk_weights, handle.token_slots, handle.layout_range, out)
         call_seq, event = self.streams.run(
-            lambda: combine(self.runtime_id, *parts, zero_copy, not return_recv_hook, area,
-                            False),
-            parts, previous_event, async_finish,
-        )  # fmt: skip
+            lambda: combine(self.runtime_id, *parts, zero_copy, not return_recv_hook, area, False),
+            parts,
+            previous_event,
+            async_finish,
+        )
         hook = None
         if return_recv_hook:
             hook = self.hook(call, lambda: combine_receive(self.runtime_id, *parts, call_seq))
         return out, event, hook
 
-    def _check_combine(self, x, topk_idx, topk_weights, handle, zero_copy, async_finish,
-                       return_recv_hook, out, area) -> None:  # fmt: skip
+    def _check_combine(
+        self,
+        x,
+        topk_idx,
+        topk_weights,
+        handle,
+        zero_copy,
+        async_finish,
+        return_recv_hook,
+        out,
+        area,
+    ) -> None:
         rt = self.rt
         if not isinstance(handle, LowLatencyHandle) or (
             handle.src_info.device != rt.device or handle.hidden != rt.plan.hidden
@@ -460,11 +613,22 @@ class Calls:
                 f"handle must be a low-latency dispatch's handle of this Buffer, got "
                 f"{describe(handle)}"
             )
-        for name, flag in (("zero_copy", zero_copy), ("return_recv_hook", return_recv_hook),
-                           ("async_finish", async_finish)):  # fmt: skip
+        for name, flag in (
+            ("zero_copy", zero_copy),
+            ("return_recv_hook", return_recv_hook),
+            ("async_finish", async_finish),
+        ):
             check_flag(name, flag)
-        check_low_latency_combine(rt.plan, rt.device, x, topk_idx, topk_weights,
-                                  handle.token_slots, handle.src_info.shape[1], out)  # fmt: skip
+        check_low_latency_combine(
+            rt.plan,
+            rt.device,
+            x,
+            topk_idx,
+            topk_weights,
+            handle.token_slots,
+            handle.src_info.shape[1],
+            out,
+        )
         buffer = combine_buffer(rt, handle.num_max_dispatch_tokens_per_rank, area)
         if zero_copy and x.data_ptr() != buffer.data_ptr():
             raise ValueError(
@@ -493,8 +657,9 @@ class Calls:
             )
         no_tokens = torch.empty(0, hidden, dtype=self.rt.plan.dtype, device=self.rt.device)
         no_routing = torch.empty(0, 1, dtype=torch.int64, device=self.rt.device)
-        self.dispatch(no_tokens, no_routing, 1, num_experts, None, False, False, False, False,
-                      False, None)  # fmt: skip
+        self.dispatch(
+            no_tokens, no_routing, 1, num_experts, None, False, False, False, False, False, None
+        )
 
     def update_mask(self, rank: int | None, masked: bool) -> None:
         """Buffer.update_mask (rank None: every other rank, Buffer.clean_mask); the next
@@ -544,17 +709,36 @@ class Calls:
 
 
 def _dispatch_op(
-    runtime_id: int, x: torch.Tensor, topk_idx: torch.Tensor, stats: torch.Tensor | None,
-    max_tokens: int, fp8: bool, round_scale: bool, ue8m0: bool, receive: bool, area: int,
+    runtime_id: int,
+    x: torch.Tensor,
+    topk_idx: torch.Tensor,
+    stats: torch.Tensor | None,
+    max_tokens: int,
+    fp8: bool,
+    round_scale: bool,
+    ue8m0: bool,
+    receive: bool,
+    area: int,
     refused: bool,
 ) -> tuple[
     torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor
-]:  # fmt: skip
+]:
     """A dispatch's send half (and with ``receive`` its receive half): the DispatchOutputs."""
     rt = operators.runtime(runtime_id)
     outputs = allocate_dispatch(rt, topk_idx.shape[0], topk_idx.shape[1], max_tokens, fp8, ue8m0)
-    launch_dispatch(rt, x, topk_idx, stats, outputs, round_scale=round_scale, ue8m0=ue8m0,
-                    send=True, receive=receive, area=area, refused=refused)  # fmt: skip
+    launch_dispatch(
+        rt,
+        x,
+        topk_idx,
+        stats,
+        outputs,
+        round_scale=round_scale,
+        ue8m0=ue8m0,
+        send=True,
+        receive=receive,
+        area=area,
+        refused=refused,
+    )
     _check_after_launch(rt)
     return tuple(outputs)
 
@@ -565,8 +749,7 @@ dispatch = torch.library.custom_op(
 
 
 @dispatch.register_fake
-def _(runtime_id, x, topk_idx, stats, max_tokens, fp8, round_scale, ue8m0, receive, area,
-      refused):  # fmt: skip
+def _(runtime_id, x, topk_idx, stats, max_tokens, fp8, round_scale, ue8m0, receive, area, refused):
     rt = operators.runtime(runtime_id)
     with torch.device("meta"):
         outputs = allocate_dispatch(rt, *topk_idx.shape, max_tokens, fp8, ue8m0)
@@ -574,38 +757,79 @@ def _(runtime_id, x, topk_idx, stats, max_tokens, fp8, round_scale, ue8m0, recei
 
 
 def _dispatch_receive_op(
-    runtime_id: int, x: torch.Tensor, topk_idx: torch.Tensor, stats: torch.Tensor | None,
-    recv_x: torch.Tensor, scale_storage: torch.Tensor, recv_count: torch.Tensor,
-    src_info: torch.Tensor, layout_range: torch.Tensor, token_slots: torch.Tensor,
-    call_seq: torch.Tensor, round_scale: bool, ue8m0: bool,
-) -> None:  # fmt: skip
+    runtime_id: int,
+    x: torch.Tensor,
+    topk_idx: torch.Tensor,
+    stats: torch.Tensor | None,
+    recv_x: torch.Tensor,
+    scale_storage: torch.Tensor,
+    recv_count: torch.Tensor,
+    src_info: torch.Tensor,
+    layout_range: torch.Tensor,
+    token_slots: torch.Tensor,
+    call_seq: torch.Tensor,
+    round_scale: bool,
+    ue8m0: bool,
+) -> None:
     """A dispatch's receive half, into the outputs its send half returned."""
     rt = operators.runtime(runtime_id)
-    outputs = DispatchOutputs(recv_x, scale_storage, recv_count, src_info, layout_range,
-                              token_slots, call_seq)  # fmt: skip
-    launch_dispatch(rt, x, topk_idx, stats, outputs, round_scale=round_scale, ue8m0=ue8m0,
-                    send=False, receive=True, area=0)  # fmt: skip
+    outputs = DispatchOutputs(
+        recv_x, scale_storage, recv_count, src_info, layout_range, token_slots, call_seq
+    )
+    launch_dispatch(
+        rt,
+        x,
+        topk_idx,
+        stats,
+        outputs,
+        round_scale=round_scale,
+        ue8m0=ue8m0,
+        send=False,
+        receive=True,
+        area=0,
+    )
     _check_after_launch(rt)
 
 
 dispatch_receive = torch.library.custom_op(
-    "hybrid_ep::low_latency_dispatch_receive", _dispatch_receive_op,
+    "hybrid_ep::low_latency_dispatch_receive",
+    _dispatch_receive_op,
     mutates_args=("stats", "recv_x", "scale_storage", "recv_count", "src_info", "layout_range"),
-)  # fmt: skip
+)
 
 
 def _combine_op(
-    runtime_id: int, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
-    token_slots: torch.Tensor, layout_range: torch.Tensor, out: torch.Tensor, zero_copy: bool,
-    receive: bool, area: int, refused: bool,
-) -> torch.Tensor:  # fmt: skip
+    runtime_id: int,
+    x: torch.Tensor,
+    topk_idx: torch.Tensor,
+    topk_weights: torch.Tensor,
+    token_slots: torch.Tensor,
+    layout_range: torch.Tensor,
+    out: torch.Tensor,
+    zero_copy: bool,
+    receive: bool,
+    area: int,
+    refused: bool,
+) -> torch.Tensor:
     """A combine's send half (and with ``receive`` its receive half, into ``out``); returns
     the call's sequence number (int64 [1]) for a receive launched later."""
     rt = operators.runtime(runtime_id)
     call_seq = torch.empty(1, dtype=torch.int64, device=rt.device)
-    launch_combine(rt, x, topk_idx, topk_weights, token_slots, layout_range, out, call_seq,
-                   zero_copy=zero_copy, send=True, receive=receive, area=area,
-                   refused=refused)  # fmt: skip
+    launch_combine(
+        rt,
+        x,
+        topk_idx,
+        topk_weights,
+        token_slots,
+        layout_range,
+        out,
+        call_seq,
+        zero_copy=zero_copy,
+        send=True,
+        receive=receive,
+        area=area,
+        refused=refused,
+    )
     _check_after_launch(rt)
     return call_seq
 
@@ -616,20 +840,48 @@ combine = torch.library.custom_op(
 
 
 @combine.register_fake
-def _(runtime_id, x, topk_idx, topk_weights, token_slots, layout_range, out, zero_copy, receive,
-      area, refused):  # fmt: skip
+def _(
+    runtime_id,
+    x,
+    topk_idx,
+    topk_weights,
+    token_slots,
+    layout_range,
+    out,
+    zero_copy,
+    receive,
+    area,
+    refused,
+):
     return x.new_empty(1, dtype=torch.int64)
 
 
 def _combine_receive_op(
-    runtime_id: int, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
-    token_slots: torch.Tensor, layout_range: torch.Tensor, out: torch.Tensor,
+    runtime_id: int,
+    x: torch.Tensor,
+    topk_idx: torch.Tensor,
+    topk_weights: torch.Tensor,
+    token_slots: torch.Tensor,
+    layout_range: torch.Tensor,
+    out: torch.Tensor,
     call_seq: torch.Tensor,
-) -> None:  # fmt: skip
+) -> None:
     """A combine's receive half, into ``out``."""
     rt = operators.runtime(runtime_id)
-    launch_combine(rt, x, topk_idx, topk_weights, token_slots, layout_range, out, call_seq,
-                   zero_copy=False, send=False, receive=True, area=0)  # fmt: skip
+    launch_combine(
+        rt,
+        x,
+        topk_idx,
+        topk_weights,
+        token_slots,
+        layout_range,
+        out,
+        call_seq,
+        zero_copy=False,
+        send=False,
+        receive=True,
+        area=0,
+    )
     _check_after_launch(rt)
 
 

@@ -180,16 +180,25 @@ def _dispatch(
     rt = runtime(runtime_id)
     exact = max_recv_tokens < 0
     recv_x, recv_scales, recv_weights, handle = _dispatch_with_handle(
-        rt, x, x_scales, topk_idx, topk_weights, pad_multiple,
-        None if exact else max_recv_tokens, scaled or None,
-    )  # fmt: skip
+        rt,
+        x,
+        x_scales,
+        topk_idx,
+        topk_weights,
+        pad_multiple,
+        None if exact else max_recv_tokens,
+        scaled or None,
+    )
     recv_topk_idx = handle.recv_topk_idx
     if recv_topk_idx is None:
         recv_topk_idx = torch.empty(0, dtype=torch.int32, device=rt.device)
     return (
-        recv_x, _or_empty(recv_scales, rt), _or_empty(recv_weights, rt), recv_topk_idx,
+        recv_x,
+        _or_empty(recv_scales, rt),
+        _or_empty(recv_weights, rt),
+        recv_topk_idx,
         handle.state,
-    )  # fmt: skip
+    )
 
 
 dispatch = torch.library.custom_op("hybrid_ep::dispatch", _dispatch, mutates_args=())
@@ -360,17 +369,33 @@ def run_any_dispatch(
     valid rows per expert) into ``expert_recv_stats`` when given."""
     if scaled and x_scales is None and x.requires_grad and torch.is_grad_enabled():
         outputs = run_quantized_dispatch(
-            rt, runtime_id, x, topk_weights, topk_idx, pad_multiple, max_recv_tokens, handle,
+            rt,
+            runtime_id,
+            x,
+            topk_weights,
+            topk_idx,
+            pad_multiple,
+            max_recv_tokens,
+            handle,
             scaled,
-        )  # fmt: skip
+        )
     elif handle is None:
         outputs = run_dispatch(
-            rt, runtime_id, x, x_scales, topk_idx, topk_weights, pad_multiple,
-            max_recv_tokens, scaled,
-        )  # fmt: skip
+            rt,
+            runtime_id,
+            x,
+            x_scales,
+            topk_idx,
+            topk_weights,
+            pad_multiple,
+            max_recv_tokens,
+            scaled,
+        )
     else:
-        return (*run_dispatch_cached(rt, runtime_id, x, x_scales, topk_weights, handle, scaled),
-                handle)  # fmt: skip
+        return (
+            *run_dispatch_cached(rt, runtime_id, x, x_scales, topk_weights, handle, scaled),
+            handle,
+        )
     if handle is None and expert_recv_stats is not None:
         expert_recv_stats.add_(outputs[-1].expert_layout[1])
     return outputs
@@ -397,16 +422,24 @@ def run_dispatch(
             rt, x, x_scales, topk_idx, topk_weights, pad_multiple, max_recv_tokens, scaled
         )
     recv_x, recv_scales, recv_weights, recv_topk_idx, state = dispatch(
-        runtime_id, x, x_scales, topk_idx, topk_weights, pad_multiple,
-        -1 if max_recv_tokens is None else max_recv_tokens, scaled or "",
-    )  # fmt: skip
+        runtime_id,
+        x,
+        x_scales,
+        topk_idx,
+        topk_weights,
+        pad_multiple,
+        -1 if max_recv_tokens is None else max_recv_tokens,
+        scaled or "",
+    )
     handle = make_handle(rt.plan, topk_idx, state, recv_x.shape[0], max_recv_tokens)
     if rt.plan.token_rows:
         handle.recv_topk_idx = recv_topk_idx
     return (
-        recv_x, recv_scales if scaled else None,
-        recv_weights if topk_weights is not None else None, handle,
-    )  # fmt: skip
+        recv_x,
+        recv_scales if scaled else None,
+        recv_weights if topk_weights is not None else None,
+        handle,
+    )
 
 
 def run_dispatch_cached(
@@ -423,13 +456,20 @@ def run_dispatch_cached(
     if not _through_torch(x, topk_weights):
         return _move_cached(rt, x, x_scales, topk_weights, handle, scaled)
     recv_x, recv_scales, recv_weights = dispatch_cached(
-        runtime_id, x, x_scales, topk_weights, handle.topk_idx, handle.state,
-        handle.num_recv_rows, scaled or "",
-    )  # fmt: skip
+        runtime_id,
+        x,
+        x_scales,
+        topk_weights,
+        handle.topk_idx,
+        handle.state,
+        handle.num_recv_rows,
+        scaled or "",
+    )
     return (
-        recv_x, recv_scales if scaled else None,
+        recv_x,
+        recv_scales if scaled else None,
         recv_weights if topk_weights is not None else None,
-    )  # fmt: skip
+    )
 
 
 def run_combine(
@@ -527,9 +567,15 @@ def _combine_grads(ctx, grad_out):
     topk_idx, state, y, weights = ctx.saved_tensors
     # Row r of grad_rows is grad_out of the token row r came from (zero on padding).
     grad_rows, _, _ = dispatch_cached(
-        ctx.runtime_id, grad_out.to(ctx.dtype).contiguous(), None, None, topk_idx, state,
-        ctx.num_recv_rows, "",
-    )  # fmt: skip
+        ctx.runtime_id,
+        grad_out.to(ctx.dtype).contiguous(),
+        None,
+        None,
+        topk_idx,
+        state,
+        ctx.num_recv_rows,
+        "",
+    )
     grad_y = grad_weights = None
     if ctx.needs_input_grad[1]:
         grad_y = grad_rows if weights is None else grad_rows * weights[:, None].to(y.dtype)
@@ -543,8 +589,18 @@ class _QuantizedDispatch(torch.autograd.Function):
     then how to route."""
 
     @staticmethod
-    def forward(ctx, x, topk_weights, rt, runtime_id, topk_idx, pad_multiple, max_recv_tokens,
-                handle, scaled):  # fmt: skip
+    def forward(
+        ctx,
+        x,
+        topk_weights,
+        rt,
+        runtime_id,
+        topk_idx,
+        pad_multiple,
+        max_recv_tokens,
+        handle,
+        scaled,
+    ):
         if handle is None:
             recv_values, recv_scales, recv_weights, handle = _dispatch_with_handle(
                 rt, x, None, topk_idx, topk_weights, pad_multiple, max_recv_tokens, scaled

@@ -54,9 +54,18 @@ def quantize_mxfp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     scales = torch.empty(num_tokens, hidden // 32, dtype=torch.uint8, device=x.device)
     if num_tokens:
         quantize_block_scaled_kernel[_grid(num_tokens, hidden)](
-            x, x.stride(0), values, scales, None, num_tokens, hidden,
-            BLOCK_T=_BLOCK_T, GROUPS=_GROUPS, NVFP4=False, PER_TENSOR_SCALE=False,
-        )  # fmt: skip
+            x,
+            x.stride(0),
+            values,
+            scales,
+            None,
+            num_tokens,
+            hidden,
+            BLOCK_T=_BLOCK_T,
+            GROUPS=_GROUPS,
+            NVFP4=False,
+            PER_TENSOR_SCALE=False,
+        )
     return values.view(torch.float8_e4m3fn), scales.view(torch.float8_e8m0fnu)
 
 
@@ -79,8 +88,16 @@ def quantize_nvfp4(
     scales = torch.empty(num_tokens, hidden // 16, dtype=torch.uint8, device=x.device)
     if num_tokens:
         quantize_block_scaled_kernel[_grid(num_tokens, hidden)](
-            x, x.stride(0), values, scales, per_tensor_scale, num_tokens, hidden,
-            BLOCK_T=_BLOCK_T, GROUPS=_GROUPS, NVFP4=True,
+            x,
+            x.stride(0),
+            values,
+            scales,
+            per_tensor_scale,
+            num_tokens,
+            hidden,
+            BLOCK_T=_BLOCK_T,
+            GROUPS=_GROUPS,
+            NVFP4=True,
             PER_TENSOR_SCALE=per_tensor_scale is not None,
-        )  # fmt: skip
+        )
     return values.view(torch.float4_e2m1fn_x2), scales.view(torch.float8_e4m3fn)

@@ -32,8 +32,9 @@ class Refusals:
         # of: the argument (one of handle.ALONG_A_HANDLE), or None.
         self.along: str | None = None
 
-    def of(self, call: str, refuse, handle: DispatchHandle | None = None,
-           along: bool = False) -> "_Call":  # fmt: skip
+    def of(
+        self, call: str, refuse, handle: DispatchHandle | None = None, along: bool = False
+    ) -> "_Call":
         """The context of a ``call``'s checks, ``along`` a ``handle`` (a cached dispatch, a
         combine) or not. Without agree_on_inputs an argument that is none of this Buffer's
         handles is a ValueError at once, and the call takes no part in the protocol (it cannot

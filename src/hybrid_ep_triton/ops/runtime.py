@@ -156,7 +156,7 @@ def make_runtime(
         local_programs=sms * plan.config.programs_per_sm if on_gpu else _CPU_LOCAL_PROGRAMS,
         outbox=torch.empty(
             plan.world_size * max(plan.max_tokens, 1), plan.hidden, dtype=plan.dtype, device=device
-        ),  # fmt: skip
+        ),
         group=group,
         report=torch.zeros(REPORT_WORDS, dtype=torch.int64, device="cpu", pin_memory=on_gpu),
         outputs_record=torch.zeros(
@@ -166,7 +166,7 @@ def make_runtime(
             ll.remote_blocks * ll.slices * ll.tokens,
             dtype=torch.int32,
             device=device,
-        ),  # fmt: skip
+        ),
         compile_options={"extern_libs": device_library()} if across_gpus else {},
         on_compile=init_module if across_gpus else None,
     )
@@ -180,9 +180,19 @@ def report_tag(call: int) -> int:
 
 
 def agreed_plan(
-    group: dist.ProcessGroup, hidden_size, max_tokens_per_rank, num_experts, dtype, num_sms,
-    timeout_s, expand, ranks_per_node, device, agree_on_inputs, low_latency_tokens,
-) -> tuple[Plan, torch.device, int | None]:  # fmt: skip
+    group: dist.ProcessGroup,
+    hidden_size,
+    max_tokens_per_rank,
+    num_experts,
+    dtype,
+    num_sms,
+    timeout_s,
+    expand,
+    ranks_per_node,
+    device,
+    agree_on_inputs,
+    low_latency_tokens,
+) -> tuple[Plan, torch.device, int | None]:
     """Buffer's constructor up to its allocations (collective): every rank's parameters checked
     and agreed (a refusal on any rank is a ValueError on every rank), the kernel configuration
     chosen, the plan made. Returns the plan, the resolved device and the SMs this process's
@@ -190,9 +200,20 @@ def agreed_plan(
     world = dist.get_world_size(group)
     try:
         device = token_device(device, group)
-        check_parameters(world, hidden_size, max_tokens_per_rank, num_experts, dtype,
-                         num_sms, timeout_s, expand, ranks_per_node, device,
-                         agree_on_inputs, low_latency_tokens)  # fmt: skip
+        check_parameters(
+            world,
+            hidden_size,
+            max_tokens_per_rank,
+            num_experts,
+            dtype,
+            num_sms,
+            timeout_s,
+            expand,
+            ranks_per_node,
+            device,
+            agree_on_inputs,
+            low_latency_tokens,
+        )
         refused = None
     except ValueError as error:
         refused = error
@@ -216,15 +237,29 @@ def agreed_plan(
             "a context part of the GPU)"
         )
     check_same_on_all_ranks(
-        group, refused, hidden_size=hidden_size, max_tokens_per_rank=max_tokens_per_rank,
-        num_experts=num_experts, dtype=dtype, num_sms=config.num_sms, expand=expand,
-        ranks_per_node=ranks_per_node, device_type=device.type,
-        agree_on_inputs=agree_on_inputs, low_latency_tokens=low_latency_tokens,
-        kernel_config=config,  # from each rank's tuning cache: must agree too
-    )  # fmt: skip
-    plan = make_plan(
-        world, hidden_size, max_tokens_per_rank, num_experts, dtype, config,
-        token_rows=not expand, ranks_per_node=ranks_per_node,
+        group,
+        refused,
+        hidden_size=hidden_size,
+        max_tokens_per_rank=max_tokens_per_rank,
+        num_experts=num_experts,
+        dtype=dtype,
+        num_sms=config.num_sms,
+        expand=expand,
+        ranks_per_node=ranks_per_node,
+        device_type=device.type,
+        agree_on_inputs=agree_on_inputs,
         low_latency_tokens=low_latency_tokens,
-    )  # fmt: skip
+        kernel_config=config,  # from each rank's tuning cache: must agree too
+    )
+    plan = make_plan(
+        world,
+        hidden_size,
+        max_tokens_per_rank,
+        num_experts,
+        dtype,
+        config,
+        token_rows=not expand,
+        ranks_per_node=ranks_per_node,
+        low_latency_tokens=low_latency_tokens,
+    )
     return plan, device, context_sms

@@ -107,11 +107,16 @@ def check_maskable(rank, own_rank: int, world_size: int) -> None:
 
 def check_mask_out(out, world_size: int, device: torch.device | None) -> None:
     """ValueError unless ``out`` is an int32 [world_size] tensor (on ``device`` unless None)."""
-    if not (isinstance(out, torch.Tensor) and out.dtype == torch.int32
-            and out.shape == (world_size,) and device in (None, out.device)):  # fmt: skip
+    if not (
+        isinstance(out, torch.Tensor)
+        and out.dtype == torch.int32
+        and out.shape == (world_size,)
+        and device in (None, out.device)
+    ):
         where = "" if device is None else f" on {device}"
-        raise ValueError(f"the mask's output must be an int32 [{world_size}] tensor{where}, got "
-                         f"{describe(out)}")  # fmt: skip
+        raise ValueError(
+            f"the mask's output must be an int32 [{world_size}] tensor{where}, got {describe(out)}"
+        )
 
 
 def check_interpreted_on_cpu(device: torch.device) -> None:
@@ -148,16 +153,27 @@ def check_routing(name: str, topk_idx, num_tokens: int, device: torch.device) ->
 
 
 def check_low_latency_dispatch(
-    plan, device: torch.device, x, topk_idx, max_tokens, num_experts, stats, use_fp8,
-    round_scale, use_ue8m0,
-) -> None:  # fmt: skip
+    plan,
+    device: torch.device,
+    x,
+    topk_idx,
+    max_tokens,
+    num_experts,
+    stats,
+    use_fp8,
+    round_scale,
+    use_ue8m0,
+) -> None:
     """A low-latency dispatch's inputs against the Buffer's ``plan``: ValueError naming the
     first that does not fit."""
     check_int("num_max_dispatch_tokens_per_rank", max_tokens, 1, plan.low_latency.tokens)
     if num_experts != plan.num_experts:
         raise ValueError(f"num_experts must be the Buffer's {plan.num_experts}, got {num_experts}")
-    for name, flag in (("use_fp8", use_fp8), ("round_scale", round_scale),
-                       ("use_ue8m0", use_ue8m0)):  # fmt: skip
+    for name, flag in (
+        ("use_fp8", use_fp8),
+        ("round_scale", round_scale),
+        ("use_ue8m0", use_ue8m0),
+    ):
         check_flag(name, flag)
     if use_fp8 and plan.hidden % FP8_GROUP:
         raise ValueError(
@@ -178,8 +194,13 @@ def check_low_latency_dispatch(
     if topk > MAX_TOPK:
         raise ValueError(f"topk_idx must have 1 to {MAX_TOPK} slots per token, got K={topk}")
     if stats is not None:
-        check_tensor("cumulative_local_expert_recv_stats", stats, (plan.experts_per_rank,),
-                     torch.int32, device)  # fmt: skip
+        check_tensor(
+            "cumulative_local_expert_recv_stats",
+            stats,
+            (plan.experts_per_rank,),
+            torch.int32,
+            device,
+        )
 
 
 def check_low_latency_combine(
@@ -215,9 +236,13 @@ def check_event(event, on_gpu: bool) -> None:
 
 
 def check_tokens(
-    name: str, x, plan: Plan, device: torch.device, dtype: torch.dtype | None = None,
+    name: str,
+    x,
+    plan: Plan,
+    device: torch.device,
+    dtype: torch.dtype | None = None,
     cols: int | None = None,
-) -> None:  # fmt: skip
+) -> None:
     """x: [T, cols] (default: [T, H]) of ``dtype`` (default: the Buffer's), T <=
     max_tokens_per_rank, rows contiguous."""
     check_tensor(name, x, None, dtype or plan.dtype, device)
@@ -268,10 +293,21 @@ def check_pair(pair, plan: Plan, device: torch.device, scaled_values: type) -> s
             f"{fmt.name} rows need a hidden size that is a multiple of {fmt.block} (and of "
             f"{4 * fmt.channels_per_byte}), this Buffer's is {plan.hidden}"
         )
-    check_tokens(f"{fmt.name} values", values, plan, device, fmt.values_dtype,
-                 fmt.values_shape(0, plan.hidden)[1])  # fmt: skip
-    check_tensor(f"{fmt.name} scales", scales, fmt.scales_shape(values.shape[0], plan.hidden),
-                 fmt.scale_dtype, device)  # fmt: skip
+    check_tokens(
+        f"{fmt.name} values",
+        values,
+        plan,
+        device,
+        fmt.values_dtype,
+        fmt.values_shape(0, plan.hidden)[1],
+    )
+    check_tensor(
+        f"{fmt.name} scales",
+        scales,
+        fmt.scales_shape(values.shape[0], plan.hidden),
+        fmt.scale_dtype,
+        device,
+    )
     check_contiguous_rows(f"{fmt.name} scales", scales)
     # (torch.compile cannot trace storage_offset(); the operator's view as words checks it.)
     offset = 0 if torch.compiler.is_compiling() else values.storage_offset()
@@ -288,9 +324,20 @@ def check_pair(pair, plan: Plan, device: torch.device, scaled_values: type) -> s
     return fmt.name
 
 
-def check_parameters(world, hidden_size, max_tokens_per_rank, num_experts, dtype, num_sms,
-                     timeout_s, expand, ranks_per_node, device, agree_on_inputs,
-                     low_latency_tokens) -> None:  # fmt: skip
+def check_parameters(
+    world,
+    hidden_size,
+    max_tokens_per_rank,
+    num_experts,
+    dtype,
+    num_sms,
+    timeout_s,
+    expand,
+    ranks_per_node,
+    device,
+    agree_on_inputs,
+    low_latency_tokens,
+) -> None:
     """Buffer's parameters as this rank sees them alone: ValueError naming the first bad one."""
     if ranks_per_node is not None:
         check_int("ranks_per_node", ranks_per_node, 1, world)
@@ -360,9 +407,19 @@ def ranks_per_host(hosts: list[str]) -> int:
 
 
 def check_dispatch_inputs(
-    plan: Plan, device: torch.device, x, topk_idx, topk_weights, pad_multiple, max_recv_tokens,
-    handle, quantize, expert_recv_stats, previous_event, scaled_values: type,
-) -> tuple:  # fmt: skip
+    plan: Plan,
+    device: torch.device,
+    x,
+    topk_idx,
+    topk_weights,
+    pad_multiple,
+    max_recv_tokens,
+    handle,
+    quantize,
+    expert_recv_stats,
+    previous_event,
+    scaled_values: type,
+) -> tuple:
     """Buffer.dispatch's inputs: Refused naming the argument that fails (``handle``: a
     DispatchHandle, whose num_tokens and topk a cached dispatch takes, or None; ``scaled_values``
     as for check_pair). Returns x (the rows, or a pair's values), a pair's scales or None, and
@@ -370,9 +427,12 @@ def check_dispatch_inputs(
     x_scales = None
     with refusing("quantize"):
         scaled = check_quantize_format(
-            "quantize", quantize, plan.hidden, takes_bools=True,
+            "quantize",
+            quantize,
+            plan.hidden,
+            takes_bools=True,
             hint=" (pass rows quantized beforehand as a (values, scales) pair instead)",
-        )  # fmt: skip
+        )
     with refusing("x"):
         if isinstance(x, tuple):
             if scaled is not None:
@@ -416,15 +476,21 @@ def check_dispatch_inputs(
         with refusing("expert_recv_stats"):
             if handle is not None:
                 raise ValueError("expert_recv_stats counts routing: pass it without a handle")
-            check_tensor("expert_recv_stats", expert_recv_stats, (plan.experts_per_rank,),
-                         torch.int64, device)  # fmt: skip
+            check_tensor(
+                "expert_recv_stats",
+                expert_recv_stats,
+                (plan.experts_per_rank,),
+                torch.int64,
+                device,
+            )
     with refusing("previous_event"):
         check_event(previous_event, device.type == "cuda")
     return x, x_scales, scaled
 
 
-def check_combine_inputs(plan: Plan, device: torch.device, y, weights, num_recv_rows: int,
-                         previous_event) -> None:  # fmt: skip
+def check_combine_inputs(
+    plan: Plan, device: torch.device, y, weights, num_recv_rows: int, previous_event
+) -> None:
     """Buffer.combine's inputs along a handle of ``num_recv_rows`` rows: Refused naming the
     argument that fails."""
     with refusing("y"):
@@ -438,9 +504,11 @@ def check_combine_inputs(plan: Plan, device: torch.device, y, weights, num_recv_
 
 
 def gather_or_refuse(
-    group: dist.ProcessGroup, value, refused: Exception | None,
+    group: dist.ProcessGroup,
+    value,
+    refused: Exception | None,
     subject: str = "the Buffer's parameters",
-) -> list:  # fmt: skip
+) -> list:
     """Every rank's ``value`` (collective), unless some rank's host refused ``subject``
     (``refused`` says why): then a ValueError on every rank, the refusing rank's own, the others
     naming the first refusing rank, its subject and its reason."""

@@ -141,12 +141,16 @@ def make_config(
     if on_gpu and num_warps not in GPU_WARPS:
         raise ValueError(f"num_warps must be one of {GPU_WARPS} on GPUs, got {num_warps}")
     return KernelConfig(
-        num_sms=num_sms, programs_per_sm=WARPS_PER_SM // num_warps if on_gpu else 1,
-        chunk_tokens=chunk_tokens, block_h=block_h,
+        num_sms=num_sms,
+        programs_per_sm=WARPS_PER_SM // num_warps if on_gpu else 1,
+        chunk_tokens=chunk_tokens,
+        block_h=block_h,
         combine_block_h=max(block_h // 2, 32) if on_gpu else block_h,
-        copy_unroll=copy_unroll if on_gpu else 2, copy_stages=copy_stages if on_gpu else 1,
-        h_slices=h_slices, num_warps=num_warps,
-    )  # fmt: skip
+        copy_unroll=copy_unroll if on_gpu else 2,
+        copy_stages=copy_stages if on_gpu else 1,
+        h_slices=h_slices,
+        num_warps=num_warps,
+    )
 
 
 @dataclass(frozen=True)
@@ -367,11 +371,14 @@ def low_latency_layout(
     payload = max(hidden * dtype.itemsize, fp8_bytes)
     local = num_experts // world_size
     return LowLatencyLayout(
-        tokens=tokens, slices=max(1, min(LOW_LATENCY_SLICES, hidden // LOW_LATENCY_SLICE_MIN)),
-        experts_per_rank=local, remote_blocks=num_experts - local, payload_bytes=payload,
+        tokens=tokens,
+        slices=max(1, min(LOW_LATENCY_SLICES, hidden // LOW_LATENCY_SLICE_MIN)),
+        experts_per_rank=local,
+        remote_blocks=num_experts - local,
+        payload_bytes=payload,
         row_bytes=LOW_LATENCY_HEADER + ceil_div(payload, 16) * 16,
         token_chunks=ceil_div(ceil_div(hidden, FP8_GROUP), LOW_LATENCY_FP8_GROUPS),
-    )  # fmt: skip
+    )
 
 
 def low_latency_region_sizes(ll: LowLatencyLayout, world_size: int, num_experts: int) -> list:
@@ -390,14 +397,16 @@ def low_latency_region_sizes(ll: LowLatencyLayout, world_size: int, num_experts:
 
 
 def low_latency_bytes(
-    num_max_dispatch_tokens_per_rank: int, hidden: int, num_ranks: int, num_experts: int,
+    num_max_dispatch_tokens_per_rank: int,
+    hidden: int,
+    num_ranks: int,
+    num_experts: int,
     dtype: torch.dtype = torch.bfloat16,
-) -> int:  # fmt: skip
+) -> int:
     """Heap bytes per rank that ``Buffer(low_latency_tokens=num_max_dispatch_tokens_per_rank)``
     adds (compare DeepEP's ``get_low_latency_rdma_size_hint``), each region rounded up to the
     heap's alignment."""
-    ll = low_latency_layout(num_max_dispatch_tokens_per_rank, hidden, num_ranks, num_experts,
-                            dtype)  # fmt: skip
+    ll = low_latency_layout(num_max_dispatch_tokens_per_rank, hidden, num_ranks, num_experts, dtype)
     sizes = low_latency_region_sizes(ll, num_ranks, num_experts)
     return sum(ceil_div(size, _ALIGN) * _ALIGN for _, size in sizes)
 

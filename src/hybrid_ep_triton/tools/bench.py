@@ -235,14 +235,18 @@ def _time_buffer(buf, sets, warmup: int, iters: int, rows: str = "bf16") -> dict
     cached = [(x, None, w) for x, _, w in sets]
     handles = [out[-1] for out in exact]
     times["dispatch", "cached"] = median_us(
-        lambda k: dispatch(*cached[k], handle=handles[k]), [(k,) for k in range(len(sets))],
-        warmup, iters,
-    )  # fmt: skip
+        lambda k: dispatch(*cached[k], handle=handles[k]),
+        [(k,) for k in range(len(sets))],
+        warmup,
+        iters,
+    )
     if rows != "bf16":
-        graphs = [capture(partial(dispatch, x, i, w, max_recv_tokens=max_rows))[0]
-                  for x, i, w in sets]  # fmt: skip
-        times["dispatch", "graph"] = median_us(lambda g: g.replay(), [(g,) for g in graphs],
-                                                warmup, iters)  # fmt: skip
+        graphs = [
+            capture(partial(dispatch, x, i, w, max_recv_tokens=max_rows))[0] for x, i, w in sets
+        ]
+        times["dispatch", "graph"] = median_us(
+            lambda g: g.replay(), [(g,) for g in graphs], warmup, iters
+        )
         return times
     combine_args = [(torch.randn_like(out[0]), out[-1], combine_weights(buf, out)) for out in exact]
     times["combine", "exact"] = median_us(
@@ -282,8 +286,7 @@ def _time_copies(reference, x: torch.Tensor) -> list[dict]:
     rows = []
     for name, fn, nbytes in copies:
         t = _kernel_us(partial(fn, x))
-        rows.append(dict(name=name, tokens=tokens, hidden=hidden, time_us=t,
-                         GBps=nbytes / t / 1e3))  # fmt: skip
+        rows.append(dict(name=name, tokens=tokens, hidden=hidden, time_us=t, GBps=nbytes / t / 1e3))
     return rows
 
 
@@ -309,8 +312,15 @@ def _bench_rank(rank: int, world: int, opts: dict) -> dict:
         sets = [inputs(shape, rank, s) for s in range(_ROTATE)]
         rows_all, rows_remote = _row_counts(sets[0][1], world, shape.experts)
         row_bytes = shape.hidden * 2
-        common = dict(dtype="bf16", shape=shape.name, tokens=shape.tokens, hidden=shape.hidden,
-                      topk=shape.topk, experts=shape.experts, ranks=world)  # fmt: skip
+        common = dict(
+            dtype="bf16",
+            shape=shape.name,
+            tokens=shape.tokens,
+            hidden=shape.hidden,
+            topk=shape.topk,
+            experts=shape.experts,
+            ranks=world,
+        )
         main_shape = name in ("S1", "S2")
         runs = [
             (sms, expand, None)
@@ -318,12 +328,22 @@ def _bench_rank(rank: int, world: int, opts: dict) -> dict:
             for sms in (opts["sms"] if main_shape else opts["spot_sms"])
         ]
         if main_shape and opts["ranks_per_node"]:
-            runs += [(sms, expand, opts["ranks_per_node"]) for expand in (True, False)
-                     for sms in opts["spot_sms"]]  # fmt: skip
+            runs += [
+                (sms, expand, opts["ranks_per_node"])
+                for expand in (True, False)
+                for sms in opts["spot_sms"]
+            ]
         for sms, expand, per_node in runs:
-            buf = hep.Buffer(None, hidden_size=shape.hidden, max_tokens_per_rank=shape.tokens,
-                             num_experts=shape.experts, num_sms=sms, timeout_s=30,
-                             expand=expand, ranks_per_node=per_node or world)  # fmt: skip
+            buf = hep.Buffer(
+                None,
+                hidden_size=shape.hidden,
+                max_tokens_per_rank=shape.tokens,
+                num_experts=shape.experts,
+                num_sms=sms,
+                timeout_s=30,
+                expand=expand,
+                ranks_per_node=per_node or world,
+            )
             error, net_rows = _check(buf, reference, shape, *sets[0])
             what = f"num_sms={sms}, expand={expand}, ranks_per_node={per_node or world}"
             # Block-scaled rows on the single-node path of the main shapes, beside bf16 ones.
@@ -342,13 +362,22 @@ def _bench_rank(rank: int, world: int, opts: dict) -> dict:
                     if rank == 0:
                         print(f"{name} {kind} {op} {mode} {what}: {t:.1f} us", flush=True)
                     result["rows"].append(
-                        dict(common, dtype=kind, op=op, mode=mode, expand=expand,
-                             num_sms=sms, time_us=t, host_us=host,
-                             ranks_per_node=per_node or world, net_rows=net_rows,
-                             algo_GBps=rows_all * nbytes / t / 1e3,
-                             nvlink_GBps=rows_remote * nbytes / t / 1e3,
-                             net_GBps=net_rows * nbytes / t / 1e3)
-                    )  # fmt: skip
+                        dict(
+                            common,
+                            dtype=kind,
+                            op=op,
+                            mode=mode,
+                            expand=expand,
+                            num_sms=sms,
+                            time_us=t,
+                            host_us=host,
+                            ranks_per_node=per_node or world,
+                            net_rows=net_rows,
+                            algo_GBps=rows_all * nbytes / t / 1e3,
+                            nvlink_GBps=rows_remote * nbytes / t / 1e3,
+                            net_GBps=net_rows * nbytes / t / 1e3,
+                        )
+                    )
             if main_shape and per_node is None and not result["copies"] and not error:
                 result["copies"] = _time_copies(reference, sets[0][0])
             buf.destroy()
@@ -364,9 +393,14 @@ def _bench_rank(rank: int, world: int, opts: dict) -> dict:
         )
         for op, t in (("dispatch", t_disp), ("combine", t_comb)):
             result["baselines"].append(
-                dict(common, name="nccl_alltoall", op=op, time_us=t,
-                     algo_GBps=rows_all * row_bytes / t / 1e3)
-            )  # fmt: skip
+                dict(
+                    common,
+                    name="nccl_alltoall",
+                    op=op,
+                    time_us=t,
+                    algo_GBps=rows_all * row_bytes / t / 1e3,
+                )
+            )
     return result
 
 
@@ -400,12 +434,18 @@ def _write(result: dict, out_dir: str) -> str:
             f"{r['nvlink_GBps']:.0f} | {r['net_rows']} | {r['net_GBps']:.0f} |"
         )
     if result["copies"]:
-        lines += ["", "copies: kernel time, triton.testing.do_bench's median (L2 cleared before "
-                  "each call)", "", "| copy of the first shape's rows | time µs | "
-                  "GB/s read + written |", "|---|---:|---:|"]  # fmt: skip
+        lines += [
+            "",
+            "copies: kernel time, triton.testing.do_bench's median (L2 cleared before each call)",
+            "",
+            "| copy of the first shape's rows | time µs | GB/s read + written |",
+            "|---|---:|---:|",
+        ]
         for c in result["copies"]:
-            lines.append(f"| {c['name']} ({c['tokens']}x{c['hidden']}) | {c['time_us']:.1f} | "
-                         f"{c['GBps']:.0f} |")  # fmt: skip
+            lines.append(
+                f"| {c['name']} ({c['tokens']}x{c['hidden']}) | {c['time_us']:.1f} | "
+                f"{c['GBps']:.0f} |"
+            )
     lines += ["", "| shape | baseline | op | time µs | algo GB/s |", "|---|---|---|---:|---:|"]
     for b in result["baselines"]:
         cells = (b["shape"], b["name"], b["op"], f"{b['time_us']:.1f}", f"{b['algo_GBps']:.0f}")
@@ -465,8 +505,12 @@ def _plot_shape(ax, result: dict, shape: str) -> None:
     ax.axhline(result["ceiling_GBps"], color="k", ls=":", label="copy-engine ceiling")
     for b in result["baselines"]:
         if b["shape"] == shape:
-            ax.axhline(b["algo_GBps"], color="gray" if b["op"] == "dispatch" else "silver",
-                       ls="-.", label=f"NCCL reference {b['op']}")  # fmt: skip
+            ax.axhline(
+                b["algo_GBps"],
+                color="gray" if b["op"] == "dispatch" else "silver",
+                ls="-.",
+                label=f"NCCL reference {b['op']}",
+            )
     ax.set_title(f"{shape}, EP{result['ranks']}, {result['machine']}")
     ax.set_xlabel("num_sms (the senders' SM budget)")
     ax.set_ylabel("algo GB/s")
@@ -477,18 +521,28 @@ def _plot_shape(ax, result: dict, shape: str) -> None:
 def _plot_formats(ax, result: dict, kinds: list[str]) -> None:
     """Graph-mode dispatch µs of each row format, both layouts, at the first shape and the
     fewest SMs that ran it (one node)."""
-    rows = [r for r in result["rows"] if r["op"] == "dispatch" and r["mode"] == "graph"
-            and r["ranks_per_node"] == result["ranks"]]  # fmt: skip
+    rows = [
+        r
+        for r in result["rows"]
+        if r["op"] == "dispatch" and r["mode"] == "graph" and r["ranks_per_node"] == result["ranks"]
+    ]
     if not rows:  # every configuration failed its check: the report lists why
         return
     shape, sms = rows[0]["shape"], min(r["num_sms"] for r in rows)
     width = 0.4
     for offset, expand in ((-width / 2, True), (width / 2, False)):
-        times = {r["dtype"]: r["time_us"] for r in rows
-                 if (r["shape"], r["num_sms"], r["expand"]) == (shape, sms, expand)}  # fmt: skip
+        times = {
+            r["dtype"]: r["time_us"]
+            for r in rows
+            if (r["shape"], r["num_sms"], r["expand"]) == (shape, sms, expand)
+        }
         xs = [i + offset for i, kind in enumerate(kinds) if kind in times]
-        ax.bar(xs, [times[k] for k in kinds if k in times], width,
-               label="expert rows" if expand else "token rows")  # fmt: skip
+        ax.bar(
+            xs,
+            [times[k] for k in kinds if k in times],
+            width,
+            label="expert rows" if expand else "token rows",
+        )
     ax.set_xticks(range(len(kinds)), kinds, rotation=30, ha="right", fontsize=8)
     ax.set_ylabel("dispatch µs (graph replay)")
     ax.set_title(f"{shape}, row formats, {sms} SMs, EP{result['ranks']}")
@@ -511,10 +565,12 @@ def commit() -> str:
     here = package_dir()
     try:
         git = ["git", "-C", here]
-        subprocess.run([*git, "ls-files", "--error-unmatch", "__init__.py"], capture_output=True,
-                       check=True)  # fmt: skip
-        return subprocess.run([*git, "rev-parse", "--short", "HEAD"], capture_output=True,
-                              text=True, check=True).stdout.strip()  # fmt: skip
+        subprocess.run(
+            [*git, "ls-files", "--error-unmatch", "__init__.py"], capture_output=True, check=True
+        )
+        return subprocess.run(
+            [*git, "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True
+        ).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         pass
     try:
@@ -530,14 +586,18 @@ def run(args: argparse.Namespace) -> int:
     gpus = torch.cuda.device_count()
     world = args.ranks or gpus
     if world > gpus:
-        print(f"hybrid-ep bench times one rank per GPU: {world} ranks would share {gpus} GPU(s), "
-              "and times under MPS are not speeds")  # fmt: skip
+        print(
+            f"hybrid-ep bench times one rank per GPU: {world} ranks would share {gpus} GPU(s), "
+            "and times under MPS are not speeds"
+        )
         return 2
     formats = [f for f in args.formats.split(",") if f]
     unknown = set(formats) - set(SCALED_ROW_BYTES)
     if unknown:
-        print(f"hybrid-ep bench: unknown --formats {sorted(unknown)}; known: "
-              f"{', '.join(SCALED_ROW_BYTES)}")  # fmt: skip
+        print(
+            f"hybrid-ep bench: unknown --formats {sorted(unknown)}; known: "
+            f"{', '.join(SCALED_ROW_BYTES)}"
+        )
         return 2
     opts = dict(
         sms=[int(s) for s in args.sms.split(",")],

@@ -159,8 +159,14 @@ def _on_ranks(command: str, details: str, fn, cfg, device, ranks, args) -> tuple
     print(f"hybrid-ep {command}: {ranks} {kind}; {details}", flush=True)
     start = time.perf_counter()
     try:
-        results = run_ranks(fn, ranks, cfg, device=device, timeout_s=args.timeout,
-                            allow_time_slicing=args.allow_time_slicing)  # fmt: skip
+        results = run_ranks(
+            fn,
+            ranks,
+            cfg,
+            device=device,
+            timeout_s=args.timeout,
+            allow_time_slicing=args.allow_time_slicing,
+        )
     except (RankFailure, GpuSharingUnavailable) as e:
         raise CommandError(str(e)) from None
     return results, time.perf_counter() - start
@@ -232,9 +238,16 @@ def run_soak(args: argparse.Namespace) -> int:
             f"need --rounds >= 1 and --op-timeout > 0, got {rounds}, {args.op_timeout}"
         )
     every = args.progress_every if args.progress_every is not None else max(1, rounds // 20)
-    cfg = SoakConfig(rounds=rounds, **sizes, dtype=args.dtype, seed=args.seed,
-                     timeout_s=args.op_timeout, progress_every=max(every, 0),
-                     expand=not args.token_rows, ranks_per_node=args.ranks_per_node)  # fmt: skip
+    cfg = SoakConfig(
+        rounds=rounds,
+        **sizes,
+        dtype=args.dtype,
+        seed=args.seed,
+        timeout_s=args.op_timeout,
+        progress_every=max(every, 0),
+        expand=not args.token_rows,
+        ranks_per_node=args.ranks_per_node,
+    )
     details = (
         f"{rounds} rounds of 0..{cfg.tokens} tokens per rank, hidden {cfg.hidden}, "
         f"{cfg.experts} experts, top-{cfg.topk}, {cfg.dtype}"
@@ -301,11 +314,23 @@ TUNE_GRID_OPTIONS = {
 }
 # The interpreter takes 2 gathers and 1 stage whatever is asked (planner.make_config).
 TUNE_GRID = {
-    "cpu": {"chunks": [8, 16], "block_h": [32, 64], "warps": [4], "slices": [1, 2],
-            "unroll": [2], "stages": [1]},
-    "cuda": {"chunks": [16, 32], "block_h": [256, 512, 1024], "warps": [4, 8, 16],
-             "slices": [1, 2, 4], "unroll": [4, 8], "stages": [4]},
-}  # fmt: skip
+    "cpu": {
+        "chunks": [8, 16],
+        "block_h": [32, 64],
+        "warps": [4],
+        "slices": [1, 2],
+        "unroll": [2],
+        "stages": [1],
+    },
+    "cuda": {
+        "chunks": [16, 32],
+        "block_h": [256, 512, 1024],
+        "warps": [4, 8, 16],
+        "slices": [1, 2, 4],
+        "unroll": [4, 8],
+        "stages": [4],
+    },
+}
 TUNE_RUNS = {
     "cpu": {"sms": 2, "warmup": 1, "iters": 3},
     "cuda": {"sms": 8, "warmup": 5, "iters": 20},
@@ -326,8 +351,11 @@ def _tune_arguments(p: argparse.ArgumentParser) -> None:
         default="expert",
         help="output layout: expert-major rows, or token rows (Buffer(expand=False))",
     )
-    helps = {"sms": "SM budget of the senders (num_sms)", "warmup": "untimed calls per candidate",
-             "iters": "timed calls per candidate (the median counts)"}  # fmt: skip
+    helps = {
+        "sms": "SM budget of the senders (num_sms)",
+        "warmup": "untimed calls per candidate",
+        "iters": "timed calls per candidate (the median counts)",
+    }
     _per_device_arguments(p, helps, TUNE_RUNS)
     grid_helps = {k: f"{v}, comma-separated" for k, v in TUNE_GRID_OPTIONS.items()}
     _per_device_arguments(p, grid_helps, TUNE_GRID, kind=_ints)

@@ -210,9 +210,12 @@ def run_ranks(
     """
     task = _task(fn, args)  # a function that cannot be pickled fails here, before any start
     pool = RankPool(
-        world_size, device, allow_time_slicing=allow_time_slicing,
-        pg_timeout_s=timeout_s + _PG_TIMEOUT_MARGIN_S, nvshmem_heap_bytes=None,
-    )  # fmt: skip
+        world_size,
+        device,
+        allow_time_slicing=allow_time_slicing,
+        pg_timeout_s=timeout_s + _PG_TIMEOUT_MARGIN_S,
+        nvshmem_heap_bytes=None,
+    )
     try:
         return pool._run(task, timeout_s, failure_grace_s)
     finally:
@@ -250,8 +253,9 @@ class RankPool:
         self.usable = True
         self._child_env = plan.env
         self._stack_dir = tempfile.TemporaryDirectory(prefix="hep-ranks-")
-        self._stacks = [os.path.join(self._stack_dir.name, f"rank{r}.stack")
-                        for r in range(world_size)]  # fmt: skip
+        self._stacks = [
+            os.path.join(self._stack_dir.name, f"rank{r}.stack") for r in range(world_size)
+        ]
         self._procs: list = []
         self._tasks: list = []  # parent -> rank
         self._results: list = []  # rank -> parent
@@ -263,10 +267,18 @@ class RankPool:
                     result_recv, result_send = ctx.Pipe(duplex=False)
                     p = ctx.Process(
                         target=_rank_main,
-                        args=(rank, world_size, device, plan.backend, task_recv, result_send,
-                              self._stacks[rank], pg_timeout_s),
+                        args=(
+                            rank,
+                            world_size,
+                            device,
+                            plan.backend,
+                            task_recv,
+                            result_send,
+                            self._stacks[rank],
+                            pg_timeout_s,
+                        ),
                         name=f"hep-rank{rank}",
-                    )  # fmt: skip
+                    )
                     try:
                         p.start()
                     finally:
@@ -393,8 +405,10 @@ class RankPool:
         stacks = _stacks_of([self._procs[r] for r in running], [self._stacks[r] for r in running])
         self._end(abort=True, hung=tuple(running))
         if not failures:
-            failures = {r: f"still running at the deadline; Python stacks:\n{stacks[i]}"
-                        for i, r in enumerate(running)}  # fmt: skip
+            failures = {
+                r: f"still running at the deadline; Python stacks:\n{stacks[i]}"
+                for i, r in enumerate(running)
+            }
             msg = f"rank(s) {running} of {n} still running after timeout_s={timeout_s:g} s\n"
             raise RanksTimedOut(msg + _format_failures(failures), failures, self.pids)
         msg = f"{len(failures)} of {n} rank(s) failed"
@@ -471,9 +485,12 @@ def _rank_main(rank, world_size, device, backend, tasks, results, stack_path, pg
     timeout = datetime.timedelta(seconds=pg_timeout_s)
     try:
         store = dist.TCPStore(
-            os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size,
-            is_master=rank == 0, timeout=timeout,
-        )  # fmt: skip
+            os.environ["MASTER_ADDR"],
+            int(os.environ["MASTER_PORT"]),
+            world_size,
+            is_master=rank == 0,
+            timeout=timeout,
+        )
         kwargs = {}
         if device == "cuda":
             torch.cuda.set_device(rank % torch.cuda.device_count())
@@ -482,8 +499,14 @@ def _rank_main(rank, world_size, device, backend, tasks, results, stack_path, pg
                 kwargs["device_id"] = _RANK_DEVICE  # eager NCCL init
         else:
             _RANK_DEVICE = torch.device("cpu")
-        dist.init_process_group(backend=backend, store=store, rank=rank,
-                                world_size=world_size, timeout=timeout, **kwargs)  # fmt: skip
+        dist.init_process_group(
+            backend=backend,
+            store=store,
+            rank=rank,
+            world_size=world_size,
+            timeout=timeout,
+            **kwargs,
+        )
     except BaseException:
         results.send_bytes(_dumps(("error", traceback.format_exc())))
         os._exit(1)

@@ -49,9 +49,13 @@ def daemon_answers() -> bool:
         return False
     try:
         done = subprocess.run(
-            [CONTROL], input="get_server_list\n", capture_output=True, text=True,
-            timeout=_ANSWER_TIMEOUT_S, check=False,
-        )  # fmt: skip
+            [CONTROL],
+            input="get_server_list\n",
+            capture_output=True,
+            text=True,
+            timeout=_ANSWER_TIMEOUT_S,
+            check=False,
+        )
     except (OSError, subprocess.TimeoutExpired):
         return False
     return done.returncode == 0
@@ -70,8 +74,14 @@ def restart_daemon() -> None:
         flush=True,
     )
     try:
-        subprocess.run([CONTROL], input="quit\n", text=True, capture_output=True,
-                       timeout=_QUIT_TIMEOUT_S, check=False)  # fmt: skip
+        subprocess.run(
+            [CONTROL],
+            input="quit\n",
+            text=True,
+            capture_output=True,
+            timeout=_QUIT_TIMEOUT_S,
+            check=False,
+        )
     except subprocess.TimeoutExpired:
         raise RuntimeError(
             f"the MPS control daemon did not quit within {_QUIT_TIMEOUT_S:g} s (clients of it "

@@ -98,8 +98,9 @@ def refusal(record: str) -> str | None:
     try:
         data = json.loads(record)
         name = str(data["name"])
-        libraries = [(str(library), str(path))
-                     for library, path in data["options"].get("extern_libs") or []]  # fmt: skip
+        libraries = [
+            (str(library), str(path)) for library, path in data["options"].get("extern_libs") or []
+        ]
     except (ValueError, KeyError, TypeError, AttributeError):
         return f"not a record of a kernel build: {record[:80]!r}"
     if not name.startswith(f"{KERNELS_PACKAGE}.") or ".." in name:
@@ -198,8 +199,9 @@ def with_local_libraries(data: dict) -> dict:
     Triton adds its own (TRITON_LIBDEVICE_PATH, or the one in its wheel) as it does in a run.
     Triton's cache key hashes a library's content, not its path."""
     libraries = data["options"].get("extern_libs") or []
-    local = [[name, library_for_record(path)]
-             for name, path in libraries if name == "libnvshmem_device"]  # fmt: skip
+    local = [
+        [name, library_for_record(path)] for name, path in libraries if name == "libnvshmem_device"
+    ]
     return dict(data, options=dict(data["options"], extern_libs=local)) if libraries else data
 
 

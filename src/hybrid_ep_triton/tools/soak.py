@@ -149,8 +149,10 @@ def soak_rank(rank: int, world_size: int, cfg: SoakConfig) -> dict:
                 # A round whose call takes a new kernel specialisation compiles it first.
                 builds = (
                     f", {buf.kernel_builds} kernel builds so far "
-                    f"({buf.kernel_build_seconds:.1f} s in them)" if on_gpu else ""
-                )  # fmt: skip
+                    f"({buf.kernel_build_seconds:.1f} s in them)"
+                    if on_gpu
+                    else ""
+                )
                 print(
                     f"soak: round {r + 1}/{cfg.rounds} at {time.monotonic() - started:.0f} s, "
                     f"{failed_rounds} failing, memory "
@@ -209,9 +211,13 @@ def _round(buf: Buffer, dev, cfg: SoakConfig, world: int, r: int, prev, seen: Co
         *got, handle = buf.dispatch(rows, topk_weights=w, handle=layout.handle, quantize=quantize)
     else:
         *got, handle = buf.dispatch(
-            rows, idx, w, pad_multiple=layout.pad_multiple,
-            max_recv_tokens=layout.max_recv_tokens, quantize=quantize,
-        )  # fmt: skip
+            rows,
+            idx,
+            w,
+            pad_multiple=layout.pad_multiple,
+            max_recv_tokens=layout.max_recv_tokens,
+            quantize=quantize,
+        )
         layout.handle = handle
     buf.check(handle)  # sized never to overflow: raises nothing
     seconds = time.perf_counter() - start
@@ -229,8 +235,12 @@ def _round(buf: Buffer, dev, cfg: SoakConfig, world: int, r: int, prev, seen: Co
 
     # The reference (block-scaled rows: the reference quantizer, then the values and scales as
     # bytes dispatched alike), and the checks.
-    kw = dict(num_experts=cfg.experts, pad_multiple=layout.pad_multiple,
-              max_recv_tokens=layout.max_recv_tokens, expand=cfg.expand)  # fmt: skip
+    kw = dict(
+        num_experts=cfg.experts,
+        pad_multiple=layout.pad_multiple,
+        max_recv_tokens=layout.max_recv_tokens,
+        expand=cfg.expand,
+    )
     ref_rows = x
     problems = []
     what = f"{mode} dispatch of {layout.num_tokens} tokens ({kind})"

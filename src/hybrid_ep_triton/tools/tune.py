@@ -50,9 +50,15 @@ def _tune_rank(rank: int, world: int, opts: dict) -> tuple[str, list[tuple[float
     times = []
     for config in opts["candidates"]:
         with forced(config):
-            buf = Buffer(None, hidden_size=opts["hidden"], max_tokens_per_rank=opts["tokens"],
-                         num_experts=opts["experts"], dtype=dtype, expand=expand,
-                         ranks_per_node=opts["ranks_per_node"])  # fmt: skip
+            buf = Buffer(
+                None,
+                hidden_size=opts["hidden"],
+                max_tokens_per_rank=opts["tokens"],
+                num_experts=opts["experts"],
+                dtype=dtype,
+                expand=expand,
+                ranks_per_node=opts["ranks_per_node"],
+            )
         times.append(_score(buf, x, idx, weights, opts["warmup"], opts["iters"]))
         buf.destroy()
         if progress:
@@ -118,8 +124,13 @@ def run(args: argparse.Namespace) -> int:
     _, dispatch_us, combine_us = scores[best]
     for config, (total, d, c) in sorted(zip(candidates, scores, strict=True), key=lambda p: p[1]):
         print(f"{total:10.1f} µs (dispatch {d:.1f}, combine {c:.1f})  {config}")
-    measured = dict(dispatch_us=dispatch_us, combine_us=combine_us, tokens=args.tokens,
-                    experts=args.experts, topk=args.topk)  # fmt: skip
+    measured = dict(
+        dispatch_us=dispatch_us,
+        combine_us=combine_us,
+        tokens=args.tokens,
+        experts=args.experts,
+        topk=args.topk,
+    )
     store(key, candidates[best], measured)
     print(f"best for {key}: {candidates[best]}\nstored in {cache_path()}")
     return 0
