@@ -142,58 +142,39 @@ def out_part(out_ptr, out_scales_ptr, part: tl.constexpr, data_cols, SCALE_WORDS
 
 
 @triton.jit(noinline=True)
-def _zero_rows(
-    out_ptr,
-    out_scales_ptr,
-    weights_ptr,
-    first,
-    last,
-    data_cols,
-    SCALE_WORDS: tl.constexpr,
-    HAS_WEIGHTS: tl.constexpr,
-    CHUNK: tl.constexpr,
-    BLOCK_H: tl.constexpr,
-):
-    """Zero rows [first, last) of the output (FP8 rows: values and scales) and their weights."""
-    PARTS: tl.constexpr = 2 if SCALE_WORDS > 0 else 1
-    for r0 in range(first, last, CHUNK):
-        rows = r0 + tl.arange(0, CHUNK)
+def _zero_rows(out, first, last, tok, k):
+    """Zero rows [first, last) of the output (FP8 rows: values and scales) and, where they are
+    per row (not with TOKEN_ROWS), their weights."""
+    PARTS: tl.constexpr = 2 if k.SCALE_WORDS > 0 else 1
+    ROW_WEIGHTS: tl.constexpr = False if k.TOKEN_ROWS else k.HAS_WEIGHTS  # recv_weights is [N]
+    x, data_cols = out.recv_x_ptr, tok.data_cols
+    for r0 in range(first, last, k.CHUNK):
+        rows = r0 + tl.arange(0, k.CHUNK)
         rmask = rows < last
-        if HAS_WEIGHTS:
-            tl.store(weights_ptr + rows, tl.zeros([CHUNK], tl.float32), mask=rmask)
-        zeros = tl.zeros([CHUNK, BLOCK_H], out_ptr.dtype.element_ty)
+        if ROW_WEIGHTS:
+            tl.store(out.recv_weights_ptr + rows, tl.zeros([k.CHUNK], tl.float32), mask=rmask)
+        zeros = tl.zeros([k.CHUNK, k.BLOCK_H], x.dtype.element_ty)
         for part in tl.static_range(PARTS):
-            _, lo, hi = row_part(
-                out_ptr, out_ptr, part, 0, data_cols + SCALE_WORDS, data_cols, SCALE_WORDS
-            )
-            dst, stride, offset = out_part(out_ptr, out_scales_ptr, part, data_cols, SCALE_WORDS)
-            for h0 in range(lo, hi, BLOCK_H):
-                cols = h0 + tl.arange(0, BLOCK_H)
+            _, lo, hi = row_part(x, x, part, 0, data_cols + k.SCALE_WORDS, data_cols, k.SCALE_WORDS)
+            dst, stride, offset = out_part(x, out.recv_scales_ptr, part, data_cols, k.SCALE_WORDS)
+            for h0 in range(lo, hi, k.BLOCK_H):
+                cols = h0 + tl.arange(0, k.BLOCK_H)
                 _store_tile(dst, tl.where(rmask, rows, -1), cols - offset, cols < hi, zeros, stride)
 
 
 @triton.jit
-def _clear_slots(
-    recv_topk_idx_ptr,
-    recv_weights_ptr,
-    first,
-    last,
-    topk,
-    HAS_WEIGHTS: tl.constexpr,
-    WRITE_ROWS: tl.constexpr,
-    CHUNK: tl.constexpr,
-    K_P2: tl.constexpr,
-):
+def _clear_slots(first, last, tok, out, k):
     """No slots for token rows [first, last) (at most CHUNK): expert id -1 (if WRITE_ROWS),
     weight 0."""
-    rows = first + tl.arange(0, CHUNK)
-    slots = tl.arange(0, K_P2)
-    offs = rows.to(tl.int64)[:, None] * topk + slots[None, :]
-    mask = (rows < last)[:, None] & (slots[None, :] < topk)
-    if WRITE_ROWS:
-        tl.store(recv_topk_idx_ptr + offs, tl.full([CHUNK, K_P2], -1, tl.int32), mask=mask)
-    if HAS_WEIGHTS:
-        tl.store(recv_weights_ptr + offs, tl.zeros([CHUNK, K_P2], tl.float32), mask=mask)
+    rows = first + tl.arange(0, k.CHUNK)
+    slots = tl.arange(0, k.K_P2)
+    offs = rows.to(tl.int64)[:, None] * tok.topk + slots[None, :]
+    mask = (rows < last)[:, None] & (slots[None, :] < tok.topk)
+    if k.WRITE_ROWS:
+        idx = tl.full([k.CHUNK, k.K_P2], -1, tl.int32)
+        tl.store(out.recv_topk_idx_ptr + offs, idx, mask=mask)
+    if k.HAS_WEIGHTS:
+        tl.store(out.recv_weights_ptr + offs, tl.zeros([k.CHUNK, k.K_P2], tl.float32), mask=mask)
 
 
 @triton.jit
@@ -1081,55 +1062,22 @@ def _expand_staged(table, c, src, h_first, h_last, part, tok, lay, out, heap, k)
 def _zero_tail(expander, num_expanders, aborted, tok, lay, out, k):
     """The expanders' last step: zero the padding rows of each local expert's segment and the
     rows past the valid count (max_recv_tokens mode), with TOKEN_ROWS also those rows' slots."""
-    ROW_WEIGHTS: tl.constexpr = False if k.TOKEN_ROWS else k.HAS_WEIGHTS  # recv_weights is [N]
     epr = tok.experts_per_rank
     num_out_rows = out.num_out_rows
     for e in range(expander, tl.where(aborted, 0, epr), num_expanders):
         seg = tl.load(lay.expert_layout_ptr + e)
         first = seg + tl.load(lay.expert_layout_ptr + epr + e)
         last = tl.minimum(seg + tl.load(lay.expert_layout_ptr + 2 * epr + e), num_out_rows)
-        _zero_rows(
-            out.recv_x_ptr,
-            out.recv_scales_ptr,
-            out.recv_weights_ptr,
-            first,
-            last,
-            tok.data_cols,
-            k.SCALE_WORDS,
-            ROW_WEIGHTS,
-            k.CHUNK,
-            k.BLOCK_H,
-        )
+        _zero_rows(out, first, last, tok, k)
     valid_rows = tl.where(
         aborted, 0, tl.minimum(tl.load(lay.info_ptr + INFO_ROWS), num_out_rows)
     ).to(tl.int32)
     for b in range(expander, tl.cdiv(num_out_rows - valid_rows, k.CHUNK), num_expanders):
         first = valid_rows + b * k.CHUNK
         last = tl.minimum(first + k.CHUNK, num_out_rows)
-        _zero_rows(
-            out.recv_x_ptr,
-            out.recv_scales_ptr,
-            out.recv_weights_ptr,
-            first,
-            last,
-            tok.data_cols,
-            k.SCALE_WORDS,
-            ROW_WEIGHTS,
-            k.CHUNK,
-            k.BLOCK_H,
-        )
+        _zero_rows(out, first, last, tok, k)
         if k.TOKEN_ROWS:
-            _clear_slots(
-                out.recv_topk_idx_ptr,
-                out.recv_weights_ptr,
-                first,
-                last,
-                tok.topk,
-                k.HAS_WEIGHTS,
-                k.WRITE_ROWS,
-                k.CHUNK,
-                k.K_P2,
-            )
+            _clear_slots(first, last, tok, out, k)
 
 
 @triton.jit
