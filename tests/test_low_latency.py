@@ -781,10 +781,12 @@ def test_rank_that_skips_a_clean_is_masked(launch):
 
 
 @pytest.mark.slow
-def test_rank_killed_outright_is_masked(launch):
+@pytest.mark.parametrize("grp", MASKED_GROUPS, ids=lambda g: g.id)
+def test_rank_killed_outright_is_masked(launch, grp):
     """The same with the rank's process killed (SIGKILL) between its dispatch and its combine:
-    the only failure the launcher reports is that rank's death."""
-    grp = MASKED_GROUPS[0]
+    the only failure the launcher reports is that rank's death. Across nodes the live ranks
+    waiting on it keep the others of their node and of the other node from masking them too
+    (heartbeats pushed across nodes)."""
     with pytest.raises(RankFailure) as failed:
         launch(_masked_body, grp.world_size, grp, "killed", 1, 4, fresh=True,
                failure_grace_s=300)  # fmt: skip

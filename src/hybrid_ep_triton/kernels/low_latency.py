@@ -76,6 +76,7 @@ from .control import (
 from .primitives import (
     MASKED_HERE,
     SAME_ON_EVERY_RANK,
+    Heartbeat,
     clock_ns,
     net_put_signal,
     net_signal,
@@ -126,7 +127,7 @@ LowLatencyHeap = namedtuple(
 LowLatencySync = namedtuple(
     "LowLatencySync",
     "rank control_ptr status_ptr timeout_ns scratch_ptr seq_ptr refused mask_ptr beat_ptr "
-    "bases_ptr beat_off",
+    "bases_ptr net_bases_ptr beat_off",
 )
 LowLatencyConsts = namedtuple(
     "LowLatencyConsts",
@@ -165,12 +166,12 @@ def _await(flag_ptr, target, peer, stage, heap, sync, k):
     is; past timeout_ns a Buffer with mask_failed_ranks masks it, and the next launch tells
     the other ranks (else the timeout is recorded)."""
     one = tl.zeros([1], tl.int32)
-    arrived = _await_all(flag_ptr + one, target, one == 0, peer + one, peer, stage, sync)
+    arrived = _await_all(flag_ptr + one, target, one == 0, peer + one, peer, stage, sync, k)
     return tl.max(arrived.to(tl.int32), axis=0) > 0
 
 
 @triton.jit
-def _await_all(flag_ptrs, target, awaited, peers, first_peer, stage, sync):
+def _await_all(flag_ptrs, target, awaited, peers, first_peer, stage, sync, k):
     """[N], whether each flag of ``flag_ptrs`` [N] from ``peers`` [N] reached ``target`` where
     ``awaited``, as ``_await`` waits (``first_peer``: the one a recorded timeout names). Where
     a peer did not arrive and a wait of this rank masked it (MASKED_HERE, not told yet), sets
@@ -184,8 +185,17 @@ def _await_all(flag_ptrs, target, awaited, peers, first_peer, stage, sync):
         sync.status_ptr,
         sync.mask_ptr + peers,
         tl.load(sync.control_ptr + MASK_FAILED),
-        _beats(sync, peers),
-        sync.beat_ptr,
+        _beats(sync, peers, k),
+        Heartbeat(
+            sync.rank,
+            sync.beat_ptr,
+            sync.bases_ptr,
+            sync.net_bases_ptr,
+            sync.mask_ptr,
+            sync.beat_off + 8,
+            k.W,
+            k.NODES,
+        ),
         first_peer,
         stage,
     )
@@ -196,11 +206,15 @@ def _await_all(flag_ptrs, target, awaited, peers, first_peer, stage, sync):
 
 
 @triton.jit
-def _beats(sync, peers):
-    """The addresses (int64) of ``peers``' heartbeats (the word after their ll_mask), 0 for
-    those on another node."""
+def _beats(sync, peers, k):
+    """The addresses (int64) of ``peers``' heartbeats: their own word (after their ll_mask)
+    on this node, the word they push into this rank's ll_mask on another."""
     base = tl.load(sync.bases_ptr + peers)
-    return tl.where(base != 0, base + sync.beat_off, 0)
+    beats = tl.where(base != 0, base + sync.beat_off, 0)
+    if k.NODES > 1:
+        pushed = tl.load(sync.bases_ptr + sync.rank) + sync.beat_off + 8 + peers * 8
+        beats = tl.where(base != 0, beats, pushed)
+    return beats
 
 
 @triton.jit
@@ -847,7 +861,7 @@ def _combine_receive_role(program, seq, rows, heap, sync, k):
         flags = _flag(heap, rank, _combine_block(expert, rank, k), tl.where(on_node, s, 0), seq, k)
         first_owner = tl.min(tl.where(remote, owner, k.W), axis=0)
         arrived = _await_all(
-            flags, seq.to(tl.int64) << 32, remote, owner, first_owner, STAGE_LL_COMBINE, sync
+            flags, seq.to(tl.int64) << 32, remote, owner, first_owner, STAGE_LL_COMBINE, sync, k
         )
         remote &= arrived  # (an owner masked meanwhile adds nothing)
         sent = tl.atomic_add(flags, 0, mask=remote, sem="acquire", scope="sys")
@@ -1039,7 +1053,7 @@ def low_latency_dispatch_kernel(
     mask = region(peer_bases_ptr, rank, mask_off, tl.int64)
     sync = LowLatencySync(rank, control_ptr, control_ptr + STATUS, timeout_ns,
                           scratch_ptr, seq_ptr, refused, mask, mask + W,
-                          peer_bases_ptr, mask_off + W * 8)  # fmt: skip
+                          peer_bases_ptr, net_bases_ptr, mask_off + W * 8)  # fmt: skip
     seq, last, news = _start(sync, SEND)
     tokens = DispatchRows(rank, x_ptr, x_stride, topk_ptr, slots_ptr, num_tokens, hidden)
     out = Received(recv_ptr, scales_ptr, src_info_ptr, layout_range_ptr,
@@ -1167,7 +1181,7 @@ def low_latency_combine_kernel(
     mask = region(peer_bases_ptr, rank, mask_off, tl.int64)
     sync = LowLatencySync(rank, control_ptr, control_ptr + STATUS, timeout_ns,
                           control_ptr, seq_ptr, refused, mask, mask + W,
-                          peer_bases_ptr, mask_off + W * 8)  # fmt: skip
+                          peer_bases_ptr, net_bases_ptr, mask_off + W * 8)  # fmt: skip
     seq, last, news = _start(sync, SEND)
     combined = CombineRows(rank, x_ptr, x_plane, x_row, topk_ptr, slots_ptr,
                            weights_ptr, num_tokens, hidden, layout_range_ptr,

@@ -27,6 +27,7 @@ once, so a missing peer turns into an error the host raises, never a hang.
 
 import os
 import time
+from collections import namedtuple
 
 import triton
 import triton.language as tl
@@ -280,6 +281,15 @@ def wait_all_at_least(flag_ptrs, target, mask, timeout_ns, status_ptr, peer, sta
 
 # The most timeouts a masking wait lasts while the peer's heartbeat moves (wait_unless_masked).
 BEAT_TIMEOUTS = tl.constexpr(4)
+# Heartbeats a waiting rank pushes to the ranks of other nodes per timeout.
+BEAT_PUSHES = tl.constexpr(8)
+# A waiting rank's heartbeat (wait_unless_masked): its own word (own_ptr), read by the ranks of
+# its node; every rank's heap base here (bases_ptr, 0 on another node) and for network signals
+# (net_bases_ptr); the mask (masked_ptr, int64 [W], nonzero: masked); the byte offset of the
+# words [W] into which the ranks of other nodes push theirs (pushed_off), in every heap.
+Heartbeat = namedtuple(
+    "Heartbeat", "rank own_ptr bases_ptr net_bases_ptr masked_ptr pushed_off W NODES"
+)
 # The mask word a wait that ran out writes: nonzero as every mask word, and this value until the
 # rank that set it has told the other ranks (which then set 1).
 MASKED_HERE = tl.constexpr(2)
@@ -295,7 +305,7 @@ def wait_unless_masked(
     masked_ptrs,
     mask_on_timeout,
     beats,
-    my_beat_ptr,
+    beat,
     peer,
     stage,
 ):
@@ -305,10 +315,12 @@ def wait_unless_masked(
     with ``mask_on_timeout`` the peers still awaited and not masked yet are masked (set to
     MASKED_HERE) and the wait ends; without, the timeout is recorded as wait_at_least() does.
 
-    Heartbeats: while it waits, a rank writes the time into ``*my_beat_ptr``; ``beats`` [N]
-    holds the addresses (int64, 0: none) of the peers' such words. A peer whose heartbeat moves
-    is itself waiting (on a rank that is gone, say), not gone: its time starts again, up to
-    BEAT_TIMEOUTS timeouts in all, so that it is not masked for another rank's failure."""
+    Heartbeats: while it waits, a rank writes the time into its word (``beat``, a Heartbeat),
+    and about BEAT_PUSHES times a timeout (its waits together) into its word in the heap of
+    every live rank of another node; ``beats`` [N] holds the addresses (int64, 0: none) of the
+    peers' words as this rank sees them. A peer whose heartbeat moves is itself waiting (on a
+    rank that is gone, say), not gone: its time starts again, up to BEAT_TIMEOUTS timeouts in
+    all, so that it is not masked for another rank's failure."""
     start = clock_ns()
     starts = tl.zeros(flag_ptrs.shape, tl.int64) + start
     has_beat = mask & (beats != 0)
@@ -317,7 +329,11 @@ def wait_unless_masked(
     arrived, waiting = _awaited(flag_ptrs, target, mask, masked_ptrs, status_ptr)
     while waiting:
         now = clock_ns()
-        tl.store(my_beat_ptr, now)
+        if beat.NODES > 1:  # the first of this rank's waits in a new period pushes
+            period = timeout_ns // BEAT_PUSHES + 1
+            if now // period != tl.load(beat.own_ptr, volatile=True) // period:
+                _push_heartbeat(now, beat)
+        tl.store(beat.own_ptr, now)
         if mask_on_timeout != 0:
             seen = tl.load(beat_ptrs, mask=has_beat, other=0, volatile=True)
             moved = has_beat & (seen != last_beats) & (now - start < BEAT_TIMEOUTS * timeout_ns)
@@ -331,6 +347,16 @@ def wait_unless_masked(
         arrived, waiting = _awaited(flag_ptrs, target, mask, masked_ptrs, status_ptr)
     tl.debug_barrier()
     return arrived
+
+
+@triton.jit
+def _push_heartbeat(now, beat):
+    """Heartbeat ``now`` into this rank's word at ``pushed_off`` of every live rank of another
+    node, where the waits on this rank read it (a network signal each)."""
+    for peer in range(0, beat.W):
+        far = tl.load(beat.bases_ptr + peer) == 0
+        if far & (tl.load(beat.masked_ptr + peer, volatile=True) == 0):
+            net_signal(beat.net_bases_ptr, peer, beat.pushed_off + beat.rank * 8, now)
 
 
 @triton.jit

@@ -323,10 +323,12 @@ class LowLatencyLayout:
 
     ll_freed     int64 [W]          rank i's last low-latency call whose receive is over (so
                                     that a sender two calls later may overwrite its area)
-    ll_mask      int64 [W + 1]      nonzero where rank i is masked here (Buffer.update_mask,
+    ll_mask      int64 [2W + 1]     nonzero where rank i is masked here (Buffer.update_mask,
                                     a wait that ran out: MASKED_HERE until this rank has told
                                     the others; a peer that masked it and said so: 1); then
-                                    this rank's heartbeat: the time, written while it waits
+                                    this rank's heartbeat: the time, written while it waits;
+                                    then rank i's heartbeat, pushed here while it waits by
+                                    rank i of another node
     ll_farewell  int64 [W]          rank i's word at destroy(): it frees the heap with the
                                     others (1) or leaves it (2); 0 while it has not said
                                     (this rank's own place: its last verdict)
@@ -386,7 +388,7 @@ def low_latency_region_sizes(ll: LowLatencyLayout, world_size: int, num_experts:
     on = ll.tokens > 0
     return [
         ("ll_freed", world_size * 8 if on else 0),
-        ("ll_mask", (world_size + 1) * 8 if on else 0),
+        ("ll_mask", (2 * world_size + 1) * 8 if on else 0),
         ("ll_farewell", world_size * 8 if on else 0),
         ("ll_flags", 2 * ll.remote_blocks * ll.slices * 8 if on else 0),
         ("ll_own", 2 * ll.experts_per_rank * 8 if on else 0),
