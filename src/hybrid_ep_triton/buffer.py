@@ -16,6 +16,7 @@ from .ops.scaled_rows import ScaledValues
 from .ops.streams import CommStream
 from .runtime.checks import (
     SUPPORTED_DTYPES,
+    BufferOptions,
     check_combine_inputs,
     check_dispatch_inputs,
     ranks_per_host,
@@ -68,10 +69,11 @@ class Buffer:
         mask_failed_ranks: bool = False,
     ):
         group = group if group is not None else dist.group.WORLD
-        plan, device, context_sms = agreed_plan(
-            group, hidden_size, max_tokens_per_rank, num_experts, dtype, num_sms, timeout_s,
-            expand, ranks_per_node, device, agree_on_inputs, low_latency_tokens,
+        options = BufferOptions(
+            hidden_size, max_tokens_per_rank, num_experts, dtype, num_sms, timeout_s, expand,
+            ranks_per_node, device, agree_on_inputs, low_latency_tokens,
         )  # fmt: skip
+        plan, device, context_sms = agreed_plan(group, options)
         self.group = group
         self.hidden_size = hidden_size
         self.max_tokens_per_rank = max_tokens_per_rank

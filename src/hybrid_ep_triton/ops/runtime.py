@@ -4,7 +4,7 @@ every launch needs."""
 import itertools
 import socket
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.distributed as dist
@@ -12,6 +12,7 @@ import torch.distributed as dist
 from ..kernels.control import CONTROL_WORDS, NET_ROWS, REPORT_WORDS
 from ..kernels.primitives import HOST_RECORD_WORDS
 from ..runtime.checks import (
+    BufferOptions,
     check_parameters,
     check_same_on_all_ranks,
     gather_or_refuse,
@@ -180,18 +181,7 @@ def report_tag(call: int) -> int:
 
 
 def agreed_plan(
-    group: dist.ProcessGroup,
-    hidden_size,
-    max_tokens_per_rank,
-    num_experts,
-    dtype,
-    num_sms,
-    timeout_s,
-    expand,
-    ranks_per_node,
-    device,
-    agree_on_inputs,
-    low_latency_tokens,
+    group: dist.ProcessGroup, options: BufferOptions
 ) -> tuple[Plan, torch.device, int | None]:
     """Buffer's constructor up to its allocations (collective): every rank's parameters checked
     and agreed (a refusal on any rank is a ValueError on every rank), the kernel configuration
@@ -199,21 +189,8 @@ def agreed_plan(
     CUDA context may use (None on CPU ranks)."""
     world = dist.get_world_size(group)
     try:
-        device = token_device(device, group)
-        check_parameters(
-            world,
-            hidden_size,
-            max_tokens_per_rank,
-            num_experts,
-            dtype,
-            num_sms,
-            timeout_s,
-            expand,
-            ranks_per_node,
-            device,
-            agree_on_inputs,
-            low_latency_tokens,
-        )
+        device = token_device(options.device, group)
+        check_parameters(world, replace(options, device=device))
         refused = None
     except ValueError as error:
         refused = error
@@ -221,14 +198,21 @@ def agreed_plan(
     # ranks_per_node make the same collectives) and whether it refused its parameters: a
     # refusal on any rank is a ValueError on every rank.
     hosts = gather_or_refuse(group, socket.gethostname(), refused)
-    ranks_per_node = ranks_per_node or ranks_per_host(hosts)
+    ranks_per_node = options.ranks_per_node or ranks_per_host(hosts)
     on_gpu = device.type == "cuda"
     # The SMs this process's context may use: under an MPS share (ranks sharing a GPU) the
     # context reports and gets that share alone.
     context_sms = torch.cuda.get_device_properties(device).multi_processor_count if on_gpu else None
-    key = cache_key(device, world, hidden_size, dtype, expand, ranks_per_node)
+    key = cache_key(
+        device, world, options.hidden_size, options.dtype, options.expand, ranks_per_node
+    )
     config = select_config(
-        key, hidden_size, max_tokens_per_rank, num_sms, on_gpu, available_sms=context_sms
+        key,
+        options.hidden_size,
+        options.max_tokens_per_rank,
+        options.num_sms,
+        on_gpu,
+        available_sms=context_sms,
     )
     if on_gpu and config.num_sms > context_sms:
         refused = ValueError(
@@ -239,27 +223,27 @@ def agreed_plan(
     check_same_on_all_ranks(
         group,
         refused,
-        hidden_size=hidden_size,
-        max_tokens_per_rank=max_tokens_per_rank,
-        num_experts=num_experts,
-        dtype=dtype,
+        hidden_size=options.hidden_size,
+        max_tokens_per_rank=options.max_tokens_per_rank,
+        num_experts=options.num_experts,
+        dtype=options.dtype,
         num_sms=config.num_sms,
-        expand=expand,
+        expand=options.expand,
         ranks_per_node=ranks_per_node,
         device_type=device.type,
-        agree_on_inputs=agree_on_inputs,
-        low_latency_tokens=low_latency_tokens,
+        agree_on_inputs=options.agree_on_inputs,
+        low_latency_tokens=options.low_latency_tokens,
         kernel_config=config,  # from each rank's tuning cache: must agree too
     )
     plan = make_plan(
         world,
-        hidden_size,
-        max_tokens_per_rank,
-        num_experts,
-        dtype,
+        options.hidden_size,
+        options.max_tokens_per_rank,
+        options.num_experts,
+        options.dtype,
         config,
-        token_rows=not expand,
+        token_rows=not options.expand,
         ranks_per_node=ranks_per_node,
-        low_latency_tokens=low_latency_tokens,
+        low_latency_tokens=options.low_latency_tokens,
     )
     return plan, device, context_sms

@@ -2,6 +2,8 @@
 the actual value. ``refusing`` turns a check's ValueError into ``Refused``, which names the
 argument for the refusal protocol (ops/refusal.py)."""
 
+from dataclasses import dataclass
+
 import torch
 import torch.distributed as dist
 import triton
@@ -324,44 +326,48 @@ def check_pair(pair, plan: Plan, device: torch.device, scaled_values: type) -> s
     return fmt.name
 
 
-def check_parameters(
-    world,
-    hidden_size,
-    max_tokens_per_rank,
-    num_experts,
-    dtype,
-    num_sms,
-    timeout_s,
-    expand,
-    ranks_per_node,
-    device,
-    agree_on_inputs,
-    low_latency_tokens,
-) -> None:
+@dataclass(frozen=True)
+class BufferOptions:
+    """Buffer's constructor arguments but the group (its docstring says what each is)."""
+
+    hidden_size: int
+    max_tokens_per_rank: int
+    num_experts: int
+    dtype: torch.dtype
+    num_sms: int | None
+    timeout_s: float
+    expand: bool
+    ranks_per_node: int | None
+    device: torch.device | str | None
+    agree_on_inputs: bool
+    low_latency_tokens: int
+
+
+def check_parameters(world: int, options: BufferOptions) -> None:
     """Buffer's parameters as this rank sees them alone: ValueError naming the first bad one."""
-    if ranks_per_node is not None:
-        check_int("ranks_per_node", ranks_per_node, 1, world)
-        if world % ranks_per_node:
+    if options.ranks_per_node is not None:
+        check_int("ranks_per_node", options.ranks_per_node, 1, world)
+        if world % options.ranks_per_node:
             raise ValueError(
-                f"ranks_per_node must divide the group size {world}, got {ranks_per_node}"
+                f"ranks_per_node must divide the group size {world}, got {options.ranks_per_node}"
             )
-    check_int("hidden_size", hidden_size, 1)
-    check_int("max_tokens_per_rank", max_tokens_per_rank, 0)
-    check_int("num_experts", num_experts, 1)
-    if num_experts % world:
+    check_int("hidden_size", options.hidden_size, 1)
+    check_int("max_tokens_per_rank", options.max_tokens_per_rank, 0)
+    check_int("num_experts", options.num_experts, 1)
+    if options.num_experts % world:
         raise ValueError(
-            f"num_experts must be divisible by the group size {world}, got {num_experts}"
+            f"num_experts must be divisible by the group size {world}, got {options.num_experts}"
         )
-    if dtype not in SUPPORTED_DTYPES:
-        raise ValueError(f"dtype must be one of {SUPPORTED_DTYPES}, got {dtype}")
-    if num_sms is not None:
-        check_int("num_sms", num_sms, 1, MAX_SMS)
-    if not timeout_s > 0:
-        raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
-    for name, flag in (("expand", expand), ("agree_on_inputs", agree_on_inputs)):
+    if options.dtype not in SUPPORTED_DTYPES:
+        raise ValueError(f"dtype must be one of {SUPPORTED_DTYPES}, got {options.dtype}")
+    if options.num_sms is not None:
+        check_int("num_sms", options.num_sms, 1, MAX_SMS)
+    if not options.timeout_s > 0:
+        raise ValueError(f"timeout_s must be > 0, got {options.timeout_s}")
+    for name, flag in (("expand", options.expand), ("agree_on_inputs", options.agree_on_inputs)):
         check_flag(name, flag)
-    check_int("low_latency_tokens", low_latency_tokens, 0)
-    check_interpreted_on_cpu(device)
+    check_int("low_latency_tokens", options.low_latency_tokens, 0)
+    check_interpreted_on_cpu(options.device)
 
 
 def token_device(device, group: dist.ProcessGroup) -> torch.device:
