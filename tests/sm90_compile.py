@@ -35,8 +35,8 @@ from hybrid_ep_triton.kernels.dispatch import dispatch_kernel
 from hybrid_ep_triton.kernels.low_latency import (
     low_latency_combine_kernel,
     low_latency_dispatch_kernel,
-    low_latency_farewell_kernel,
 )
+from hybrid_ep_triton.kernels.peers import farewell_kernel
 from hybrid_ep_triton.kernels.quantize import NO_QUANTIZER, quantize_block_scaled_kernel
 from hybrid_ep_triton.kernels.route import layout_kernel
 from hybrid_ep_triton.ops.dispatch import QUANTIZERS
@@ -242,7 +242,7 @@ def low_latency_builds(world: int, per_node: int):
     pointers = dict(heap, weights_ptr="*fp32", out_ptr="*bf16")
     signature, attrs = _signature(kernel, pointers, constexprs)
     yield f"{topo} {kernel.fn.__name__}", ASTSource(kernel, signature, constexprs, attrs), options
-    kernel = low_latency_farewell_kernel
+    kernel = farewell_kernel
     constexprs = dict(W=world, W_P2=world, NODES=nodes)
     signature, attrs = _signature(kernel, dict(heap, verdict_ptr="*i64"), constexprs)
     yield f"{topo} {kernel.fn.__name__}", ASTSource(kernel, signature, constexprs, attrs), options

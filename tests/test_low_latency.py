@@ -34,7 +34,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from hybrid_ep_triton import Buffer, reference
-from hybrid_ep_triton.ops.low_latency import LowLatencyHandle, farewell
+from hybrid_ep_triton.ops.low_latency import LowLatencyHandle
+from hybrid_ep_triton.ops.masks import farewell
 from hybrid_ep_triton.runtime.planner import deepep_low_latency_bytes
 from hybrid_ep_triton.tools.launcher import RankFailure, rank_device
 

@@ -7,7 +7,7 @@ Each method checks its inputs (runtime/checks.py), agrees with the other ranks o
 import torch
 import torch.distributed as dist
 
-from .ops import low_latency, operators, status
+from .ops import low_latency, masks, operators, status
 from .ops.handle import DispatchHandle, check_handle
 from .ops.low_latency import LowLatencyHandle
 from .ops.refusal import Refusals
@@ -48,7 +48,7 @@ class Buffer:
         device: where tokens live: None, a CUDA device (this process's), or the CPU.
         agree_on_inputs: every call first agrees on the host that every rank's inputs passed.
         low_latency_tokens: M, most tokens a rank passes to a low-latency call (0: no mode).
-        mask_failed_ranks: a low-latency wait that runs out masks the peer, not TimeoutError.
+        mask_failed_ranks: a wait that runs out masks the peer instead of TimeoutError.
     """
 
     def __init__(
@@ -71,7 +71,7 @@ class Buffer:
         group = group if group is not None else dist.group.WORLD
         options = BufferOptions(
             hidden_size, max_tokens_per_rank, num_experts, dtype, num_sms, timeout_s, expand,
-            ranks_per_node, device, agree_on_inputs, low_latency_tokens,
+            ranks_per_node, device, agree_on_inputs, low_latency_tokens, mask_failed_ranks,
         )  # fmt: skip
         plan, device, context_sms = agreed_plan(group, options)
         self.group = group
@@ -90,9 +90,8 @@ class Buffer:
         self._streams = CommStream(device)
         self._refusals = Refusals(self._rt, agree_on_inputs)
         self._overflows = status.Overflows(self._rt.rank)
-        self._low_latency = low_latency.Calls(
-            self._rt, self._id, self._streams, self._check_usable, mask_failed_ranks
-        )
+        self._low_latency = low_latency.Calls(self._rt, self._id, self._streams, self._check_usable)
+        masks.mask_failed(self._rt, mask_failed_ranks)
 
     # -- normal mode ------------------------------------------------------------------------
 
@@ -303,21 +302,25 @@ class Buffer:
     low_latency_bytes = staticmethod(low_latency_bytes)
 
     def update_mask(self, rank: int, masked: bool = True) -> None:
-        """Mask ``rank`` (not this one) or unmask it, in stream order: low-latency calls skip it."""
-        self._low_latency.update_mask(rank, masked)
+        """Mask ``rank`` (not this one) or unmask it, in stream order: the calls skip it."""
+        self._check_usable()
+        masks.update_mask(self._rt, rank, masked)
 
     def clean_mask(self) -> None:
         """Unmask every rank, in stream order."""
-        self._low_latency.update_mask(None, False)
+        self._check_usable()
+        masks.update_mask(self._rt, None, False)
 
     def query_mask(self, out: torch.Tensor) -> None:
         """out: int32 [W] on the Buffer's device, 1 where a rank is masked (stream order)."""
-        self._low_latency.query_mask(out)
+        self._check_usable()
+        masks.query_mask(self._rt, out)
 
     @property
     def masked_ranks(self) -> list[int]:
         """The masked ranks (reads the device)."""
-        return self._low_latency.masked_ranks()
+        self._check_usable()
+        return masks.masked_ranks(self._rt)
 
     # -- state ------------------------------------------------------------------------------
 
@@ -337,12 +340,12 @@ class Buffer:
         return self._rt.kernel_build_seconds
 
     def destroy(self) -> None:
-        """Free the symmetric buffers with the other ranks (idempotent); with the low-latency
-        mode only where every rank says so within timeout_s, else leave them to the process's
-        end (a rank masked, gone or silent)."""
+        """Free the symmetric buffers with the other ranks (idempotent) where every rank says so
+        within timeout_s, else leave them to the process's end (a rank masked, gone or
+        silent)."""
         if getattr(self, "_rt", None) is not None:
             operators.unregister(self._id)
-            low_latency.release(self._rt)
+            masks.release(self._rt)
             self._rt = None
 
     def __enter__(self) -> "Buffer":

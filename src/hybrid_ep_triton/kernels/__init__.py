@@ -1,6 +1,7 @@
 """Triton kernels only: ``@triton.jit`` functions, no torch calls.
 
 primitives: peer pointers, release signals, bounded acquire waits (used by all the others);
+peers: waits on peers that may fail (the mask, heartbeats, handshakes, destroy()'s farewell);
 route: the dispatch layout; dispatch: the token move and expansion; combine: the reduction back;
 quantize: the FP8, MXFP8 and NVFP4 quantizers; control: the control block's words and the stage
 codes by name; work: column parts and work queues that dispatch and combine share;

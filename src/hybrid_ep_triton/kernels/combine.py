@@ -49,6 +49,7 @@ from .control import (
     STAGE_COMBINE_READY,
     STATUS,
 )
+from .peers import live, start_channel, wait_landed
 from .primitives import (
     SAME_ON_EVERY_RANK,
     finish_launch,
@@ -57,10 +58,8 @@ from .primitives import (
     rail_peer,
     region,
     signal,
-    start_channel,
     take_work,
     wait_at_least,
-    wait_landed,
 )
 from .work import column, part_columns, remote_entries, remote_item, slice_width
 
@@ -154,18 +153,19 @@ def _sum_own_rows(c, h_first, h_last, rows, k):
 
 
 @triton.jit(noinline=True)
-def _add_partial_rows(c, h_first, h_last, node_slots_ptr, slice_first, rows, here, k):
-    """Add, in fp32, the partial rows from the other ranks of this node (in this rank's staging
-    area) and, across nodes, the partial sums of every other node (``node_slots_ptr``: this
-    item's NetSlot data from node 0 in the inbox, a node's slots apart, whose columns start at
-    ``slice_first``) to columns [h_first, h_last) of the out rows of chunk ``c`` that hold the own
-    sums."""
+def _add_partial_rows(c, h_first, h_last, node_slots_ptr, slice_first, rows, here, sync, k):
+    """Add, in fp32, the partial rows from the other live ranks of this node (a masked rank's
+    did not come) in this rank's staging area and, across nodes, the partial
+    sums of every other node (``node_slots_ptr``: this item's NetSlot data from node 0 in the
+    inbox, a node's slots apart, whose columns start at ``slice_first``) to columns
+    [h_first, h_last) of the out rows of chunk ``c`` that hold the own sums."""
     # A NetSlot of each node's work items after another (the inbox), as elements of out's dtype.
     NODE_STRIDE: tl.constexpr = (
         k.NC_MAX * k.H_SLICES * k.SLOT_BYTES * 8 // rows.out_ptr.dtype.element_ty.primitive_bitwidth
     )
     tokens, tmask, ranks, stream_rows = _stream_rows(c, rows, k)
-    partial_rows = tl.where(ranks[None, :] != rows.rank, stream_rows, -1)
+    alive = tl.load(sync.mask_ptr + ranks, mask=ranks < k.W, other=1, volatile=True) == 0
+    partial_rows = tl.where((ranks[None, :] != rows.rank) & alive[None, :], stream_rows, -1)
     if k.NODES > 1:  # ranks of other nodes sent theirs through their node
         near = ranks[None, :] // k.R == rows.rank // k.R
         partial_rows = tl.where(near, partial_rows, -1)
@@ -274,7 +274,8 @@ CombineHeap = namedtuple(
 )
 CombineSync = namedtuple(
     "CombineSync",
-    "control_ptr status_ptr seq timeout_ns num_reducers num_senders local_parts",
+    "control_ptr status_ptr seq timeout_ns num_reducers num_senders local_parts rank mask_ptr "
+    "bases_ptr net_bases_ptr mask_off",
 )
 # This rank's regions of the heap and the work items' columns, the same for every role.
 Here = namedtuple("Here", "staging my_flags my_ready reduced_flags slice_cols part_cols net_flags")
@@ -342,7 +343,10 @@ def _send_role(sender, node_first, rows, heap, here, sync, k):
             block = rail_peer(src // k.R, rank, k.R)
         table = rows.recv_chunk_start_ptr + src * (k.NC_MAX + 1)
         src_tokens = tl.minimum(tl.load(rows.recv_src_tokens_ptr + src), k.T_MAX)
-        src_items = tl.where(src == rank, 0, tl.cdiv(src_tokens, k.CHUNK) * k.H_SLICES)
+        # (none to a masked rank: a handle made before it was masked still counts its tokens)
+        src_items = tl.where(
+            (src == rank) | ~live(sync, dst), 0, tl.cdiv(src_tokens, k.CHUNK) * k.H_SLICES
+        )
         for w in range(sender, src_items, sync.num_senders):
             # Reducers of this launch: they never wait, so this rank names itself.
             for part in range(0, sync.local_parts):
@@ -482,6 +486,7 @@ def _finish_role(node_first, rows, heap, here, sync, k):
                 slice_first=(w % k.H_SLICES) * here.slice_cols,
                 rows=rows,
                 here=here,
+                sync=sync,
                 k=k,
             )
         item = take_work(sync.control_ptr + SECOND_QUEUE)
@@ -491,7 +496,7 @@ def _finish_role(node_first, rows, heap, here, sync, k):
 def _wait_partials(w, node_first, rank, here, sync, k):
     """A finisher's wait for own work item ``w``'s partial rows: from every other rank of this
     node (their senders' flags here) and, across nodes, every other node's sums (the flags of
-    this rank's inbox, set by the network senders there)."""
+    this rank's inbox, set by the network senders there); not a masked rank's."""
     items_of_src = k.NC_MAX * k.H_SLICES
     for peer in range(node_first, node_first + k.R):
         if peer != rank:
@@ -599,9 +604,10 @@ def combine_kernel(
     chunk_flags_off,
     reduced_flags_off,
     staging_off,
-    # Sync: the control block, the bound of every wait
+    # Sync: the control block, the bound of every wait, the mask (kernels/peers.py)
     control_ptr,
     timeout_ns,
+    mask_off,
     # Across nodes: layout tables, the forwarded rows, network heap regions
     token_node_pos_ptr,  # [T, N] int32
     recv_net_chunk_start_ptr,  # [N, NC_MAX + 1] int32
@@ -647,9 +653,9 @@ def combine_kernel(
     heap = CombineHeap(peer_bases_ptr, ready_off, chunk_flags_off,
                        reduced_flags_off, staging_off, net_bases_ptr, net_flags_off,
                        net_inbox_off, net_outbox_off, heap_bytes)  # fmt: skip
-    sync = CombineSync(
-        control_ptr, status_ptr, seq, timeout_ns, num_reducers, num_senders, local_parts
-    )
+    sync = CombineSync(control_ptr, status_ptr, seq, timeout_ns, num_reducers, num_senders,
+                       local_parts, rank, region(peer_bases_ptr, rank, mask_off, tl.int64),
+                       peer_bases_ptr, net_bases_ptr, mask_off)  # fmt: skip
     k: tl.constexpr = CombineConsts(W, T_MAX, NC_MAX, H_SLICES, P_MAX, MS, MS_P2,
                                     W_P2, CHUNK, BLOCK_H, COPY_BLOCK_H, HAS_WEIGHTS,
                                     COPY_UNROLL, LP_MAX, STAGES, R, R_P2, NODES,

@@ -37,7 +37,7 @@ HOST_RECORD_SEQ = tl.constexpr(16)
 LL_SEQ = tl.constexpr(17)
 LL_TICKET = tl.constexpr(18)
 LL_REFUSED = tl.constexpr(19)
-# Masked ranks (the mask itself is the heap's ll_mask, which peers write into): 1 where the
+# Masked ranks (the mask itself is the heap's mask region, which peers write into): 1 where the
 # Buffer masks a rank that a wait ran out on (mask_failed_ranks), else 0 (the wait records a
 # timeout).
 MASK_FAILED = tl.constexpr(20)

@@ -72,6 +72,7 @@ from .control import (
     STAGE_DISPATCH_READY,
     STATUS,
 )
+from .peers import live, start_channel, wait_landed
 from .primitives import (
     HOST_RECORD_VALUES,
     SAME_ON_EVERY_RANK,
@@ -85,11 +86,9 @@ from .primitives import (
     record_word,
     region,
     signal,
-    start_channel,
     take_work,
     wait_at_least,
     wait_host_record,
-    wait_landed,
 )
 from .quantize import (
     QUANTIZE_FP8,
@@ -236,9 +235,10 @@ def token_rows_first(recv_chunk_start_ptr, recv_src_tokens_ptr, src, T_MAX, NC_M
 
 
 @triton.jit(noinline=True)
-def _send_chunk(c, h_first, h_last, node_first, tok, lay, heap, k):
-    """Push columns [h_first, h_last) of chunk ``c`` of this rank's tokens to every other rank of
-    this node (the R ranks from ``node_first``) that holds one of their experts: each row once per
+def _send_chunk(c, h_first, h_last, node_first, tok, lay, heap, sync, k):
+    """Push columns [h_first, h_last) of chunk ``c`` of this rank's tokens to every other live
+    rank of this node (the R ranks from ``node_first``) that holds one of their experts (a
+    handle made before a rank was masked still counts it): each row once per
     rank, with the expert-major rows (or with TOKEN_ROWS the local expert ids) and weights of its
     slots there (every column slice writes these, so the receiver of a slice needs no other)."""
     PARTS: tl.constexpr = 2 if k.SCALE_WORDS > 0 else 1
@@ -251,7 +251,8 @@ def _send_chunk(c, h_first, h_last, node_first, tok, lay, heap, k):
     if k.HAS_WEIGHTS:
         weight = tl.load(tok.topk_weights_ptr + slot_offs, mask=dest >= 0, other=0.0)
     # Row of each (token, other destination) in that destination's staging area, or -1.
-    rmask = tmask[:, None] & (locals_[None, :] < k.R) & (ranks[None, :] != tok.rank)
+    alive = tl.load(sync.mask_ptr + ranks, mask=locals_ < k.R, other=1, volatile=True) == 0
+    rmask = tmask[:, None] & alive[None, :] & (ranks[None, :] != tok.rank)
     pos = tl.load(
         lay.token_rank_pos_ptr + tokens[:, None] * k.W + ranks[None, :], mask=rmask, other=-1
     )
@@ -617,7 +618,8 @@ Heap = namedtuple(
 Sync = namedtuple(
     "Sync",
     "control_ptr status_ptr seq timeout_ns aborted num_quantizers num_senders expand_slices "
-    "staged_parts quantized_flags_ptr outputs_addr outputs_tag",
+    "staged_parts quantized_flags_ptr outputs_addr outputs_tag rank mask_ptr bases_ptr "
+    "net_bases_ptr mask_off",
 )
 DispatchConsts = namedtuple(
     "DispatchConsts",
@@ -739,10 +741,11 @@ def _send_role(sender, send_cols, node_first, tok, lay, heap, sync, k):
             tok=tok,
             lay=lay,
             heap=heap,
+            sync=sync,
             k=k,
         )
         for peer in range(node_first, node_first + k.R):
-            if peer != rank:
+            if (peer != rank) & live(sync, peer):
                 flags = region(heap.peer_bases_ptr, peer, heap.chunk_flags_off, tl.int64)
                 signal(flags + rank * ITEMS + w, sync.seq)
 
@@ -969,7 +972,7 @@ def _expand_role(
                 carrier = src
                 if k.NODES > 1:
                     carrier = tl.where(src // k.R == rank // k.R, src, node_first + src % k.R)
-                wait_landed(
+                landed = wait_landed(
                     my_ready=my_ready,
                     carrier=carrier,
                     rank=rank,
@@ -980,24 +983,31 @@ def _expand_role(
                     sync=sync,
                     k=k,
                 )
-                table = lay.recv_chunk_start_ptr + src * (k.NC_MAX + 1)
-                c = w // k.H_SLICES
-                h_first, h_last = part_columns(
-                    w, part, send_cols, part_cols, tok.hidden, k.H_SLICES
-                )
-                _expand_staged(
-                    table=table,
-                    c=c,
-                    src=src,
-                    h_first=h_first,
-                    h_last=h_last,
-                    part=part,
-                    tok=tok,
-                    lay=lay,
-                    out=out,
-                    heap=heap,
-                    k=k,
-                )
+                # Where its carrier is masked nothing came: a cached dispatch zeroes its rows
+                # (the handle records them), one with a new layout leaves them.
+                lost = ~landed
+                if k.WRITE_ROWS:
+                    lost = lost & landed
+                if landed | lost:
+                    table = lay.recv_chunk_start_ptr + src * (k.NC_MAX + 1)
+                    c = w // k.H_SLICES
+                    h_first, h_last = part_columns(
+                        w, part, send_cols, part_cols, tok.hidden, k.H_SLICES
+                    )
+                    _expand_staged(
+                        table=table,
+                        c=c,
+                        src=src,
+                        h_first=h_first,
+                        h_last=h_last,
+                        part=part,
+                        lost=lost,
+                        tok=tok,
+                        lay=lay,
+                        out=out,
+                        heap=heap,
+                        k=k,
+                    )
         item = take_work(sync.control_ptr + FIRST_QUEUE)
     _zero_tail(
         expander=expander,
@@ -1028,10 +1038,10 @@ def _expand_own(c, h_first, h_last, own_token_rows_first, tok, lay, out, k):
 
 
 @triton.jit
-def _expand_staged(table, c, src, h_first, h_last, part, tok, lay, out, heap, k):
+def _expand_staged(table, c, src, h_first, h_last, part, lost, tok, lay, out, heap, k):
     """An expander's remote work item: columns [h_first, h_last) (column part ``part``) of chunk
     ``c`` of source ``src``, whose stream's chunk table is ``table``, from this rank's staging
-    area."""
+    area; ``lost``: nothing came (_zero_lost_chunk)."""
     rank = tok.rank
     dtype = out.recv_x_ptr.dtype.element_ty
     token_row_offset = 0
@@ -1042,20 +1052,72 @@ def _expand_staged(table, c, src, h_first, h_last, part, tok, lay, out, heap, k)
             )
             - src * k.T_MAX
         )
-    _expand_chunk(
-        staged_first=src * k.T_MAX + tl.load(table + c),
-        staged_end=src * k.T_MAX + tl.load(table + c + 1),
-        h_first=h_first,
-        h_last=h_last,
-        part=part,
-        token_row_offset=token_row_offset,
-        meta_rows_ptr=region(heap.peer_bases_ptr, rank, heap.meta_rows_off, tl.int32),
-        meta_weights_ptr=region(heap.peer_bases_ptr, rank, heap.meta_weights_off, tl.float32),
-        staging_ptr=region(heap.peer_bases_ptr, rank, heap.staging_off, dtype),
-        tok=tok,
-        out=out,
-        k=k,
-    )
+    staged_first = src * k.T_MAX + tl.load(table + c)
+    staged_end = src * k.T_MAX + tl.load(table + c + 1)
+    if lost:
+        _zero_lost_chunk(staged_first, staged_end, h_first, h_last, part, token_row_offset,
+                         tok, out, k)  # fmt: skip
+    else:
+        _expand_chunk(
+            staged_first=staged_first,
+            staged_end=staged_end,
+            h_first=h_first,
+            h_last=h_last,
+            part=part,
+            token_row_offset=token_row_offset,
+            meta_rows_ptr=region(heap.peer_bases_ptr, rank, heap.meta_rows_off, tl.int32),
+            meta_weights_ptr=region(heap.peer_bases_ptr, rank, heap.meta_weights_off, tl.float32),
+            staging_ptr=region(heap.peer_bases_ptr, rank, heap.staging_off, dtype),
+            tok=tok,
+            out=out,
+            k=k,
+        )
+
+
+@triton.jit(noinline=True)
+def _zero_lost_chunk(staged_first, staged_end, h_first, h_last, part, token_row_offset, tok, out,
+                     k):  # fmt: skip
+    """A cached dispatch's staged rows [staged_first, staged_end) from a rank masked since its
+    handle was made (nothing came): zero columns [h_first, h_last) of the rows of recv_x that
+    the handle records for them (staged_rows; with TOKEN_ROWS row ``staged +
+    token_row_offset``) and, in column part 0, their weights: as if the rank held no tokens."""
+    PARTS: tl.constexpr = 2 if k.SCALE_WORDS > 0 else 1
+    entries = tl.arange(0, k.MS_P2)
+    staged = staged_first + tl.arange(0, k.CHUNK)
+    jmask = staged < staged_end
+    # Weights are zeroed by part 0 (a bound, not a scalar flag, so that every mask stays a
+    # tensor: _expand_chunk).
+    if k.TOKEN_ROWS:
+        token_row = staged + token_row_offset
+        token_row = tl.where(jmask & (token_row < out.num_out_rows), token_row, -1)
+        rows = tl.where(entries[None, :] == 0, token_row[:, None], -1)
+        num_copies = 1
+        if k.HAS_WEIGHTS:
+            slots = tl.arange(0, k.K_P2)
+            out_slots = token_row.to(tl.int64)[:, None] * tok.topk + slots[None, :]
+            first = slots[None, :] < tl.where(part == 0, tok.topk, 0)
+            weights = tl.zeros([k.CHUNK, k.K_P2], tl.float32)
+            tl.store(
+                out.recv_weights_ptr + out_slots, weights, mask=(token_row >= 0)[:, None] & first
+            )
+    else:
+        meta = staged.to(tl.int64)[:, None] * k.MS + entries[None, :]
+        emask = jmask[:, None] & (entries[None, :] < k.MS)
+        rows = tl.load(out.staged_rows_ptr + meta, mask=emask, other=-1)
+        num_copies = tl.max(tl.sum((rows >= 0).to(tl.int32), axis=1), axis=0)
+        if k.HAS_WEIGHTS:
+            first_part = entries[None, :] < tl.where(part == 0, k.MS, 0)
+            tl.store(out.recv_weights_ptr + rows, tl.zeros([k.CHUNK, k.MS_P2], tl.float32),
+                     mask=(rows >= 0) & first_part)  # fmt: skip
+    x = out.recv_x_ptr
+    zeros = tl.zeros([k.CHUNK, k.BLOCK_H], x.dtype.element_ty)
+    for p in tl.static_range(PARTS):
+        _, lo, hi = row_part(x, x, p, h_first, h_last, tok.data_cols, k.SCALE_WORDS)
+        dst, stride, offset = out_part(x, out.recv_scales_ptr, p, tok.data_cols, k.SCALE_WORDS)
+        for h0 in range(lo, hi, k.BLOCK_H):
+            cols = h0 + tl.arange(0, k.BLOCK_H)
+            for i in range(0, num_copies):
+                _store_tile(dst, column(rows, entries, i), cols - offset, cols < hi, zeros, stride)
 
 
 @triton.jit
@@ -1180,9 +1242,10 @@ def dispatch_kernel(
     meta_rows_off,
     meta_weights_off,
     staging_off,
-    # Sync: the control block, the bound of every wait
+    # Sync: the control block, the bound of every wait, the mask (kernels/peers.py)
     control_ptr,
     timeout_ns,
+    mask_off,
     # Across nodes: layout tables, the forwarded rows, network heap regions
     token_node_pos_ptr,  # [T, N] int32
     send_chunk_node_start_ptr,  # [NC_MAX + 1, N] int32
@@ -1252,7 +1315,9 @@ def dispatch_kernel(
                 net_inbox_off, net_outbox_off, heap_bytes)  # fmt: skip
     sync = Sync(control_ptr, status_ptr, seq, timeout_ns, aborted, num_quantizers,
                 num_senders, expand_slices, staged_parts, quantized_flags_ptr,
-                outputs_addr, outputs_tag)  # fmt: skip
+                outputs_addr, outputs_tag, rank,
+                region(peer_bases_ptr, rank, mask_off, tl.int64), peer_bases_ptr,
+                net_bases_ptr, mask_off)  # fmt: skip
     k: tl.constexpr = DispatchConsts(W, T_MAX, NC_MAX, H_SLICES, P_MAX, MS, MS_P2,
                                      K_P2, CHUNK, BLOCK_H, HAS_WEIGHTS, WRITE_ROWS,
                                      TOKEN_ROWS, STAGES, R, R_P2, NODES, META_INTS,

@@ -37,19 +37,15 @@ destination's receive of seq - 2 is over (``ll_freed``, which each rank's last r
 program pushes to every other rank). Every wait is bounded by timeout_ns, as in normal mode.
 A rank whose host refused a call's inputs still runs it, with no rows and REFUSED in its flags:
 no peer waits, every peer records the rank in LL_REFUSED (Buffer.check raises it). A masked
-rank (ll_mask: Buffer.update_mask, or a wait on it that ran out with mask_failed_ranks) is
-neither sent to nor waited for: it counts as a source of no rows, and its experts add nothing
-to another rank's combine. A mask this rank sets (a wait that ran out, or by hand) is
-MASKED_HERE until program 0 of its next launch tells every other rank (sets the mask in their
-ll_mask, and 1 in its own), so that their waits on that rank end too.
+rank (kernels/peers.py: Buffer.update_mask, or a wait on it that ran out with
+mask_failed_ranks) is neither sent to nor waited for: it counts as a source of no rows, and its
+experts add nothing to another rank's combine. A mask this rank sets (a wait that ran out, or by
+hand) is MASKED_HERE until program 0 of its next launch tells every other rank (sets the mask
+in theirs, and 1 in its own), so that their waits on that rank end too.
 
 A launch ends with no program waiting on another: a sending launch's programs take tickets as
 they start (``_start``), and the last of them publishes the call's number as it ends; only a
 launch that receives from other ranks counts its programs out, to free its receive area.
-
-destroy() frees the heap with the other ranks only where all of them say so in time
-(``low_latency_farewell_kernel``): a rank masked, gone or silent leaves every live rank
-leaving the heap as it is, none waiting for it.
 
 In the code each role is a function taking the kernel's arguments in bundles (DispatchRows,
 Received, CombineRows, LowLatencyHeap, LowLatencySync, LowLatencyConsts); the kernels pick each
@@ -66,25 +62,21 @@ from .control import (
     LL_REFUSED,
     LL_SEQ,
     LL_TICKET,
-    MASK_FAILED,
     MASKS_NEW,
     STAGE_LL_COMBINE,
     STAGE_LL_DISPATCH,
     STAGE_LL_FREED,
     STATUS,
 )
+from .peers import await_peer, await_peers, live, signal_peer, tell_new_masks
 from .primitives import (
-    MASKED_HERE,
     SAME_ON_EVERY_RANK,
-    Heartbeat,
-    clock_ns,
     net_put_signal,
     net_signal,
     region,
     signal,
     wait_all_at_least,
     wait_at_least,
-    wait_unless_masked,
 )
 from .quantize import E4M3_MAX, e4m3_bits
 
@@ -99,11 +91,6 @@ INV_E4M3_MAX = tl.constexpr(1.0 / 448.0)
 HEADER = tl.constexpr(16)
 # Local experts whose lists one program of a dispatch's count role counts.
 COUNTED = tl.constexpr(8)
-# A rank's word in ll_farewell (destroy()): it frees the heap with the others, or it leaves it
-# (a peer masked, silent or leaving).
-FREE_TOGETHER = tl.constexpr(1)
-LEAVING = tl.constexpr(2)
-
 # The kernels' arguments in bundles: namedtuples of runtime values, and LowLatencyConsts, a
 # constexpr of the meta-parameters (kernels/__init__.py).
 DispatchRows = namedtuple(
@@ -126,8 +113,8 @@ LowLatencyHeap = namedtuple(
 )
 LowLatencySync = namedtuple(
     "LowLatencySync",
-    "rank control_ptr status_ptr timeout_ns scratch_ptr seq_ptr refused mask_ptr beat_ptr "
-    "bases_ptr net_bases_ptr beat_off",
+    "rank control_ptr status_ptr timeout_ns scratch_ptr seq_ptr refused mask_ptr bases_ptr "
+    "net_bases_ptr mask_off",
 )
 LowLatencyConsts = namedtuple(
     "LowLatencyConsts",
@@ -148,8 +135,8 @@ def _flag_value(seq, rows):
 @triton.jit
 def _wait_flag(flag_ptr, seq, peer, stage, heap, sync, k):
     """Wait for the flag of call ``seq`` at ``flag_ptr`` from ``peer``, unless the peer is
-    masked (``_await``): (whether it arrived, its rows field, the REFUSED bit included)."""
-    arrived = _await(flag_ptr, seq.to(tl.int64) << 32, peer, stage, heap, sync, k)
+    masked (``await_peer``): (whether it arrived, its rows field, the REFUSED bit included)."""
+    arrived = await_peer(flag_ptr, seq.to(tl.int64) << 32, peer, stage, sync, k.W, k.NODES)
     return arrived, _flag_rows(flag_ptr)
 
 
@@ -158,63 +145,6 @@ def _flag_rows(flag_ptr):
     """The rows field of the flag at ``flag_ptr`` (its low 32 bits, REFUSED included), read
     with acquire."""
     return (tl.atomic_add(flag_ptr, 0, sem="acquire", scope="sys") & 0xFFFFFFFF).to(tl.int32)
-
-
-@triton.jit
-def _await(flag_ptr, target, peer, stage, heap, sync, k):
-    """Whether ``*flag_ptr`` reached ``target``: waits unless ``peer`` is masked, or until it
-    is; past timeout_ns a Buffer with mask_failed_ranks masks it, and the next launch tells
-    the other ranks (else the timeout is recorded)."""
-    one = tl.zeros([1], tl.int32)
-    arrived = _await_all(flag_ptr + one, target, one == 0, peer + one, peer, stage, sync, k)
-    return tl.max(arrived.to(tl.int32), axis=0) > 0
-
-
-@triton.jit
-def _await_all(flag_ptrs, target, awaited, peers, first_peer, stage, sync, k):
-    """[N], whether each flag of ``flag_ptrs`` [N] from ``peers`` [N] reached ``target`` where
-    ``awaited``, as ``_await`` waits (``first_peer``: the one a recorded timeout names). Where
-    a peer did not arrive and a wait of this rank masked it (MASKED_HERE, not told yet), sets
-    MASKS_NEW, so that the next launch tells the others. (Masked stores, not branches: Triton
-    3.6 fails to compile a branch after the wait.)"""
-    arrived = wait_unless_masked(
-        flag_ptrs,
-        target,
-        awaited,
-        sync.timeout_ns,
-        sync.status_ptr,
-        sync.mask_ptr + peers,
-        tl.load(sync.control_ptr + MASK_FAILED),
-        _beats(sync, peers, k),
-        Heartbeat(
-            sync.rank,
-            sync.beat_ptr,
-            sync.bases_ptr,
-            sync.net_bases_ptr,
-            sync.mask_ptr,
-            sync.beat_off + 8,
-            k.W,
-            k.NODES,
-        ),
-        first_peer,
-        stage,
-    )
-    lost = awaited & ~arrived
-    here = tl.load(sync.mask_ptr + peers, mask=lost, other=0, volatile=True) == MASKED_HERE
-    tl.store(sync.control_ptr + MASKS_NEW, 1, mask=tl.max(here.to(tl.int32), axis=0) > 0)
-    return arrived
-
-
-@triton.jit
-def _beats(sync, peers, k):
-    """The addresses (int64) of ``peers``' heartbeats: their own word (after their ll_mask)
-    on this node, the word they push into this rank's ll_mask on another."""
-    base = tl.load(sync.bases_ptr + peers)
-    beats = tl.where(base != 0, base + sync.beat_off, 0)
-    if k.NODES > 1:
-        pushed = tl.load(sync.bases_ptr + sync.rank) + sync.beat_off + 8 + peers * 8
-        beats = tl.where(base != 0, beats, pushed)
-    return beats
 
 
 @triton.jit
@@ -235,18 +165,11 @@ def _note_refusal(source, sync):
 
 
 @triton.jit
-def _live(sync, peer):
-    """Whether ``peer`` (scalar or tensor) is not masked (Buffer.update_mask): the calls neither
-    send to a masked rank nor wait for it."""
-    return tl.load(sync.mask_ptr + peer, volatile=True) == 0
-
-
-@triton.jit
 def _wait_freed(peer, seq, heap, sync, k):
     """Before writing into ``peer``'s receive area for call ``seq``: wait until its receive of
     call seq - 2, which used the same area, is over; False if ``peer`` is (or got) masked."""
     my_freed = region(heap.peer_bases_ptr, sync.rank, heap.freed_off, tl.int64)
-    return _await(my_freed + peer, seq - 2, peer, STAGE_LL_FREED, heap, sync, k)
+    return await_peer(my_freed + peer, seq - 2, peer, STAGE_LL_FREED, sync, k.W, k.NODES)
 
 
 @triton.jit
@@ -598,7 +521,7 @@ def _send_role(program, seq, tokens, heap, sync, k):
     expert = program // k.S
     expert += k.L * (expert >= tokens.rank * k.L).to(tl.int32)
     owner = expert // k.L
-    if ((tl.load(heap.peer_bases_ptr + owner) != 0) | (s == 0)) & _live(sync, owner):
+    if ((tl.load(heap.peer_bases_ptr + owner) != 0) | (s == 0)) & live(sync, owner):
         _send_rows(program, expert, s, seq, tokens, heap, sync, k)
 
 
@@ -763,7 +686,7 @@ def _combine_send_role(program, seq, rows, heap, sync, k):
     first = (span >> 32).to(tl.int32)
     length = (span & 0xFFFFFFFF).to(tl.int32)
     on_node = tl.load(heap.peer_bases_ptr + j) != 0
-    sending = ((length > 0) | (sync.refused != 0)) & (on_node | (s == 0)) & _live(sync, j)
+    sending = ((length > 0) | (sync.refused != 0)) & (on_node | (s == 0)) & live(sync, j)
     if sending:
         sending = _wait_freed(j, seq, heap, sync, k)  # (False: masked meanwhile)
     if sending:
@@ -855,14 +778,13 @@ def _combine_receive_role(program, seq, rows, heap, sync, k):
     own = owner == rank
     remote = valid & ~own
     if tl.max(remote.to(tl.int32), axis=0) > 0:
-        remote &= _live(sync, owner)  # (a masked rank's experts add nothing)
+        remote &= live(sync, owner)  # (a masked rank's experts add nothing)
         # A block from another node lands whole, with its slice 0's flag.
         on_node = tl.load(heap.peer_bases_ptr + owner, mask=remote, other=0) != 0
         flags = _flag(heap, rank, _combine_block(expert, rank, k), tl.where(on_node, s, 0), seq, k)
         first_owner = tl.min(tl.where(remote, owner, k.W), axis=0)
-        arrived = _await_all(
-            flags, seq.to(tl.int64) << 32, remote, owner, first_owner, STAGE_LL_COMBINE, sync, k
-        )
+        arrived = await_peers(flags, seq.to(tl.int64) << 32, remote, owner, first_owner,
+                              STAGE_LL_COMBINE, sync, k.W, k.NODES)  # fmt: skip
         remote &= arrived  # (an owner masked meanwhile adds nothing)
         sent = tl.atomic_add(flags, 0, mask=remote, sem="acquire", scope="sys")
         refused = remote & ((sent & REFUSED) != 0)
@@ -933,13 +855,7 @@ def _finish(seq, last, news, heap, sync, k, SEND: tl.constexpr, RECEIVE: tl.cons
         if SEND:
             tl.store(sync.control_ptr + LL_SEQ, seq)
     if news != 0:
-        tl.store(sync.control_ptr + MASKS_NEW, 0)
-        for masked in range(0, k.W):
-            # (a load and a store, not a compare-and-swap, which Triton 3.6 fails to compile
-            # here; a peer that tells this rank meanwhile writes 1 too)
-            if tl.load(sync.mask_ptr + masked, volatile=True) == MASKED_HERE:
-                tl.store(sync.mask_ptr + masked, 1)
-                _tell_mask(masked, heap, sync, k)
+        tell_new_masks(sync, k.W, k.NODES)
     if RECEIVE and k.W > 1:
         # Relaxed: a receiving program has used every value it read of the receive area (its
         # stores depend on them) when it takes its ticket.
@@ -947,8 +863,8 @@ def _finish(seq, last, news, heap, sync, k, SEND: tl.constexpr, RECEIVE: tl.cons
         if done == tl.num_programs(0) - 1:
             tl.store(sync.control_ptr + LL_DONE, 0)
             for peer in range(0, k.W):
-                if (peer != sync.rank) & _live(sync, peer):
-                    _signal_peer(
+                if (peer != sync.rank) & live(sync, peer):
+                    signal_peer(
                         heap.peer_bases_ptr,
                         heap.net_bases_ptr,
                         peer,
@@ -957,20 +873,6 @@ def _finish(seq, last, news, heap, sync, k, SEND: tl.constexpr, RECEIVE: tl.cons
                         seq,
                         k.NODES,
                     )
-
-
-@triton.jit
-def _tell_mask(masked, heap, sync, k):
-    """That this rank masks rank ``masked``: set it in every other live rank's ll_mask (the
-    peers of another node by a network signal), and in the masked rank's own: one that is
-    alive finds itself masked, so that its destroy() waits for no one either."""
-    for peer in range(0, k.W):
-        if (peer != sync.rank) & ((peer == masked) | _live(sync, peer)):
-            if tl.load(heap.peer_bases_ptr + peer) != 0:
-                mask = region(heap.peer_bases_ptr, peer, heap.mask_off, tl.int64)
-                tl.atomic_xchg(mask + masked, 1, sem="relaxed", scope="sys")
-            elif k.NODES > 1:
-                net_signal(heap.net_bases_ptr, peer, heap.mask_off + masked * 8, 1)
 
 
 @triton.jit(do_not_specialize=SAME_ON_EVERY_RANK)
@@ -1052,8 +954,8 @@ def low_latency_dispatch_kernel(
                                        NODES)  # fmt: skip
     mask = region(peer_bases_ptr, rank, mask_off, tl.int64)
     sync = LowLatencySync(rank, control_ptr, control_ptr + STATUS, timeout_ns,
-                          scratch_ptr, seq_ptr, refused, mask, mask + W,
-                          peer_bases_ptr, net_bases_ptr, mask_off + W * 8)  # fmt: skip
+                          scratch_ptr, seq_ptr, refused, mask, peer_bases_ptr,
+                          net_bases_ptr, mask_off)  # fmt: skip
     seq, last, news = _start(sync, SEND)
     tokens = DispatchRows(rank, x_ptr, x_stride, topk_ptr, slots_ptr, num_tokens, hidden)
     out = Received(recv_ptr, scales_ptr, src_info_ptr, layout_range_ptr,
@@ -1180,8 +1082,8 @@ def low_latency_combine_kernel(
                                        False, ALIGNED, False, ZERO_COPY, NODES)  # fmt: skip
     mask = region(peer_bases_ptr, rank, mask_off, tl.int64)
     sync = LowLatencySync(rank, control_ptr, control_ptr + STATUS, timeout_ns,
-                          control_ptr, seq_ptr, refused, mask, mask + W,
-                          peer_bases_ptr, net_bases_ptr, mask_off + W * 8)  # fmt: skip
+                          control_ptr, seq_ptr, refused, mask, peer_bases_ptr,
+                          net_bases_ptr, mask_off)  # fmt: skip
     seq, last, news = _start(sync, SEND)
     combined = CombineRows(rank, x_ptr, x_plane, x_row, topk_ptr, slots_ptr,
                            weights_ptr, num_tokens, hidden, layout_range_ptr,
@@ -1220,72 +1122,3 @@ def low_latency_combine_kernel(
         SEND,
         RECEIVE,
     )
-
-
-@triton.jit(do_not_specialize=SAME_ON_EVERY_RANK)
-def low_latency_farewell_kernel(
-    peer_bases_ptr,
-    net_bases_ptr,
-    mask_off,
-    farewell_off,
-    rank,
-    timeout_ns,
-    verdict_ptr,
-    W: tl.constexpr,
-    W_P2: tl.constexpr,
-    NODES: tl.constexpr,
-):
-    """destroy(), one program: whether this rank frees the heap with the others (on GPUs
-    NVSHMEM's free waits for every rank: one that never comes would hold the others forever).
-    It says its word in its place of every live rank's ll_farewell (LEAVING where it has
-    masked a rank or left before, else FREE_TOGETHER), and waits, up to timeout_ns, for every
-    other rank's word: all FREE_TOGETHER, the verdict is FREE_TOGETHER; a word LEAVING or the
-    time run out, LEAVING, which it then says, so that a rank that decides later leaves as well.
-    Writes the verdict into its own place of its ll_farewell and into *verdict_ptr."""
-    peers = tl.arange(0, W_P2)
-    others = (peers < W) & (peers != rank)
-    masked = (
-        tl.load(region(peer_bases_ptr, rank, mask_off, tl.int64) + peers, mask=others, other=0) != 0
-    )
-    words = region(peer_bases_ptr, rank, farewell_off, tl.int64) + peers
-    # (this rank's own word holds its last verdict: said again, it does not take LEAVING back)
-    left = tl.load(words, mask=peers == rank, other=0) == LEAVING
-    leaving = tl.max((masked | left).to(tl.int32), axis=0) > 0
-    mine = tl.where(leaving, LEAVING, FREE_TOGETHER)
-    _say_farewell(mine, masked, peer_bases_ptr, net_bases_ptr, farewell_off, rank, W, NODES)
-    start = clock_ns()
-    said = tl.zeros([W_P2], tl.int64)
-    waiting = True
-    while waiting:
-        said = tl.where(others, tl.load(words, mask=others, other=0, volatile=True), mine)
-        waiting = (
-            (tl.min(said, axis=0) == 0)
-            & (tl.max(said, axis=0) < LEAVING)
-            & (clock_ns() - start < timeout_ns)
-        )
-    together = (tl.min(said, axis=0) == FREE_TOGETHER) & (tl.max(said, axis=0) == FREE_TOGETHER)
-    verdict = tl.where(together, FREE_TOGETHER, LEAVING)
-    _say_farewell(verdict, masked, peer_bases_ptr, net_bases_ptr, farewell_off, rank, W, NODES)
-    tl.store(words, verdict, mask=peers == rank)
-    tl.store(verdict_ptr, verdict)
-
-
-@triton.jit
-def _say_farewell(word, masked, peer_bases_ptr, net_bases_ptr, farewell_off, rank, W, NODES):
-    """``word`` into this rank's place of the ll_farewell of every other rank not ``masked``
-    ([W_P2]: one may be gone, its memory with it; another node's by a network signal)."""
-    peers = tl.arange(0, masked.shape[0])
-    for peer in range(0, W):
-        if (peer != rank) & (_pick(masked.to(tl.int32), peers, peer) == 0):
-            _signal_peer(peer_bases_ptr, net_bases_ptr, peer, farewell_off, rank, word, NODES)
-
-
-@triton.jit
-def _signal_peer(peer_bases_ptr, net_bases_ptr, peer, region_off, index, value, NODES):
-    """Set int64 word ``index`` of the region at byte ``region_off`` of ``peer``'s heap to
-    ``value`` after this program's writes (``signal``): on this node by a store, on another
-    by a network signal."""
-    if tl.load(peer_bases_ptr + peer) != 0:
-        signal(region(peer_bases_ptr, peer, region_off, tl.int64) + index, value)
-    elif NODES > 1:
-        net_signal(net_bases_ptr, peer, region_off + index * 8, value)

@@ -22,12 +22,12 @@ symmetric address of an object as mapped locally); on CPU ranks each rank's mapp
 
 Every wait is bounded: after ``timeout_ns`` it records (TIMED_OUT, peer, stage) in the caller's
 local status words and returns; every later wait of any program sees the status and returns at
-once, so a missing peer turns into an error the host raises, never a hang.
+once, so a missing peer turns into an error the host raises, never a hang. Waits on peers that
+may be masked (failed ranks) are kernels/peers.py's.
 """
 
 import os
 import time
-from collections import namedtuple
 
 import triton
 import triton.language as tl
@@ -262,7 +262,7 @@ def wait_at_least(flag_ptr, target, timeout_ns, status_ptr, peer, stage):
     start = clock_ns()
     waiting = (_read_flag(flag_ptr) < target) & (tl.load(status_ptr, volatile=True) == 0)
     while waiting:
-        _time_out_after(start, timeout_ns, status_ptr, peer, stage)
+        time_out_after(start, timeout_ns, status_ptr, peer, stage)
         waiting = (_read_flag(flag_ptr) < target) & (tl.load(status_ptr, volatile=True) == 0)
     tl.debug_barrier()
 
@@ -274,99 +274,9 @@ def wait_all_at_least(flag_ptrs, target, mask, timeout_ns, status_ptr, peer, sta
     start = clock_ns()
     waiting = _any_below(flag_ptrs, target, mask) & (tl.load(status_ptr, volatile=True) == 0)
     while waiting:
-        _time_out_after(start, timeout_ns, status_ptr, peer, stage)
+        time_out_after(start, timeout_ns, status_ptr, peer, stage)
         waiting = _any_below(flag_ptrs, target, mask) & (tl.load(status_ptr, volatile=True) == 0)
     tl.debug_barrier()
-
-
-# The most timeouts a masking wait lasts while the peer's heartbeat moves (wait_unless_masked).
-BEAT_TIMEOUTS = tl.constexpr(4)
-# Heartbeats a waiting rank pushes to the ranks of other nodes per timeout.
-BEAT_PUSHES = tl.constexpr(8)
-# A waiting rank's heartbeat (wait_unless_masked): its own word (own_ptr), read by the ranks of
-# its node; every rank's heap base here (bases_ptr, 0 on another node) and for network signals
-# (net_bases_ptr); the mask (masked_ptr, int64 [W], nonzero: masked); the byte offset of the
-# words [W] into which the ranks of other nodes push theirs (pushed_off), in every heap.
-Heartbeat = namedtuple(
-    "Heartbeat", "rank own_ptr bases_ptr net_bases_ptr masked_ptr pushed_off W NODES"
-)
-# The mask word a wait that ran out writes: nonzero as every mask word, and this value until the
-# rank that set it has told the other ranks (which then set 1).
-MASKED_HERE = tl.constexpr(2)
-
-
-@triton.jit
-def wait_unless_masked(
-    flag_ptrs,
-    target,
-    mask,
-    timeout_ns,
-    status_ptr,
-    masked_ptrs,
-    mask_on_timeout,
-    beats,
-    beat,
-    peer,
-    stage,
-):
-    """wait_all_at_least() for flags of peers that may be masked (``*masked_ptrs`` nonzero,
-    [N] beside ``flag_ptrs``): returns [N], whether each flag arrived where ``mask``. A masked
-    peer is not waited for, nor any longer once another program masks it. Past ``timeout_ns``,
-    with ``mask_on_timeout`` the peers still awaited and not masked yet are masked (set to
-    MASKED_HERE) and the wait ends; without, the timeout is recorded as wait_at_least() does.
-
-    Heartbeats: while it waits, a rank writes the time into its word (``beat``, a Heartbeat),
-    and about BEAT_PUSHES times a timeout (its waits together) into its word in the heap of
-    every live rank of another node; ``beats`` [N] holds the addresses (int64, 0: none) of the
-    peers' words as this rank sees them. A peer whose heartbeat moves is itself waiting (on a
-    rank that is gone, say), not gone: its time starts again, up to BEAT_TIMEOUTS timeouts in
-    all, so that it is not masked for another rank's failure."""
-    start = clock_ns()
-    starts = tl.zeros(flag_ptrs.shape, tl.int64) + start
-    has_beat = mask & (beats != 0)
-    beat_ptrs = tl.where(has_beat, beats, 0).to(tl.pointer_type(tl.int64))
-    last_beats = tl.load(beat_ptrs, mask=has_beat, other=0, volatile=True)
-    arrived, waiting = _awaited(flag_ptrs, target, mask, masked_ptrs, status_ptr)
-    while waiting:
-        now = clock_ns()
-        if beat.NODES > 1:  # the first of this rank's waits in a new period pushes
-            period = timeout_ns // BEAT_PUSHES + 1
-            if now // period != tl.load(beat.own_ptr, volatile=True) // period:
-                _push_heartbeat(now, beat)
-        tl.store(beat.own_ptr, now)
-        if mask_on_timeout != 0:
-            seen = tl.load(beat_ptrs, mask=has_beat, other=0, volatile=True)
-            moved = has_beat & (seen != last_beats) & (now - start < BEAT_TIMEOUTS * timeout_ns)
-            starts = tl.where(moved, now, starts)
-            last_beats = seen
-            left = mask & ~arrived & (now - starts > timeout_ns)
-            unmasked = tl.where(left, 0, -1).to(tl.int64)  # (-1: no word holds it)
-            tl.atomic_cas(masked_ptrs, unmasked, tl.full(masked_ptrs.shape, MASKED_HERE, tl.int64))
-        else:
-            _time_out_after(start, timeout_ns, status_ptr, peer, stage)
-        arrived, waiting = _awaited(flag_ptrs, target, mask, masked_ptrs, status_ptr)
-    tl.debug_barrier()
-    return arrived
-
-
-@triton.jit
-def _push_heartbeat(now, beat):
-    """Heartbeat ``now`` into this rank's word at ``pushed_off`` of every live rank of another
-    node, where the waits on this rank read it (a network signal each)."""
-    for peer in range(0, beat.W):
-        far = tl.load(beat.bases_ptr + peer) == 0
-        if far & (tl.load(beat.masked_ptr + peer, volatile=True) == 0):
-            net_signal(beat.net_bases_ptr, peer, beat.pushed_off + beat.rank * 8, now)
-
-
-@triton.jit
-def _awaited(flag_ptrs, target, mask, masked_ptrs, status_ptr):
-    """(which flags arrived, whether a live peer's flag is still awaited)."""
-    value = tl.atomic_add(flag_ptrs, 0, mask=mask, sem="acquire", scope="sys")
-    arrived = mask & (value >= target)
-    live = tl.load(masked_ptrs, mask=mask, other=1, volatile=True) == 0
-    awaited = tl.max((mask & ~arrived & live).to(tl.int32), axis=0) > 0
-    return arrived, awaited & (tl.load(status_ptr, volatile=True) == 0)
 
 
 @triton.jit
@@ -376,7 +286,7 @@ def _any_below(flag_ptrs, target, mask):
 
 
 @triton.jit
-def _time_out_after(start, timeout_ns, status_ptr, peer, stage):
+def time_out_after(start, timeout_ns, status_ptr, peer, stage):
     """Inside a wait that began at ``start``: past ``timeout_ns``, the first waiter to time out
     records (STATUS_TIMED_OUT, peer, stage)."""
     if clock_ns() - start > timeout_ns:
@@ -422,7 +332,7 @@ def wait_host_record(record_ptr, tag, timeout_ns, status_ptr, peer, stage):
     waiting = ~_complete_record(words, idx, weights, tag)
     waiting = waiting & (tl.load(status_ptr, volatile=True) == 0)
     while waiting:
-        _time_out_after(start, timeout_ns, status_ptr, peer, stage)
+        time_out_after(start, timeout_ns, status_ptr, peer, stage)
         back_off()
         words = tl.load(record_ptr + idx, cache_modifier=".cv")
         waiting = ~_complete_record(words, idx, weights, tag)
@@ -444,36 +354,6 @@ def record_word(words, i):
 
 
 @triton.jit
-def wait_item(
-    my_ready,
-    carrier,
-    rank,
-    channel,
-    flag_ptr,
-    seq,
-    timeout_ns,
-    status_ptr,
-    ready_stage,
-    data_stage,
-    P_MAX,
-):
-    """Wait until a work item has landed here: first for program ``channel`` of rank
-    ``carrier``, which delivers it, to have started the launch, so that a peer that never came
-    times out at ``ready_stage``, then for the item's flag at ``flag_ptr`` (``data_stage``).
-    ``my_ready``: this rank's ready flags [W, P_MAX]; ``rank``: this rank."""
-    # A carrier that is this rank is a program of this launch (across nodes, the sender or
-    # forwarder that relays a peer's item), which began its own wait for that peer no later
-    # than this one: it must time out first and name the peer. With equal timeouts both
-    # deadlines pass together and this wait could win, naming this rank (seen on an H200
-    # across 2 nodes of 1 rank: 2026-12-03-1xH200-shared-647fab0.log), so it waits twice as long.
-    timeout = tl.where(carrier == rank, 2 * timeout_ns, timeout_ns)
-    wait_at_least(
-        my_ready + carrier * P_MAX + channel, seq, timeout, status_ptr, carrier, ready_stage
-    )
-    wait_at_least(flag_ptr, seq, timeout, status_ptr, carrier, data_stage)
-
-
-@triton.jit
 def node_first_rank(rank, R: tl.constexpr, NODES: tl.constexpr):
     """The first rank of ``rank``'s node (nodes are R consecutive ranks)."""
     first = 0
@@ -487,46 +367,6 @@ def rail_peer(node, rank, R: tl.constexpr):
     """The rank of ``node`` with ``rank``'s local index (of R ranks a node): the one peer there
     that ``rank`` reaches over the network (its rail)."""
     return node * R + rank % R
-
-
-@triton.jit
-def handshake(
-    peer_bases_ptr,
-    net_bases_ptr,
-    ready_off,
-    rank,
-    seq,
-    timeout_ns,
-    status_ptr,
-    stage,
-    P_MAX,
-    channel,
-    R: tl.constexpr,
-    NODES: tl.constexpr,
-):
-    """Tell every peer this rank writes to or is written by that this rank's ``channel``
-    started launch ``seq`` (so this rank's earlier launches, which read its staging areas, are
-    over), then wait until ``channel`` of each has said the same. Those peers: every rank of
-    this node (over NVLink) and, across nodes, the rank with this rank's local index on every
-    other node (over the network). ready flags: int64 [world, P_MAX] in every heap."""
-    node_first = node_first_rank(rank, R, NODES)
-    for peer in range(node_first, node_first + R):
-        signal(region(peer_bases_ptr, peer, ready_off, tl.int64) + rank * P_MAX + channel, seq)
-    if NODES > 1:
-        flag_off = ready_off + (rank * P_MAX + channel) * 8
-        for node in range(0, NODES):
-            if node * R != node_first:
-                net_signal(net_bases_ptr, rail_peer(node, rank, R), flag_off, seq)
-    my_ready = region(peer_bases_ptr, rank, ready_off, tl.int64)
-    for peer in range(node_first, node_first + R):
-        wait_at_least(my_ready + peer * P_MAX + channel, seq, timeout_ns, status_ptr, peer, stage)
-    if NODES > 1:
-        for node in range(0, NODES):
-            if node * R != node_first:
-                peer = rail_peer(node, rank, R)
-                wait_at_least(
-                    my_ready + peer * P_MAX + channel, seq, timeout_ns, status_ptr, peer, stage
-                )
 
 
 @triton.jit
@@ -568,43 +408,3 @@ def finish_launch(control_ptr, seq, num_programs):
         tl.store(control_ptr + SECOND_QUEUE, 0)
         tl.store(control_ptr + DATA_TICKET, 0)
         tl.store(control_ptr + DATA_SEQ, seq)
-
-
-# A role's bundles (kernels/dispatch.py, kernels/combine.py): ``heap`` with peer_bases_ptr,
-# net_bases_ptr and ready_off, ``sync`` with seq, timeout_ns and status_ptr, ``k`` with P_MAX, R
-# and NODES; each role calls these instead of spelling the same arguments out again.
-@triton.jit
-def start_channel(channel, rank, stage, heap, sync, k):
-    """handshake() for program ``channel`` of a role (its ready flags, then its peers')."""
-    handshake(
-        heap.peer_bases_ptr,
-        heap.net_bases_ptr,
-        heap.ready_off,
-        rank,
-        sync.seq,
-        sync.timeout_ns,
-        sync.status_ptr,
-        stage,
-        k.P_MAX,
-        channel,
-        k.R,
-        k.NODES,
-    )
-
-
-@triton.jit
-def wait_landed(my_ready, carrier, rank, channel, flag_ptr, ready_stage, data_stage, sync, k):
-    """wait_item() with a role's bundles."""
-    wait_item(
-        my_ready,
-        carrier,
-        rank,
-        channel,
-        flag_ptr,
-        sync.seq,
-        sync.timeout_ns,
-        sync.status_ptr,
-        ready_stage,
-        data_stage,
-        k.P_MAX,
-    )

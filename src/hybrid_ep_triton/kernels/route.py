@@ -43,6 +43,8 @@ from .control import (
     INFO_SOURCE,
     LAYOUT_SEQ,
     LAYOUT_TICKET,
+    MASK_FAILED,
+    MASKS_NEW,
     REPORT_BAD_ROW,
     REPORT_CAUSE,
     REPORT_ROWS,
@@ -53,6 +55,7 @@ from .control import (
     STATUS,
     STATUS_WORDS,
 )
+from .peers import Masking, await_peer, live, signal_peer, tell_new_masks
 from .primitives import (
     SAME_ON_EVERY_RANK,
     UNSPECIALISED,
@@ -62,7 +65,6 @@ from .primitives import (
     node_first_rank,
     region,
     signal,
-    wait_at_least,
 )
 
 # The first invalid row of a launch is recorded in a control word as 2**62 - row (an atomic max
@@ -249,26 +251,46 @@ def _count_tokens(chunk, rank_count_ptr, bad_row_ptr, node_count_ptr, rt, out, k
 
 
 @triton.jit
-def _exchange_role(rt, out, heap, sync, k):
+def _exchange_role(rt, out, heap, sync, m, k):
     """The exchanger: the program that takes the launch's last ticket. Waits for every
-    counter's counts (the ticket, _roles) and, in _wait_rows, for every peer's layout row (its
-    flag in this rank's count flags reaching seq). Releases this rank's layout row to every peer
-    by this rank's flag in their count flags (_publish_rows); the handle's parts and LAYOUT_SEQ
-    to the launches that follow on the stream; in exact mode the report to the host, REPORT_TAG
-    last (_report)."""
+    counter's counts (the ticket, _roles) and, in _wait_rows, for every live peer's layout row
+    (its flag in this rank's count flags), then, where the Buffer masks failed ranks, for every
+    live peer's word that it has told the others of its masks (_agree_on_masks). Releases this
+    rank's layout row to every live peer by this rank's flag in their count flags
+    (_publish_rows); the handle's parts and LAYOUT_SEQ to the launches that follow on the
+    stream; in exact mode the report to the host, REPORT_TAG last (_report). A masked rank
+    counts as one with no tokens and no experts (_live_sources)."""
     seq = tl.load(sync.control_ptr + LAYOUT_SEQ) + 1
     status_ptr = sync.control_ptr + STATUS
+    # Masks set by hand or in earlier calls reach every rank before its rows do.
+    if tl.load(sync.control_ptr + MASKS_NEW) != 0:
+        tell_new_masks(m, rt.world_size, k.NODES)
+    agreeing = tl.load(sync.control_ptr + MASK_FAILED)
     # Written by the launch's other programs: loads bypass L1. Reset for the next launch.
     bad = tl.load(sync.control_ptr + BAD_ROW, volatile=True)
     tl.store(sync.control_ptr + BAD_ROW, 0)
     tl.store(out.info_ptr + INFO_BAD_ROW, _first_bad_row(bad))
     totals = _expert_prefix_sums(rt=rt, out=out, k=k)
-    _publish_rows(seq=seq, bad=bad, totals=totals, rt=rt, out=out, heap=heap, k=k)
-    counts = _wait_rows(seq=seq, status_ptr=status_ptr, rt=rt, heap=heap, sync=sync, k=k)
-    first_invalid, first_cause = _read_sources(counts=counts, rt=rt, out=out, k=k)
-    seg_start, padded, total = _destination_segments(counts=counts, rt=rt, out=out, k=k)
+    # A row's flag: 2 seq - 1, then 2 seq once its masks are told (at once where none are).
+    _publish_rows(seq=seq, flag=2 * seq - agreeing, bad=bad, totals=totals, rt=rt, out=out,
+                  heap=heap, m=m, k=k)  # fmt: skip
+    counts = _wait_rows(seq=seq, rt=rt, heap=heap, m=m, k=k)
+    if agreeing != 0:
+        _agree_on_masks(seq=seq, rt=rt, heap=heap, m=m, k=k)
+    live = _live_sources(rt=rt, m=m, k=k)
+    if tl.min(live.to(tl.int32), axis=0) == 0:
+        _drop_masked_destinations(live=live, rt=rt, out=out, k=k)
+    first_invalid, first_cause = _read_sources(counts=counts, live=live, rt=rt, out=out, k=k)
+    seg_start, padded, total = _destination_segments(counts=counts, live=live, rt=rt, out=out, k=k)
     needed = _own_segments(
-        counts=counts, seg_start=seg_start, padded=padded, total=total, rt=rt, out=out, k=k
+        counts=counts,
+        live=live,
+        seg_start=seg_start,
+        padded=padded,
+        total=total,
+        rt=rt,
+        out=out,
+        k=k,
     )
     tl.store(out.info_ptr + INFO_ROWS, needed)
     tl.store(sync.control_ptr + LAYOUT_SEQ, seq)
@@ -304,11 +326,11 @@ def _expert_prefix_sums(rt, out, k):
 
 
 @triton.jit
-def _publish_rows(seq, bad, totals, rt, out, heap, k):
-    """Step 2: to every peer its layout row ``rank`` at the parity of seq (_write_row), and this
-    rank's flag in the peer's count flags set to seq: peers of this node get the row by stores
-    and the flag by a signal; the ranks of other nodes get both by a network put from this
-    rank's layout_out."""
+def _publish_rows(seq, flag, bad, totals, rt, out, heap, m, k):
+    """Step 2: to every live peer its layout row ``rank`` at the parity of the exchange
+    (_write_row), and this rank's flag in the peer's count flags set to ``flag``: peers of this
+    node get the row by stores and the flag by a signal; the ranks of other nodes get both by a
+    network put from this rank's layout_out."""
     # Why this rank's dispatch cannot go ahead (0: it can; 1: invalid routing; above: the host's
     # refusal code): every rank learns it, and all of them then move nothing.
     invalid = tl.maximum(rt.refused, (bad > 0).to(tl.int32))
@@ -319,33 +341,41 @@ def _publish_rows(seq, bad, totals, rt, out, heap, k):
     # rows, so that a peer already in the next exchange does not overwrite a row not yet read.
     row_off = ((seq % 2) * rt.world_size + rt.rank) * (k.LR * 4)
     for peer in range(0, rt.world_size):
-        near = (peer >= node_first) & (peer < node_first + k.R)
-        row = region(heap.peer_bases_ptr, peer, heap.layout_in_off, tl.int32) + row_off // 4
-        if k.NODES > 1:
-            if not near:
-                # Staged in this rank's heap: a network put reads only registered memory.
-                row = region(heap.peer_bases_ptr, rt.rank, heap.layout_out_off, tl.int32) + (
-                    peer * k.LR
-                )
-        _write_row(row=row, peer=peer, totals=totals, invalid=invalid, rt=rt, out=out, k=k)
-        flag = region(heap.peer_bases_ptr, peer, heap.count_flags_off, tl.int64) + rt.rank
-        if k.NODES > 1:
-            if near:
-                signal(flag, seq)
-            else:
-                net_put_signal(
-                    heap.net_bases_ptr,
-                    rt.rank,
-                    peer,
-                    heap.layout_in_off + row_off,
-                    row,
-                    k.LR * 4,
-                    heap.count_flags_off + rt.rank * 8,
-                    seq,
-                    heap.heap_bytes,
-                )
+        if (peer == rt.rank) | live(m, peer):  # (a masked rank's memory may be gone)
+            _send_row(peer=peer, row_off=row_off, flag=flag, totals=totals, invalid=invalid,
+                      node_first=node_first, rt=rt, out=out, heap=heap, k=k)  # fmt: skip
+
+
+@triton.jit
+def _send_row(peer, row_off, flag, totals, invalid, node_first, rt, out, heap, k):
+    """_publish_rows' row and flag for ``peer``."""
+    near = (peer >= node_first) & (peer < node_first + k.R)
+    row = region(heap.peer_bases_ptr, peer, heap.layout_in_off, tl.int32) + row_off // 4
+    if k.NODES > 1:
+        if not near:
+            # Staged in this rank's heap: a network put reads only registered memory.
+            row = region(heap.peer_bases_ptr, rt.rank, heap.layout_out_off, tl.int32) + (
+                peer * k.LR
+            )
+    _write_row(row=row, peer=peer, totals=totals, invalid=invalid, rt=rt, out=out, k=k)
+    flag_ptr = region(heap.peer_bases_ptr, peer, heap.count_flags_off, tl.int64) + rt.rank
+    if k.NODES > 1:
+        if near:
+            signal(flag_ptr, flag)
         else:
-            signal(flag, seq)
+            net_put_signal(
+                heap.net_bases_ptr,
+                rt.rank,
+                peer,
+                heap.layout_in_off + row_off,
+                row,
+                k.LR * 4,
+                heap.count_flags_off + rt.rank * 8,
+                flag,
+                heap.heap_bytes,
+            )
+    else:
+        signal(flag_ptr, flag)
 
 
 @triton.jit
@@ -402,14 +432,58 @@ def _write_row(row, peer, totals, invalid, rt, out, k):
 
 
 @triton.jit
-def _wait_rows(seq, status_ptr, rt, heap, sync, k):
-    """Step 3: wait for every peer's layout row (its flag in this rank's count flags reaching
-    seq; a timeout records STAGE_LAYOUT); returns the [W, LR] rows at the parity of seq."""
+def _wait_rows(seq, rt, heap, m, k):
+    """Step 3: wait for every live peer's layout row (its flag in this rank's count flags
+    reaching 2 seq - 1; a peer that runs out of time is masked where the Buffer says so, else
+    the timeout is recorded at STAGE_LAYOUT); returns the [W, LR] rows at the parity of seq."""
     my_flags = region(heap.peer_bases_ptr, rt.rank, heap.count_flags_off, tl.int64)
     for peer in range(0, rt.world_size):
-        wait_at_least(my_flags + peer, seq, sync.timeout_ns, status_ptr, peer, STAGE_LAYOUT)
+        await_peer(my_flags + peer, 2 * seq - 1, peer, STAGE_LAYOUT, m, rt.world_size, k.NODES)
     layout_in = region(heap.peer_bases_ptr, rt.rank, heap.layout_in_off, tl.int32)
     return layout_in + (seq % 2) * rt.world_size * k.LR
+
+
+@triton.jit
+def _agree_on_masks(seq, rt, heap, m, k):
+    """Step 3, where the Buffer masks failed ranks: tell every live rank of the masks this rank
+    set while it waited, then raise this rank's flag in theirs to 2 seq and wait for theirs.
+    Every live rank tells before it raises, so each has every other's masks of the rows' wait
+    when its own wait here ends: a peer slow for one rank and not for another is masked by all
+    of them, and their layouts agree (a rank lost in this step itself is masked here too, where
+    a rank that heard it first has counted it)."""
+    if tl.load(m.control_ptr + MASKS_NEW) != 0:
+        tell_new_masks(m, rt.world_size, k.NODES)
+    for peer in range(0, rt.world_size):
+        if (peer != rt.rank) & live(m, peer):
+            signal_peer(heap.peer_bases_ptr, heap.net_bases_ptr, peer, heap.count_flags_off,
+                        rt.rank, 2 * seq, k.NODES)  # fmt: skip
+    my_flags = region(heap.peer_bases_ptr, rt.rank, heap.count_flags_off, tl.int64)
+    for peer in range(0, rt.world_size):
+        if peer != rt.rank:
+            await_peer(my_flags + peer, 2 * seq, peer, STAGE_LAYOUT, m, rt.world_size, k.NODES)
+    if tl.load(m.control_ptr + MASKS_NEW) != 0:
+        tell_new_masks(m, rt.world_size, k.NODES)
+
+
+@triton.jit
+def _live_sources(rt, m, k):
+    """[W_P2], whether each rank takes part in the layout (not masked here; this rank always):
+    a masked rank's row counts as no tokens and no experts."""
+    srcs = tl.arange(0, k.W_P2)
+    masked = tl.load(m.mask_ptr + srcs, mask=(srcs < rt.world_size) & (srcs != rt.rank), other=0)
+    return (srcs < rt.world_size) & (masked == 0)
+
+
+@triton.jit
+def _drop_masked_destinations(live, rt, out, k):
+    """Where a rank is masked: this rank's tokens go to it no more (its column of
+    token_rank_pos -1), so that neither dispatch nor combine moves rows to or from it."""
+    ranks = tl.arange(0, k.W_P2)
+    dead = (ranks < rt.world_size) & ~live
+    for t0 in range(0, rt.num_tokens, k.CHUNK):
+        tokens = t0 + tl.arange(0, k.CHUNK)
+        ptrs = out.token_rank_pos_ptr + tokens[:, None] * rt.world_size + ranks[None, :]
+        tl.store(ptrs, -1, mask=(tokens < rt.num_tokens)[:, None] & dead[None, :])
 
 
 @triton.jit
@@ -420,15 +494,17 @@ def _first_source(first_invalid, W_P2: tl.constexpr):
 
 
 @triton.jit
-def _read_sources(counts, rt, out, k):
-    """Step 4, the received streams: every source's tokens and chunk offsets (across nodes also
-    those of each node's stream to this node), and the first source whose dispatch cannot go
-    ahead with its cause, into info. Returns (first invalid source or W_P2, its cause)."""
+def _read_sources(counts, live, rt, out, k):
+    """Step 4, the received streams: every ``live`` source's tokens and chunk offsets (across
+    nodes also those of each node's stream to this node; a masked source has none), and the
+    first source whose dispatch cannot go ahead with its cause, into info. Returns (first
+    invalid source or W_P2, its cause)."""
     table = counts + k.ROW
     srcs = tl.arange(0, k.W_P2)
-    smask = srcs < rt.world_size
+    smask = live
     extra = counts + srcs * k.LR + rt.num_experts
-    tl.store(out.recv_src_tokens_ptr + srcs, tl.load(extra + 0, mask=smask), mask=smask)
+    tokens = tl.load(extra + 0, mask=smask, other=0)
+    tl.store(out.recv_src_tokens_ptr + srcs, tokens, mask=srcs < rt.world_size)
     causes = tl.load(extra + 1, mask=smask, other=0)
     first_invalid = tl.min(tl.where(causes != 0, srcs, k.W_P2), axis=0)
     first_cause = tl.sum(tl.where(srcs == first_invalid, causes, 0), axis=0).to(tl.int64)
@@ -456,13 +532,13 @@ def _read_sources(counts, rt, out, k):
 
 
 @triton.jit
-def _destination_segments(counts, rt, out, k):
+def _destination_segments(counts, live, rt, out, k):
     """Step 5, as a sender: the padded segments of every destination's local experts,
-    [destination, local expert], and this rank's offset inside them, stored as row 0 of
-    chunk_expert_base (the base row of each expert's slots from this rank). Returns the
-    segments' starts, padded rows and valid rows, [W_P2, L_P2]."""
+    [destination, local expert], from the rows of the ``live`` sources, and this rank's offset
+    inside them, stored as row 0 of chunk_expert_base (the base row of each expert's slots from
+    this rank). Returns the segments' starts, padded rows and valid rows, [W_P2, L_P2]."""
     srcs = tl.arange(0, k.W_P2)
-    smask = srcs < rt.world_size
+    smask = live
     dsts = tl.arange(0, k.W_P2)
     local = tl.arange(0, k.L_P2)
     dl_mask = (dsts[:, None] < rt.world_size) & (local[None, :] < rt.experts_per_rank)
@@ -475,7 +551,7 @@ def _destination_segments(counts, rt, out, k):
     )
     total = tl.sum(cmat, axis=0)
     # Each destination pads its segments to its own pad_multiple, from its row.
-    dst_pad = tl.load(counts + dsts * k.LR + rt.num_experts + 2, mask=dsts < rt.world_size, other=1)
+    dst_pad = tl.load(counts + dsts * k.LR + rt.num_experts + 2, mask=live, other=1)
     padded = (total + dst_pad[:, None] - 1) // dst_pad[:, None] * dst_pad[:, None]
     seg_start = tl.cumsum(padded, 1) - padded
     # Sources fill a segment in rank order.
@@ -489,9 +565,9 @@ def _destination_segments(counts, rt, out, k):
 
 
 @triton.jit
-def _own_segments(counts, seg_start, padded, total, rt, out, k):
+def _own_segments(counts, live, seg_start, padded, total, rt, out, k):
     """Step 5, as a receiver: this rank's own segments into expert_layout, tokens_per_expert,
-    and the rows its output needs (returned)."""
+    and the rows its output needs (returned), from the ``live`` sources' rows."""
     dsts = tl.arange(0, k.W_P2)
     local = tl.arange(0, k.L_P2)
     mine = dsts[:, None] == rt.rank
@@ -508,7 +584,7 @@ def _own_segments(counts, seg_start, padded, total, rt, out, k):
     if k.TOKEN_ROWS:
         # One row per received token: every source's stream to this rank.
         srcs = tl.arange(0, k.W_P2)
-        smask = srcs < rt.world_size
+        smask = live
         src_tokens = tl.load(counts + srcs * k.LR + rt.num_experts + 0, mask=smask, other=0)
         streamed = tl.load(
             counts + k.ROW + srcs * k.LR + tl.cdiv(src_tokens, k.CHUNK), mask=smask, other=0
@@ -540,7 +616,7 @@ def _report(needed, first_invalid, bad, status_ptr, first_cause, sync, k):
 
 
 @triton.jit
-def _roles(chunk, rt, out, heap, sync, k):
+def _roles(chunk, rt, out, heap, sync, m, k):
     """Program ``chunk``'s roles: counter of its chunk (if any), then, for the program that
     takes the last ticket, the exchanger."""
     bad_row_ptr = sync.control_ptr + BAD_ROW
@@ -555,7 +631,7 @@ def _roles(chunk, rt, out, heap, sync, k):
         tl.debug_barrier()
         # Every ticket is taken: reset for the next launch.
         tl.store(sync.control_ptr + LAYOUT_TICKET, 0)
-        _exchange_role(rt=rt, out=out, heap=heap, sync=sync, k=k)
+        _exchange_role(rt=rt, out=out, heap=heap, sync=sync, m=m, k=k)
 
 
 @triton.jit(do_not_specialize=UNSPECIALISED + SAME_ON_EVERY_RANK)
@@ -592,6 +668,7 @@ def layout_kernel(
     count_flags_off,
     layout_in_off,
     timeout_ns,
+    mask_off,  # the mask (kernels/peers.py)
     # Across nodes: the tables of the streams through other nodes, network heap
     token_node_pos_ptr,  # out [T, N] int32: position among the chunk's tokens to that node, or -1
     send_chunk_node_start_ptr,  # out [NC_MAX + 1, N] int32: offset of each chunk in the stream to
@@ -639,4 +716,7 @@ def layout_kernel(
     k: tl.constexpr = LayoutConsts(CHUNK, K_P2, W_P2, E_P2, L_P2, PAIRS, NC_MAX,
                                    ROW, C_BLOCK, TABLE_BLOCK, TOKEN_ROWS, LR, R,
                                    NODES, N_P2)  # fmt: skip
-    _roles(chunk=chunk, rt=rt, out=out, heap=heap, sync=sync, k=k)
+    m = Masking(rank, control_ptr, control_ptr + STATUS, timeout_ns,
+                region(peer_bases_ptr, rank, mask_off, tl.int64), peer_bases_ptr,
+                net_bases_ptr, mask_off)  # fmt: skip
+    _roles(chunk=chunk, rt=rt, out=out, heap=heap, sync=sync, m=m, k=k)

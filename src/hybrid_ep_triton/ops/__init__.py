@@ -5,7 +5,8 @@ kernel launches that cost little host time; handle: DispatchHandle; dispatch and
 normal mode's launches; low_latency: the low-latency mode's; quantize: the quantizers alone;
 scaled_rows: ScaledValues; status: what the device recorded, as exceptions; refusal: the
 protocol by which a rank's refused inputs reach every rank; streams: calls on the Buffer's
-communication stream; operators: the torch.library operators and their autograd.
+communication stream; operators: the torch.library operators and their autograd; masks: the mask
+of failed ranks and destroy()'s farewell.
 """
 
 from ..runtime import triton_compat

@@ -42,6 +42,7 @@ def _combine_launcher(rt: Runtime) -> KernelLauncher:
         staging_off=heap.staging,
         control_ptr=rt.control,
         timeout_ns=rt.timeout_ns,
+        mask_off=heap.mask,
         W=rt.world_size,
         T_MAX=plan.max_tokens,
         NC_MAX=plan.max_chunks,

@@ -5,23 +5,17 @@ from typing import NamedTuple
 
 import torch
 
-from ..kernels.control import MASK_FAILED, MASKS_NEW
 from ..kernels.low_latency import (
     COUNTED,
-    FREE_TOGETHER,
     low_latency_combine_kernel,
     low_latency_dispatch_kernel,
-    low_latency_farewell_kernel,
 )
-from ..kernels.primitives import MASKED_HERE
 from ..runtime.checks import (
     check_event,
     check_flag,
     check_int,
     check_low_latency_combine,
     check_low_latency_dispatch,
-    check_mask_out,
-    check_maskable,
     describe,
 )
 from ..runtime.planner import (
@@ -149,7 +143,7 @@ def _heap_constants(rt: Runtime) -> dict:
         net_bases_ptr=rt.heap.net_bases,
         heap_bytes=heap.total_bytes,
         freed_off=heap.ll_freed,
-        mask_off=heap.ll_mask,
+        mask_off=heap.mask,
         flags_off=heap.ll_flags,
         own_off=heap.ll_own,
         quantized_off=heap.ll_quantized,
@@ -375,50 +369,6 @@ def run_refused_combine(rt: Runtime, area: int) -> None:
     )
 
 
-def mask_words(rt: Runtime) -> torch.Tensor:
-    """This rank's ll_mask in its heap, int64 [W] (nonzero: the low-latency calls skip that
-    rank; empty without the mode)."""
-    start, size = rt.plan.heap.ll_mask, 8 * rt.world_size if rt.plan.low_latency.tokens else 0
-    return rt.heap.local[start : start + size].view(torch.int64)
-
-
-def release(rt: Runtime) -> None:
-    """Free ``rt``'s heap with the other ranks (on GPUs NVSHMEM's free waits for every rank);
-    with the mode, only where ``farewell`` says so, else leave it without waiting for anyone:
-    on GPUs the heap and NVSHMEM then stay until the process ends."""
-    if not rt.plan.low_latency.tokens or farewell(rt):
-        rt.heap.close()
-    else:
-        rt.heap.abandon()
-
-
-def farewell(rt: Runtime) -> bool:
-    """Whether every rank says, within timeout_s, that it frees the heap with the others, none
-    masked here or by another rank (kernels/low_latency.py, low_latency_farewell_kernel; a
-    host synchronisation). Said again, it gives the same answer at once."""
-    if rt.world_size == 1:
-        return True
-    heap = rt.plan.heap
-    verdict = torch.zeros(1, dtype=torch.int64, device=rt.device)
-    launch = KernelLauncher(
-        low_latency_farewell_kernel,
-        on_compile=rt.on_compile,
-        peer_bases_ptr=rt.heap.peer_bases,
-        net_bases_ptr=rt.heap.net_bases,
-        mask_off=heap.ll_mask,
-        farewell_off=heap.ll_farewell,
-        rank=rt.rank,
-        timeout_ns=rt.timeout_ns,
-        W=rt.world_size,
-        W_P2=next_power_of_2(rt.world_size),
-        NODES=rt.plan.nodes,
-        num_warps=1,
-        **rt.compile_options,
-    )
-    launch((1,), specialized={}, aligned=dict(verdict_ptr=verdict))
-    return int(verdict.item()) == FREE_TOGETHER.value
-
-
 def _check_after_launch(rt: Runtime) -> None:
     """CPU ranks' launches are synchronous: raise what the launch recorded now (on GPUs,
     Buffer.check does)."""
@@ -435,10 +385,8 @@ class Calls:
     hook is yet to be called], oldest first: a bit and two flags rather than a count of calls,
     which torch.compile would guard on and compile again at every call."""
 
-    def __init__(self, rt: Runtime, runtime_id: int, streams, usable, mask_failed_ranks: bool):
+    def __init__(self, rt: Runtime, runtime_id: int, streams, usable):
         self.rt, self.runtime_id, self.streams, self.usable = rt, runtime_id, streams, usable
-        check_flag("mask_failed_ranks", mask_failed_ranks)
-        rt.control[int(MASK_FAILED)] = int(mask_failed_ranks)
         self.next_area = 0
         self.last: list[list[bool]] = []
 
@@ -660,40 +608,6 @@ class Calls:
         self.dispatch(
             no_tokens, no_routing, 1, num_experts, None, False, False, False, False, False, None
         )
-
-    def update_mask(self, rank: int | None, masked: bool) -> None:
-        """Buffer.update_mask (rank None: every other rank, Buffer.clean_mask); the next
-        launch tells the other ranks of a new mask."""
-        self.usable()
-        self.require()
-        news = self.rt.control[int(MASKS_NEW)]
-        if rank is None:
-            self._mask_words.zero_()
-            news.fill_(0)
-            return
-        check_maskable(rank, self.rt.rank, self.rt.world_size)
-        check_flag("masked", masked)
-        self._mask_words[rank].fill_(int(MASKED_HERE) if masked else 0)
-        if masked:
-            news.fill_(1)
-
-    def query_mask(self, out: torch.Tensor) -> None:
-        """Buffer.query_mask."""
-        self.usable()
-        self.require()
-        check_mask_out(out, self.rt.world_size, self.rt.device)
-        out.copy_(self._mask_words != 0)
-
-    def masked_ranks(self) -> list[int]:
-        """Buffer.masked_ranks."""
-        self.usable()
-        self.require()
-        return torch.nonzero(self._mask_words).flatten().tolist()
-
-    @property
-    def _mask_words(self) -> torch.Tensor:
-        """This rank's ll_mask, int64 [W]."""
-        return mask_words(self.rt)
 
     def next_combine_buffer(self, handle: LowLatencyHandle) -> torch.Tensor:
         """Buffer.get_next_low_latency_combine_buffer."""

@@ -233,6 +233,7 @@ def agreed_plan(
         device_type=device.type,
         agree_on_inputs=options.agree_on_inputs,
         low_latency_tokens=options.low_latency_tokens,
+        mask_failed_ranks=options.mask_failed_ranks,  # (the layouts' agreement on masks)
         kernel_config=config,  # from each rank's tuning cache: must agree too
     )
     plan = make_plan(

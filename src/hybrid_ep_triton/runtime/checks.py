@@ -341,6 +341,7 @@ class BufferOptions:
     device: torch.device | str | None
     agree_on_inputs: bool
     low_latency_tokens: int
+    mask_failed_ranks: bool
 
 
 def check_parameters(world: int, options: BufferOptions) -> None:
@@ -364,8 +365,8 @@ def check_parameters(world: int, options: BufferOptions) -> None:
         check_int("num_sms", options.num_sms, 1, MAX_SMS)
     if not options.timeout_s > 0:
         raise ValueError(f"timeout_s must be > 0, got {options.timeout_s}")
-    for name, flag in (("expand", options.expand), ("agree_on_inputs", options.agree_on_inputs)):
-        check_flag(name, flag)
+    for name in ("expand", "agree_on_inputs", "mask_failed_ranks"):
+        check_flag(name, getattr(options, name))
     check_int("low_latency_tokens", options.low_latency_tokens, 0)
     check_interpreted_on_cpu(options.device)
 

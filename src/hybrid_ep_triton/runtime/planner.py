@@ -289,6 +289,15 @@ class HeapLayout:
                                          over NVLink; combine: its node's partial sums)
     net_outbox    [N, NC_MAX * S] NetSlot  what this rank puts to node n (network sources must
                                          lie in registered memory)
+    mask          int64 [2W + 1]         nonzero where rank i is masked here (Buffer.update_mask,
+                                         a wait that ran out: MASKED_HERE until this rank has
+                                         told the others; a peer that masked it and said so: 1);
+                                         then this rank's heartbeat: the time, written while it
+                                         waits; then rank i's heartbeat, pushed here while it
+                                         waits by rank i of another node (kernels/peers.py)
+    farewell      int64 [W]              rank i's word at destroy(): it frees the heap with the
+                                         others (1) or leaves it (2); 0 while it has not said
+                                         (this rank's own place: its last verdict)
     ll_*          the low-latency mode's regions (``LowLatencyLayout``), empty without it
     """
 
@@ -305,9 +314,9 @@ class HeapLayout:
     net_flags: int
     net_inbox: int
     net_outbox: int
+    mask: int
+    farewell: int
     ll_freed: int
-    ll_mask: int
-    ll_farewell: int
     ll_flags: int
     ll_own: int
     ll_quantized: int
@@ -323,15 +332,6 @@ class LowLatencyLayout:
 
     ll_freed     int64 [W]          rank i's last low-latency call whose receive is over (so
                                     that a sender two calls later may overwrite its area)
-    ll_mask      int64 [2W + 1]     nonzero where rank i is masked here (Buffer.update_mask,
-                                    a wait that ran out: MASKED_HERE until this rank has told
-                                    the others; a peer that masked it and said so: 1); then
-                                    this rank's heartbeat: the time, written while it waits;
-                                    then rank i's heartbeat, pushed here while it waits by
-                                    rank i of another node
-    ll_farewell  int64 [W]          rank i's word at destroy(): it frees the heap with the
-                                    others (1) or leaves it (2); 0 while it has not said
-                                    (this rank's own place: its last verdict)
     ll_flags     int64 [2, B, S]    slice s of receive block b has landed: (seq << 32) | rows
                                     (a block from another node lands whole, with slice 0's)
     ll_own       int64 [2, L]       this rank's own rows of local expert e: (seq << 32) | rows
@@ -388,8 +388,6 @@ def low_latency_region_sizes(ll: LowLatencyLayout, world_size: int, num_experts:
     on = ll.tokens > 0
     return [
         ("ll_freed", world_size * 8 if on else 0),
-        ("ll_mask", (2 * world_size + 1) * 8 if on else 0),
-        ("ll_farewell", world_size * 8 if on else 0),
         ("ll_flags", 2 * ll.remote_blocks * ll.slices * 8 if on else 0),
         ("ll_own", 2 * ll.experts_per_rank * 8 if on else 0),
         ("ll_quantized", ll.tokens * ll.token_chunks * 8),
@@ -527,6 +525,8 @@ def make_plan(
         ("net_flags", net_slots * 8),
         ("net_inbox", net_slots * slot_bytes),
         ("net_outbox", net_slots * slot_bytes),
+        ("mask", (2 * world_size + 1) * 8),
+        ("farewell", world_size * 8),
     ]
     ll = low_latency_layout(low_latency_tokens, hidden, world_size, num_experts, dtype)
     sizes += low_latency_region_sizes(ll, world_size, num_experts)

@@ -1,0 +1,389 @@
+"""Waiting on peers that may fail: the mask, masked waits, heartbeats, telling the other ranks,
+the data launches' handshakes, and the farewell at destroy().
+
+The mask is int64 [2W + 1] in every rank's heap (runtime/planner.py's ``mask`` region): word i
+nonzero where rank i is masked here (Buffer.update_mask; a wait that ran out with
+mask_failed_ranks: MASKED_HERE until this rank has told the others; a peer that masked it and
+said so: 1), then this rank's heartbeat (the time, written while it waits), then the words into
+which the ranks of other nodes push theirs. Every launch of both modes reads it: a masked rank is
+neither sent to nor waited for, and a wait on a live one goes through ``await_peers``, which
+masks the peer instead of recording a timeout where the Buffer says so (MASK_FAILED).
+
+A wait needs a ``Masking`` bundle of the calling kernel's values (a kernel's sync bundle with
+these fields serves): rank, control_ptr, status_ptr (its STATUS words), timeout_ns, mask_ptr
+(this rank's mask), bases_ptr (every rank's heap base here, 0 on another node), net_bases_ptr and
+mask_off (the mask's byte offset in every heap).
+"""
+
+from collections import namedtuple
+
+import triton
+import triton.language as tl
+
+from .control import MASK_FAILED, MASKS_NEW
+from .primitives import (
+    clock_ns,
+    net_signal,
+    node_first_rank,
+    rail_peer,
+    region,
+    signal,
+    time_out_after,
+)
+
+Masking = namedtuple(
+    "Masking", "rank control_ptr status_ptr timeout_ns mask_ptr bases_ptr net_bases_ptr mask_off"
+)
+# The most timeouts a masking wait lasts while the peer's heartbeat moves (wait_unless_masked).
+BEAT_TIMEOUTS = tl.constexpr(4)
+# Heartbeats a waiting rank pushes to the ranks of other nodes per timeout.
+BEAT_PUSHES = tl.constexpr(8)
+# A waiting rank's heartbeat (wait_unless_masked): its own word (own_ptr), read by the ranks of
+# its node; every rank's heap base here (bases_ptr, 0 on another node) and for network signals
+# (net_bases_ptr); the mask (masked_ptr, int64 [W], nonzero: masked); the byte offset of the
+# words [W] into which the ranks of other nodes push theirs (pushed_off), in every heap.
+Heartbeat = namedtuple(
+    "Heartbeat", "rank own_ptr bases_ptr net_bases_ptr masked_ptr pushed_off W NODES"
+)
+# The mask word a wait that ran out writes: nonzero as every mask word, and this value until the
+# rank that set it has told the other ranks (which then set 1).
+MASKED_HERE = tl.constexpr(2)
+# A rank's word in the farewell region (destroy()): it frees the heap with the others, or it
+# leaves it (a peer masked, silent or leaving).
+FREE_TOGETHER = tl.constexpr(1)
+LEAVING = tl.constexpr(2)
+
+
+@triton.jit
+def live(m, peer):
+    """Whether ``peer`` (scalar or tensor) is not masked here."""
+    return tl.load(m.mask_ptr + peer, volatile=True) == 0
+
+
+@triton.jit
+def await_peer(flag_ptr, target, peer, stage, m, W, NODES: tl.constexpr):
+    """Whether ``*flag_ptr`` reached ``target``: waits unless ``peer`` is masked, or until it
+    is; past timeout_ns a Buffer with mask_failed_ranks masks it (the next tell_new_masks tells
+    the other ranks), else the timeout is recorded."""
+    one = tl.zeros([1], tl.int32)
+    arrived = await_peers(flag_ptr + one, target, one == 0, peer + one, peer, stage, m, W, NODES)
+    return tl.max(arrived.to(tl.int32), axis=0) > 0
+
+
+@triton.jit
+def await_peers(flag_ptrs, target, awaited, peers, first_peer, stage, m, W, NODES: tl.constexpr):
+    """[N], whether each flag of ``flag_ptrs`` [N] from ``peers`` [N] reached ``target`` where
+    ``awaited``, as ``await_peer`` waits (``first_peer``: the one a recorded timeout names).
+    Where a peer did not arrive and a wait of this rank masked it (MASKED_HERE, not told yet),
+    sets MASKS_NEW, so that tell_new_masks tells the others. (Masked stores, not branches:
+    Triton 3.6 fails to compile a branch after the wait.)"""
+    arrived = wait_unless_masked(
+        flag_ptrs,
+        target,
+        awaited,
+        m.timeout_ns,
+        m.status_ptr,
+        m.mask_ptr + peers,
+        tl.load(m.control_ptr + MASK_FAILED),
+        _beats(m, peers, W, NODES),
+        Heartbeat(
+            m.rank,
+            m.mask_ptr + W,
+            m.bases_ptr,
+            m.net_bases_ptr,
+            m.mask_ptr,
+            m.mask_off + (W + 1) * 8,
+            W,
+            NODES,
+        ),
+        first_peer,
+        stage,
+    )
+    lost = awaited & ~arrived
+    here = tl.load(m.mask_ptr + peers, mask=lost, other=0, volatile=True) == MASKED_HERE
+    tl.store(m.control_ptr + MASKS_NEW, 1, mask=tl.max(here.to(tl.int32), axis=0) > 0)
+    return arrived
+
+
+@triton.jit
+def _beats(m, peers, W, NODES: tl.constexpr):
+    """The addresses (int64) of ``peers``' heartbeats: their own word (after their mask) on
+    this node, the word they push into this rank's mask on another."""
+    base = tl.load(m.bases_ptr + peers)
+    beats = tl.where(base != 0, base + m.mask_off + W * 8, 0)
+    if NODES > 1:
+        pushed = tl.load(m.bases_ptr + m.rank) + m.mask_off + (W + 1) * 8 + peers * 8
+        beats = tl.where(base != 0, beats, pushed)
+    return beats
+
+
+@triton.jit
+def wait_unless_masked(
+    flag_ptrs,
+    target,
+    mask,
+    timeout_ns,
+    status_ptr,
+    masked_ptrs,
+    mask_on_timeout,
+    beats,
+    beat,
+    peer,
+    stage,
+):
+    """wait_all_at_least() for flags of peers that may be masked (``*masked_ptrs`` nonzero,
+    [N] beside ``flag_ptrs``): returns [N], whether each flag arrived where ``mask``. A masked
+    peer is not waited for, nor any longer once another program masks it. Past ``timeout_ns``,
+    with ``mask_on_timeout`` the peers still awaited and not masked yet are masked (set to
+    MASKED_HERE) and the wait ends; without, the timeout is recorded as wait_at_least() does.
+
+    Heartbeats: while it waits, a rank writes the time into its word (``beat``, a Heartbeat),
+    and about BEAT_PUSHES times a timeout (its waits together) into its word in the heap of
+    every live rank of another node; ``beats`` [N] holds the addresses (int64, 0: none) of the
+    peers' words as this rank sees them. A peer whose heartbeat moves is itself waiting (on a
+    rank that is gone, say), not gone: its time starts again, up to BEAT_TIMEOUTS timeouts in
+    all, so that it is not masked for another rank's failure."""
+    start = clock_ns()
+    starts = tl.zeros(flag_ptrs.shape, tl.int64) + start
+    has_beat = mask & (beats != 0)
+    beat_ptrs = tl.where(has_beat, beats, 0).to(tl.pointer_type(tl.int64))
+    last_beats = tl.load(beat_ptrs, mask=has_beat, other=0, volatile=True)
+    arrived, waiting = _awaited(flag_ptrs, target, mask, masked_ptrs, status_ptr)
+    while waiting:
+        now = clock_ns()
+        if beat.NODES > 1:  # the first of this rank's waits in a new period pushes
+            period = timeout_ns // BEAT_PUSHES + 1
+            if now // period != tl.load(beat.own_ptr, volatile=True) // period:
+                _push_heartbeat(now, beat)
+        tl.store(beat.own_ptr, now)
+        if mask_on_timeout != 0:
+            seen = tl.load(beat_ptrs, mask=has_beat, other=0, volatile=True)
+            moved = has_beat & (seen != last_beats) & (now - start < BEAT_TIMEOUTS * timeout_ns)
+            starts = tl.where(moved, now, starts)
+            last_beats = seen
+            left = mask & ~arrived & (now - starts > timeout_ns)
+            unmasked = tl.where(left, 0, -1).to(tl.int64)  # (-1: no word holds it)
+            tl.atomic_cas(masked_ptrs, unmasked, tl.full(masked_ptrs.shape, MASKED_HERE, tl.int64))
+        else:
+            time_out_after(start, timeout_ns, status_ptr, peer, stage)
+        arrived, waiting = _awaited(flag_ptrs, target, mask, masked_ptrs, status_ptr)
+    tl.debug_barrier()
+    return arrived
+
+
+@triton.jit
+def _push_heartbeat(now, beat):
+    """Heartbeat ``now`` into this rank's word at ``pushed_off`` of every live rank of another
+    node, where the waits on this rank read it (a network signal each)."""
+    for peer in range(0, beat.W):
+        far = tl.load(beat.bases_ptr + peer) == 0
+        if far & (tl.load(beat.masked_ptr + peer, volatile=True) == 0):
+            net_signal(beat.net_bases_ptr, peer, beat.pushed_off + beat.rank * 8, now)
+
+
+@triton.jit
+def _awaited(flag_ptrs, target, mask, masked_ptrs, status_ptr):
+    """(which flags arrived, whether a live peer's flag is still awaited)."""
+    value = tl.atomic_add(flag_ptrs, 0, mask=mask, sem="acquire", scope="sys")
+    arrived = mask & (value >= target)
+    live_ = tl.load(masked_ptrs, mask=mask, other=1, volatile=True) == 0
+    awaited = tl.max((mask & ~arrived & live_).to(tl.int32), axis=0) > 0
+    return arrived, awaited & (tl.load(status_ptr, volatile=True) == 0)
+
+
+# -- telling the others --------------------------------------------------------------------
+
+
+@triton.jit
+def tell_new_masks(m, W, NODES: tl.constexpr):
+    """Tell the other ranks of the masks this rank set (MASKED_HERE) since it last told, and
+    clear MASKS_NEW; one program of a launch calls it where MASKS_NEW was set."""
+    tl.store(m.control_ptr + MASKS_NEW, 0)
+    for masked in range(0, W):
+        # (a load and a store, not a compare-and-swap, which Triton 3.6 fails to compile
+        # here; a peer that tells this rank meanwhile writes 1 too)
+        if tl.load(m.mask_ptr + masked, volatile=True) == MASKED_HERE:
+            tl.store(m.mask_ptr + masked, 1)
+            _tell_mask(masked, m, W, NODES)
+
+
+@triton.jit
+def _tell_mask(masked, m, W, NODES: tl.constexpr):
+    """That this rank masks rank ``masked``: set it in every other live rank's mask (the peers
+    of another node by a network signal), and in the masked rank's own: one that is alive finds
+    itself masked, so that its destroy() waits for no one either."""
+    for peer in range(0, W):
+        if (peer != m.rank) & ((peer == masked) | live(m, peer)):
+            if tl.load(m.bases_ptr + peer) != 0:
+                mask = region(m.bases_ptr, peer, m.mask_off, tl.int64)
+                tl.atomic_xchg(mask + masked, 1, sem="relaxed", scope="sys")
+            elif NODES > 1:
+                net_signal(m.net_bases_ptr, peer, m.mask_off + masked * 8, 1)
+
+
+@triton.jit
+def signal_peer(peer_bases_ptr, net_bases_ptr, peer, region_off, index, value, NODES):
+    """Set int64 word ``index`` of the region at byte ``region_off`` of ``peer``'s heap to
+    ``value`` after this program's writes (``signal``): on this node by a store, on another
+    by a network signal."""
+    if tl.load(peer_bases_ptr + peer) != 0:
+        signal(region(peer_bases_ptr, peer, region_off, tl.int64) + index, value)
+    elif NODES > 1:
+        net_signal(net_bases_ptr, peer, region_off + index * 8, value)
+
+
+# -- the data launches' handshakes -----------------------------------------------------------
+
+
+@triton.jit
+def handshake(
+    peer_bases_ptr,
+    net_bases_ptr,
+    ready_off,
+    rank,
+    seq,
+    m,
+    stage,
+    P_MAX,
+    channel,
+    R: tl.constexpr,
+    NODES: tl.constexpr,
+    W,
+):
+    """Tell every live peer this rank writes to or is written by that this rank's ``channel``
+    started launch ``seq`` (so this rank's earlier launches, which read its staging areas, are
+    over), then wait until ``channel`` of each has said the same (``await_peer``: a peer masked
+    meanwhile is not waited for). Those peers: every rank of this node (over NVLink) and,
+    across nodes, the rank with this rank's local index on every other node (over the
+    network). ready flags: int64 [world, P_MAX] in every heap."""
+    node_first = node_first_rank(rank, R, NODES)
+    for peer in range(node_first, node_first + R):
+        if live(m, peer):
+            signal(region(peer_bases_ptr, peer, ready_off, tl.int64) + rank * P_MAX + channel, seq)
+    if NODES > 1:
+        flag_off = ready_off + (rank * P_MAX + channel) * 8
+        for node in range(0, NODES):
+            peer = rail_peer(node, rank, R)
+            if (node * R != node_first) & live(m, peer):
+                net_signal(net_bases_ptr, peer, flag_off, seq)
+    my_ready = region(peer_bases_ptr, rank, ready_off, tl.int64)
+    for peer in range(node_first, node_first + R):
+        await_peer(my_ready + peer * P_MAX + channel, seq, peer, stage, m, W, NODES)
+    if NODES > 1:
+        for node in range(0, NODES):
+            if node * R != node_first:
+                peer = rail_peer(node, rank, R)
+                await_peer(my_ready + peer * P_MAX + channel, seq, peer, stage, m, W, NODES)
+
+
+@triton.jit
+def wait_item(my_ready, carrier, rank, channel, flag_ptr, seq, m, ready_stage, data_stage, P_MAX, W,
+              NODES: tl.constexpr):  # fmt: skip
+    """Whether a work item has landed here: waits first for program ``channel`` of rank
+    ``carrier``, which delivers it, to have started the launch, so that a peer that never came
+    is named at ``ready_stage``, then for the item's flag at ``flag_ptr`` (``data_stage``);
+    False where the carrier is (or got) masked. ``my_ready``: this rank's ready flags
+    [W, P_MAX]; ``rank``: this rank."""
+    # A carrier that is this rank is a program of this launch (across nodes, the sender or
+    # forwarder that relays a peer's item), which began its own wait for that peer no later
+    # than this one: it must time out first and name the peer. With equal timeouts both
+    # deadlines pass together and this wait could win, naming this rank (seen on an H200
+    # across 2 nodes of 1 rank: 2026-12-03-1xH200-shared-647fab0.log), so it waits twice as long.
+    slow = Masking(m.rank, m.control_ptr, m.status_ptr,
+                   tl.where(carrier == rank, 2 * m.timeout_ns, m.timeout_ns), m.mask_ptr,
+                   m.bases_ptr, m.net_bases_ptr, m.mask_off)  # fmt: skip
+    ready = my_ready + carrier * P_MAX + channel
+    started = await_peer(ready, seq, carrier, ready_stage, slow, W, NODES)
+    return started & await_peer(flag_ptr, seq, carrier, data_stage, slow, W, NODES)
+
+
+# A role's bundles (kernels/dispatch.py, kernels/combine.py): ``heap`` with peer_bases_ptr,
+# net_bases_ptr and ready_off, ``sync`` a Masking with seq, ``k`` with P_MAX, R, NODES and W;
+# each role calls these instead of spelling the same arguments out again.
+@triton.jit
+def start_channel(channel, rank, stage, heap, sync, k):
+    """handshake() for program ``channel`` of a role (its ready flags, then its peers')."""
+    handshake(
+        heap.peer_bases_ptr,
+        heap.net_bases_ptr,
+        heap.ready_off,
+        rank,
+        sync.seq,
+        sync,
+        stage,
+        k.P_MAX,
+        channel,
+        k.R,
+        k.NODES,
+        k.W,
+    )
+
+
+@triton.jit
+def wait_landed(my_ready, carrier, rank, channel, flag_ptr, ready_stage, data_stage, sync, k):
+    """wait_item() with a role's bundles."""
+    return wait_item(my_ready, carrier, rank, channel, flag_ptr, sync.seq, sync, ready_stage,
+                     data_stage, k.P_MAX, k.W, k.NODES)  # fmt: skip
+
+
+# -- destroy() -------------------------------------------------------------------------------
+
+
+@triton.jit(do_not_specialize=("rank",))
+def farewell_kernel(
+    peer_bases_ptr,
+    net_bases_ptr,
+    mask_off,
+    farewell_off,
+    rank,
+    timeout_ns,
+    verdict_ptr,
+    W: tl.constexpr,
+    W_P2: tl.constexpr,
+    NODES: tl.constexpr,
+):
+    """destroy(), one program: whether this rank frees the heap with the others (on GPUs
+    NVSHMEM's free waits for every rank: one that never comes would hold the others forever).
+    It says its word in its place of every live rank's farewell region (LEAVING where it has
+    masked a rank or left before, else FREE_TOGETHER), and waits, up to timeout_ns, for every
+    other rank's word: all FREE_TOGETHER, the verdict is FREE_TOGETHER; a word LEAVING or the
+    time run out, LEAVING, which it then says, so that a rank that decides later leaves as well.
+    Writes the verdict into its own place of its farewell region and into *verdict_ptr."""
+    peers = tl.arange(0, W_P2)
+    others = (peers < W) & (peers != rank)
+    masked = (
+        tl.load(region(peer_bases_ptr, rank, mask_off, tl.int64) + peers, mask=others, other=0) != 0
+    )
+    words = region(peer_bases_ptr, rank, farewell_off, tl.int64) + peers
+    # (this rank's own word holds its last verdict: said again, it does not take LEAVING back)
+    left = tl.load(words, mask=peers == rank, other=0) == LEAVING
+    leaving = tl.max((masked | left).to(tl.int32), axis=0) > 0
+    mine = tl.where(leaving, LEAVING, FREE_TOGETHER)
+    _say_farewell(mine, masked, peer_bases_ptr, net_bases_ptr, farewell_off, rank, W, NODES)
+    start = clock_ns()
+    said = tl.zeros([W_P2], tl.int64)
+    waiting = True
+    while waiting:
+        said = tl.where(others, tl.load(words, mask=others, other=0, volatile=True), mine)
+        waiting = (
+            (tl.min(said, axis=0) == 0)
+            & (tl.max(said, axis=0) < LEAVING)
+            & (clock_ns() - start < timeout_ns)
+        )
+    together = (tl.min(said, axis=0) == FREE_TOGETHER) & (tl.max(said, axis=0) == FREE_TOGETHER)
+    verdict = tl.where(together, FREE_TOGETHER, LEAVING)
+    _say_farewell(verdict, masked, peer_bases_ptr, net_bases_ptr, farewell_off, rank, W, NODES)
+    tl.store(words, verdict, mask=peers == rank)
+    tl.store(verdict_ptr, verdict)
+
+
+@triton.jit
+def _say_farewell(word, masked, peer_bases_ptr, net_bases_ptr, farewell_off, rank, W, NODES):
+    """``word`` into this rank's place of the farewell region of every other rank not
+    ``masked`` ([W_P2]: one may be gone, its memory with it; another node's by a network
+    signal)."""
+    peers = tl.arange(0, masked.shape[0])
+    for peer in range(0, W):
+        gone = tl.sum(tl.where(peers == peer, masked.to(tl.int32), 0), axis=0)
+        if (peer != rank) & (gone == 0):
+            signal_peer(peer_bases_ptr, net_bases_ptr, peer, farewell_off, rank, word, NODES)
