@@ -19,7 +19,7 @@ import signal
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import DEVICE, raised
+from conftest import raised
 
 from hybrid_ep_triton import Buffer
 from hybrid_ep_triton.tools.launcher import RankFailure, rank_device
@@ -28,8 +28,9 @@ WORLD, MASKED = 4, 2
 HIDDEN, NUM_EXPERTS, LOCAL, TOPK, MAX_TOKENS = 200, 8, 2, 3, 12
 HOT = MASKED * LOCAL + 1  # an expert on the masked rank that every other token names
 # The live ranks' timeout_s where they mask the stalled rank themselves: well above the longest
-# a live peer can keep them waiting (test_low_latency.STALL_TIMEOUT_S says why).
-STALL_TIMEOUT_S = 45.0 if DEVICE == "cpu" else 90.0
+# a live peer can keep them waiting (test_low_latency.STALL_TIMEOUT_S says why; on GPUs the
+# kernels build in the first calls, before any rank stalls).
+STALL_TIMEOUT_S = 45.0
 CALLS = ("dispatch", "combine", "cached dispatch", "cached combine")  # a round
 
 
@@ -38,7 +39,7 @@ def _inputs(round_: int, rank: int) -> tuple[torch.Tensor, torch.Tensor, torch.T
     hot expert) and weights [T, K] float32 of round ``round_``; T changes with the round and is
     0 on one rank in some rounds."""
     gen = torch.Generator().manual_seed(1000 * round_ + rank)
-    tokens = [5, 12, 0, 7, 3, 9][(round_ + rank) % 6]
+    tokens = [5, 12, 7, 0, 3, 9][(round_ + rank) % 6]
     x = torch.randn(tokens, HIDDEN, generator=gen).to(torch.bfloat16)
     idx = torch.rand(tokens, NUM_EXPERTS, generator=gen).argsort(1)[:, :TOPK]
     hot = torch.arange(tokens) % 2 == 0
@@ -110,6 +111,7 @@ def _live_round(buf, rank: int, round_: int, stall_at: int, fail) -> None:
     _combine(buf, rank, inputs, recv_x, recv_w, handle, first + 1, laid_out, stall_at, fail)
     # New rows along the handle: MASKED's are zero where it has stopped since.
     cached = [(_new_rows(round_, j, len(t)), i, v) for j, (t, i, v) in enumerate(inputs)]
+    _poison_free_memory(len(recv_x), dev)
     recv_x, recv_w, _, handle = buf.dispatch(cached[rank][0].to(dev), topk_weights=w.to(dev),
                                              handle=handle)  # fmt: skip
     gone = MASKED in laid_out and first + 2 >= stall_at
@@ -139,6 +141,14 @@ def _expert_outputs(recv_x: torch.Tensor, handle, rank: int) -> torch.Tensor:
     experts = torch.arange(rank * LOCAL, (rank + 1) * LOCAL, device=recv_x.device)
     per_row = torch.repeat_interleave(experts, handle.tokens_per_expert)
     return (recv_x.float() * _factor(per_row)[:, None]).to(torch.bfloat16)
+
+
+def _poison_free_memory(rows: int, dev) -> None:
+    """Free memory of an output's size that holds NaN, which the next call's outputs are likely
+    to be given (torch.empty): rows a call fails to write then show, not zeros by chance."""
+    for dtype in (torch.bfloat16, torch.float32):
+        torch.full((max(rows, 1), HIDDEN), float("nan"), dtype=dtype, device=dev)
+        torch.full((max(rows, 1),), float("nan"), dtype=dtype, device=dev)
 
 
 def _new_rows(round_: int, rank: int, tokens: int) -> torch.Tensor:
@@ -216,12 +226,11 @@ def test_masked_rank_is_skipped(launch):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("stall_at", [0, 1, 2],
-                         ids=["before a dispatch", "between dispatch and combine",
-                              "before a cached dispatch"])  # fmt: skip
+@pytest.mark.parametrize("stall_at", [0, 2], ids=["before a dispatch", "before a cached dispatch"])
 def test_rank_that_stops_answering_is_masked(launch, stall_at):
     """mask_failed_ranks: the live ranks' waits on the stalled rank run out and mask it; that
-    call and the rounds after it equal the reference without it."""
+    call and the rounds after it equal the reference without it (between a dispatch and its
+    combine: test_rank_killed_outright_is_masked)."""
     _assert_no_failures(launch(_body, WORLD, "stalled", stall_at, 6 if stall_at == 0 else 2))
 
 
