@@ -27,6 +27,10 @@ partial rows of each of their node's ranks for every row that rank forwarded in 
 source's inbox with a flag: a (token, node) pair crosses the network once. Finishers add those
 node sums from the inbox with the partial rows of their own node.
 
+Masked ranks (kernels/peers.py) take no part: handshakes skip them, senders send them nothing
+(also along a handle made before they were masked), and finishers add no partial rows from
+them: a token's sum is that of its experts on the live ranks.
+
 Programs wait only for programs that come earlier in the launch order or belong to another rank,
 so the launch finishes whichever of its programs run first.
 

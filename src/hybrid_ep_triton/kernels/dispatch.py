@@ -31,6 +31,11 @@ through the staging area), and every other rank's chunks, each as soon as its fl
 the staging area; then they zero the padding rows and the rows past the valid count. Expanders
 wait only for senders, which come first in the launch order.
 
+Masked ranks (kernels/peers.py) take no part: handshakes and chunk flags skip them, senders
+send them nothing (also along a handle made before they were masked), and an expander whose
+item's carrier is masked expands nothing; a cached dispatch zeroes that item's rows instead
+(_zero_lost_chunk), as the handle records them.
+
 Quantizing (QUANTIZE: rows of the Buffer's dtype in, block-scaled rows out: FP8, MXFP8 or
 NVFP4), the first programs come before the senders: quantizers take work items (chunk,
 QUANT_GROUPS channel groups) of ``source`` from a queue, quantize them (kernels/quantize.py)

@@ -147,7 +147,9 @@ def wait_unless_masked(
     starts = tl.zeros(flag_ptrs.shape, tl.int64) + start
     has_beat = mask & (beats != 0)
     beat_ptrs = tl.where(has_beat, beats, 0).to(tl.pointer_type(tl.int64))
-    last_beats = tl.load(beat_ptrs, mask=has_beat, other=0, volatile=True)
+    # No heartbeat read before the first poll (a flag that is up costs no read of a peer's
+    # memory): the first poll counts as a move and starts each peer's time then.
+    last_beats = tl.full(flag_ptrs.shape, -1, tl.int64)
     arrived, waiting = _awaited(flag_ptrs, target, mask, masked_ptrs, status_ptr)
     while waiting:
         now = clock_ns()

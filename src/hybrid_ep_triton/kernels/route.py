@@ -10,14 +10,18 @@ row. Then it takes a ticket.
 The exchanger, the program that takes the last ticket (so no program waits for another and the
 launch needs no co-resident programs), exchanges the layout with the peers:
 1. it turns the chunk counts into prefix sums over the chunks;
-2. it publishes this rank's layout row into every peer's heap: its per-expert totals, tokens,
-   whether its dispatch can go ahead and pad_multiple, then the offsets of its chunks in its
-   stream to that peer and, across nodes, in its stream to that peer's node (peers of its own
-   node by stores, the ranks of other nodes by a network put), each with this rank's flag;
-3. it waits for every peer's row;
-4. it reads the received streams from them: every source's tokens and chunk offsets, and the
-   first source whose dispatch cannot go ahead;
-5. it derives from the full [world, E] count matrix
+2. it publishes this rank's layout row into every live peer's heap: its per-expert totals,
+   tokens, whether its dispatch can go ahead and pad_multiple, then the offsets of its chunks in
+   its stream to that peer and, across nodes, in its stream to that peer's node (peers of its
+   own node by stores, the ranks of other nodes by a network put), each with this rank's flag;
+3. it waits for every live peer's row (a peer that runs out of time is masked where the Buffer
+   masks failed ranks); then, where it does, it tells every live rank of the masks it set and
+   raises its flag again, and waits for every live rank's second flag: each rank lays out with
+   every other's masks, so their layouts agree on who is masked (kernels/peers.py);
+4. it reads the received streams from the live ranks (a masked rank counts as one with no
+   tokens and no experts, and this rank's tokens go to it no more): every source's tokens and
+   chunk offsets, and the first source whose dispatch cannot go ahead;
+5. it derives from the live ranks' [world, E] count matrix
    - as a sender: the base row, on the destination, of each expert's slots from this rank;
    - as a receiver: the padded segment of each local expert in the expert-major output.
 A sender's slot of chunk c then lands on row
@@ -25,9 +29,11 @@ A sender's slot of chunk c then lands on row
 
 In the code each role is a function, with what it waits for and what it releases in its
 docstring: _count_role (_count_slots, _count_tokens) and _exchange_role, whose steps are
-_expert_prefix_sums, _publish_rows (_node_chunk_starts, _write_row), _wait_rows, _read_sources,
+_expert_prefix_sums, _publish_rows (_node_chunk_starts, _send_row, _write_row), _wait_rows,
+_agree_on_masks, _live_sources, _drop_masked_destinations, _read_sources,
 _destination_segments, _own_segments and _report; layout_kernel bundles its arguments (Routing,
-HandleParts, LayoutHeap, LayoutSync, LayoutConsts) and _roles picks each program's role.
+HandleParts, LayoutHeap, LayoutSync, LayoutConsts; kernels/peers.py's Masking) and _roles picks
+each program's role.
 """
 
 from collections import namedtuple
