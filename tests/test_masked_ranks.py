@@ -25,7 +25,7 @@ from hybrid_ep_triton import Buffer
 from hybrid_ep_triton.tools.launcher import RankFailure, rank_device
 
 WORLD, MASKED = 4, 2
-HIDDEN, NUM_EXPERTS, LOCAL, TOPK, MAX_TOKENS = 200, 8, 2, 3, 12
+HIDDEN, NUM_EXPERTS, LOCAL, TOPK, MAX_TOKENS = 65, 8, 2, 3, 12
 HOT = MASKED * LOCAL + 1  # an expert on the masked rank that every other token names
 # The live ranks' timeout_s where they mask the stalled rank themselves: well above the longest
 # a live peer can keep them waiting (test_low_latency.STALL_TIMEOUT_S says why; on GPUs the

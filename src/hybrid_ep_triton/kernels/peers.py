@@ -347,24 +347,29 @@ def farewell_kernel(
     """destroy(), one program: whether this rank frees the heap with the others (on GPUs
     NVSHMEM's free waits for every rank: one that never comes would hold the others forever).
     It says its word in its place of every live rank's farewell region (LEAVING where it has
-    masked a rank or left before, else FREE_TOGETHER), and waits, up to timeout_ns, for every
-    other rank's word: all FREE_TOGETHER, the verdict is FREE_TOGETHER; a word LEAVING or the
-    time run out, LEAVING, which it then says, so that a rank that decides later leaves as well.
+    masked a rank or left before, or finds itself masked, else FREE_TOGETHER), and waits, up to
+    timeout_ns (not at all where it is masked itself), for every other rank's word: all
+    FREE_TOGETHER, the verdict is FREE_TOGETHER; a word LEAVING or the time run out, LEAVING,
+    which it then says, so that a rank that decides later leaves as well.
     Writes the verdict into its own place of its farewell region and into *verdict_ptr."""
     peers = tl.arange(0, W_P2)
     others = (peers < W) & (peers != rank)
-    masked = (
-        tl.load(region(peer_bases_ptr, rank, mask_off, tl.int64) + peers, mask=others, other=0) != 0
+    mask = tl.load(
+        region(peer_bases_ptr, rank, mask_off, tl.int64) + peers, mask=peers < W, other=0
     )
+    masked = others & (mask != 0)
+    # A rank told that it is masked (a peer masked it) is out of the group: it leaves at once,
+    # as the others, which say it nothing, do.
+    outcast = tl.max(((peers == rank) & (mask != 0)).to(tl.int32), axis=0) > 0
     words = region(peer_bases_ptr, rank, farewell_off, tl.int64) + peers
     # (this rank's own word holds its last verdict: said again, it does not take LEAVING back)
     left = tl.load(words, mask=peers == rank, other=0) == LEAVING
-    leaving = tl.max((masked | left).to(tl.int32), axis=0) > 0
+    leaving = (tl.max((masked | left).to(tl.int32), axis=0) > 0) | outcast
     mine = tl.where(leaving, LEAVING, FREE_TOGETHER)
     _say_farewell(mine, masked, peer_bases_ptr, net_bases_ptr, farewell_off, rank, W, NODES)
     start = clock_ns()
-    said = tl.zeros([W_P2], tl.int64)
-    waiting = True
+    said = tl.where(others, tl.zeros([W_P2], tl.int64), mine)
+    waiting = ~outcast
     while waiting:
         said = tl.where(others, tl.load(words, mask=others, other=0, volatile=True), mine)
         waiting = (
