@@ -289,8 +289,8 @@ def wait_item(my_ready, carrier, rank, channel, flag_ptr, seq, m, ready_stage, d
     # A carrier that is this rank is a program of this launch (across nodes, the sender or
     # forwarder that relays a peer's item), which began its own wait for that peer no later
     # than this one: it must time out first and name the peer. With equal timeouts both
-    # deadlines pass together and this wait could win, naming this rank (seen on an H200
-    # across 2 nodes of 1 rank: 2026-12-03-1xH200-shared-647fab0.log), so it waits twice as long.
+    # deadlines pass together and this wait could win, naming this rank, so it waits twice as
+    # long.
     slow = Masking(m.rank, m.control_ptr, m.status_ptr,
                    tl.where(carrier == rank, 2 * m.timeout_ns, m.timeout_ns), m.mask_ptr,
                    m.bases_ptr, m.net_bases_ptr, m.mask_off)  # fmt: skip
