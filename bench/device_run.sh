@@ -85,7 +85,8 @@
 #   deepep-programs  DeepEP's own test_low_latency.py and test_intranode.py through deep_ep
 #          (tests/deep_ep_programs.py), $DEEPEP_RANKS ranks (default 2) sharing the GPU under MPS,
 #          from the copy of DeepEP's files in build/deepep (carry it: docs/deep_ep.md says how to
-#          make it); with DEEPEP_SHRINK=1 also test_low_latency.py --shrink-test on 8 ranks
+#          make it; $DEEPEP_PROGRAMS, default "low_latency intranode", picks them); with
+#          DEEPEP_SHRINK=1 also test_low_latency.py --shrink-test on 8 ranks
 #          (raise STEP_TIMEOUT: three of its ranks stop, and the others wait 60 s for each)
 #   megatron-flex  Megatron-Core's flex dispatcher on deep_ep (tests/test_megatron.py, the flex
 #          cases, or those in $FLEX_CASES), each case in its own pytest under a fresh MPS daemon:
@@ -232,7 +233,7 @@ for step in $STEPS; do
         soak-shared) cmd=(env "${MPS_DIRS[@]}" bash -c "$SOAK_SHARED") ;;
         deepep-programs) cmd=(env "${MPS_DIRS[@]}" bash -c 'rc=0; sizes="--num-tokens 64 \
                               --hidden 2048 --num-topk 4 --num-experts 16"; \
-                              for program in low_latency intranode; do echo "== $program"; \
+                              for program in ${DEEPEP_PROGRAMS-low_latency intranode}; do echo "== $program"; \
                               python3 tests/deep_ep_programs.py build/deepep --program $program \
                               --ranks ${DEEPEP_RANKS:-2} $sizes || rc=1; done; \
                               if [ "${DEEPEP_SHRINK:-0}" = 1 ]; then echo "== shrink"; \

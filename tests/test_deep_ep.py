@@ -419,9 +419,10 @@ def test_low_latency_mode_matches_reference(launch):
 
 
 def _shrink(rank: int, world: int, hidden: int, experts: int) -> list[str]:
-    """enable_shrink: after a first call of every rank (which makes the low-latency Buffer, a
-    collective), rank 0 masks rank 1, which stops calling, and goes on alone: its outputs are
-    the reference's without rank 1's tokens and experts."""
+    """enable_shrink as DeepEP's --shrink-test has it: rank 1 fails before its first
+    low-latency call (it makes none and destroys its Buffer), rank 0 masks it and goes on
+    alone, making the low-latency Buffer in the heap its constructor reserved (no rank waits
+    for another there): its outputs are the reference's without rank 1's tokens and experts."""
     import torch.distributed as dist
 
     import hybrid_ep_triton.deep_ep as deep_ep
@@ -429,13 +430,16 @@ def _shrink(rank: int, world: int, hidden: int, experts: int) -> list[str]:
     from hybrid_ep_triton.tools.launcher import rank_device
 
     device, failures, local = rank_device(), [], experts // world
-    buffer = deep_ep.Buffer(dist.group.WORLD, 0, 1, low_latency_mode=True, enable_shrink=True,
-                            explicitly_destroy=True)  # fmt: skip
-    for call in range(1 if rank else 3):
+    rdma_bytes = deep_ep.Buffer.get_low_latency_rdma_size_hint(4, hidden, world, experts)
+    buffer = deep_ep.Buffer(dist.group.WORLD, 0, rdma_bytes, low_latency_mode=True,
+                            enable_shrink=True, explicitly_destroy=True)  # fmt: skip
+    if rank == 1:
+        buffer.destroy()
+        return failures
+    buffer.low_latency_update_mask_buffer(1, True)
+    for call in range(3):
         everyone = [_inputs(60 + call, r, (4, 3), hidden, experts, 2, 0.2) for r in range(world)]
-        if call:
-            buffer.low_latency_update_mask_buffer(1, True)
-            everyone[1] = tuple(t[:0] for t in everyone[1])  # no tokens from rank 1
+        everyone[1] = tuple(t[:0] for t in everyone[1])  # no tokens from rank 1
         x, idx, w = (t.to(device) for t in everyone[rank])
         _, count, handle, _, _ = buffer.low_latency_dispatch(x, idx, 4, experts, use_fp8=False)
         want = reference.low_latency_dispatch([e[0] for e in everyone], [e[1] for e in everyone],
@@ -445,18 +449,17 @@ def _shrink(rank: int, world: int, hidden: int, experts: int) -> list[str]:
         gen = torch.Generator().manual_seed(90 + call)
         ys = [torch.randn(local, world * 4, hidden, generator=gen).to(BF16) for _ in range(world)]
         out, _, _ = buffer.low_latency_combine(ys[rank].to(device), idx, w, handle)
-        alive = [e[1] if not call else torch.where(e[1] // local == 1, -1, e[1]) for e in everyone]
+        alive = [torch.where(e[1] // local == 1, -1, e[1]) for e in everyone]
         want_out = reference.low_latency_combine(ys, alive, w.cpu(), experts, rank)
         if not _close(out.cpu(), want_out, want_out.abs() * 3, TOL):
             failures.append(f"call {call}: combined_x differs from the reference")
-    if rank == 0:
-        mask = torch.full((world,), -1, dtype=torch.int32, device=device)
-        buffer.low_latency_query_mask_buffer(mask)
-        buffer.low_latency_clean_mask_buffer()
-        cleaned = torch.full_like(mask, -1)
-        buffer.low_latency_query_mask_buffer(cleaned)
-        if mask.tolist() != [0, 1] or cleaned.tolist() != [0, 0]:
-            failures.append(f"mask {mask.tolist()}, after cleaning {cleaned.tolist()}")
+    mask = torch.full((world,), -1, dtype=torch.int32, device=device)
+    buffer.low_latency_query_mask_buffer(mask)
+    buffer.low_latency_clean_mask_buffer()
+    cleaned = torch.full_like(mask, -1)
+    buffer.low_latency_query_mask_buffer(cleaned)
+    if mask.tolist() != [0, 1] or cleaned.tolist() != [0, 0]:
+        failures.append(f"mask {mask.tolist()}, after cleaning {cleaned.tolist()}")
     buffer.destroy()
     return failures
 

@@ -807,7 +807,8 @@ def _farewell_body(rank: int, world: int, ranks_per_node, how: str) -> list[str]
     silent = how == "silent" and rank == MASKED
     if silent:
         dist.barrier()
-    together = farewell(buf._rt)  # (internals: what destroy() decides)
+    rt = buf._rt  # (internals: what destroy() decides)
+    together = farewell(rt.heap, rt.rank, rt.world_size, rt.plan.nodes, rt.timeout_ns, rt.device)
     if how == "silent" and not silent:
         dist.barrier()
     buf.destroy()

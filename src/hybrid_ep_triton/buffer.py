@@ -11,6 +11,7 @@ from .ops import low_latency, masks, operators, status
 from .ops.handle import DispatchHandle, check_handle
 from .ops.low_latency import LowLatencyHandle
 from .ops.refusal import Refusals
+from .ops.reserved import ReservedHeap
 from .ops.runtime import agreed_plan, make_runtime
 from .ops.scaled_rows import ScaledValues
 from .ops.streams import CommStream
@@ -49,6 +50,9 @@ class Buffer:
         agree_on_inputs: every call first agrees on the host that every rank's inputs passed.
         low_latency_tokens: M, most tokens a rank passes to a low-latency call (0: no mode).
         mask_failed_ranks: a wait that runs out masks the peer instead of TimeoutError.
+        heap: an ops.reserved.ReservedHeap that every rank reserved earlier (for adapters):
+            where this Buffer fits it, the constructor calls no collective (the ranks'
+            arguments, the same by the caller's rule, are not compared); else as without.
     """
 
     def __init__(
@@ -67,13 +71,19 @@ class Buffer:
         agree_on_inputs: bool = False,
         low_latency_tokens: int = 0,
         mask_failed_ranks: bool = False,
+        heap: ReservedHeap | None = None,
     ):
         group = group if group is not None else dist.group.WORLD
         options = BufferOptions(
             hidden_size, max_tokens_per_rank, num_experts, dtype, num_sms, timeout_s, expand,
             ranks_per_node, device, agree_on_inputs, low_latency_tokens, mask_failed_ranks,
         )  # fmt: skip
-        plan, device, context_sms = agreed_plan(group, options)
+        taken = None  # the reserved heap, where this Buffer fits it
+        if heap is not None:
+            plan, device, context_sms = agreed_plan(group, options, heap.ranks_per_node)
+            taken = heap.take() if heap.fits(plan, device) else None
+        if taken is None:
+            plan, device, context_sms = agreed_plan(group, options)
         self.group = group
         self.hidden_size = hidden_size
         self.max_tokens_per_rank = max_tokens_per_rank
@@ -85,7 +95,7 @@ class Buffer:
         self.timeout_s = float(timeout_s)
         self.agree_on_inputs = agree_on_inputs
         self.low_latency_tokens, self.mask_failed_ranks = low_latency_tokens, mask_failed_ranks
-        self._rt = make_runtime(plan, group, device, timeout_s, context_sms)
+        self._rt = make_runtime(plan, group, device, timeout_s, context_sms, taken)
         self._id = operators.register(self._rt)
         self._streams = CommStream(device)
         self._refusals = Refusals(self._rt, agree_on_inputs)
@@ -345,7 +355,8 @@ class Buffer:
         silent)."""
         if getattr(self, "_rt", None) is not None:
             operators.unregister(self._id)
-            masks.release(self._rt)
+            rt = self._rt
+            masks.release(rt.heap, rt.rank, rt.world_size, rt.plan.nodes, rt.timeout_ns, rt.device)
             self._rt = None
 
     def __enter__(self) -> "Buffer":

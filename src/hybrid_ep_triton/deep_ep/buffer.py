@@ -17,8 +17,11 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+import triton
 
 from .. import Buffer as _HepBuffer
+from ..buffer import DEFAULT_TIMEOUT_S
+from ..ops.reserved import ReservedHeap
 from ..runtime.checks import check_mask_out, check_maskable, ranks_per_host
 from ..runtime.planner import ceil_div
 from ._sizing import Sized, gather, round_up
@@ -244,6 +247,14 @@ class Buffer:
         self._normal = Sized(group, self._make_normal)
         self._normal_shape = None  # (hidden, dtype, experts, device) of the normal Buffers
         self._low_latency: _HepBuffer | None = None
+        # The low-latency Buffer's heap, reserved here as DeepEP allocates its RDMA buffer: the
+        # first low-latency call, which makes the Buffer in it, then waits for no rank on the
+        # host (one may be gone by then: enable_shrink).
+        self._reserved = None
+        if low_latency_mode and num_rdma_bytes > 0:
+            nbytes = num_rdma_bytes + _BESIDE_LOW_LATENCY_BYTES
+            device = _constructor_device()
+            self._reserved = ReservedHeap(group, nbytes, device, self.ranks_per_node)
         self._masked = torch.zeros(self.group_size, dtype=torch.int32, device="cpu")  # (until then)
         self._retired: list[_HepBuffer] = []
         self._join: torch.cuda.Stream | None = None
@@ -336,7 +347,9 @@ class Buffer:
         for buffer in [*self._retired, self._low_latency]:
             if buffer is not None:
                 buffer.destroy()
-        self._retired, self._low_latency = [], None
+        if self._reserved is not None:
+            self._reserved.release(DEFAULT_TIMEOUT_S)
+        self._retired, self._low_latency, self._reserved = [], None, None
 
     # -- normal mode -----------------------------------------------------------------------
 
@@ -813,6 +826,7 @@ class Buffer:
             device=x.device,
             low_latency_tokens=tokens,
             mask_failed_ranks=self.enable_shrink,
+            heap=self._reserved,
         )
         for rank in self._masked.nonzero().flatten().tolist():
             self._low_latency.update_mask(rank, True)
@@ -836,6 +850,21 @@ def _config(table: dict, num_ranks: int) -> Config:
     if num_ranks not in table:
         raise ValueError(f"Unsupported number of EP ranks: {num_ranks}")
     return Config(Buffer.num_sms, *table[num_ranks])
+
+
+# What a low-latency Buffer's heap holds beside the area DeepEP's size hint covers (the
+# mask, the normal mode's flags and a token row per rank): tens of KB for the sizes of
+# DeepEP's tests, up to a few MB across many nodes, where the hint's margin over this
+# library's area is larger still.
+_BESIDE_LOW_LATENCY_BYTES = 8 << 20
+
+
+def _constructor_device() -> torch.device:
+    """Where DeepEP's constructor allocates: the current CUDA device (the CPU for CPU ranks,
+    whose kernels run in Triton's interpreter)."""
+    if triton.knobs.runtime.interpret:
+        return torch.device("cpu")
+    return torch.device("cuda", torch.cuda.current_device())
 
 
 def _tokens_that_fit(num_rdma_bytes: int, hidden: int, num_ranks: int, num_experts: int) -> int:

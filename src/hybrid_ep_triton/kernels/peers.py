@@ -34,17 +34,10 @@ from .primitives import (
 Masking = namedtuple(
     "Masking", "rank control_ptr status_ptr timeout_ns mask_ptr bases_ptr net_bases_ptr mask_off"
 )
-# The most timeouts a masking wait lasts while the peer's heartbeat moves (wait_unless_masked).
+# The most timeouts a masking wait lasts while the peer's heartbeat moves (await_peers).
 BEAT_TIMEOUTS = tl.constexpr(4)
 # Heartbeats a waiting rank pushes to the ranks of other nodes per timeout.
 BEAT_PUSHES = tl.constexpr(8)
-# A waiting rank's heartbeat (wait_unless_masked): its own word (own_ptr), read by the ranks of
-# its node; every rank's heap base here (bases_ptr, 0 on another node) and for network signals
-# (net_bases_ptr); the mask (masked_ptr, int64 [W], nonzero: masked); the byte offset of the
-# words [W] into which the ranks of other nodes push theirs (pushed_off), in every heap.
-Heartbeat = namedtuple(
-    "Heartbeat", "rank own_ptr bases_ptr net_bases_ptr masked_ptr pushed_off W NODES"
-)
 # The mask word a wait that ran out writes: nonzero as every mask word, and this value until the
 # rank that set it has told the other ranks (which then set 1).
 MASKED_HERE = tl.constexpr(2)
@@ -65,43 +58,66 @@ def await_peer(flag_ptr, target, peer, stage, m, W, NODES: tl.constexpr):
     """Whether ``*flag_ptr`` reached ``target``: waits unless ``peer`` is masked, or until it
     is; past timeout_ns a Buffer with mask_failed_ranks masks it (the next tell_new_masks tells
     the other ranks), else the timeout is recorded."""
-    one = tl.zeros([1], tl.int32)
-    arrived = await_peers(flag_ptr + one, target, one == 0, peer + one, peer, stage, m, W, NODES)
-    return tl.max(arrived.to(tl.int32), axis=0) > 0
+    # A flag that is up (the common case) costs one read.
+    arrived = tl.atomic_add(flag_ptr, 0, sem="acquire", scope="sys") >= target
+    if not arrived:
+        one = tl.zeros([1], tl.int32)
+        came = await_peers(flag_ptr + one, target, one == 0, peer + one, peer, stage, m, W, NODES)
+        arrived = tl.max(came.to(tl.int32), axis=0) > 0
+    return arrived
 
 
 @triton.jit
 def await_peers(flag_ptrs, target, awaited, peers, first_peer, stage, m, W, NODES: tl.constexpr):
     """[N], whether each flag of ``flag_ptrs`` [N] from ``peers`` [N] reached ``target`` where
-    ``awaited``, as ``await_peer`` waits (``first_peer``: the one a recorded timeout names).
-    Where a peer did not arrive and a wait of this rank masked it (MASKED_HERE, not told yet),
-    sets MASKS_NEW, so that tell_new_masks tells the others. (Masked stores, not branches:
-    Triton 3.6 fails to compile a branch after the wait.)"""
-    arrived = wait_unless_masked(
-        flag_ptrs,
-        target,
-        awaited,
-        m.timeout_ns,
-        m.status_ptr,
-        m.mask_ptr + peers,
-        tl.load(m.control_ptr + MASK_FAILED),
-        _beats(m, peers, W, NODES),
-        Heartbeat(
-            m.rank,
-            m.mask_ptr + W,
-            m.bases_ptr,
-            m.net_bases_ptr,
-            m.mask_ptr,
-            m.mask_off + (W + 1) * 8,
-            W,
-            NODES,
-        ),
-        first_peer,
-        stage,
-    )
-    lost = awaited & ~arrived
-    here = tl.load(m.mask_ptr + peers, mask=lost, other=0, volatile=True) == MASKED_HERE
-    tl.store(m.control_ptr + MASKS_NEW, 1, mask=tl.max(here.to(tl.int32), axis=0) > 0)
+    ``awaited``, as ``await_peer`` waits (``first_peer``: the one a recorded timeout names). A
+    masked peer is not waited for, nor any longer once another program masks it. Past
+    timeout_ns, with MASK_FAILED, the peers still awaited and not masked yet are masked
+    (MASKED_HERE, and MASKS_NEW set, so that tell_new_masks tells the others) and the wait
+    ends; without, the timeout is recorded as wait_at_least() does.
+
+    Heartbeats: while it waits, a rank writes the time into its word (the mask's word W), and
+    about BEAT_PUSHES times a timeout (its waits together) into its word in the heap of every
+    live rank of another node. A peer whose heartbeat moves is itself waiting (on a rank that
+    is gone, say), not gone: its time starts again, up to BEAT_TIMEOUTS timeouts in all, so
+    that it is not masked for another rank's failure.
+
+    A flag that is up costs one poll: everything else happens in the loop, which then never
+    runs (on CPU ranks, where every operation is interpreted, a wait is mostly that poll)."""
+    masked_ptrs = m.mask_ptr + peers
+    arrived, waiting = _awaited(flag_ptrs, target, awaited, masked_ptrs, m.status_ptr)
+    start = tl.zeros([], tl.int64)  # 0: the first time round the loop sets it
+    starts = tl.zeros(flag_ptrs.shape, tl.int64)
+    # No heartbeat read before the first poll in the loop, which counts as a move and starts
+    # each peer's time then.
+    last_beats = tl.full(flag_ptrs.shape, -1, tl.int64)
+    while waiting:
+        now = clock_ns()
+        start = tl.where(start == 0, now, start)
+        own_beat = m.mask_ptr + W
+        if NODES > 1:  # the first of this rank's waits in a new period pushes
+            period = m.timeout_ns // BEAT_PUSHES + 1
+            if now // period != tl.load(own_beat, volatile=True) // period:
+                _push_heartbeat(now, m, W)
+        tl.store(own_beat, now)
+        if tl.load(m.control_ptr + MASK_FAILED) != 0:
+            beats = _beats(m, peers, W, NODES)
+            has_beat = awaited & (beats != 0)
+            beat_ptrs = tl.where(has_beat, beats, 0).to(tl.pointer_type(tl.int64))
+            seen = tl.load(beat_ptrs, mask=has_beat, other=0, volatile=True)
+            moved = has_beat & (seen != last_beats) & (now - start < BEAT_TIMEOUTS * m.timeout_ns)
+            starts = tl.where(moved, now, starts)
+            last_beats = seen
+            left = awaited & ~arrived & (now - starts > m.timeout_ns)
+            unmasked = tl.where(left, 0, -1).to(tl.int64)  # (-1: no word holds it)
+            here = tl.full(masked_ptrs.shape, MASKED_HERE, tl.int64)
+            was = tl.atomic_cas(masked_ptrs, unmasked, here)
+            set_here = tl.max((left & (was == 0)).to(tl.int32), axis=0) > 0
+            tl.store(m.control_ptr + MASKS_NEW, 1, mask=set_here)
+        else:
+            time_out_after(start, m.timeout_ns, m.status_ptr, first_peer, stage)
+        arrived, waiting = _awaited(flag_ptrs, target, awaited, masked_ptrs, m.status_ptr)
+    tl.debug_barrier()
     return arrived
 
 
@@ -118,69 +134,13 @@ def _beats(m, peers, W, NODES: tl.constexpr):
 
 
 @triton.jit
-def wait_unless_masked(
-    flag_ptrs,
-    target,
-    mask,
-    timeout_ns,
-    status_ptr,
-    masked_ptrs,
-    mask_on_timeout,
-    beats,
-    beat,
-    peer,
-    stage,
-):
-    """wait_all_at_least() for flags of peers that may be masked (``*masked_ptrs`` nonzero,
-    [N] beside ``flag_ptrs``): returns [N], whether each flag arrived where ``mask``. A masked
-    peer is not waited for, nor any longer once another program masks it. Past ``timeout_ns``,
-    with ``mask_on_timeout`` the peers still awaited and not masked yet are masked (set to
-    MASKED_HERE) and the wait ends; without, the timeout is recorded as wait_at_least() does.
-
-    Heartbeats: while it waits, a rank writes the time into its word (``beat``, a Heartbeat),
-    and about BEAT_PUSHES times a timeout (its waits together) into its word in the heap of
-    every live rank of another node; ``beats`` [N] holds the addresses (int64, 0: none) of the
-    peers' words as this rank sees them. A peer whose heartbeat moves is itself waiting (on a
-    rank that is gone, say), not gone: its time starts again, up to BEAT_TIMEOUTS timeouts in
-    all, so that it is not masked for another rank's failure."""
-    start = clock_ns()
-    starts = tl.zeros(flag_ptrs.shape, tl.int64) + start
-    has_beat = mask & (beats != 0)
-    beat_ptrs = tl.where(has_beat, beats, 0).to(tl.pointer_type(tl.int64))
-    # No heartbeat read before the first poll (a flag that is up costs no read of a peer's
-    # memory): the first poll counts as a move and starts each peer's time then.
-    last_beats = tl.full(flag_ptrs.shape, -1, tl.int64)
-    arrived, waiting = _awaited(flag_ptrs, target, mask, masked_ptrs, status_ptr)
-    while waiting:
-        now = clock_ns()
-        if beat.NODES > 1:  # the first of this rank's waits in a new period pushes
-            period = timeout_ns // BEAT_PUSHES + 1
-            if now // period != tl.load(beat.own_ptr, volatile=True) // period:
-                _push_heartbeat(now, beat)
-        tl.store(beat.own_ptr, now)
-        if mask_on_timeout != 0:
-            seen = tl.load(beat_ptrs, mask=has_beat, other=0, volatile=True)
-            moved = has_beat & (seen != last_beats) & (now - start < BEAT_TIMEOUTS * timeout_ns)
-            starts = tl.where(moved, now, starts)
-            last_beats = seen
-            left = mask & ~arrived & (now - starts > timeout_ns)
-            unmasked = tl.where(left, 0, -1).to(tl.int64)  # (-1: no word holds it)
-            tl.atomic_cas(masked_ptrs, unmasked, tl.full(masked_ptrs.shape, MASKED_HERE, tl.int64))
-        else:
-            time_out_after(start, timeout_ns, status_ptr, peer, stage)
-        arrived, waiting = _awaited(flag_ptrs, target, mask, masked_ptrs, status_ptr)
-    tl.debug_barrier()
-    return arrived
-
-
-@triton.jit
-def _push_heartbeat(now, beat):
-    """Heartbeat ``now`` into this rank's word at ``pushed_off`` of every live rank of another
-    node, where the waits on this rank read it (a network signal each)."""
-    for peer in range(0, beat.W):
-        far = tl.load(beat.bases_ptr + peer) == 0
-        if far & (tl.load(beat.masked_ptr + peer, volatile=True) == 0):
-            net_signal(beat.net_bases_ptr, peer, beat.pushed_off + beat.rank * 8, now)
+def _push_heartbeat(now, m, W):
+    """Heartbeat ``now`` into this rank's word of the pushed heartbeats (after the mask's
+    word W) of every live rank of another node, where the waits on this rank read it (a
+    network signal each)."""
+    for peer in range(0, W):
+        if (tl.load(m.bases_ptr + peer) == 0) & live(m, peer):
+            net_signal(m.net_bases_ptr, peer, m.mask_off + (W + 1 + m.rank) * 8, now)
 
 
 @triton.jit
@@ -348,9 +308,9 @@ def farewell_kernel(
     NVSHMEM's free waits for every rank: one that never comes would hold the others forever).
     It says its word in its place of every live rank's farewell region (LEAVING where it has
     masked a rank or left before, or finds itself masked, else FREE_TOGETHER), and waits, up to
-    timeout_ns (not at all where it is masked itself), for every other rank's word: all
-    FREE_TOGETHER, the verdict is FREE_TOGETHER; a word LEAVING or the time run out, LEAVING,
-    which it then says, so that a rank that decides later leaves as well.
+    timeout_ns (not at all where it is masked itself, nor once told so), for every other
+    rank's word: all FREE_TOGETHER, the verdict is FREE_TOGETHER; a word LEAVING or the time
+    run out, LEAVING, which it then says, so that a rank that decides later leaves as well.
     Writes the verdict into its own place of its farewell region and into *verdict_ptr."""
     peers = tl.arange(0, W_P2)
     others = (peers < W) & (peers != rank)
@@ -369,15 +329,20 @@ def farewell_kernel(
     _say_farewell(mine, masked, peer_bases_ptr, net_bases_ptr, farewell_off, rank, W, NODES)
     start = clock_ns()
     said = tl.where(others, tl.zeros([W_P2], tl.int64), mine)
+    own_mask = region(peer_bases_ptr, rank, mask_off, tl.int64) + rank
     waiting = ~outcast
     while waiting:
         said = tl.where(others, tl.load(words, mask=others, other=0, volatile=True), mine)
+        # (told meanwhile that it is masked: no word will come)
+        outcast = tl.load(own_mask, volatile=True) != 0
         waiting = (
             (tl.min(said, axis=0) == 0)
             & (tl.max(said, axis=0) < LEAVING)
             & (clock_ns() - start < timeout_ns)
+            & ~outcast
         )
     together = (tl.min(said, axis=0) == FREE_TOGETHER) & (tl.max(said, axis=0) == FREE_TOGETHER)
+    together = together & ~outcast
     verdict = tl.where(together, FREE_TOGETHER, LEAVING)
     _say_farewell(verdict, masked, peer_bases_ptr, net_bases_ptr, farewell_off, rank, W, NODES)
     tl.store(words, verdict, mask=peers == rank)

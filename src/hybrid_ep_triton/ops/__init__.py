@@ -6,7 +6,8 @@ normal mode's launches; low_latency: the low-latency mode's; quantize: the quant
 scaled_rows: ScaledValues; status: what the device recorded, as exceptions; refusal: the
 protocol by which a rank's refused inputs reach every rank; streams: calls on the Buffer's
 communication stream; operators: the torch.library operators and their autograd; masks: the mask
-of failed ranks and destroy()'s farewell.
+of failed ranks and destroy()'s farewell; reserved: a heap reserved before a Buffer's sizes are
+known, which a Buffer made later takes without a collective.
 """
 
 from ..runtime import triton_compat

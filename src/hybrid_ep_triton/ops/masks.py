@@ -6,9 +6,9 @@ import torch
 from ..kernels.control import MASK_FAILED, MASKS_NEW
 from ..kernels.peers import FREE_TOGETHER, MASKED_HERE, farewell_kernel
 from ..runtime.checks import check_flag, check_mask_out, check_maskable
-from ..runtime.planner import next_power_of_2
+from ..runtime.planner import fixed_regions, next_power_of_2
 from .launch import KernelLauncher
-from .runtime import Runtime
+from .runtime import Runtime, nvshmem_linking
 
 
 def mask_failed(rt: Runtime, on: bool) -> None:
@@ -48,38 +48,42 @@ def masked_ranks(rt: Runtime) -> list[int]:
     return torch.nonzero(mask_words(rt)).flatten().tolist()
 
 
-def release(rt: Runtime) -> None:
-    """Free ``rt``'s heap with the other ranks (on GPUs NVSHMEM's free waits for every rank)
-    where ``farewell`` says so, else leave it without waiting for anyone: on GPUs the heap and
-    NVSHMEM then stay until the process ends."""
-    if farewell(rt):
-        rt.heap.close()
+def release(heap, rank: int, world_size: int, nodes: int, timeout_ns: int, device) -> None:
+    """Free ``heap`` (a symmetric heap of ``world_size`` ranks on ``nodes`` nodes, runtime/heap.py)
+    with the other ranks (on GPUs NVSHMEM's free waits for every rank) where ``farewell`` says
+    so, else leave it without waiting for anyone: on GPUs the heap and NVSHMEM then stay until
+    the process ends."""
+    if farewell(heap, rank, world_size, nodes, timeout_ns, device):
+        heap.close()
     else:
-        rt.heap.abandon()
+        heap.abandon()
 
 
-def farewell(rt: Runtime) -> bool:
-    """Whether every rank says, within timeout_s, that it frees the heap with the others, none
-    masked here or by another rank (kernels/peers.py, farewell_kernel; a host
-    synchronisation). Said again, it gives the same answer at once."""
-    if rt.world_size == 1:
+def farewell(heap, rank: int, world_size: int, nodes: int, timeout_ns: int, device) -> bool:
+    """Whether every rank says, within ``timeout_ns``, that it frees ``heap`` with the others,
+    none masked here or by another rank (kernels/peers.py, farewell_kernel; a host
+    synchronisation). Said again, it gives the same answer at once. The mask and farewell
+    regions are where every plan of the world puts them, so that a heap reserved and never
+    taken by a Buffer says farewell too."""
+    if world_size == 1:
         return True
-    heap = rt.plan.heap
-    verdict = torch.zeros(1, dtype=torch.int64, device=rt.device)
+    regions = fixed_regions(world_size)
+    compile_options, on_compile = nvshmem_linking(device, nodes)
+    verdict = torch.zeros(1, dtype=torch.int64, device=device)
     launch = KernelLauncher(
         farewell_kernel,
-        on_compile=rt.on_compile,
-        peer_bases_ptr=rt.heap.peer_bases,
-        net_bases_ptr=rt.heap.net_bases,
-        mask_off=heap.mask,
-        farewell_off=heap.farewell,
-        rank=rt.rank,
-        timeout_ns=rt.timeout_ns,
-        W=rt.world_size,
-        W_P2=next_power_of_2(rt.world_size),
-        NODES=rt.plan.nodes,
+        on_compile=on_compile,
+        peer_bases_ptr=heap.peer_bases,
+        net_bases_ptr=heap.net_bases,
+        mask_off=regions["mask"],
+        farewell_off=regions["farewell"],
+        rank=rank,
+        timeout_ns=timeout_ns,
+        W=world_size,
+        W_P2=next_power_of_2(world_size),
+        NODES=nodes,
         num_warps=1,
-        **rt.compile_options,
+        **compile_options,
     )
     launch((1,), specialized={}, aligned=dict(verdict_ptr=verdict))
     return int(verdict.item()) == FREE_TOGETHER.value

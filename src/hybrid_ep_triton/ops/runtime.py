@@ -129,26 +129,25 @@ class Runtime:
 
 
 def make_runtime(
-    plan: Plan, group: dist.ProcessGroup, device: torch.device, timeout_s: float, sms: int | None
+    plan: Plan,
+    group: dist.ProcessGroup,
+    device: torch.device,
+    timeout_s: float,
+    sms: int | None,
+    heap=None,
 ) -> Runtime:
-    """A Buffer's runtime: its symmetric heap (collective over ``group``), control block, report,
-    host record and outbox, on ``device``; ``sms``: the SMs this process's context may use on a
-    GPU (None on CPU ranks)."""
+    """A Buffer's runtime: its symmetric heap (collective over ``group``; ``heap``: one made
+    earlier, zero-filled, at least the plan's size), control block, report, host record and
+    outbox, on ``device``; ``sms``: the SMs this process's context may use on a GPU (None on
+    CPU ranks)."""
     on_gpu = device.type == "cuda"
-    across_gpus = on_gpu and plan.nodes > 1
     ll = plan.low_latency
-    if across_gpus:  # kernels that call NVSHMEM link its device library, and set up each module
-        import triton
-
-        from ..runtime.cuda_packages import check_device_bitcode
-        from ..runtime.nvshmem import init_module
-        from ..runtime.nvshmem_bitcode import device_library
-
-        # Before the heap: otherwise the first dispatch would fail to compile, on every rank.
-        check_device_bitcode(triton.__version__)
+    compile_options, on_compile = nvshmem_linking(device, plan.nodes)
+    if heap is None:
+        heap = allocate_heap(group, plan.heap.total_bytes, device, plan.ranks_per_node)
     return Runtime(
         plan=plan,
-        heap=allocate_heap(group, plan.heap.total_bytes, device, plan.ranks_per_node),
+        heap=heap,
         control=torch.zeros(CONTROL_WORDS, dtype=torch.int64, device=device),
         rank=dist.get_rank(group),
         world_size=plan.world_size,
@@ -168,9 +167,26 @@ def make_runtime(
             dtype=torch.int32,
             device=device,
         ),
-        compile_options={"extern_libs": device_library()} if across_gpus else {},
-        on_compile=init_module if across_gpus else None,
+        compile_options=compile_options,
+        on_compile=on_compile,
     )
+
+
+def nvshmem_linking(device: torch.device, nodes: int) -> tuple[dict, Callable | None]:
+    """(compile options, on_compile) of the kernels of a heap on ``device`` spanning ``nodes``
+    nodes: across nodes on GPUs they call NVSHMEM, so they link its device library and set up
+    each module; else nothing. Checks first that the library is there: otherwise the first
+    launch would fail to compile, on every rank."""
+    if device.type != "cuda" or nodes == 1:
+        return {}, None
+    import triton
+
+    from ..runtime.cuda_packages import check_device_bitcode
+    from ..runtime.nvshmem import init_module
+    from ..runtime.nvshmem_bitcode import device_library
+
+    check_device_bitcode(triton.__version__)
+    return {"extern_libs": device_library()}, init_module
 
 
 def report_tag(call: int) -> int:
@@ -181,24 +197,32 @@ def report_tag(call: int) -> int:
 
 
 def agreed_plan(
-    group: dist.ProcessGroup, options: BufferOptions
+    group: dist.ProcessGroup, options: BufferOptions, ranks_per_node: int | None = None
 ) -> tuple[Plan, torch.device, int | None]:
     """Buffer's constructor up to its allocations (collective): every rank's parameters checked
     and agreed (a refusal on any rank is a ValueError on every rank), the kernel configuration
     chosen, the plan made. Returns the plan, the resolved device and the SMs this process's
-    CUDA context may use (None on CPU ranks)."""
+    CUDA context may use (None on CPU ranks).
+
+    With ``ranks_per_node`` (a heap reserved for the Buffer) there is no collective: a refusal
+    is this rank's ValueError alone, and the configuration is the default one (no rank's
+    tuning cache), so that ranks passing the same parameters make the same plan."""
     world = dist.get_world_size(group)
+    collective = ranks_per_node is None
     try:
         device = token_device(options.device, group)
         check_parameters(world, replace(options, device=device))
         refused = None
     except ValueError as error:
         refused = error
-    # Every rank gathers the host names (so that ranks passing and not passing
-    # ranks_per_node make the same collectives) and whether it refused its parameters: a
-    # refusal on any rank is a ValueError on every rank.
-    hosts = gather_or_refuse(group, socket.gethostname(), refused)
-    ranks_per_node = options.ranks_per_node or ranks_per_host(hosts)
+    if collective:
+        # Every rank gathers the host names (so that ranks passing and not passing
+        # ranks_per_node make the same collectives) and whether it refused its parameters: a
+        # refusal on any rank is a ValueError on every rank.
+        hosts = gather_or_refuse(group, socket.gethostname(), refused)
+        ranks_per_node = options.ranks_per_node or ranks_per_host(hosts)
+    elif refused is not None:
+        raise refused
     on_gpu = device.type == "cuda"
     # The SMs this process's context may use: under an MPS share (ranks sharing a GPU) the
     # context reports and gets that share alone.
@@ -213,6 +237,7 @@ def agreed_plan(
         options.num_sms,
         on_gpu,
         available_sms=context_sms,
+        cached=collective,
     )
     if on_gpu and config.num_sms > context_sms:
         refused = ValueError(
@@ -220,22 +245,25 @@ def agreed_plan(
             f"CUDA context may use (an MPS share, CUDA_MPS_ACTIVE_THREAD_PERCENTAGE, gives "
             "a context part of the GPU)"
         )
-    check_same_on_all_ranks(
-        group,
-        refused,
-        hidden_size=options.hidden_size,
-        max_tokens_per_rank=options.max_tokens_per_rank,
-        num_experts=options.num_experts,
-        dtype=options.dtype,
-        num_sms=config.num_sms,
-        expand=options.expand,
-        ranks_per_node=ranks_per_node,
-        device_type=device.type,
-        agree_on_inputs=options.agree_on_inputs,
-        low_latency_tokens=options.low_latency_tokens,
-        mask_failed_ranks=options.mask_failed_ranks,  # (the layouts' agreement on masks)
-        kernel_config=config,  # from each rank's tuning cache: must agree too
-    )
+    if not collective and refused is not None:
+        raise refused
+    if collective:
+        check_same_on_all_ranks(
+            group,
+            refused,
+            hidden_size=options.hidden_size,
+            max_tokens_per_rank=options.max_tokens_per_rank,
+            num_experts=options.num_experts,
+            dtype=options.dtype,
+            num_sms=config.num_sms,
+            expand=options.expand,
+            ranks_per_node=ranks_per_node,
+            device_type=device.type,
+            agree_on_inputs=options.agree_on_inputs,
+            low_latency_tokens=options.low_latency_tokens,
+            mask_failed_ranks=options.mask_failed_ranks,  # (the layouts' agreement on masks)
+            kernel_config=config,  # from each rank's tuning cache: must agree too
+        )
     plan = make_plan(
         world,
         options.hidden_size,

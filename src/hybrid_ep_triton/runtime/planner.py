@@ -259,6 +259,19 @@ def scaled_rows(
 class HeapLayout:
     """Byte offsets of the regions of one rank's symmetric buffer (the same on every rank).
 
+    In this order: first the regions placed by the world alone, then the low-latency mode's,
+    then the normal mode's (make_plan says why).
+
+    mask          int64 [2W + 1]         nonzero where rank i is masked here (Buffer.update_mask,
+                                         a wait that ran out: MASKED_HERE until this rank has
+                                         told the others; a peer that masked it and said so: 1);
+                                         then this rank's heartbeat: the time, written while it
+                                         waits; then rank i's heartbeat, pushed here while it
+                                         waits by rank i of another node (kernels/peers.py)
+    farewell      int64 [W]              rank i's word at destroy(): it frees the heap with the
+                                         others (1) or leaves it (2); 0 while it has not said
+                                         (this rank's own place: its last verdict)
+    ll_*          the low-latency mode's regions (``LowLatencyLayout``), empty without it
     count_flags   int64 [W]              source s published its layout row (sequence number)
     dispatch_ready int64 [W, MAX_PROGRAMS] program p of rank s started a dispatch launch
     combine_ready int64 [W, MAX_PROGRAMS] ... a combine launch (apart from dispatch's, so a
@@ -289,16 +302,6 @@ class HeapLayout:
                                          over NVLink; combine: its node's partial sums)
     net_outbox    [N, NC_MAX * S] NetSlot  what this rank puts to node n (network sources must
                                          lie in registered memory)
-    mask          int64 [2W + 1]         nonzero where rank i is masked here (Buffer.update_mask,
-                                         a wait that ran out: MASKED_HERE until this rank has
-                                         told the others; a peer that masked it and said so: 1);
-                                         then this rank's heartbeat: the time, written while it
-                                         waits; then rank i's heartbeat, pushed here while it
-                                         waits by rank i of another node (kernels/peers.py)
-    farewell      int64 [W]              rank i's word at destroy(): it frees the heap with the
-                                         others (1) or leaves it (2); 0 while it has not said
-                                         (this rank's own place: its last verdict)
-    ll_*          the low-latency mode's regions (``LowLatencyLayout``), empty without it
     """
 
     count_flags: int
@@ -408,7 +411,7 @@ def low_latency_bytes(
     heap's alignment."""
     ll = low_latency_layout(num_max_dispatch_tokens_per_rank, hidden, num_ranks, num_experts, dtype)
     sizes = low_latency_region_sizes(ll, num_ranks, num_experts)
-    return sum(ceil_div(size, _ALIGN) * _ALIGN for _, size in sizes)
+    return _laid_out(sizes)[1]
 
 
 def deepep_low_latency_bytes(tokens: int, hidden: int, world_size: int, num_experts: int) -> int:
@@ -511,7 +514,14 @@ def make_plan(
     slot_bytes = ceil_div(data_offset + chunk * data_bytes, _ALIGN) * _ALIGN
     # Across nodes only: a group of one node moves nothing over the network.
     net_slots = nodes * items if nodes > 1 else 0
+    ll = low_latency_layout(low_latency_tokens, hidden, world_size, num_experts, dtype)
+    # First the regions whose place depends on the world alone, then the low-latency mode's,
+    # which depend on neither the kernel configuration nor the normal mode's sizes: a heap
+    # reserved before the sizes were known (Buffer's ``heap``) has them where every rank's
+    # Buffer puts them, and one reserved and never used still says farewell (``fixed_regions``).
     sizes = [
+        *_fixed_region_sizes(world_size),
+        *low_latency_region_sizes(ll, world_size, num_experts),
         ("count_flags", world_size * 8),
         ("dispatch_ready", world_size * MAX_PROGRAMS * 8),
         ("combine_ready", world_size * MAX_PROGRAMS * 8),
@@ -525,16 +535,8 @@ def make_plan(
         ("net_flags", net_slots * 8),
         ("net_inbox", net_slots * slot_bytes),
         ("net_outbox", net_slots * slot_bytes),
-        ("mask", (2 * world_size + 1) * 8),
-        ("farewell", world_size * 8),
     ]
-    ll = low_latency_layout(low_latency_tokens, hidden, world_size, num_experts, dtype)
-    sizes += low_latency_region_sizes(ll, world_size, num_experts)
-    offsets = {}
-    cursor = 0
-    for name, size in sizes:
-        offsets[name] = cursor
-        cursor += ceil_div(size, _ALIGN) * _ALIGN
+    offsets, total_bytes = _laid_out(sizes)
     return Plan(
         world_size=world_size,
         hidden=hidden,
@@ -547,10 +549,31 @@ def make_plan(
         meta_stride=meta_stride,
         counts_row=counts_row,
         layout_row=layout_row,
-        heap=HeapLayout(total_bytes=cursor, **offsets),
+        heap=HeapLayout(total_bytes=total_bytes, **offsets),
         token_rows=token_rows,
         ranks_per_node=ranks_per_node,
         net_slot=NetSlot(meta_ints, meta_floats, cols, data_offset, slot_bytes),
         scaled=scaled,
         low_latency=ll,
     )
+
+
+def _fixed_region_sizes(world_size: int) -> list:
+    """(name, bytes) of the regions that every plan of ``world_size`` ranks puts first."""
+    return [("mask", (2 * world_size + 1) * 8), ("farewell", world_size * 8)]
+
+
+def fixed_regions(world_size: int) -> dict[str, int]:
+    """The byte offsets of the mask and farewell regions in every plan of ``world_size``
+    ranks, whatever its sizes (so in a reserved heap that no Buffer took yet)."""
+    return _laid_out(_fixed_region_sizes(world_size))[0]
+
+
+def _laid_out(sizes: list) -> tuple[dict[str, int], int]:
+    """The regions ``sizes`` [(name, bytes)] one after another, each at a multiple of the
+    heap's alignment: ({name: byte offset}, total bytes)."""
+    offsets, cursor = {}, 0
+    for name, size in sizes:
+        offsets[name] = cursor
+        cursor += ceil_div(size, _ALIGN) * _ALIGN
+    return offsets, cursor

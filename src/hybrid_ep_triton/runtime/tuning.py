@@ -62,23 +62,24 @@ def select_config(
     num_sms: int | None,
     on_gpu: bool,
     available_sms: int | None = None,
+    cached: bool = True,
 ) -> KernelConfig:
-    """The cached configuration for ``key`` (with a budget of ``num_sms`` when given), else the
-    heuristic ``default_config``. Without ``num_sms``, a budget of at most ``available_sms``
-    (the SMs this process's context may use: an MPS share may give it fewer than the default
-    8), so that the default never asks for more than the context has."""
-    config = _cached_or_default(key, hidden, max_tokens, num_sms, on_gpu)
+    """The cached configuration for ``key`` (with a budget of ``num_sms`` when given), else (or
+    without ``cached``) the heuristic ``default_config``. Without ``num_sms``, a budget of at
+    most ``available_sms`` (the SMs this process's context may use: an MPS share may give it
+    fewer than the default 8), so that the default never asks for more than the context has."""
+    config = _cached_or_default(key, hidden, max_tokens, num_sms, on_gpu, cached)
     if num_sms is None and available_sms is not None and config.num_sms > available_sms:
-        return _cached_or_default(key, hidden, max_tokens, available_sms, on_gpu)
+        return _cached_or_default(key, hidden, max_tokens, available_sms, on_gpu, cached)
     return config
 
 
 def _cached_or_default(
-    key: str, hidden: int, max_tokens: int, num_sms: int | None, on_gpu: bool
+    key: str, hidden: int, max_tokens: int, num_sms: int | None, on_gpu: bool, cached: bool
 ) -> KernelConfig:
     if _FORCED:
         return _FORCED[-1]
-    entry = _load().get(key)
+    entry = _load().get(key) if cached else None
     fields = {f.name for f in dataclasses.fields(KernelConfig)}
     if entry is None or set(entry["config"]) != fields:  # none, or written by another version
         return default_config(hidden, max_tokens, num_sms, on_gpu)
