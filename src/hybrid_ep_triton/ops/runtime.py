@@ -204,9 +204,10 @@ def agreed_plan(
     chosen, the plan made. Returns the plan, the resolved device and the SMs this process's
     CUDA context may use (None on CPU ranks).
 
-    With ``ranks_per_node`` (a heap reserved for the Buffer) there is no collective: a refusal
-    is this rank's ValueError alone, and the configuration is the default one (no rank's
-    tuning cache), so that ranks passing the same parameters make the same plan."""
+    With ``ranks_per_node`` (a reserved heap's, for options without one) there is no
+    collective: a refusal is this rank's ValueError alone, and the configuration is the default
+    one (no rank's tuning cache), so that ranks passing the same parameters make the same
+    plan."""
     world = dist.get_world_size(group)
     collective = ranks_per_node is None
     try:
@@ -221,8 +222,10 @@ def agreed_plan(
         # refusal on any rank is a ValueError on every rank.
         hosts = gather_or_refuse(group, socket.gethostname(), refused)
         ranks_per_node = options.ranks_per_node or ranks_per_host(hosts)
-    elif refused is not None:
-        raise refused
+    else:
+        if refused is not None:
+            raise refused
+        ranks_per_node = options.ranks_per_node or ranks_per_node
     on_gpu = device.type == "cuda"
     # The SMs this process's context may use: under an MPS share (ranks sharing a GPU) the
     # context reports and gets that share alone.
