@@ -248,8 +248,6 @@ def agreed_plan(
             f"CUDA context may use (an MPS share, CUDA_MPS_ACTIVE_THREAD_PERCENTAGE, gives "
             "a context part of the GPU)"
         )
-    if not collective and refused is not None:
-        raise refused
     if collective:
         check_same_on_all_ranks(
             group,
@@ -267,6 +265,8 @@ def agreed_plan(
             mask_failed_ranks=options.mask_failed_ranks,  # (the layouts' agreement on masks)
             kernel_config=config,  # from each rank's tuning cache: must agree too
         )
+    elif refused is not None:
+        raise refused
     plan = make_plan(
         world,
         options.hidden_size,
