@@ -87,7 +87,8 @@
 #          from the copy of DeepEP's files in build/deepep (carry it: docs/deep_ep.md says how to
 #          make it; $DEEPEP_PROGRAMS, default "low_latency intranode", picks them); with
 #          DEEPEP_SHRINK=1 also test_low_latency.py --shrink-test on 8 ranks
-#          (raise STEP_TIMEOUT: three of its ranks stop, and the others wait 60 s for each)
+#          (three of its ranks stop, and the others wait deep_ep.Buffer's timeout_s for each:
+#          $DEEPEP_PEER_TIMEOUT_S, default 20 s; raise STEP_TIMEOUT)
 #   megatron-flex  Megatron-Core's flex dispatcher on deep_ep (tests/test_megatron.py, the flex
 #          cases, or those in $FLEX_CASES), each case in its own pytest under a fresh MPS daemon:
 #          a case's ranks, ended with it, can leave the daemon refusing the next case's
@@ -239,7 +240,8 @@ for step in $STEPS; do
                               if [ "${DEEPEP_SHRINK:-0}" = 1 ]; then echo "== shrink"; \
                               python3 tests/deep_ep_programs.py build/deepep --program low_latency \
                               --ranks 8 --num-tokens 64 --hidden 2048 --num-topk 4 \
-                              --num-experts 32 --shrink-test || rc=1; fi; exit $rc') ;;
+                              --num-experts 32 --shrink-test \
+                              --peer-timeout-s ${DEEPEP_PEER_TIMEOUT_S:-20} || rc=1; fi; exit $rc') ;;
         megatron-flex) cmd=(env "${MPS_DIRS[@]}" bash -c 'rc=0; cases=${FLEX_CASES:-"deepep-ep2 \
                             hybridep-ep2 hybridep-dp2_ep1 hybridep-ep1 deepep-dp2_ep2 \
                             hybridep-dp2_ep2 deepep-ep4 hybridep-ep4"}; for case in $cases; do \

@@ -3,6 +3,7 @@
 
     python tests/deep_ep_programs.py DEEPEP_DIR [--program intranode|low_latency] [--ranks 2]
         [--num-tokens 128] [--hidden 7168] [--num-topk 8] [--num-experts 64] [--shrink-test]
+        [--peer-timeout-s 60]
 
 DEEPEP_DIR is a copy of DeepEP's files that this runner reads and never fetches (the GPU
 machines reach no network): tests/legacy/test_intranode.py, tests/legacy/test_low_latency.py,
@@ -93,7 +94,8 @@ def _rank(rank: int, world: int, deepep_dir: str, program: str, sizes: dict) -> 
             import test_intranode
 
             buffer = deep_ep.Buffer(group, int(2e9), 0, low_latency_mode=False,
-                                    num_qps_per_rank=1, explicitly_destroy=True)  # fmt: skip
+                                    num_qps_per_rank=1, explicitly_destroy=True,
+                                    timeout_s=sizes["peer_timeout_s"])  # fmt: skip
             args = argparse.Namespace(**sizes)
             test_intranode.test_main(args, 24, rank, world, rank, buffer, group)
         else:
@@ -102,7 +104,8 @@ def _rank(rank: int, world: int, deepep_dir: str, program: str, sizes: dict) -> 
             rdma = deep_ep.Buffer.get_low_latency_rdma_size_hint(tokens, hidden, world, experts)
             buffer = deep_ep.Buffer(group, num_rdma_bytes=rdma, low_latency_mode=True,
                                     num_qps_per_rank=experts // world, explicitly_destroy=True,
-                                    enable_shrink=sizes["shrink_test"])  # fmt: skip
+                                    enable_shrink=sizes["shrink_test"],
+                                    timeout_s=sizes["peer_timeout_s"])  # fmt: skip
             test_low_latency.test_main(tokens, hidden, experts, topk, rank, world, group, buffer,
                                        shrink_test=sizes["shrink_test"], seed=1)  # fmt: skip
     except TimingsReached:
@@ -125,7 +128,10 @@ def main() -> int:
     parser.add_argument("--hidden", type=int, default=7168)
     parser.add_argument("--num-topk", type=int, default=8)
     parser.add_argument("--num-experts", type=int, default=64)
-    parser.add_argument("--timeout-s", type=float, default=1200)
+    parser.add_argument("--timeout-s", type=float, default=1200, help="for the whole run")
+    parser.add_argument("--peer-timeout-s", type=float, default=60.0,
+                        help="deep_ep.Buffer's timeout_s: with --shrink-test, what each of the "
+                        "three failures costs the others")  # fmt: skip
     parser.add_argument("--shrink-test", action="store_true",
                         help="low_latency: DeepEP's rank failures (ranks 1, 3, 5 stop calling; "
                         "8 ranks or more), with enable_shrink")  # fmt: skip
@@ -138,7 +144,7 @@ def main() -> int:
         parser.error(f"not in {args.deepep_dir}: {', '.join(missing)} (see --help)")
     sizes = dict(num_tokens=args.num_tokens, hidden=args.hidden, num_topk=args.num_topk,
                  num_experts=args.num_experts, allow_mnnvl=False,
-                 shrink_test=args.shrink_test)  # fmt: skip
+                 shrink_test=args.shrink_test, peer_timeout_s=args.peer_timeout_s)  # fmt: skip
     # By its module's name (not __main__), so that the rank processes can import it.
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from deep_ep_programs import _rank

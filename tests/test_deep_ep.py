@@ -312,6 +312,7 @@ def _refusals(buffer) -> list[str]:
     expect("enable_shrink", lambda: buffer.low_latency_update_mask_buffer(0, True))
     expect("Unsupported number", lambda: deep_ep.Buffer.get_dispatch_config(3))
     expect("even", lambda: deep_ep.Buffer.set_num_sms(3))
+    expect("timeout_s", lambda: deep_ep.Buffer(dist.group.WORLD, timeout_s=0))
     expect("explicitly_destroy", deep_ep.Buffer(dist.group.WORLD).destroy)
     return failures
 
@@ -432,7 +433,7 @@ def _shrink(rank: int, world: int, hidden: int, experts: int) -> list[str]:
     device, failures, local = rank_device(), [], experts // world
     rdma_bytes = deep_ep.Buffer.get_low_latency_rdma_size_hint(4, hidden, world, experts)
     buffer = deep_ep.Buffer(dist.group.WORLD, 0, rdma_bytes, low_latency_mode=True,
-                            enable_shrink=True, explicitly_destroy=True)  # fmt: skip
+                            enable_shrink=True, explicitly_destroy=True, timeout_s=30)  # fmt: skip
     if rank == 1:
         buffer.destroy()
         return failures
@@ -460,6 +461,8 @@ def _shrink(rank: int, world: int, hidden: int, experts: int) -> list[str]:
     buffer.low_latency_query_mask_buffer(cleaned)
     if mask.tolist() != [0, 1] or cleaned.tolist() != [0, 0]:
         failures.append(f"mask {mask.tolist()}, after cleaning {cleaned.tolist()}")
+    if buffer._low_latency.timeout_s != 30:
+        failures.append(f"the low-latency Buffer's timeout_s {buffer._low_latency.timeout_s}")
     buffer.destroy()
     return failures
 

@@ -214,6 +214,9 @@ class Buffer:
         enable_shrink: DeepEP's rank masking: a peer that does not answer a low-latency call
             within the timeout is masked, and the mask calls (low_latency_*_mask_buffer) work.
         comm: an mpi4py communicator instead of group: unsupported (ValueError if given).
+        timeout_s: this library's, not DeepEP's: seconds any wait on another rank may last
+            (float > 0) before TimeoutError, or, with enable_shrink, before that rank is masked
+            (Buffer's timeout_s: a serving engine takes it well under a second).
     """
 
     num_sms: int = 20
@@ -230,6 +233,7 @@ class Buffer:
         explicitly_destroy: bool = False,
         enable_shrink: bool = False,
         comm=None,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
     ):
         if group is None:
             if comm is not None:
@@ -243,6 +247,9 @@ class Buffer:
         self.low_latency_mode = low_latency_mode
         self.explicitly_destroy = explicitly_destroy
         self.enable_shrink = enable_shrink
+        if not timeout_s > 0:
+            raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
+        self.timeout_s = float(timeout_s)
         self.ranks_per_node = ranks_per_host(gather(group, socket.gethostname()))
         self._normal = Sized(group, self._make_normal)
         self._normal_shape = None  # (hidden, dtype, experts, device) of the normal Buffers
@@ -348,7 +355,7 @@ class Buffer:
             if buffer is not None:
                 buffer.destroy()
         if self._reserved is not None:
-            self._reserved.release(DEFAULT_TIMEOUT_S)
+            self._reserved.release(self.timeout_s)
         self._retired, self._low_latency, self._reserved = [], None, None
 
     # -- normal mode -----------------------------------------------------------------------
@@ -705,6 +712,7 @@ class Buffer:
             expand=False,
             ranks_per_node=self.ranks_per_node,
             device=device,
+            timeout_s=self.timeout_s,
         )
 
     def _dispatch_both(self, rows, meta_rows, routing, worst, prior, async_finish):
@@ -826,6 +834,7 @@ class Buffer:
             device=x.device,
             low_latency_tokens=tokens,
             mask_failed_ranks=self.enable_shrink,
+            timeout_s=self.timeout_s,
             heap=self._reserved,
         )
         for rank in self._masked.nonzero().flatten().tolist():
