@@ -618,7 +618,7 @@ MASKED = 2
 # launch's programs, or building kernels, does not), or they mask it too: on CPU ranks a launch
 # of 4 interpreted ranks on a loaded 2-core machine takes seconds; on GPUs kernel builds,
 # seconds each.
-STALL_TIMEOUT_S = 35.0 if DEVICE == "cpu" else 90.0
+STALL_TIMEOUT_S = 25.0 if DEVICE == "cpu" else 90.0
 MASKED_GROUPS = [
     Group(4, 256, 8, 6, seed=7, ranks_per_node=rpn, cases=(
         Case("bf16", tokens=(3, 6, 5, 0), topk=3, unused_prob=0.2),

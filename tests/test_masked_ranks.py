@@ -1,4 +1,6 @@
-"""Failed ranks in normal mode: W=4 ranks, rank MASKED masked by hand, or stopping (alive, no more
+"""Failed ranks in normal mode: W=4 ranks in one node or in 2 nodes of 2 (where MASKED is rank
+0's rail peer: rows between rank 0 and rank 3 go straight over the network, and rank 0 forwards
+for a masked source), rank MASKED masked by hand, or stopping (alive, no more
 calls) or killed outright with ``mask_failed_ranks``, at a point of a round of calls (a dispatch
 with a new layout, its combine, a cached dispatch along its handle, that one's combine). Every
 live rank's outputs equal a reference computed here from every rank's inputs (each rank draws
@@ -30,7 +32,7 @@ HOT = MASKED * LOCAL + 1  # an expert on the masked rank that every other token 
 # The live ranks' timeout_s where they mask the stalled rank themselves: well above the longest
 # a live peer can keep them waiting (test_low_latency.STALL_TIMEOUT_S says why; on GPUs the
 # kernels build in the first calls, before any rank stalls).
-STALL_TIMEOUT_S = 35.0 if DEVICE == "cpu" else 45.0
+STALL_TIMEOUT_S = 25.0 if DEVICE == "cpu" else 45.0
 CALLS = ("dispatch", "combine", "cached dispatch", "cached combine")  # a round
 # Rounds where a rank fails: the failing call and at least the 20 calls after it.
 ROUNDS = 6
@@ -159,7 +161,9 @@ def _new_rows(round_: int, rank: int, tokens: int) -> torch.Tensor:
     return torch.randn(tokens, HIDDEN, generator=gen).to(torch.bfloat16)
 
 
-def _body(rank: int, world: int, how: str, stall_at: int, rounds: int) -> list[str]:
+def _body(
+    rank: int, world: int, how: str, stall_at: int, rounds: int, ranks_per_node: int | None = None
+) -> list[str]:
     """Rank MASKED makes the Buffer and the calls of index < ``stall_at``, then no more
     (``how``: "by hand": every live rank masks it; "told": rank 0 masks it, the others learn it
     from rank 0's first layout; "stalled": it stays alive; "killed": SIGKILL), while the live
@@ -173,7 +177,8 @@ def _body(rank: int, world: int, how: str, stall_at: int, rounds: int) -> list[s
     failing = how in ("stalled", "killed")
     buf = Buffer(None, hidden_size=HIDDEN, max_tokens_per_rank=MAX_TOKENS,
                  num_experts=NUM_EXPERTS, device=rank_device(), mask_failed_ranks=failing,
-                 timeout_s=STALL_TIMEOUT_S if failing else 60.0)  # fmt: skip
+                 timeout_s=STALL_TIMEOUT_S if failing else 60.0,
+                 ranks_per_node=ranks_per_node)  # fmt: skip
     try:
         if rank == MASKED:
             for round_ in range(-(-stall_at // 4)):
@@ -221,25 +226,29 @@ def _assert_no_failures(results: list) -> None:
     assert not failures, "\n".join(failures)
 
 
-def test_masked_rank_is_skipped(launch):
+@pytest.mark.parametrize("ranks_per_node", [None, 2], ids=["one node", "2x2"])
+def test_masked_rank_is_skipped(launch, ranks_per_node):
     """A rank masked by hand (on rank 0, which tells the others in its first layout) is a
     source and destination of nothing, in every call, and nobody waits for it."""
-    _assert_no_failures(launch(_body, WORLD, "told", 0, 1))
+    _assert_no_failures(launch(_body, WORLD, "told", 0, 1, ranks_per_node))
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("ranks_per_node", [None, 2], ids=["one node", "2x2"])
 @pytest.mark.parametrize("stall_at", [0, 2], ids=["before a dispatch", "before a cached dispatch"])
-def test_rank_that_stops_answering_is_masked(launch, stall_at):
+def test_rank_that_stops_answering_is_masked(launch, stall_at, ranks_per_node):
     """mask_failed_ranks: the live ranks' waits on the stalled rank run out and mask it; that
     call and the rounds after it equal the reference without it (between a dispatch and its
     combine: test_rank_killed_outright_is_masked)."""
-    _assert_no_failures(launch(_body, WORLD, "stalled", stall_at, ROUNDS))
+    _assert_no_failures(launch(_body, WORLD, "stalled", stall_at, ROUNDS, ranks_per_node))
 
 
 @pytest.mark.slow
-def test_rank_killed_outright_is_masked(launch):
+@pytest.mark.parametrize("ranks_per_node", [None, 2], ids=["one node", "2x2"])
+def test_rank_killed_outright_is_masked(launch, ranks_per_node):
     """The same with the rank's process killed (SIGKILL) between its dispatch and its combine:
     the only failure the launcher reports is that rank's death."""
     with pytest.raises(RankFailure) as failed:
-        launch(_body, WORLD, "killed", 1, ROUNDS, fresh=True, failure_grace_s=300)
+        launch(_body, WORLD, "killed", 1, ROUNDS, ranks_per_node, fresh=True,
+               failure_grace_s=300)  # fmt: skip
     assert list(failed.value.failures) == [MASKED], failed.value.failures

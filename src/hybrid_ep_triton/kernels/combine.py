@@ -29,7 +29,10 @@ node sums from the inbox with the partial rows of their own node.
 
 Masked ranks (kernels/peers.py) take no part: handshakes skip them, senders send them nothing
 (also along a handle made before they were masked), and finishers add no partial rows from
-them: a token's sum is that of its experts on the live ranks.
+them: a token's sum is that of its experts on the live ranks. Across nodes, where the rank of a
+source's local index on a node (its network sender there) is masked, that node's ranks send
+their partial rows to the source themselves (_send_over_network), and its finishers add them
+as a node peer's.
 
 Programs wait only for programs that come earlier in the launch order or belong to another rank,
 so the launch finishes whichever of its programs run first.
@@ -53,11 +56,14 @@ from .control import (
     STAGE_COMBINE_READY,
     STATUS,
 )
-from .peers import live, start_channel, wait_landed
+from .peers import await_peer, live, start_channel, wait_landed
 from .primitives import (
     SAME_ON_EVERY_RANK,
     finish_launch,
+    net_fence,
+    net_put,
     net_put_signal,
+    net_signal,
     node_first_rank,
     rail_peer,
     region,
@@ -157,12 +163,16 @@ def _sum_own_rows(c, h_first, h_last, rows, k):
 
 
 @triton.jit(noinline=True)
-def _add_partial_rows(c, h_first, h_last, node_slots_ptr, slice_first, rows, here, sync, k):
+def _add_partial_rows(
+    c, h_first, h_last, node_slots_ptr, slice_first, node_flags_ptr, rows, here, sync, k
+):
     """Add, in fp32, the partial rows from the other live ranks of this node (a masked rank's
     did not come) in this rank's staging area and, across nodes, the partial
     sums of every other node (``node_slots_ptr``: this item's NetSlot data from node 0 in the
     inbox, a node's slots apart, whose columns start at ``slice_first``) to columns
-    [h_first, h_last) of the out rows of chunk ``c`` that hold the own sums."""
+    [h_first, h_last) of the out rows of chunk ``c`` that hold the own sums. A node whose sums
+    did not come (its flag at ``node_flags_ptr``, a node's flags apart, is down: its network
+    sender is masked) sent its ranks' partial rows into the staging area instead."""
     # A NetSlot of each node's work items after another (the inbox), as elements of out's dtype.
     NODE_STRIDE: tl.constexpr = (
         k.NC_MAX * k.H_SLICES * k.SLOT_BYTES * 8 // rows.out_ptr.dtype.element_ty.primitive_bitwidth
@@ -170,13 +180,17 @@ def _add_partial_rows(c, h_first, h_last, node_slots_ptr, slice_first, rows, her
     tokens, tmask, ranks, stream_rows = _stream_rows(c, rows, k)
     alive = tl.load(sync.mask_ptr + ranks, mask=ranks < k.W, other=1, volatile=True) == 0
     partial_rows = tl.where((ranks[None, :] != rows.rank) & alive[None, :], stream_rows, -1)
-    if k.NODES > 1:  # ranks of other nodes sent theirs through their node
-        near = ranks[None, :] // k.R == rows.rank // k.R
-        partial_rows = tl.where(near, partial_rows, -1)
+    if k.NODES > 1:  # ranks of other nodes sent theirs through their node, or themselves
         nodes = tl.arange(0, k.N_P2)
+        node_flags = tl.load(node_flags_ptr + nodes * (k.NC_MAX * k.H_SLICES),
+                             mask=nodes < k.NODES, other=0, volatile=True)  # fmt: skip
+        direct = (node_flags < sync.seq) & (nodes != rows.rank // k.R)
+        of_direct_node = (ranks[:, None] // k.R == nodes[None, :]) & direct[None, :]
+        near = (ranks // k.R == rows.rank // k.R) | (tl.max(of_direct_node.to(tl.int32), 1) > 0)
+        partial_rows = tl.where(near[None, :], partial_rows, -1)
         node_rows = tl.load(
             rows.token_node_pos_ptr + tokens[:, None] * k.NODES + nodes[None, :],
-            mask=tmask[:, None] & (nodes[None, :] < k.NODES),
+            mask=tmask[:, None] & (nodes[None, :] < k.NODES) & ~direct[None, :],
             other=-1,
         )
     # Tokens without an expert on another rank are final already.
@@ -214,18 +228,22 @@ def _add_partial_rows(c, h_first, h_last, node_slots_ptr, slice_first, rows, her
 
 @triton.jit(noinline=True)
 def _sum_node_partials(
-    data_ptr, num_rows, h_first, h_last, first_block, fwd_rows_ptr, rows, here, k
+    data_ptr, num_rows, h_first, h_last, first_block, fwd_rows_ptr, flags_ptr, seq, rows, here, k
 ):
     """The partial sums of this node for ``num_rows`` rows of a network slot: per row, the sum
     in fp32 of node rank r's partial row (staging block ``first_block + r``, at the row
-    ``fwd_rows_ptr`` [num_rows, R] recorded when dispatch forwarded it), rounded to the
-    staging dtype, into columns [h_first, h_last) of the slot's data at ``data_ptr``."""
+    ``fwd_rows_ptr`` [num_rows, R] recorded when dispatch forwarded it) where it came (its
+    flag at ``flags_ptr``, a block's flags apart, reached ``seq``: a masked rank's did not),
+    rounded to the staging dtype, into columns [h_first, h_last) of the slot's data at
+    ``data_ptr``."""
     slot_rows = tl.arange(0, k.CHUNK)
     valid = slot_rows < num_rows
     locals_ = tl.arange(0, k.R_P2)
+    flags = tl.load(flags_ptr + locals_ * (k.NC_MAX * k.H_SLICES), mask=locals_ < k.R, other=0,
+                    volatile=True)  # fmt: skip
     stream_rows = tl.load(
         fwd_rows_ptr + slot_rows[:, None] * k.R + locals_[None, :],
-        mask=valid[:, None] & (locals_[None, :] < k.R),
+        mask=valid[:, None] & (locals_[None, :] < k.R) & (flags[None, :] >= seq),
         other=-1,
     )
     for h0 in range(h_first, h_last, k.BLOCK_H):
@@ -339,18 +357,22 @@ def _send_role(sender, node_first, rows, heap, here, sync, k):
     start_channel(channel=sender, rank=rank, stage=STAGE_COMBINE_READY, heap=heap, sync=sync, k=k)
     for src in range(0, k.W):
         # The partial rows go to src; across nodes, those of a source on another node go to
-        # the rank of src's local index on this node, which sums the node's and puts them.
+        # the rank of src's local index on this node, which sums the node's and puts them
+        # (where that rank is masked, straight to src: _send_over_network).
         dst = src
         block = rank
+        direct = False
         if k.NODES > 1:
             dst = node_first + src % k.R
             block = rail_peer(src // k.R, rank, k.R)
+            direct = (src // k.R != rank // k.R) & ~live(sync, dst)
         table = rows.recv_chunk_start_ptr + src * (k.NC_MAX + 1)
         src_tokens = tl.minimum(tl.load(rows.recv_src_tokens_ptr + src), k.T_MAX)
         # (none to a masked rank: a handle made before it was masked still counts its tokens)
-        src_items = tl.where(
-            (src == rank) | ~live(sync, dst), 0, tl.cdiv(src_tokens, k.CHUNK) * k.H_SLICES
-        )
+        gone = ~live(sync, dst)
+        if k.NODES > 1:
+            gone = ~live(sync, src) | (gone & ~direct)
+        src_items = tl.where((src == rank) | gone, 0, tl.cdiv(src_tokens, k.CHUNK) * k.H_SLICES)
         for w in range(sender, src_items, sync.num_senders):
             # Reducers of this launch: they never wait, so this rank names itself.
             for part in range(0, sync.local_parts):
@@ -360,18 +382,71 @@ def _send_role(sender, node_first, rows, heap, here, sync, k):
                 )
             start = tl.load(table + w // k.H_SLICES)
             h_first = (w % k.H_SLICES) * here.slice_cols
-            _copy_rows(
-                src_ptr=rows.outbox_ptr + (src * k.T_MAX + start).to(tl.int64) * rows.hidden,
-                dst_ptr=region(heap.peer_bases_ptr, dst, heap.staging_off, dtype)
-                + (block * k.T_MAX + start).to(tl.int64) * rows.hidden,
-                num_rows=tl.load(table + w // k.H_SLICES + 1) - start,
-                h_first=h_first,
-                h_last=tl.minimum(h_first + here.slice_cols, rows.hidden),
-                rows=rows,
-                k=k,
-            )
-            flags = region(heap.peer_bases_ptr, dst, heap.chunk_flags_off, tl.int64)
-            signal(flags + block * items_of_src + w, sync.seq)
+            if direct:
+                _send_over_network(
+                    src=src,
+                    w=w,
+                    start=start,
+                    num_rows=tl.load(table + w // k.H_SLICES + 1) - start,
+                    h_first=h_first,
+                    h_last=tl.minimum(h_first + here.slice_cols, rows.hidden),
+                    outbox_rows=rows.outbox_ptr
+                    + (src * k.T_MAX + start).to(tl.int64) * rows.hidden,
+                    rows=rows,
+                    heap=heap,
+                    sync=sync,
+                    k=k,
+                )
+            else:
+                _copy_rows(
+                    src_ptr=rows.outbox_ptr + (src * k.T_MAX + start).to(tl.int64) * rows.hidden,
+                    dst_ptr=region(heap.peer_bases_ptr, dst, heap.staging_off, dtype)
+                    + (block * k.T_MAX + start).to(tl.int64) * rows.hidden,
+                    num_rows=tl.load(table + w // k.H_SLICES + 1) - start,
+                    h_first=h_first,
+                    h_last=tl.minimum(h_first + here.slice_cols, rows.hidden),
+                    rows=rows,
+                    k=k,
+                )
+                flags = region(heap.peer_bases_ptr, dst, heap.chunk_flags_off, tl.int64)
+                signal(flags + block * items_of_src + w, sync.seq)
+
+
+@triton.jit
+def _send_over_network(src, w, start, num_rows, h_first, h_last, outbox_rows, rows, heap, sync,
+                       k):  # fmt: skip
+    """Work item ``w`` of ``src`` (a rank of another node, whose rank of src's local index on
+    this node, the aggregator, is masked): its partial rows (``outbox_rows``, ``num_rows`` of
+    them from row ``start`` of src's stream here) straight to src over the network, into the
+    block of this rank in src's staging area, as a sender of src's node leaves them there,
+    through this rank's network outbox slot of the item on its own node (no network sender
+    uses it), then the item's flag there, after the rows (net_fence)."""
+    items_of_src: tl.constexpr = k.NC_MAX * k.H_SLICES
+    dtype = rows.out_ptr.dtype.element_ty
+    EBYTES: tl.constexpr = dtype.primitive_bitwidth // 8
+    rank = rows.rank
+    slot_off = heap.net_outbox_off + ((rank // k.R) * items_of_src + w) * k.SLOT_BYTES + k.DATA_OFF
+    slot = region(heap.peer_bases_ptr, rank, slot_off, dtype)
+    chunk_rows = tl.arange(0, k.CHUNK)
+    for h0 in range(h_first, h_last, k.COPY_BLOCK_H):
+        cols = h0 + tl.arange(0, k.COPY_BLOCK_H)
+        mask = (chunk_rows < num_rows)[:, None] & (cols < h_last)[None, :]
+        tile = tl.load(
+            outbox_rows + chunk_rows.to(tl.int64)[:, None] * rows.hidden + cols[None, :],
+            mask=mask,
+            cache_modifier=".cg",
+        )
+        slot_cols = chunk_rows[:, None] * k.NET_COLS + (cols - h_first)[None, :]
+        tl.store(slot + slot_cols, tile, mask=mask)
+    first = (rank * k.T_MAX + start).to(tl.int64)
+    # A row at a time: an item is a column slice of rows of `hidden` columns.
+    for j in range(0, num_rows):
+        net_put(heap.net_bases_ptr, rank, src,
+                heap.staging_off + ((first + j) * rows.hidden + h_first) * EBYTES,
+                slot + j * k.NET_COLS, (h_last - h_first) * EBYTES, heap.heap_bytes)  # fmt: skip
+    net_fence()
+    net_signal(heap.net_bases_ptr, src, heap.chunk_flags_off + (rank * items_of_src + w) * 8,
+               sync.seq)  # fmt: skip
 
 
 @triton.jit
@@ -392,9 +467,11 @@ def _net_send_role(sender, node_first, rows, heap, here, sync, k):
         if node != my_node:
             src = rail_peer(node, rank, k.R)
             src_tokens = tl.minimum(tl.load(rows.recv_src_tokens_ptr + src), k.T_MAX)
+            # (none for a masked src: a handle made before it was masked still counts them)
+            src_items = tl.where(live(sync, src), tl.cdiv(src_tokens, k.CHUNK) * k.H_SLICES, 0)
             table = rows.recv_net_chunk_start_ptr + node * (k.NC_MAX + 1)
-            for w in range(sender, tl.cdiv(src_tokens, k.CHUNK) * k.H_SLICES, sync.num_senders):
-                # Every rank of this node sent its partial rows of the item here.
+            for w in range(sender, src_items, sync.num_senders):
+                # Every live rank of this node sent its partial rows of the item here.
                 for peer in range(node_first, node_first + k.R):
                     block = node * k.R + peer - node_first
                     wait_landed(
@@ -422,31 +499,28 @@ def _net_send_role(sender, node_first, rows, heap, here, sync, k):
                     h_last=h_last,
                     first_block=node * k.R,
                     fwd_rows_ptr=rows.fwd_rows_ptr + (node * k.T_MAX + first) * k.R,
+                    flags_ptr=here.my_flags + node * k.R * items_of_src + w,
+                    seq=sync.seq,
                     rows=rows,
                     here=here,
                     k=k,
                 )
-                # src started this launch: its inbox is free.
-                wait_at_least(
-                    here.my_ready + src * k.P_MAX + sender,
-                    sync.seq,
-                    sync.timeout_ns,
-                    sync.status_ptr,
-                    src,
-                    STAGE_COMBINE_READY,
-                )
+                # src started this launch: its inbox is free (unless it got masked).
+                started = await_peer(here.my_ready + src * k.P_MAX + sender, sync.seq, src,
+                                     STAGE_COMBINE_READY, sync, k.W, k.NODES)  # fmt: skip
                 there = my_node * items_of_src + w
-                net_put_signal(
-                    net_bases_ptr=heap.net_bases_ptr,
-                    rank=rank,
-                    pe=src,
-                    dst_off=heap.net_inbox_off + there * k.SLOT_BYTES + k.DATA_OFF,
-                    src=slot + DATA_ELEM,
-                    nbytes=num_rows * (k.NET_COLS * dtype.primitive_bitwidth // 8),
-                    flag_off=heap.net_flags_off + there * 8,
-                    value=sync.seq,
-                    heap_bytes=heap.heap_bytes,
-                )
+                if started:
+                    net_put_signal(
+                        net_bases_ptr=heap.net_bases_ptr,
+                        rank=rank,
+                        pe=src,
+                        dst_off=heap.net_inbox_off + there * k.SLOT_BYTES + k.DATA_OFF,
+                        src=slot + DATA_ELEM,
+                        nbytes=num_rows * (k.NET_COLS * dtype.primitive_bitwidth // 8),
+                        flag_off=heap.net_flags_off + there * 8,
+                        value=sync.seq,
+                        heap_bytes=heap.heap_bytes,
+                    )
 
 
 @triton.jit
@@ -488,6 +562,7 @@ def _finish_role(node_first, rows, heap, here, sync, k):
                 h_last=h_last,
                 node_slots_ptr=inbox + DATA_ELEM,
                 slice_first=(w % k.H_SLICES) * here.slice_cols,
+                node_flags_ptr=here.net_flags + w,
                 rows=rows,
                 here=here,
                 sync=sync,
@@ -500,7 +575,9 @@ def _finish_role(node_first, rows, heap, here, sync, k):
 def _wait_partials(w, node_first, rank, here, sync, k):
     """A finisher's wait for own work item ``w``'s partial rows: from every other rank of this
     node (their senders' flags here) and, across nodes, every other node's sums (the flags of
-    this rank's inbox, set by the network senders there); not a masked rank's."""
+    this rank's inbox, set by the network senders there); not a masked rank's. Where the
+    rank of this rank's local index on a node (its network sender) is masked, for the partial
+    rows that node's live ranks send here themselves (_send_over_network)."""
     items_of_src = k.NC_MAX * k.H_SLICES
     for peer in range(node_first, node_first + k.R):
         if peer != rank:
@@ -518,9 +595,10 @@ def _wait_partials(w, node_first, rank, here, sync, k):
     if k.NODES > 1:
         for node in range(0, k.NODES):
             if node * k.R != node_first:
-                wait_landed(
+                carrier = rail_peer(node, rank, k.R)
+                landed = wait_landed(
                     my_ready=here.my_ready,
-                    carrier=rail_peer(node, rank, k.R),
+                    carrier=carrier,
                     rank=rank,
                     channel=w % sync.num_senders,
                     flag_ptr=here.net_flags + node * items_of_src + w,
@@ -529,6 +607,19 @@ def _wait_partials(w, node_first, rank, here, sync, k):
                     sync=sync,
                     k=k,
                 )
+                if ~landed & ~live(sync, carrier):
+                    for peer in range(node * k.R, node * k.R + k.R):
+                        wait_landed(
+                            my_ready=here.my_ready,
+                            carrier=peer,
+                            rank=rank,
+                            channel=w % sync.num_senders,
+                            flag_ptr=here.my_flags + peer * items_of_src + w,
+                            ready_stage=STAGE_COMBINE_READY,
+                            data_stage=STAGE_COMBINE_DATA,
+                            sync=sync,
+                            k=k,
+                        )
 
 
 @triton.jit

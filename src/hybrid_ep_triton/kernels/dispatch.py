@@ -34,7 +34,9 @@ wait only for senders, which come first in the launch order.
 Masked ranks (kernels/peers.py) take no part: handshakes and chunk flags skip them, senders
 send them nothing (also along a handle made before they were masked), and an expander whose
 item's carrier is masked expands nothing; a cached dispatch zeroes that item's rows instead
-(_zero_lost_chunk), as the handle records them.
+(_zero_lost_chunk), as the handle records them. Across nodes, a sender whose forwarder on a
+node is masked sends to that node's live ranks itself, over the network (_send_to_node_ranks),
+and a forwarder releases the items of a masked source with nothing in them (_wait_staged).
 
 Quantizing (QUANTIZE: rows of the Buffer's dtype in, block-scaled rows out: FP8, MXFP8 or
 NVFP4), the first programs come before the senders: quantizers take work items (chunk,
@@ -77,7 +79,7 @@ from .control import (
     STAGE_DISPATCH_READY,
     STATUS,
 )
-from .peers import live, start_channel, wait_landed
+from .peers import await_peer, live, start_channel, tell_mask, wait_landed
 from .primitives import (
     HOST_RECORD_VALUES,
     SAME_ON_EVERY_RANK,
@@ -85,7 +87,10 @@ from .primitives import (
     finish_launch,
     host_pointer,
     interleaved,
+    net_fence,
+    net_put,
     net_put_signal,
+    net_signal,
     node_first_rank,
     rail_peer,
     record_word,
@@ -346,10 +351,11 @@ def _pack_node_slot(c, node, h_first, h_last, num_rows, slot_ptr, tok, lay, k):
 
 @triton.jit(noinline=True)
 def _forward_slot(
-    slot_ptr, num_rows, src, h_first, h_last, node_first, fwd_rows_ptr, record, tok, out, heap, k
-):
+    slot_ptr, num_rows, src, h_first, h_last, node_first, fwd_rows_ptr, record, tok, out, heap,
+    sync, k
+):  # fmt: skip
     """Forward a network slot that rank ``src`` (of another node) put here: each of its
-    ``num_rows`` rows to every rank of this node that needs it, into that rank's staging area
+    ``num_rows`` rows to every live rank of this node that needs it, into that rank's staging area
     (block ``src``, at the row of src's stream to it) with its metadata, as a direct send from
     src would have left it. With ``record`` (and WRITE_ROWS) the rows at each node rank go to
     ``fwd_rows_ptr`` [num_rows, R], which combine reads."""
@@ -360,6 +366,8 @@ def _forward_slot(
     entries = tl.arange(0, k.MS_P2)
     meta = slot_ptr.to(tl.pointer_type(tl.int32))
     weights = (slot_ptr + k.CHUNK * k.META_INTS * 4).to(tl.pointer_type(tl.float32))
+    alive = tl.load(sync.mask_ptr + node_first + locals_, mask=locals_ < k.R, other=1,
+                    volatile=True) == 0  # fmt: skip
     lmask = valid[:, None] & (locals_[None, :] < k.R)
     # The slot landed during this launch: loads bypass L1, as for staged rows.
     stream_rows = tl.load(
@@ -374,6 +382,8 @@ def _forward_slot(
             stream_rows,
             mask=lmask & record,
         )
+    # (a masked rank gets no rows: it may be gone, its memory with it)
+    stream_rows = tl.where(alive[None, :], stream_rows, -1)
     for r in tl.static_range(k.R_P2):
         if r < k.R:
             q = node_first + r
@@ -761,13 +771,16 @@ def _send_to_nodes(w, c, h_first, h_last, tok, lay, heap, sync, k):
     that holds one of its tokens' experts, first: the network is the slower path. Packs the
     item's rows to that node into a slot of this rank's outbox and puts it, with its flag, into
     the inbox of the rank of this rank's local index there, whose forwarder waits for it. Each
-    token crosses the network at most once per node."""
+    token crosses the network at most once per node. Where that rank is masked, to each live
+    rank of that node itself (_send_to_node_ranks)."""
     ITEMS: tl.constexpr = k.NC_MAX * k.H_SLICES
     rank = tok.rank
     dtype = tok.x_ptr.dtype.element_ty
     my_node = rank // k.R
     for node in range(0, k.NODES):
-        if node != my_node:
+        if (node != my_node) & ~live(sync, rail_peer(node, rank, k.R)):
+            _send_to_node_ranks(w, c, node, h_first, h_last, tok, lay, heap, sync, k)
+        elif node != my_node:
             first = tl.load(lay.send_chunk_node_start_ptr + c * k.NODES + node)
             num_rows = tl.load(lay.send_chunk_node_start_ptr + (c + 1) * k.NODES + node) - first
             slot_off = heap.net_outbox_off + (node * ITEMS + w) * k.SLOT_BYTES
@@ -800,6 +813,76 @@ def _send_to_nodes(w, c, h_first, h_last, tok, lay, heap, sync, k):
 
 
 @triton.jit
+def _send_to_node_ranks(w, c, node, h_first, h_last, tok, lay, heap, sync, k):
+    """Work item ``w`` (chunk ``c``, columns [h_first, h_last)) to every live rank of node
+    ``node``, whose rank of this rank's local index (its forwarder) is masked: over the
+    network, into each one's staging area as a direct send leaves it (block of this rank, rows
+    of its stream), through this rank's outbox slot of the item (free: no slot goes to a
+    masked rank), then the item's flag there, after the rows (net_fence). A token crosses the
+    network once per rank of that node, not once per node: the price of a lost forwarder."""
+    ITEMS: tl.constexpr = k.NC_MAX * k.H_SLICES
+    EBYTES: tl.constexpr = tok.x_ptr.dtype.element_ty.primitive_bitwidth // 8
+    rank = tok.rank
+    slot_off = heap.net_outbox_off + (node * ITEMS + w) * k.SLOT_BYTES
+    slot = region(heap.peer_bases_ptr, rank, slot_off, tl.uint8)
+    for q in range(node * k.R, node * k.R + k.R):
+        if live(sync, q):
+            start = tl.load(lay.send_chunk_start_ptr + c * k.W + q)
+            num_rows = tl.load(lay.send_chunk_start_ptr + (c + 1) * k.W + q) - start
+            _pack_rank_slot(c=c, q=q, h_first=h_first, h_last=h_last, slot_ptr=slot, tok=tok,
+                            lay=lay, k=k)  # fmt: skip
+            first = (rank * k.T_MAX + start).to(tl.int64)
+            meta_bytes = num_rows * k.MS * 4
+            net_put(heap.net_bases_ptr, rank, q, heap.meta_rows_off + first * k.MS * 4, slot,
+                    meta_bytes, heap.heap_bytes)  # fmt: skip
+            if k.HAS_WEIGHTS:
+                net_put(heap.net_bases_ptr, rank, q, heap.meta_weights_off + first * k.MS * 4,
+                        slot + k.CHUNK * k.META_INTS * 4, meta_bytes, heap.heap_bytes)  # fmt: skip
+            # A row at a time: an item is a column slice of rows of `hidden` columns.
+            for j in range(0, num_rows):
+                net_put(heap.net_bases_ptr, rank, q,
+                        heap.staging_off + ((first + j) * tok.hidden + h_first) * EBYTES,
+                        slot + k.DATA_OFF + j * k.NET_COLS * EBYTES, (h_last - h_first) * EBYTES,
+                        heap.heap_bytes)  # fmt: skip
+            net_fence()
+            net_signal(heap.net_bases_ptr, q, heap.chunk_flags_off + (rank * ITEMS + w) * 8,
+                       sync.seq)  # fmt: skip
+
+
+@triton.jit(noinline=True)
+def _pack_rank_slot(c, q, h_first, h_last, slot_ptr, tok, lay, k):
+    """Write columns [h_first, h_last) of the tokens of chunk ``c`` that go to rank ``q`` into
+    the network slot at ``slot_ptr`` as q's staging area holds them: row i is the chunk's i-th
+    row of this rank's stream to q, its metadata (MS int32 entries, what a direct send records)
+    from the slot's start, its weights (MS float32) after the slot's metadata, its columns at
+    DATA_OFF (NET_COLS apart)."""
+    PARTS: tl.constexpr = 2 if k.SCALE_WORDS > 0 else 1
+    dtype = tok.x_ptr.dtype.element_ty
+    tokens, tmask, slot_offs, dest, recorded = _chunk_slots(c, tok, lay, k)
+    row = tl.load(lay.token_rank_pos_ptr + tokens * k.W + q, mask=tmask, other=-1)
+    sent = row >= 0
+    meta = slot_ptr.to(tl.pointer_type(tl.int32)) + row * k.MS
+    sel = (dest == q) & sent[:, None]
+    entry = _store_packed(meta, sel, recorded, sent, k.MS, -1, k.MS_P2, k.CHUNK)
+    if k.HAS_WEIGHTS:
+        weights = (slot_ptr + k.CHUNK * k.META_INTS * 4).to(tl.pointer_type(tl.float32))
+        weight = tl.load(tok.topk_weights_ptr + slot_offs, mask=dest >= 0, other=0.0)
+        tl.store((weights + row * k.MS)[:, None] + entry, weight, mask=sel)
+    data = (slot_ptr + k.DATA_OFF).to(tl.pointer_type(dtype))
+    x_rows = tok.x_ptr + tokens.to(tl.int64)[:, None] * tok.x_stride
+    scale_rows = tok.x_scales_ptr + tokens.to(tl.int64)[:, None] * tok.x_scales_stride
+    for part in tl.static_range(PARTS):
+        src, lo, hi = row_part(
+            x_rows, scale_rows, part, h_first, h_last, tok.data_cols, k.SCALE_WORDS
+        )
+        for h0 in tl.range(lo, hi, k.BLOCK_H, num_stages=k.STAGES):
+            cols = h0 + tl.arange(0, k.BLOCK_H)
+            mask = sent[:, None] & (cols < hi)[None, :]
+            tile = tl.load(src + cols[None, :], mask=mask)
+            tl.store(data + row[:, None] * k.NET_COLS + (cols - h_first)[None, :], tile, mask=mask)
+
+
+@triton.jit
 def _forward_role(forwarder, send_cols, node_first, my_ready, tok, lay, out, heap, sync, k):
     """Forwarder ``forwarder`` (across nodes: the P programs after the senders). Waits for
     program ``forwarder`` of every rank of its node to have started this launch (their earlier
@@ -810,17 +893,11 @@ def _forward_role(forwarder, send_cols, node_first, my_ready, tok, lay, out, hea
     ranks' chunk flags, for their expanders."""
     ITEMS: tl.constexpr = k.NC_MAX * k.H_SLICES
     rank = tok.rank
-    # This node's ranks started this launch (their earlier launches are done with their
+    # This node's live ranks started this launch (their earlier launches are done with their
     # staging areas): their sender `forwarder` said so.
     for peer in range(node_first, node_first + k.R):
-        wait_at_least(
-            my_ready + peer * k.P_MAX + forwarder,
-            sync.seq,
-            sync.timeout_ns,
-            sync.status_ptr,
-            peer,
-            STAGE_DISPATCH_READY,
-        )
+        await_peer(my_ready + peer * k.P_MAX + forwarder, sync.seq, peer, STAGE_DISPATCH_READY,
+                   sync, k.W, k.NODES)  # fmt: skip
     my_node = rank // k.R
     net_flags = region(heap.peer_bases_ptr, rank, heap.net_flags_off, tl.int64)
     for node in range(0, k.NODES):
@@ -830,7 +907,7 @@ def _forward_role(forwarder, send_cols, node_first, my_ready, tok, lay, out, hea
             items = tl.where(sync.aborted, 0, tl.cdiv(src_tokens, k.CHUNK) * k.H_SLICES)
             table = lay.recv_net_chunk_start_ptr + node * (k.NC_MAX + 1)
             for w in range(forwarder, items, sync.num_senders):
-                wait_landed(
+                landed = wait_landed(
                     my_ready=my_ready,
                     carrier=src,
                     rank=rank,
@@ -841,27 +918,35 @@ def _forward_role(forwarder, send_cols, node_first, my_ready, tok, lay, out, hea
                     sync=sync,
                     k=k,
                 )
-                c = w // k.H_SLICES
-                first = tl.load(table + c)
-                h_first = (w % k.H_SLICES) * send_cols
-                slot_off = heap.net_inbox_off + (node * ITEMS + w) * k.SLOT_BYTES
-                _forward_slot(
-                    slot_ptr=region(heap.peer_bases_ptr, rank, slot_off, tl.uint8),
-                    num_rows=tl.load(table + c + 1) - first,
-                    src=src,
-                    h_first=h_first,
-                    h_last=tl.minimum(h_first + send_cols, tok.hidden),
-                    node_first=node_first,
-                    fwd_rows_ptr=out.fwd_rows_ptr + (node * k.T_MAX + first).to(tl.int64) * k.R,
-                    record=w % k.H_SLICES == 0,
-                    tok=tok,
-                    out=out,
-                    heap=heap,
-                    k=k,
-                )
+                if landed:
+                    c = w // k.H_SLICES
+                    first = tl.load(table + c)
+                    h_first = (w % k.H_SLICES) * send_cols
+                    slot_off = heap.net_inbox_off + (node * ITEMS + w) * k.SLOT_BYTES
+                    _forward_slot(
+                        slot_ptr=region(heap.peer_bases_ptr, rank, slot_off, tl.uint8),
+                        num_rows=tl.load(table + c + 1) - first,
+                        src=src,
+                        h_first=h_first,
+                        h_last=tl.minimum(h_first + send_cols, tok.hidden),
+                        node_first=node_first,
+                        fwd_rows_ptr=out.fwd_rows_ptr + (node * k.T_MAX + first).to(tl.int64) * k.R,
+                        record=w % k.H_SLICES == 0,
+                        tok=tok,
+                        out=out,
+                        heap=heap,
+                        sync=sync,
+                        k=k,
+                    )
+                else:
+                    # src is masked (a handle made before still counts its items): this node's
+                    # expanders wait for it through this rank, so tell them first, then release
+                    # the item with nothing in it.
+                    tell_mask(src, sync, k.W, k.NODES)
                 for peer in range(node_first, node_first + k.R):
-                    flags = region(heap.peer_bases_ptr, peer, heap.chunk_flags_off, tl.int64)
-                    signal(flags + src * ITEMS + w, sync.seq)
+                    if live(sync, peer):
+                        flags = region(heap.peer_bases_ptr, peer, heap.chunk_flags_off, tl.int64)
+                        signal(flags + src * ITEMS + w, sync.seq)
 
 
 @triton.jit
@@ -925,7 +1010,6 @@ def _expand_role(
     (busy likewise) would slow down by half until they are done. Then zeroes the padding rows
     and the rows past the valid count (_zero_tail). Releases nothing: the launch's end does."""
     QUANT_SLICES: tl.constexpr = (k.CHANNEL_GROUPS + QUANT_GROUPS - 1) // QUANT_GROUPS
-    ITEMS: tl.constexpr = k.NC_MAX * k.H_SLICES
     rank = tok.rank
     aborted = sync.aborted
     if k.OUTPUTS_FROM_HOST:
@@ -973,23 +1057,18 @@ def _expand_role(
             w, src = remote_item(index // sync.staged_parts, rank, k.W)
             src_tokens = tl.minimum(tl.load(lay.recv_src_tokens_ptr + src), k.T_MAX)
             if w < tl.cdiv(src_tokens, k.CHUNK) * k.H_SLICES:
-                # From another node: its rank of src's local index here forwarded it.
-                carrier = src
-                if k.NODES > 1:
-                    carrier = tl.where(src // k.R == rank // k.R, src, node_first + src % k.R)
-                landed = wait_landed(
+                landed = _wait_staged(
+                    src=src,
+                    w=w,
+                    node_first=node_first,
                     my_ready=my_ready,
-                    carrier=carrier,
+                    my_flags=my_flags,
                     rank=rank,
-                    channel=w % sync.num_senders,
-                    flag_ptr=my_flags + src * ITEMS + w,
-                    ready_stage=STAGE_DISPATCH_READY,
-                    data_stage=STAGE_DISPATCH_DATA,
                     sync=sync,
                     k=k,
                 )
-                # Where its carrier is masked nothing came: a cached dispatch zeroes its rows
-                # (the handle records them), one with a new layout leaves them.
+                # Where src or its carrier is masked nothing came: a cached dispatch zeroes its
+                # rows (the handle records them), one with a new layout leaves them.
                 lost = ~landed
                 if k.WRITE_ROWS:
                     lost = lost & landed
@@ -1023,6 +1102,45 @@ def _expand_role(
         out=out,
         k=k,
     )
+
+
+@triton.jit
+def _wait_staged(src, w, node_first, my_ready, my_flags, rank, sync, k):
+    """Whether work item ``w`` of rank ``src`` landed in this rank's staging area: from src
+    itself, or from another node through this node's rank of src's local index (its
+    forwarder) or, where that one is masked, from src itself (_send_to_node_ranks). False where
+    src is masked, or its carrier is."""
+    ITEMS: tl.constexpr = k.NC_MAX * k.H_SLICES
+    carrier = src
+    if k.NODES > 1:
+        carrier = tl.where(src // k.R == rank // k.R, src, node_first + src % k.R)
+    landed = wait_landed(
+        my_ready=my_ready,
+        carrier=carrier,
+        rank=rank,
+        channel=w % sync.num_senders,
+        flag_ptr=my_flags + src * ITEMS + w,
+        ready_stage=STAGE_DISPATCH_READY,
+        data_stage=STAGE_DISPATCH_DATA,
+        sync=sync,
+        k=k,
+    )
+    if k.NODES > 1:
+        if (carrier != src) & ~landed & live(sync, src):
+            landed = wait_landed(
+                my_ready=my_ready,
+                carrier=src,
+                rank=rank,
+                channel=w % sync.num_senders,
+                flag_ptr=my_flags + src * ITEMS + w,
+                ready_stage=STAGE_DISPATCH_READY,
+                data_stage=STAGE_DISPATCH_DATA,
+                sync=sync,
+                k=k,
+            )
+        # (a forwarder releases the items of a masked src with nothing in them)
+        landed = landed & live(sync, src)
+    return landed
 
 
 @triton.jit

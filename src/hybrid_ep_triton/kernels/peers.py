@@ -25,7 +25,6 @@ from .primitives import (
     clock_ns,
     net_signal,
     node_first_rank,
-    rail_peer,
     region,
     signal,
     time_out_after,
@@ -166,11 +165,11 @@ def tell_new_masks(m, W, NODES: tl.constexpr):
         # here; a peer that tells this rank meanwhile writes 1 too)
         if tl.load(m.mask_ptr + masked, volatile=True) == MASKED_HERE:
             tl.store(m.mask_ptr + masked, 1)
-            _tell_mask(masked, m, W, NODES)
+            tell_mask(masked, m, W, NODES)
 
 
 @triton.jit
-def _tell_mask(masked, m, W, NODES: tl.constexpr):
+def tell_mask(masked, m, W, NODES: tl.constexpr):
     """That this rank masks rank ``masked``: set it in every other live rank's mask (the peers
     of another node by a network signal), and in the masked rank's own: one that is alive finds
     itself masked, so that its destroy() waits for no one either."""
@@ -217,25 +216,45 @@ def handshake(
     over), then wait until ``channel`` of each has said the same (``await_peer``: a peer masked
     meanwhile is not waited for). Those peers: every rank of this node (over NVLink) and,
     across nodes, the rank with this rank's local index on every other node (over the
-    network). ready flags: int64 [world, P_MAX] in every heap."""
+    network), or every rank (``covers_every_rank``). ready flags: int64 [world, P_MAX] in every
+    heap."""
     node_first = node_first_rank(rank, R, NODES)
     for peer in range(node_first, node_first + R):
         if live(m, peer):
             signal(region(peer_bases_ptr, peer, ready_off, tl.int64) + rank * P_MAX + channel, seq)
     if NODES > 1:
+        every = covers_every_rank(m, W)
         flag_off = ready_off + (rank * P_MAX + channel) * 8
-        for node in range(0, NODES):
-            peer = rail_peer(node, rank, R)
-            if (node * R != node_first) & live(m, peer):
+        for peer in range(0, W):
+            if _elsewhere_exchanges(peer, rank, every, R) & live(m, peer):
                 net_signal(net_bases_ptr, peer, flag_off, seq)
     my_ready = region(peer_bases_ptr, rank, ready_off, tl.int64)
     for peer in range(node_first, node_first + R):
         await_peer(my_ready + peer * P_MAX + channel, seq, peer, stage, m, W, NODES)
     if NODES > 1:
-        for node in range(0, NODES):
-            if node * R != node_first:
-                peer = rail_peer(node, rank, R)
+        for peer in range(0, W):
+            if _elsewhere_exchanges(peer, rank, every, R):
                 await_peer(my_ready + peer * P_MAX + channel, seq, peer, stage, m, W, NODES)
+
+
+@triton.jit
+def covers_every_rank(m, W):
+    """Whether a handshake across nodes covers every rank, not only this node's and the
+    rail peers: with MASK_FAILED or once a rank is masked. Then every rank finds a failed one
+    at the start of the launch, before any rows move, and the ranks of a node whose rail peer
+    is masked, which exchange rows directly (kernels/dispatch.py, kernels/combine.py), are
+    among the peers."""
+    every = tl.load(m.control_ptr + MASK_FAILED) != 0
+    for peer in range(0, W):
+        every = every | ~live(m, peer)
+    return every
+
+
+@triton.jit
+def _elsewhere_exchanges(peer, rank, every, R: tl.constexpr):
+    """Whether a handshake of ``rank`` covers ``peer`` of another node: the rank of its local
+    index there, or any with ``every``."""
+    return (peer // R != rank // R) & (every | (peer % R == rank % R))
 
 
 @triton.jit

@@ -125,9 +125,9 @@ if INTERPRETED:
         """A network put whose source does not lie in the sender's own symmetric heap."""
 
     @triton.jit
-    def net_put_signal(net_bases_ptr, rank, pe, dst_off, src, nbytes, flag_off, value, heap_bytes):
+    def net_put(net_bases_ptr, rank, pe, dst_off, src, nbytes, heap_bytes):
         """Put ``nbytes`` bytes from ``src`` (in this rank's heap) to byte ``dst_off`` of
-        ``pe``'s heap, then set the int64 flag at ``flag_off`` there to ``value`` (release)."""
+        ``pe``'s heap."""
         own = tl.load(net_bases_ptr + rank)
         first = src.to(tl.int64)
         if (first < own) | (first + nbytes > own + heap_bytes):
@@ -136,19 +136,30 @@ if INTERPRETED:
                 f"{int(first):#x}, outside this rank's heap [{int(own):#x}, "
                 f"{int(own + heap_bytes):#x}): a NIC reads only registered memory"
             )
-        peer = tl.load(net_bases_ptr + pe)
         src_bytes = first.to(tl.pointer_type(tl.uint8))
-        dst_bytes = (peer + dst_off).to(tl.pointer_type(tl.uint8))
+        dst_bytes = (tl.load(net_bases_ptr + pe) + dst_off).to(tl.pointer_type(tl.uint8))
         for b0 in range(0, nbytes, 4096):
             offs = b0 + tl.arange(0, 4096)
             mask = offs < nbytes
             tl.store(dst_bytes + offs, tl.load(src_bytes + offs, mask=mask), mask=mask)
-        signal((peer + flag_off).to(tl.pointer_type(tl.int64)), value)
+
+    @triton.jit
+    def net_put_signal(net_bases_ptr, rank, pe, dst_off, src, nbytes, flag_off, value, heap_bytes):
+        """Put ``nbytes`` bytes from ``src`` (in this rank's heap) to byte ``dst_off`` of
+        ``pe``'s heap, then set the int64 flag at ``flag_off`` there to ``value`` (release)."""
+        net_put(net_bases_ptr, rank, pe, dst_off, src, nbytes, heap_bytes)
+        net_signal(net_bases_ptr, pe, flag_off, value)
 
     @triton.jit
     def net_signal(net_bases_ptr, pe, flag_off, value):
         """Set the int64 flag at ``flag_off`` of ``pe``'s heap to ``value`` (release)."""
         signal((tl.load(net_bases_ptr + pe) + flag_off).to(tl.pointer_type(tl.int64)), value)
+
+    @triton.jit
+    def net_fence():
+        """Order this program's earlier network puts before its later ones (the interpreter's
+        stores land in order)."""
+        pass
 
 else:
 
@@ -184,6 +195,28 @@ else:
             _semantic=_semantic,
         )
 
+    @core.extern
+    def _putmem_block(dst, src, nbytes, pe, _semantic=None):
+        return core.extern_elementwise(
+            "",
+            "",
+            [dst, src, nbytes, pe],
+            {
+                (core.int64, core.int64, core.int64, core.int32): (
+                    "nvshmemx_putmem_block",
+                    core.int32,
+                )
+            },
+            is_pure=False,
+            _semantic=_semantic,
+        )
+
+    @core.extern
+    def _fence(_semantic=None):
+        return core.extern_elementwise(
+            "", "", [], {(): ("nvshmem_fence", core.int32)}, is_pure=False, _semantic=_semantic
+        )
+
     @triton.jit
     def net_put_signal(net_bases_ptr, rank, pe, dst_off, src, nbytes, flag_off, value, heap_bytes):
         """Put ``nbytes`` bytes from ``src`` (in this rank's heap) to byte ``dst_off`` of
@@ -216,6 +249,27 @@ else:
             tl.full([], _SIGNAL_SET, tl.int32),
             (tl.zeros([], tl.int32) + pe).to(tl.int32),
         )
+
+    @triton.jit
+    def net_put(net_bases_ptr, rank, pe, dst_off, src, nbytes, heap_bytes):
+        """Put ``nbytes`` bytes from ``src`` (in this rank's heap) to byte ``dst_off`` of
+        ``pe``'s heap; every thread of the program calls it (block-scoped). Returns once
+        ``src`` may be reused; ordered before a later net_signal to ``pe`` only by net_fence."""
+        fence_system()  # the block's stores to src first, visible to a NIC that reads them
+        tl.debug_barrier()
+        _putmem_block(
+            tl.load(net_bases_ptr + pe) + dst_off,
+            src.to(tl.int64),
+            tl.zeros([], tl.int64) + nbytes,
+            (tl.zeros([], tl.int32) + pe).to(tl.int32),
+        )
+
+    @triton.jit
+    def net_fence():
+        """Order this program's earlier network puts to a rank before its later puts and
+        signals to that rank (nvshmem_fence), so that a flag set after them carries them."""
+        tl.debug_barrier()
+        _fence()
 
 
 @triton.jit

@@ -3,8 +3,8 @@ functions they call.
 
 NVSHMEM ships its device code as LLVM bitcode (``libnvshmem_device_sm_90.bc``, 52 MB in 3.8;
 ``libnvshmem_device.bc`` before 3.5). Triton's link parses the whole file at every build of a
-kernel that calls NVSHMEM, a third of such a build's time, for the two functions the kernels
-call (``DEVICE_CALLS``, kernels/primitives.py). ``device_library`` links those two out of it
+kernel that calls NVSHMEM, a third of such a build's time, for the few functions the kernels
+call (``DEVICE_CALLS``, kernels/primitives.py). ``device_library`` links those out of it
 once, with Triton's own LLVM, into a small file of textual IR in the cache directory
 (``cache_location.cache_dir() / "nvshmem"``), and gives Triton that: the same sm_90 code (SASS
 identical), in less time (bench/results/2026-12-05-sm90-slim-nvshmem-bitcode.log).
@@ -36,10 +36,12 @@ __all__ = [
 ]
 
 # The NVSHMEM device functions the kernels call, with their LLVM signatures in NVSHMEM's
-# bitcode (nvshmemx.h: nvshmemx_putmem_signal_block, nvshmemx_signal_op), as MLIR declarations.
+# bitcode (nvshmemx.h, nvshmem.h), as MLIR declarations.
 DEVICE_CALLS = {
     "nvshmemx_putmem_signal_block": "(!llvm.ptr, !llvm.ptr, i64, !llvm.ptr, i64, i32, i32) -> ()",
     "nvshmemx_signal_op": "(!llvm.ptr, i64, i32, i32) -> ()",
+    "nvshmemx_putmem_block": "(!llvm.ptr, !llvm.ptr, i64, i32) -> ()",
+    "nvshmem_fence": "() -> ()",
 }
 # NVSHMEM's device bitcode file's name (one per architecture from 3.5), and a trimmed
 # library's: the bitcode file's stem, then a digest of what made it.
