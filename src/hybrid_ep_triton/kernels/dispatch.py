@@ -938,9 +938,9 @@ def _forward_role(forwarder, send_cols, node_first, my_ready, tok, lay, out, hea
                         sync=sync,
                         k=k,
                     )
-                else:
-                    # src is masked (a handle made before still counts its items): this node's
-                    # expanders wait for it through this rank, so tell them first, then release
+                elif ~live(sync, src):
+                    # (a handle made before it was masked still counts its items) This node's
+                    # expanders wait for them through this rank: tell them first, then release
                     # the item with nothing in it.
                     tell_mask(src, sync, k.W, k.NODES)
                 for peer in range(node_first, node_first + k.R):
