@@ -60,10 +60,8 @@ from .peers import await_peer, live, start_channel, wait_landed
 from .primitives import (
     SAME_ON_EVERY_RANK,
     finish_launch,
-    net_fence,
-    net_put,
+    net_put_rows_signal,
     net_put_signal,
-    net_signal,
     node_first_rank,
     rail_peer,
     region,
@@ -439,14 +437,12 @@ def _send_over_network(src, w, start, num_rows, h_first, h_last, outbox_rows, ro
         slot_cols = chunk_rows[:, None] * k.NET_COLS + (cols - h_first)[None, :]
         tl.store(slot + slot_cols, tile, mask=mask)
     first = (rank * k.T_MAX + start).to(tl.int64)
-    # A row at a time: an item is a column slice of rows of `hidden` columns.
-    for j in range(0, num_rows):
-        net_put(heap.net_bases_ptr, rank, src,
-                heap.staging_off + ((first + j) * rows.hidden + h_first) * EBYTES,
-                slot + j * k.NET_COLS, (h_last - h_first) * EBYTES, heap.heap_bytes)  # fmt: skip
-    net_fence()
-    net_signal(heap.net_bases_ptr, src, heap.chunk_flags_off + (rank * items_of_src + w) * 8,
-               sync.seq)  # fmt: skip
+    net_put_rows_signal(heap.net_bases_ptr, rank, src,
+                        heap.staging_off + (first * rows.hidden + h_first) * EBYTES,
+                        rows.hidden * EBYTES, slot, k.NET_COLS * EBYTES, num_rows,
+                        (h_last - h_first) * EBYTES,
+                        heap.chunk_flags_off + (rank * items_of_src + w) * 8, sync.seq,
+                        heap.heap_bytes)  # fmt: skip
 
 
 @triton.jit

@@ -87,10 +87,9 @@ from .primitives import (
     finish_launch,
     host_pointer,
     interleaved,
-    net_fence,
     net_put,
+    net_put_rows_signal,
     net_put_signal,
-    net_signal,
     node_first_rank,
     rail_peer,
     record_word,
@@ -296,6 +295,24 @@ def _send_chunk(c, h_first, h_last, node_first, tok, lay, heap, sync, k):
                     tl.store(ptrs, tile, mask=(row >= 0)[:, None] & cmask[None, :])
 
 
+@triton.jit
+def _pack_rows(data, row, tokens, h_first, h_last, tok, k):
+    """Columns [h_first, h_last) of the rows of ``tokens`` [CHUNK] (values, then scales) into
+    rows ``row`` [CHUNK] (-1: none) of a network slot's ``data``, NET_COLS apart."""
+    PARTS: tl.constexpr = 2 if k.SCALE_WORDS > 0 else 1
+    x_rows = tok.x_ptr + tokens.to(tl.int64)[:, None] * tok.x_stride
+    scale_rows = tok.x_scales_ptr + tokens.to(tl.int64)[:, None] * tok.x_scales_stride
+    for part in tl.static_range(PARTS):
+        src, lo, hi = row_part(
+            x_rows, scale_rows, part, h_first, h_last, tok.data_cols, k.SCALE_WORDS
+        )
+        for h0 in tl.range(lo, hi, k.BLOCK_H, num_stages=k.STAGES):
+            cols = h0 + tl.arange(0, k.BLOCK_H)
+            mask = (row >= 0)[:, None] & (cols < hi)[None, :]
+            tile = tl.load(src + cols[None, :], mask=mask)
+            tl.store(data + row[:, None] * k.NET_COLS + (cols - h_first)[None, :], tile, mask=mask)
+
+
 @triton.jit(noinline=True)
 def _pack_node_slot(c, node, h_first, h_last, num_rows, slot_ptr, tok, lay, k):
     """Write columns [h_first, h_last) of the tokens of chunk ``c`` that go to node ``node`` into
@@ -303,8 +320,6 @@ def _pack_node_slot(c, node, h_first, h_last, num_rows, slot_ptr, tok, lay, k):
     token to that node (``num_rows`` of them), with, per rank r of that node, the token's row in
     this rank's stream to r and what a direct send would record there. Rows past num_rows get
     no destination, so that what an earlier call left there is never forwarded."""
-    PARTS: tl.constexpr = 2 if k.SCALE_WORDS > 0 else 1
-    dtype = tok.x_ptr.dtype.element_ty
     locals_ = tl.arange(0, k.R_P2)
     ranks = node * k.R + locals_
     tokens, tmask, slot_offs, dest, recorded = _chunk_slots(c, tok, lay, k)
@@ -335,18 +350,8 @@ def _pack_node_slot(c, node, h_first, h_last, num_rows, slot_ptr, tok, lay, k):
         tl.full([k.CHUNK, k.R_P2], -1, tl.int32),
         mask=unused[:, None] & (locals_[None, :] < k.R),
     )
-    data = (slot_ptr + k.DATA_OFF).to(tl.pointer_type(dtype))
-    x_rows = tok.x_ptr + tokens.to(tl.int64)[:, None] * tok.x_stride
-    scale_rows = tok.x_scales_ptr + tokens.to(tl.int64)[:, None] * tok.x_scales_stride
-    for part in tl.static_range(PARTS):
-        src, lo, hi = row_part(
-            x_rows, scale_rows, part, h_first, h_last, tok.data_cols, k.SCALE_WORDS
-        )
-        for h0 in tl.range(lo, hi, k.BLOCK_H, num_stages=k.STAGES):
-            cols = h0 + tl.arange(0, k.BLOCK_H)
-            mask = sent[:, None] & (cols < hi)[None, :]
-            tile = tl.load(src + cols[None, :], mask=mask)
-            tl.store(data + row[:, None] * k.NET_COLS + (cols - h_first)[None, :], tile, mask=mask)
+    data = (slot_ptr + k.DATA_OFF).to(tl.pointer_type(tok.x_ptr.dtype.element_ty))
+    _pack_rows(data=data, row=row, tokens=tokens, h_first=h_first, h_last=h_last, tok=tok, k=k)
 
 
 @triton.jit(noinline=True)
@@ -838,15 +843,12 @@ def _send_to_node_ranks(w, c, node, h_first, h_last, tok, lay, heap, sync, k):
             if k.HAS_WEIGHTS:
                 net_put(heap.net_bases_ptr, rank, q, heap.meta_weights_off + first * k.MS * 4,
                         slot + k.CHUNK * k.META_INTS * 4, meta_bytes, heap.heap_bytes)  # fmt: skip
-            # A row at a time: an item is a column slice of rows of `hidden` columns.
-            for j in range(0, num_rows):
-                net_put(heap.net_bases_ptr, rank, q,
-                        heap.staging_off + ((first + j) * tok.hidden + h_first) * EBYTES,
-                        slot + k.DATA_OFF + j * k.NET_COLS * EBYTES, (h_last - h_first) * EBYTES,
-                        heap.heap_bytes)  # fmt: skip
-            net_fence()
-            net_signal(heap.net_bases_ptr, q, heap.chunk_flags_off + (rank * ITEMS + w) * 8,
-                       sync.seq)  # fmt: skip
+            net_put_rows_signal(heap.net_bases_ptr, rank, q,
+                                heap.staging_off + (first * tok.hidden + h_first) * EBYTES,
+                                tok.hidden * EBYTES, slot + k.DATA_OFF, k.NET_COLS * EBYTES,
+                                num_rows, (h_last - h_first) * EBYTES,
+                                heap.chunk_flags_off + (rank * ITEMS + w) * 8, sync.seq,
+                                heap.heap_bytes)  # fmt: skip
 
 
 @triton.jit(noinline=True)
@@ -856,8 +858,6 @@ def _pack_rank_slot(c, q, h_first, h_last, slot_ptr, tok, lay, k):
     row of this rank's stream to q, its metadata (MS int32 entries, what a direct send records)
     from the slot's start, its weights (MS float32) after the slot's metadata, its columns at
     DATA_OFF (NET_COLS apart)."""
-    PARTS: tl.constexpr = 2 if k.SCALE_WORDS > 0 else 1
-    dtype = tok.x_ptr.dtype.element_ty
     tokens, tmask, slot_offs, dest, recorded = _chunk_slots(c, tok, lay, k)
     row = tl.load(lay.token_rank_pos_ptr + tokens * k.W + q, mask=tmask, other=-1)
     sent = row >= 0
@@ -868,18 +868,8 @@ def _pack_rank_slot(c, q, h_first, h_last, slot_ptr, tok, lay, k):
         weights = (slot_ptr + k.CHUNK * k.META_INTS * 4).to(tl.pointer_type(tl.float32))
         weight = tl.load(tok.topk_weights_ptr + slot_offs, mask=dest >= 0, other=0.0)
         tl.store((weights + row * k.MS)[:, None] + entry, weight, mask=sel)
-    data = (slot_ptr + k.DATA_OFF).to(tl.pointer_type(dtype))
-    x_rows = tok.x_ptr + tokens.to(tl.int64)[:, None] * tok.x_stride
-    scale_rows = tok.x_scales_ptr + tokens.to(tl.int64)[:, None] * tok.x_scales_stride
-    for part in tl.static_range(PARTS):
-        src, lo, hi = row_part(
-            x_rows, scale_rows, part, h_first, h_last, tok.data_cols, k.SCALE_WORDS
-        )
-        for h0 in tl.range(lo, hi, k.BLOCK_H, num_stages=k.STAGES):
-            cols = h0 + tl.arange(0, k.BLOCK_H)
-            mask = sent[:, None] & (cols < hi)[None, :]
-            tile = tl.load(src + cols[None, :], mask=mask)
-            tl.store(data + row[:, None] * k.NET_COLS + (cols - h_first)[None, :], tile, mask=mask)
+    data = (slot_ptr + k.DATA_OFF).to(tl.pointer_type(tok.x_ptr.dtype.element_ty))
+    _pack_rows(data=data, row=row, tokens=tokens, h_first=h_first, h_last=h_last, tok=tok, k=k)
 
 
 @triton.jit

@@ -273,6 +273,22 @@ else:
 
 
 @triton.jit
+def net_put_rows_signal(net_bases_ptr, rank, pe, dst_off, dst_row_bytes, src, src_row_bytes,
+                        num_rows, row_bytes, flag_off, value, heap_bytes):  # fmt: skip
+    """Put ``num_rows`` rows of ``row_bytes`` bytes each from ``src`` (in this rank's heap,
+    ``src_row_bytes`` apart) to byte ``dst_off`` of ``pe``'s heap (``dst_row_bytes`` apart), a
+    row at a time (column slices of rows, which no single put covers), then set the int64 flag
+    at ``flag_off`` there to ``value``, after them and this program's earlier puts to ``pe``
+    (net_fence)."""
+    src_bytes = src.to(tl.pointer_type(tl.uint8))
+    for j in range(0, num_rows):
+        net_put(net_bases_ptr, rank, pe, dst_off + j * dst_row_bytes, src_bytes + j * src_row_bytes,
+                row_bytes, heap_bytes)  # fmt: skip
+    net_fence()
+    net_signal(net_bases_ptr, pe, flag_off, value)
+
+
+@triton.jit
 def region(peer_bases_ptr, rank, byte_offset, dtype: tl.constexpr):
     """Typed pointer to ``byte_offset`` inside ``rank``'s symmetric buffer: the start of a region,
     or of a 16-byte aligned part of one (offsets inside a region go on the pointer)."""
