@@ -575,19 +575,7 @@ def _wait_partials(w, node_first, rank, here, sync, k):
     rank of this rank's local index on a node (its network sender) is masked, for the partial
     rows that node's live ranks send here themselves (_send_over_network)."""
     items_of_src = k.NC_MAX * k.H_SLICES
-    for peer in range(node_first, node_first + k.R):
-        if peer != rank:
-            wait_landed(
-                my_ready=here.my_ready,
-                carrier=peer,
-                rank=rank,
-                channel=w % sync.num_senders,
-                flag_ptr=here.my_flags + peer * items_of_src + w,
-                ready_stage=STAGE_COMBINE_READY,
-                data_stage=STAGE_COMBINE_DATA,
-                sync=sync,
-                k=k,
-            )
+    _wait_node_ranks(w=w, node_first=node_first, rank=rank, here=here, sync=sync, k=k)
     if k.NODES > 1:
         for node in range(0, k.NODES):
             if node * k.R != node_first:
@@ -604,18 +592,28 @@ def _wait_partials(w, node_first, rank, here, sync, k):
                     k=k,
                 )
                 if ~landed & ~live(sync, carrier):
-                    for peer in range(node * k.R, node * k.R + k.R):
-                        wait_landed(
-                            my_ready=here.my_ready,
-                            carrier=peer,
-                            rank=rank,
-                            channel=w % sync.num_senders,
-                            flag_ptr=here.my_flags + peer * items_of_src + w,
-                            ready_stage=STAGE_COMBINE_READY,
-                            data_stage=STAGE_COMBINE_DATA,
-                            sync=sync,
-                            k=k,
-                        )
+                    _wait_node_ranks(
+                        w=w, node_first=node * k.R, rank=rank, here=here, sync=sync, k=k
+                    )
+
+
+@triton.jit
+def _wait_node_ranks(w, node_first, rank, here, sync, k):
+    """Wait for the partial rows of work item ``w`` that the ranks of the node starting at
+    ``node_first`` (this rank excepted) put into this rank's staging themselves."""
+    for peer in range(node_first, node_first + k.R):
+        if peer != rank:
+            wait_landed(
+                my_ready=here.my_ready,
+                carrier=peer,
+                rank=rank,
+                channel=w % sync.num_senders,
+                flag_ptr=here.my_flags + peer * (k.NC_MAX * k.H_SLICES) + w,
+                ready_stage=STAGE_COMBINE_READY,
+                data_stage=STAGE_COMBINE_DATA,
+                sync=sync,
+                k=k,
+            )
 
 
 @triton.jit
