@@ -642,8 +642,8 @@ def _masked_body(rank: int, world: int, grp: Group, how: str, stall_at: int = 0,
     seconds after its first case (a live rank late for the others' next call while they waited
     on MASKED). "killed": a live rank raises its failures (the launcher reports only failed
     ranks once one has died)."""
-    # (masked by a live rank: the masked rank, alive, waits for the others, checks that no
-    # one wrote into its mask, and frees the heap with them)
+    # (masked by a live rank: the masked rank, alive, waits for the others, checks that it
+    # was told, and frees the heap with them)
     masked_by_hand = how in ("by hand", "told")
     failures: list[str] = []
     buf = Buffer(None, hidden_size=grp.hidden, max_tokens_per_rank=grp.tokens,
@@ -663,10 +663,12 @@ def _masked_body(rank: int, world: int, grp: Group, how: str, stall_at: int = 0,
             _masked_case(buf, rank, grp, index, case, local, fail, stall_at)
         if how == "killed":
             os.kill(os.getpid(), signal.SIGKILL)
-        if masked_by_hand:  # once the others are done (they tell the live ranks only)
+        if masked_by_hand:  # once the others are done: they told this rank too
             dist.barrier()
-            if buf.masked_ranks:
+            if buf.masked_ranks != [MASKED]:
                 fail(f"the masked rank's own mask holds {buf.masked_ranks}")
+            # (as the others do: with no mask, destroy() frees the heap with every rank)
+            buf.clean_mask()
         buf.destroy()
         return failures
     try:

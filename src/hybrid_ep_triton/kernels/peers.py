@@ -171,11 +171,10 @@ def tell_new_masks(m, W, NODES: tl.constexpr):
 @triton.jit
 def tell_mask(masked, m, W, NODES: tl.constexpr):
     """That this rank masks rank ``masked``: set it in every other live rank's mask (the peers
-    of another node by a network signal). Nothing goes to the masked rank: one that is gone
-    may have had its memory handed to another process of the GPU (a write there corrupts
-    that one); one that is alive finds out at destroy() (farewell_kernel)."""
+    of another node by a network signal), and in the masked rank's own: one that is alive finds
+    itself masked, so that its destroy() waits for no one either."""
     for peer in range(0, W):
-        if (peer != m.rank) & (peer != masked) & live(m, peer):
+        if (peer != m.rank) & ((peer == masked) | live(m, peer)):
             if tl.load(m.bases_ptr + peer) != 0:
                 mask = region(m.bases_ptr, peer, m.mask_off, tl.int64)
                 tl.atomic_xchg(mask + masked, 1, sem="relaxed", scope="sys")
@@ -327,24 +326,20 @@ def farewell_kernel(
     """destroy(), one program: whether this rank frees the heap with the others (on GPUs
     NVSHMEM's free waits for every rank: one that never comes would hold the others forever).
     It says its word in its place of every live rank's farewell region (LEAVING where it has
-    masked a rank or left before, or is masked, else FREE_TOGETHER), and waits, up to
-    timeout_ns (not at all where it is masked, nor once it sees so), for every other rank's
-    word: all FREE_TOGETHER, the verdict is FREE_TOGETHER; a word LEAVING or the time run out,
-    LEAVING, which it then says, so that a rank that decides later leaves as well. Writes the
-    verdict into its own place of its farewell region and into *verdict_ptr."""
+    masked a rank or left before, or finds itself masked, else FREE_TOGETHER), and waits, up to
+    timeout_ns (not at all where it is masked itself, nor once told so), for every other
+    rank's word: all FREE_TOGETHER, the verdict is FREE_TOGETHER; a word LEAVING or the time
+    run out, LEAVING, which it then says, so that a rank that decides later leaves as well.
+    Writes the verdict into its own place of its farewell region and into *verdict_ptr."""
     peers = tl.arange(0, W_P2)
     others = (peers < W) & (peers != rank)
     mask = tl.load(
         region(peer_bases_ptr, rank, mask_off, tl.int64) + peers, mask=peers < W, other=0
     )
     masked = others & (mask != 0)
-    # A rank that another masked is out of the group: it leaves at once, as the others, which
-    # say it nothing, do. No rank tells it (tell_mask): it reads its word in the mask of each
-    # live rank of its node (a rank of another node that masked it: no word comes, the time
-    # runs out).
-    bases = tl.load(peer_bases_ptr + peers, mask=others & ~masked, other=0)
-    their_words = (bases + mask_off + rank * 8).to(tl.pointer_type(tl.int64))
-    outcast = _masked_by_one_of(their_words, bases != 0)
+    # A rank told that it is masked (a peer masked it) is out of the group: it leaves at once,
+    # as the others, which say it nothing, do.
+    outcast = tl.max(((peers == rank) & (mask != 0)).to(tl.int32), axis=0) > 0
     words = region(peer_bases_ptr, rank, farewell_off, tl.int64) + peers
     # (this rank's own word holds its last verdict: said again, it does not take LEAVING back)
     left = tl.load(words, mask=peers == rank, other=0) == LEAVING
@@ -353,11 +348,12 @@ def farewell_kernel(
     _say_farewell(mine, masked, peer_bases_ptr, net_bases_ptr, farewell_off, rank, W, NODES)
     start = clock_ns()
     said = tl.where(others, tl.zeros([W_P2], tl.int64), mine)
+    own_mask = region(peer_bases_ptr, rank, mask_off, tl.int64) + rank
     waiting = ~outcast
     while waiting:
         said = tl.where(others, tl.load(words, mask=others, other=0, volatile=True), mine)
-        # (masked meanwhile: no word will come)
-        outcast = _masked_by_one_of(their_words, bases != 0)
+        # (told meanwhile that it is masked: no word will come)
+        outcast = tl.load(own_mask, volatile=True) != 0
         waiting = (
             (tl.min(said, axis=0) == 0)
             & (tl.max(said, axis=0) < LEAVING)
@@ -370,13 +366,6 @@ def farewell_kernel(
     _say_farewell(verdict, masked, peer_bases_ptr, net_bases_ptr, farewell_off, rank, W, NODES)
     tl.store(words, verdict, mask=peers == rank)
     tl.store(verdict_ptr, verdict)
-
-
-@triton.jit
-def _masked_by_one_of(their_words, where):
-    """Whether one of the mask words ``their_words`` (``where``) is set."""
-    word = tl.load(their_words, mask=where, other=0, volatile=True)
-    return tl.max((word != 0).to(tl.int32), axis=0) > 0
 
 
 @triton.jit
