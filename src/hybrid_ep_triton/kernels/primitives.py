@@ -311,7 +311,10 @@ def host_pointer(address, dtype: tl.constexpr):
 
 @triton.jit
 def signal(flag_ptr, value):
-    """Make every write of this program visible system-wide, then set ``*flag_ptr = value``."""
+    """Make every write of this program visible system-wide, then set ``*flag_ptr = value``.
+    Each thread fences its own writes first, so that every warp's stores, not only the
+    signalling thread's, are visible before the flag is."""
+    fence_system()
     tl.debug_barrier()
     tl.atomic_xchg(flag_ptr, value, sem="release", scope="sys")
 
