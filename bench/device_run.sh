@@ -86,7 +86,8 @@
 #          (tests/deep_ep_programs.py), $DEEPEP_RANKS ranks (default 2) sharing the GPU under MPS,
 #          from the copy of DeepEP's files in build/deepep (carry it: docs/deep_ep.md says how to
 #          make it; $DEEPEP_PROGRAMS, default "low_latency intranode", picks them); with
-#          DEEPEP_SHRINK=1 also test_low_latency.py --shrink-test on 8 ranks
+#          DEEPEP_SHRINK=1 also test_low_latency.py --shrink-test on 8 ranks, $DEEPEP_SHRINK_RUNS
+#          times (default 1: its failures come in some runs and not others)
 #          (three of its ranks stop, and the others wait deep_ep.Buffer's timeout_s for each:
 #          $DEEPEP_PEER_TIMEOUT_S, default 20 s; raise STEP_TIMEOUT)
 #   megatron-flex  Megatron-Core's flex dispatcher on deep_ep (tests/test_megatron.py, the flex
@@ -237,11 +238,12 @@ for step in $STEPS; do
                               for program in ${DEEPEP_PROGRAMS-low_latency intranode}; do echo "== $program"; \
                               python3 tests/deep_ep_programs.py build/deepep --program $program \
                               --ranks ${DEEPEP_RANKS:-2} $sizes || rc=1; done; \
-                              if [ "${DEEPEP_SHRINK:-0}" = 1 ]; then echo "== shrink"; \
+                              if [ "${DEEPEP_SHRINK:-0}" = 1 ]; then \
+                              for run in $(seq ${DEEPEP_SHRINK_RUNS:-1}); do echo "== shrink $run"; \
                               python3 tests/deep_ep_programs.py build/deepep --program low_latency \
                               --ranks 8 --num-tokens 64 --hidden 2048 --num-topk 4 \
                               --num-experts 32 --shrink-test \
-                              --peer-timeout-s ${DEEPEP_PEER_TIMEOUT_S:-20} || rc=1; fi; exit $rc') ;;
+                              --peer-timeout-s ${DEEPEP_PEER_TIMEOUT_S:-20} || rc=1; done; fi; exit $rc') ;;
         megatron-flex) cmd=(env "${MPS_DIRS[@]}" bash -c 'rc=0; cases=${FLEX_CASES:-"deepep-ep2 \
                             hybridep-ep2 hybridep-dp2_ep1 hybridep-ep1 deepep-dp2_ep2 \
                             hybridep-dp2_ep2 deepep-ep4 hybridep-ep4"}; for case in $cases; do \
