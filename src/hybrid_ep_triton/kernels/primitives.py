@@ -119,6 +119,15 @@ else:
         )
 
 
+@triton.jit
+def publish_block_writes():
+    """Every thread fences its own writes, then the program's threads meet: every warp's
+    stores, not only one thread's, are visible system-wide (peers, the host, a NIC) before
+    what any thread does next."""
+    fence_system()
+    tl.debug_barrier()
+
+
 if INTERPRETED:
 
     class NetworkSourceError(RuntimeError):
@@ -224,9 +233,7 @@ else:
         of the program calls it (a block-scoped NVSHMEM call). Returns once ``src`` may be
         reused; the flag is set after the data has landed."""
         base = tl.load(net_bases_ptr + pe)
-        # The whole block's stores to src come first, visible to a NIC that reads them too.
-        fence_system()
-        tl.debug_barrier()
+        publish_block_writes()  # the block's stores to src, for a NIC that reads them
         # Sizes and values may be compile-time constants: make every argument a typed scalar.
         _putmem_signal_block(
             base + dst_off,
@@ -255,8 +262,7 @@ else:
         """Put ``nbytes`` bytes from ``src`` (in this rank's heap) to byte ``dst_off`` of
         ``pe``'s heap; every thread of the program calls it (block-scoped). Returns once
         ``src`` may be reused; ordered before a later net_signal to ``pe`` only by net_fence."""
-        fence_system()  # the block's stores to src first, visible to a NIC that reads them
-        tl.debug_barrier()
+        publish_block_writes()  # the block's stores to src, for a NIC that reads them
         _putmem_block(
             tl.load(net_bases_ptr + pe) + dst_off,
             src.to(tl.int64),
@@ -311,11 +317,9 @@ def host_pointer(address, dtype: tl.constexpr):
 
 @triton.jit
 def signal(flag_ptr, value):
-    """Make every write of this program visible system-wide, then set ``*flag_ptr = value``.
-    Each thread fences its own writes first, so that every warp's stores, not only the
-    signalling thread's, are visible before the flag is."""
-    fence_system()
-    tl.debug_barrier()
+    """Make every write of this program visible system-wide (every warp's, not only the
+    signalling thread's), then set ``*flag_ptr = value``."""
+    publish_block_writes()
     tl.atomic_xchg(flag_ptr, value, sem="release", scope="sys")
 
 
