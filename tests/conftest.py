@@ -134,6 +134,19 @@ def skip_unless_ranks_fit(device: str, world_size: int) -> None:
         pytest.skip(f"{world_size} ranks share GPUs here and no MPS daemon answers: {mps.HOW_TO}")
 
 
+def skip_if_a_killed_rank_shares_a_gpu(world_size: int) -> None:
+    """Skip a test that kills a rank outright where its ranks share GPUs: under MPS the kill
+    takes the other ranks of the GPU down with it (docs/testing.md, One GPU under MPS), which
+    no library can mask."""
+    if DEVICE != "cuda":
+        return
+    from hybrid_ep_triton.tools import launcher
+
+    if launcher.ranks_per_gpu(world_size) > 1:
+        pytest.skip("a rank killed outright under MPS takes its GPU's other ranks down with it "
+                    "(docs/testing.md, One GPU under MPS)")  # fmt: skip
+
+
 @pytest.fixture
 def launch(device, rank_pools):
     """``launch(fn, world_size, *args, timeout_s=None, fresh=False, **kwargs)``: ``fn`` on

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import DEVICE, raised
+from conftest import DEVICE, raised, skip_if_a_killed_rank_shares_a_gpu
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -789,6 +789,7 @@ def test_rank_killed_outright_is_masked(launch, grp):
     the only failure the launcher reports is that rank's death. Across nodes the live ranks
     waiting on it keep the others of their node and of the other node from masking them too
     (heartbeats pushed across nodes)."""
+    skip_if_a_killed_rank_shares_a_gpu(grp.world_size)
     with pytest.raises(RankFailure) as failed:
         launch(_masked_body, grp.world_size, grp, "killed", 1, 4, fresh=True,
                failure_grace_s=300)  # fmt: skip

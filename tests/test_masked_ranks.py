@@ -21,7 +21,7 @@ import signal
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import DEVICE, raised
+from conftest import DEVICE, raised, skip_if_a_killed_rank_shares_a_gpu
 
 from hybrid_ep_triton import Buffer
 from hybrid_ep_triton.tools.launcher import RankFailure, rank_device
@@ -248,6 +248,7 @@ def test_rank_that_stops_answering_is_masked(launch, stall_at, ranks_per_node):
 def test_rank_killed_outright_is_masked(launch, ranks_per_node):
     """The same with the rank's process killed (SIGKILL) between its dispatch and its combine:
     the only failure the launcher reports is that rank's death."""
+    skip_if_a_killed_rank_shares_a_gpu(WORLD)
     with pytest.raises(RankFailure) as failed:
         launch(_body, WORLD, "killed", 1, ROUNDS, ranks_per_node, fresh=True,
                failure_grace_s=300)  # fmt: skip
