@@ -92,6 +92,7 @@ from .primitives import (
     net_put_signal,
     node_first_rank,
     rail_peer,
+    read_uniform,
     record_word,
     region,
     signal,
@@ -969,7 +970,7 @@ def _outputs_from_host(expander, out, sync, aborted, rank):
         STAGE_DISPATCH_OUTPUTS,
     )
     num_out_rows = tl.load(sync.control_ptr + HOST_RECORD, volatile=True).to(tl.int32)
-    if tl.load(sync.status_ptr, volatile=True) != 0:
+    if read_uniform(sync.status_ptr) != 0:
         num_out_rows = -1
     aborted = aborted | (num_out_rows < 0)
     # The record's values: N, then the outputs' addresses in this order.

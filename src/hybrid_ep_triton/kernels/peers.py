@@ -22,9 +22,11 @@ import triton.language as tl
 
 from .control import MASK_FAILED, MASKS_NEW
 from .primitives import (
+    block_any,
     clock_ns,
     net_signal,
     node_first_rank,
+    read_uniform,
     region,
     signal,
     time_out_after,
@@ -49,7 +51,7 @@ LEAVING = tl.constexpr(2)
 @triton.jit
 def live(m, peer):
     """Whether ``peer`` (scalar or tensor) is not masked here."""
-    return tl.load(m.mask_ptr + peer, volatile=True) == 0
+    return read_uniform(m.mask_ptr + peer) == 0
 
 
 @triton.jit
@@ -96,7 +98,7 @@ def await_peers(flag_ptrs, target, awaited, peers, first_peer, stage, m, W, NODE
         own_beat = m.mask_ptr + W
         if NODES > 1:  # the first of this rank's waits in a new period pushes
             period = m.timeout_ns // BEAT_PUSHES + 1
-            if now // period != tl.load(own_beat, volatile=True) // period:
+            if block_any(now // period != tl.load(own_beat, volatile=True) // period):
                 _push_heartbeat(now, m, W)
         tl.store(own_beat, now)
         if tl.load(m.control_ptr + MASK_FAILED) != 0:
@@ -147,9 +149,9 @@ def _awaited(flag_ptrs, target, mask, masked_ptrs, status_ptr):
     """(which flags arrived, whether a live peer's flag is still awaited)."""
     value = tl.atomic_add(flag_ptrs, 0, mask=mask, sem="acquire", scope="sys")
     arrived = mask & (value >= target)
-    live_ = tl.load(masked_ptrs, mask=mask, other=1, volatile=True) == 0
+    live_ = read_uniform(masked_ptrs, mask, 1) == 0
     awaited = tl.max((mask & ~arrived & live_).to(tl.int32), axis=0) > 0
-    return arrived, awaited & (tl.load(status_ptr, volatile=True) == 0)
+    return arrived, awaited & (read_uniform(status_ptr) == 0)
 
 
 # -- telling the others --------------------------------------------------------------------
@@ -163,7 +165,7 @@ def tell_new_masks(m, W, NODES: tl.constexpr):
     for masked in range(0, W):
         # (a load and a store, not a compare-and-swap, which Triton 3.6 fails to compile
         # here; a peer that tells this rank meanwhile writes 1 too)
-        if tl.load(m.mask_ptr + masked, volatile=True) == MASKED_HERE:
+        if read_uniform(m.mask_ptr + masked) == MASKED_HERE:
             tl.store(m.mask_ptr + masked, 1)
             tell_mask(masked, m, W, NODES)
 
@@ -333,9 +335,7 @@ def farewell_kernel(
     Writes the verdict into its own place of its farewell region and into *verdict_ptr."""
     peers = tl.arange(0, W_P2)
     others = (peers < W) & (peers != rank)
-    mask = tl.load(
-        region(peer_bases_ptr, rank, mask_off, tl.int64) + peers, mask=peers < W, other=0
-    )
+    mask = read_uniform(region(peer_bases_ptr, rank, mask_off, tl.int64) + peers, peers < W, 0)
     masked = others & (mask != 0)
     # A rank told that it is masked (a peer masked it) is out of the group: it leaves at once,
     # as the others, which say it nothing, do.
@@ -351,13 +351,13 @@ def farewell_kernel(
     own_mask = region(peer_bases_ptr, rank, mask_off, tl.int64) + rank
     waiting = ~outcast
     while waiting:
-        said = tl.where(others, tl.load(words, mask=others, other=0, volatile=True), mine)
+        said = tl.where(others, read_uniform(words, others, 0), mine)
         # (told meanwhile that it is masked: no word will come)
-        outcast = tl.load(own_mask, volatile=True) != 0
+        outcast = read_uniform(own_mask) != 0
         waiting = (
             (tl.min(said, axis=0) == 0)
             & (tl.max(said, axis=0) < LEAVING)
-            & (clock_ns() - start < timeout_ns)
+            & ~block_any(clock_ns() - start >= timeout_ns)
             & ~outcast
         )
     together = (tl.min(said, axis=0) == FREE_TOGETHER) & (tl.max(said, axis=0) == FREE_TOGETHER)

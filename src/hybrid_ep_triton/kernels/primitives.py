@@ -128,6 +128,54 @@ def publish_block_writes():
     tl.debug_barrier()
 
 
+# Decisions and values that warps must share. A program's warps run apart between barriers, so
+# two warps that each read a word another program or rank changes, or the clock, can see it at
+# different moments. Where that decides a loop or a branch holding a barrier (an atomic whose
+# result is used, signal(), a reduction across warps), the warps take different numbers of
+# barriers and meet at the wrong ones: shared memory they exchange through is overwritten
+# while another warp still reads it. A value that picks rows or addresses must be the same in
+# every warp too. Hence: such words are read with read_uniform, and a decision on the clock
+# is the whole block's (block_any).
+
+
+@triton.jit
+def read_uniform(ptr, mask=None, other=0):
+    """The words at ``ptr`` (a pointer, or a tensor of them where ``mask``; ``other`` elsewhere),
+    which other programs or ranks change while the kernel runs, the same in every thread: a
+    relaxed atomic at system scope, which Triton performs once per element and hands to every
+    thread that holds the element."""
+    value = tl.atomic_add(ptr, 0, mask=mask, sem="relaxed", scope="sys")
+    if mask is not None:
+        value = tl.where(mask, value, other)
+    return value
+
+
+if INTERPRETED:
+
+    @triton.jit
+    def block_any(pred):
+        """Whether scalar ``pred`` holds in any thread of the program (one thread here)."""
+        return pred
+
+else:
+
+    @triton.jit
+    def block_any(pred):
+        """Whether scalar ``pred`` holds in any thread of the program, the same answer in
+        every thread (``bar.red.or``, CUDA's __syncthreads_or: a barrier of the whole
+        program, so every thread must call it at the same point)."""
+        answer = tl.inline_asm_elementwise(
+            "{ .reg .pred p; setp.ne.u32 p, $1, 0; bar.red.or.pred p, 0, p; "
+            "selp.u32 $0, 1, 0, p; }",
+            "=r,r",
+            [pred.to(tl.int32)],
+            dtype=tl.int32,
+            is_pure=False,
+            pack=1,
+        )
+        return answer != 0
+
+
 if INTERPRETED:
 
     class NetworkSourceError(RuntimeError):
@@ -317,9 +365,10 @@ def host_pointer(address, dtype: tl.constexpr):
 
 @triton.jit
 def signal(flag_ptr, value):
-    """Make every write of this program visible system-wide (every warp's, not only the
-    signalling thread's), then set ``*flag_ptr = value``."""
-    publish_block_writes()
+    """Make every write of this program visible system-wide, then set ``*flag_ptr = value``:
+    the program's threads meet, then one thread's release (cumulative: it publishes what the
+    other warps wrote before the barrier too)."""
+    tl.debug_barrier()
     tl.atomic_xchg(flag_ptr, value, sem="release", scope="sys")
 
 
@@ -337,10 +386,10 @@ def wait_at_least(flag_ptr, target, timeout_ns, status_ptr, peer, stage):
     status after the launch and raises TimeoutError.
     """
     start = clock_ns()
-    waiting = (_read_flag(flag_ptr) < target) & (tl.load(status_ptr, volatile=True) == 0)
+    waiting = (_read_flag(flag_ptr) < target) & (read_uniform(status_ptr) == 0)
     while waiting:
         time_out_after(start, timeout_ns, status_ptr, peer, stage)
-        waiting = (_read_flag(flag_ptr) < target) & (tl.load(status_ptr, volatile=True) == 0)
+        waiting = (_read_flag(flag_ptr) < target) & (read_uniform(status_ptr) == 0)
     tl.debug_barrier()
 
 
@@ -349,10 +398,10 @@ def wait_all_at_least(flag_ptrs, target, mask, timeout_ns, status_ptr, peer, sta
     """wait_at_least() for the flags ``flag_ptrs`` [N] where ``mask``: until every one is
     >= ``target``."""
     start = clock_ns()
-    waiting = _any_below(flag_ptrs, target, mask) & (tl.load(status_ptr, volatile=True) == 0)
+    waiting = _any_below(flag_ptrs, target, mask) & (read_uniform(status_ptr) == 0)
     while waiting:
         time_out_after(start, timeout_ns, status_ptr, peer, stage)
-        waiting = _any_below(flag_ptrs, target, mask) & (tl.load(status_ptr, volatile=True) == 0)
+        waiting = _any_below(flag_ptrs, target, mask) & (read_uniform(status_ptr) == 0)
     tl.debug_barrier()
 
 
@@ -366,7 +415,7 @@ def _any_below(flag_ptrs, target, mask):
 def time_out_after(start, timeout_ns, status_ptr, peer, stage):
     """Inside a wait that began at ``start``: past ``timeout_ns``, the first waiter to time out
     records (STATUS_TIMED_OUT, peer, stage)."""
-    if clock_ns() - start > timeout_ns:
+    if block_any(clock_ns() - start > timeout_ns):
         timed_out = tl.full([], STATUS_TIMED_OUT, tl.int64)
         if tl.atomic_cas(status_ptr + STATUS_CODE, tl.zeros([], tl.int64), timed_out) == 0:
             tl.store(status_ptr + STATUS_PEER, peer)
@@ -406,14 +455,15 @@ def wait_host_record(record_ptr, tag, timeout_ns, status_ptr, peer, stage):
     weights = host_record_weights(idx)
     start = clock_ns()
     words = tl.load(record_ptr + idx, cache_modifier=".cv")
-    waiting = ~_complete_record(words, idx, weights, tag)
-    waiting = waiting & (tl.load(status_ptr, volatile=True) == 0)
+    # (each thread reads the record itself: the loop goes on while any thread lacks it)
+    waiting = block_any(~_complete_record(words, idx, weights, tag))
+    waiting = waiting & (read_uniform(status_ptr) == 0)
     while waiting:
         time_out_after(start, timeout_ns, status_ptr, peer, stage)
         back_off()
         words = tl.load(record_ptr + idx, cache_modifier=".cv")
-        waiting = ~_complete_record(words, idx, weights, tag)
-        waiting = waiting & (tl.load(status_ptr, volatile=True) == 0)
+        waiting = block_any(~_complete_record(words, idx, weights, tag))
+        waiting = waiting & (read_uniform(status_ptr) == 0)
     return words
 
 

@@ -69,6 +69,7 @@ from .primitives import (
     host_pointer,
     net_put_signal,
     node_first_rank,
+    read_uniform,
     region,
     signal,
 )
@@ -269,11 +270,11 @@ def _exchange_role(rt, out, heap, sync, m, k):
     seq = tl.load(sync.control_ptr + LAYOUT_SEQ) + 1
     status_ptr = sync.control_ptr + STATUS
     # Masks set by hand or in earlier calls reach every rank before its rows do.
-    if tl.load(sync.control_ptr + MASKS_NEW) != 0:
+    if read_uniform(sync.control_ptr + MASKS_NEW) != 0:
         tell_new_masks(m, rt.world_size, k.NODES)
     agreeing = tl.load(sync.control_ptr + MASK_FAILED)
-    # Written by the launch's other programs: loads bypass L1. Reset for the next launch.
-    bad = tl.load(sync.control_ptr + BAD_ROW, volatile=True)
+    # Written by the launch's other programs. Reset for the next launch.
+    bad = read_uniform(sync.control_ptr + BAD_ROW)
     tl.store(sync.control_ptr + BAD_ROW, 0)
     tl.store(out.info_ptr + INFO_BAD_ROW, _first_bad_row(bad))
     totals = _expert_prefix_sums(rt=rt, out=out, k=k)
@@ -457,7 +458,7 @@ def _agree_on_masks(seq, rt, heap, m, k):
     when its own wait here ends: a peer slow for one rank and not for another is masked by all
     of them, and their layouts agree (a rank lost in this step itself is masked here too, where
     a rank that heard it first has counted it)."""
-    if tl.load(m.control_ptr + MASKS_NEW) != 0:
+    if read_uniform(m.control_ptr + MASKS_NEW) != 0:
         tell_new_masks(m, rt.world_size, k.NODES)
     for peer in range(0, rt.world_size):
         if (peer != rt.rank) & live(m, peer):
@@ -467,7 +468,7 @@ def _agree_on_masks(seq, rt, heap, m, k):
     for peer in range(0, rt.world_size):
         if peer != rt.rank:
             await_peer(my_flags + peer, 2 * seq, peer, STAGE_LAYOUT, m, rt.world_size, k.NODES)
-    if tl.load(m.control_ptr + MASKS_NEW) != 0:
+    if read_uniform(m.control_ptr + MASKS_NEW) != 0:
         tell_new_masks(m, rt.world_size, k.NODES)
 
 
