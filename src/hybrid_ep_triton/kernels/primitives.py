@@ -133,9 +133,11 @@ def publish_block_writes():
 # different moments. Where that decides a loop or a branch holding a barrier (an atomic whose
 # result is used, signal(), a reduction across warps), the warps take different numbers of
 # barriers and meet at the wrong ones: shared memory they exchange through is overwritten
-# while another warp still reads it. A value that picks rows or addresses must be the same in
-# every warp too. Hence: such words are read with read_uniform, and a decision on the clock
-# is the whole block's (block_any).
+# while another warp still reads it. Hence such words, where they decide a wait or a branch or
+# give a call's sequence number, are read with read_uniform, and a decision on the clock is the
+# whole block's (block_any). (The normal mode's data paths read the mask per warp where it
+# picks a chunk's rows: warps can disagree there only in the launch during which a rank
+# becomes masked, on that rank's rows.)
 
 
 @triton.jit
