@@ -2,7 +2,8 @@
 
 Run as a script (``python tests/sm90_compile.py [--low-latency]``) without TRITON_INTERPRET,
 because the interpreter replaces ``triton.jit``; ``--low-latency``: only the low-latency
-kernels, at EP2 and EP8. Compiles the launch shapes of EP2 and EP8 within one node
+kernels, at EP2 and EP8, each with its branches that depend on a read each thread makes for
+itself (``per_warp_decisions``). Compiles the launch shapes of EP2 and EP8 within one node
 and of EP16 as 2 nodes of 8, whose kernels link NVSHMEM's sm_90 device bitcode as pip installs
 it, and prints one line per kernel (dispatch and its layout also with one row per token,
 expand=False; dispatch of FP8 rows at EP8, with token rows at EP16; quantizing, and an exact-mode
@@ -20,6 +21,7 @@ import hashlib
 import inspect
 import multiprocessing
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -89,6 +91,68 @@ def _sass_digest(cubin: bytes) -> str:
         f.flush()
         out = subprocess.run([tool, "-sass", f.name], capture_output=True, text=True)
     return hashlib.sha256(out.stdout.encode()).hexdigest()[:16]
+
+
+_REGISTER = re.compile(r"%[a-z]+[0-9]+")
+# Writes and control: no register of theirs is defined by a read.
+_NO_DEFINITION = ("st.", "bar.sync", "bar.warp", "bra", "red.", "fence", "membar", "ret")
+
+
+def per_warp_decisions(ptx: str) -> list[str]:
+    """The source lines of the conditional branches in ``ptx`` that depend on a value each
+    thread reads for itself from memory that changes while the kernel runs (a volatile load) or
+    from the clock: warps that read it at different moments can part ways, and then meet at
+    the wrong barriers (kernels/primitives.py, read_uniform and block_any). Data flow through
+    registers, every definition of a register at once (PTX reuses registers across a loop);
+    shared-memory loads (Triton's broadcasts), atomics (performed once and broadcast) and
+    ``bar.red`` (one answer for the block) end it."""
+    definitions: dict[str, list[tuple[str, list[str]]]] = {}
+    branches = []
+    where = ""
+    for line in ptx.splitlines():
+        line, _, comment = line.partition("//")
+        line = line.strip()
+        if line.startswith(".loc"):
+            where = comment.strip()  # file:line:column, then where it was inlined
+            continue
+        if "bar.red" in line:  # block_any's asm: its result is the block's
+            for reg in _REGISTER.findall(line.split("selp")[-1])[:1]:
+                definitions.setdefault(reg, []).append(("uniform", []))
+            continue
+        for instruction in line.strip("{} ").split(";"):
+            words = instruction.strip().split(None, 1)
+            if words and words[0].startswith("@"):
+                guard, words = words[0].lstrip("@!"), instruction.strip().split(None, 2)[1:]
+            else:
+                guard = None
+            if len(words) < 2 or words[0].startswith((".", "$")):
+                continue
+            op, operands = words
+            registers = _REGISTER.findall(operands) + ([guard] if guard else [])
+            if op.startswith("bra") and guard:
+                branches.append((where, guard))
+            if op.startswith(_NO_DEFINITION):
+                continue
+            first = re.match(r"\s*(\{[^}]*\}|%[a-z]+[0-9]+)", operands)
+            targets = _REGISTER.findall(first.group(1)) if first else []
+            if op.startswith(("ld.shared", "ld.param", "atom")):
+                kind = "uniform"
+            elif op.startswith("ld.volatile") or "%globaltimer" in operands:
+                kind = "per-warp"
+            else:
+                kind = "derived"
+            sources = [reg for reg in registers if reg not in targets] if kind == "derived" else []
+            for reg in targets:
+                definitions.setdefault(reg, []).append((kind, sources))
+
+    def per_warp(reg: str, seen: set) -> bool:
+        if reg in seen:
+            return False
+        seen.add(reg)
+        return any(kind == "per-warp" or any(per_warp(src, seen) for src in sources)
+                   for kind, sources in definitions.get(reg, []))  # fmt: skip
+
+    return sorted({where for where, guard in branches if per_warp(guard, set())})
 
 
 TOPOLOGIES = ((2, 2), (8, 8), (16, 8))  # (world, ranks per node)
@@ -274,7 +338,11 @@ def main() -> int:
         for world, per_node in ((2, 2), (8, 8)):
             for label, source, options in low_latency_builds(world, per_node):
                 compiled = triton.compile(source, target=SM90, options=options)
-                print(f"{label}: {_resource_usage(compiled.asm['cubin'])}")
+                decisions = per_warp_decisions(compiled.asm["ptx"])
+                print(f"{label}: {_resource_usage(compiled.asm['cubin'])} "
+                      f"per-warp-decisions:{len(decisions)}")  # fmt: skip
+                for where in decisions:
+                    print(f"    {where}")
         return 0
     # Into Triton's cache side by side on every core, those that link NVSHMEM (the slowest)
     # first; then each build again here, a cache hit, for its machine code.
