@@ -25,9 +25,8 @@ def test_low_latency_kernels_compile_for_sm90():
     Triton version installed: the oldest one (nox -s oldest_triton runs this) fails on some
     code that the newest compiles, e.g. a branch on a value read after a masking wait. And no
     branch of theirs depends on a volatile load or the clock read by each thread for itself
-    (sm90_compile.per_warp_decisions: warps that part ways there meet at the wrong barriers,
-    what made DeepEP's --shrink-test fail on a GPU; a plain load of a changing word, as
-    LL_SEQ's was, is beyond what it sees)."""
+    (sm90_compile.per_warp_decisions: warps that part ways there meet at the wrong barriers;
+    a plain load of a word that changes is beyond what it sees)."""
     stdout = _compile_for_sm90("--low-latency")
     assert stdout.count("REG:") == 8, stdout
     assert stdout.count("per-warp-decisions:0") == 8, stdout
