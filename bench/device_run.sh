@@ -212,8 +212,9 @@ for step in $STEPS; do
                            [ -e $OUT/ab/$label ] && label=$label-again; mkdir -p $OUT/ab/$label; \
                            formats=(); grep -q -- --formats $src/hybrid_ep_triton/tools/cli.py \
                            && formats=(--formats "${BENCH_FORMATS-fp8,mxfp8,nvfp4}"); \
-                           start=$SECONDS; PYTHONPATH=/tmp/site:$src python3 bench/run.py \
-                           --iters 50 --warmup 10 --timeout 400 --shapes S1 --sms 8 \
+                           commit=$HEP_COMMIT; [ $tree = . ] || commit=$(basename $tree); \
+                           start=$SECONDS; HEP_COMMIT=$commit PYTHONPATH=/tmp/site:$src \
+                           python3 bench/run.py --iters 50 --warmup 10 --timeout 400 --shapes S1 --sms 8 \
                            --spot-sms 8 "${formats[@]}" --out $OUT/ab/$label || { rc=1; break; }; \
                            echo "== tree $tree ($label): $((SECONDS - start)) s"; done; \
                            tar czf $OUT/bench-ab.tgz -C $OUT ab && rm -r $OUT/ab; exit $rc') ;;
