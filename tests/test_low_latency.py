@@ -34,6 +34,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from hybrid_ep_triton import Buffer, reference
+from hybrid_ep_triton.kernels.control import LL_SEQ
 from hybrid_ep_triton.ops.low_latency import LowLatencyHandle
 from hybrid_ep_triton.ops.masks import farewell
 from hybrid_ep_triton.runtime.planner import deepep_low_latency_bytes
@@ -103,13 +104,15 @@ class Group:
     seed: int
     cases: tuple[Case, ...]
     ranks_per_node: int | None = None
+    first_seq: int = 0  # the sequence number the Buffer's calls count on from
 
     @property
     def id(self) -> str:
         nodes = ""
         if self.ranks_per_node is not None:
             nodes = f"-{self.world_size // self.ranks_per_node}x{self.ranks_per_node}"
-        return f"W{self.world_size}{nodes}-H{self.hidden}-E{self.num_experts}-M{self.tokens}"
+        seq = f"-from{self.first_seq:#x}" if self.first_seq else ""
+        return f"W{self.world_size}{nodes}-H{self.hidden}-E{self.num_experts}-M{self.tokens}{seq}"
 
 
 # W=2, E=8: 4 local experts, M=6. Every feature once; FP8 needs H % 128 == 0.
@@ -132,6 +135,13 @@ MAIN = Group(2, 256, 8, 6, seed=1, cases=(
     Case("mp1", tokens=(1, 0), mp=1, topk=4, idx_dtype=I32, fmt="ue8m0", zero_copy=True),
     Case("after_mp1_all_slots_maybe_unused", tokens=(6, 6), topk=3, unused_prob=0.6,
          fmt="fp8_round", hook="dispatch"),
+))  # fmt: skip
+# Sequence numbers past 32 bits (as if the group had made 2^32 - 3 calls): a flag's number
+# must not wrap where the calls cross 2^31 and 2^32.
+PAST_32_BITS = Group(2, 256, 8, 6, seed=13, first_seq=2**32 - 3, cases=(
+    Case("basic", tokens=(3, 5), topk=3),
+    Case("fp8_pair", tokens=(4, 6), fmt="fp8", hook="pair", unused_prob=0.2),
+    Case("ue8m0_layer", tokens=(6, 2), topk=4, fmt="ue8m0", layer=True),
 ))  # fmt: skip
 # Two simulated nodes of one rank: every row to the peer goes by a network put.
 NODES_2X1 = Group(2, 128, 4, 4, seed=8, ranks_per_node=1, cases=(
@@ -570,6 +580,8 @@ def _rank_body(rank: int, world_size: int, grp: Group) -> list[str]:
         device=rank_device(),
         timeout_s=60.0,
     )
+    if grp.first_seq:
+        _count_from(buf, grp.first_seq)
     try:
         for index, case in enumerate(grp.cases):
             prefix = f"[{grp.id} case {case.name!r}] rank {rank}:"
@@ -588,6 +600,17 @@ def _rank_body(rank: int, world_size: int, grp: Group) -> list[str]:
     return failures
 
 
+def _count_from(buf: Buffer, seq: int) -> None:
+    """Set every rank's low-latency state as if the group's last call had number ``seq`` and
+    every rank's receive of it were over (the control block's LL_SEQ, the heap's ll_freed);
+    every rank, then a barrier before any call (a peer's call writes into these words)."""
+    rt = buf._rt
+    rt.control[int(LL_SEQ)] = seq
+    freed = rt.plan.heap.ll_freed
+    rt.heap.local[freed : freed + 8 * rt.world_size].view(torch.int64).fill_(seq)
+    dist.barrier()
+
+
 def _assert_no_failures(results: list) -> None:
     failures = [msg for per_rank in results for msg in per_rank]
     assert not failures, f"{len(failures)} failure(s):\n" + "\n".join(failures)
@@ -598,6 +621,7 @@ def _assert_no_failures(results: list) -> None:
     [
         MAIN,
         NODES_2X1,
+        PAST_32_BITS,
         *(pytest.param(g, marks=pytest.mark.slow) for g in [*SLOW_GROUPS, LONG_LISTS]),
         *(pytest.param(g, marks=pytest.mark.gpu) for g in GPU_GROUPS),
     ],

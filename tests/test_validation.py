@@ -489,6 +489,7 @@ def _constructor_body(rank: int, world_size: int) -> list[str]:
         ("num_sms 0", dict(num_sms=0), "num_sms"),
         ("num_sms 133", dict(num_sms=133), "num_sms"),
         ("timeout_s 0", dict(timeout_s=0), "timeout_s"),
+        ("low_latency_tokens 65536", dict(low_latency_tokens=65536), "low_latency_tokens"),
         ("expand 1", dict(expand=1), "expand"),
         ("agree_on_inputs None", dict(agree_on_inputs=None), "agree_on_inputs"),
         ("ranks_per_node 0", dict(ranks_per_node=0), "ranks_per_node"),

@@ -48,7 +48,7 @@ class Buffer:
         ranks_per_node: R, consecutive ranks joined by NVLink (a node); None: those of a host.
         device: where tokens live: None, a CUDA device (this process's), or the CPU.
         agree_on_inputs: every call first agrees on the host that every rank's inputs passed.
-        low_latency_tokens: M, most tokens a rank passes to a low-latency call (0: no mode).
+        low_latency_tokens: M <= 65535, most tokens a rank passes to a low-latency call (0: none).
         mask_failed_ranks: a wait that runs out masks the peer instead of TimeoutError.
         heap: an ops.reserved.ReservedHeap that every rank reserved earlier (for adapters):
             where this Buffer fits it, the constructor calls no collective (the ranks'

@@ -3,11 +3,11 @@ no count exchange before data moves, fixed output shapes (DeepEP V1's low-latenc
 
 Every call has a sequence number ``seq`` (dispatch and combine count together, in the control
 block's LL_SEQ) and uses the receive area of its parity in every heap (runtime/planner.py,
-LowLatencyLayout). Flags only grow: a flag holds (seq << 32) | rows, so an old flag never
-satisfies a newer wait, and nothing is ever cleaned. A row is moved in S column slices, each
-by its own program and released by its own flag; a block from another node moves whole (one
-put-with-signal from this rank's send area, as a NIC reads only registered memory) and its
-slice 0 flag releases it all.
+LowLatencyLayout). Flags only grow: a flag holds (seq << LL_SEQ_SHIFT) | rows (control.py), so
+an old flag never satisfies a newer wait, and nothing is ever cleaned. A row is moved in S
+column slices, each by its own program and released by its own flag; a block from another node
+moves whole (one put-with-signal from this rank's send area, as a NIC reads only registered
+memory) and its slice 0 flag releases it all.
 
 Dispatch. Token role, program (token t, chunk c): chunk c of t's row (GROUPS 128-channel
 groups), read once; FP8: quantized, each token once. Its rows to this rank's experts go straight
@@ -59,8 +59,10 @@ import triton.language as tl
 
 from .control import (
     LL_DONE,
+    LL_MAX_ROWS,
     LL_REFUSED,
     LL_SEQ,
+    LL_SEQ_SHIFT,
     LL_TICKET,
     MASKS_NEW,
     STAGE_LL_COMBINE,
@@ -81,9 +83,10 @@ from .primitives import (
 )
 from .quantize import E4M3_MAX, e4m3_bits
 
-# A flag's rows field (its low 32 bits) with this bit: the source's host refused the call.
-REFUSED = tl.constexpr(1 << 30)
-ROWS_MASK = tl.constexpr((1 << 30) - 1)
+# A flag's rows field (below LL_SEQ_SHIFT) with this bit: the source's host refused the call.
+REFUSED = tl.constexpr(LL_MAX_ROWS.value + 1)
+ROWS_MASK = LL_MAX_ROWS
+ROWS_FIELD = tl.constexpr((1 << LL_SEQ_SHIFT.value) - 1)
 # DeepEP's low-latency FP8 cast: amax floored at 1e-4, a scale as a product with
 # float32(1 / 448) (kFP8Margin, kFinfoAmaxInvE4M3 in its legacy utils.cuh).
 AMAX_MARGIN = tl.constexpr(1e-4)
@@ -129,23 +132,23 @@ LowLatencyConsts = namedtuple(
 
 @triton.jit
 def _flag_value(seq, rows):
-    """A block flag: (seq << 32) | rows."""
-    return (seq.to(tl.int64) << 32) | rows
+    """A block flag: (seq << LL_SEQ_SHIFT) | rows."""
+    return (seq.to(tl.int64) << LL_SEQ_SHIFT) | rows
 
 
 @triton.jit
 def _wait_flag(flag_ptr, seq, peer, stage, heap, sync, k):
     """Wait for the flag of call ``seq`` at ``flag_ptr`` from ``peer``, unless the peer is
     masked (``await_peer``): (whether it arrived, its rows field, the REFUSED bit included)."""
-    arrived = await_peer(flag_ptr, seq.to(tl.int64) << 32, peer, stage, sync, k.W, k.NODES)
+    arrived = await_peer(flag_ptr, _flag_value(seq, 0), peer, stage, sync, k.W, k.NODES)
     return arrived, _flag_rows(flag_ptr)
 
 
 @triton.jit
 def _flag_rows(flag_ptr):
-    """The rows field of the flag at ``flag_ptr`` (its low 32 bits, REFUSED included), read
-    with acquire."""
-    return (tl.atomic_add(flag_ptr, 0, sem="acquire", scope="sys") & 0xFFFFFFFF).to(tl.int32)
+    """The rows field of the flag at ``flag_ptr`` (REFUSED included), read with acquire."""
+    flag = tl.atomic_add(flag_ptr, 0, sem="acquire", scope="sys")
+    return (flag & ROWS_FIELD).to(tl.int32)
 
 
 @triton.jit
@@ -600,7 +603,7 @@ def _dispatch_receive_role(program, seq, tokens, out, heap, sync, k):
     own = region(heap.peer_bases_ptr, rank, heap.own_off, tl.int64)
     own_flag = own + (seq % 2) * k.L + expert_local
     wait_at_least(
-        own_flag, seq.to(tl.int64) << 32, sync.timeout_ns, sync.status_ptr, rank, STAGE_LL_DISPATCH
+        own_flag, _flag_value(seq, 0), sync.timeout_ns, sync.status_ptr, rank, STAGE_LL_DISPATCH
     )
     first = _rows_sent(_flag_rows(own_flag), rank, rank, sync)
     length = 0
@@ -784,7 +787,7 @@ def _combine_receive_role(program, seq, rows, heap, sync, k):
         on_node = tl.load(heap.peer_bases_ptr + owner, mask=remote, other=0) != 0
         flags = _flag(heap, rank, _combine_block(expert, rank, k), tl.where(on_node, s, 0), seq, k)
         first_owner = tl.min(tl.where(remote, owner, k.W), axis=0)
-        arrived = await_peers(flags, seq.to(tl.int64) << 32, remote, owner, first_owner,
+        arrived = await_peers(flags, _flag_value(seq, 0), remote, owner, first_owner,
                               STAGE_LL_COMBINE, sync, k.W, k.NODES)  # fmt: skip
         remote &= arrived  # (an owner masked meanwhile adds nothing)
         sent = tl.atomic_add(flags, 0, mask=remote, sem="acquire", scope="sys")

@@ -8,6 +8,7 @@ import torch
 import torch.distributed as dist
 import triton
 
+from ..kernels.control import LL_MAX_ROWS
 from .planner import FP8_GROUP, MAX_SMS, MAX_TOPK, SCALED_FORMATS, Plan, ScaledFormat
 
 # Token dtypes a Buffer takes.
@@ -367,7 +368,8 @@ def check_parameters(world: int, options: BufferOptions) -> None:
         raise ValueError(f"timeout_s must be > 0, got {options.timeout_s}")
     for name in ("expand", "agree_on_inputs", "mask_failed_ranks"):
         check_flag(name, getattr(options, name))
-    check_int("low_latency_tokens", options.low_latency_tokens, 0)
+    # (a low-latency flag counts a block's rows in LL_MAX_ROWS)
+    check_int("low_latency_tokens", options.low_latency_tokens, 0, int(LL_MAX_ROWS))
     check_interpreted_on_cpu(options.device)
 
 

@@ -335,9 +335,9 @@ class LowLatencyLayout:
 
     ll_freed     int64 [W]          rank i's last low-latency call whose receive is over (so
                                     that a sender two calls later may overwrite its area)
-    ll_flags     int64 [2, B, S]    slice s of receive block b has landed: (seq << 32) | rows
+    ll_flags     int64 [2, B, S]    slice s of receive block b has landed: (seq << 17) | rows
                                     (a block from another node lands whole, with slice 0's)
-    ll_own       int64 [2, L]       this rank's own rows of local expert e: (seq << 32) | rows
+    ll_own       int64 [2, L]       this rank's own rows of local expert e: (seq << 17) | rows
     ll_quantized int64 [M, QC]      chunk c of this rank's token t is quantized and staged (an
                                     FP8 dispatch quantizes each token once, by chunks of
                                     LOW_LATENCY_FP8_GROUPS 128-channel groups): seq
