@@ -70,7 +70,10 @@ def test_prebuild_builds_records_with_this_machines_trimmed_library(in_cache):
         assert local == [["libnvshmem_device", trimmed]], recorded
 
 
+# (the four compiles side by side, in forked workers that inherit the builds)
 _SAME_CODE_SCRIPT = """
+import multiprocessing
+import os
 import sys
 import triton
 sys.path.insert(0, sys.argv[1])
@@ -78,14 +81,23 @@ import sm90_compile
 from hybrid_ep_triton.runtime.nvshmem_bitcode import bitcode_file
 
 whole = {"libnvshmem_device": bitcode_file(arch="90")}
-for label, source, options in sm90_compile.builds(topologies=((4, 2),)):
-    if label.endswith("combine_kernel"):
-        target = sm90_compile.SM90
-        trimmed = triton.compile(source, target=target, options=options)
-        full = triton.compile(source, target=target, options=dict(options, extern_libs=whole))
-        assert options["extern_libs"] != whole
-        print(label, sm90_compile._sass_digest(trimmed.asm["cubin"]),
-              sm90_compile._sass_digest(full.asm["cubin"]))
+combines = [build for build in sm90_compile.builds(topologies=((4, 2),))
+            if build[0].endswith("combine_kernel")]
+jobs = [(i, libs) for i in range(len(combines)) for libs in ("trimmed", "whole")]
+
+def digest(job):
+    i, libs = job
+    _, source, options = combines[i]
+    assert options["extern_libs"] != whole
+    if libs == "whole":
+        options = dict(options, extern_libs=whole)
+    compiled = triton.compile(source, target=sm90_compile.SM90, options=options)
+    return sm90_compile._sass_digest(compiled.asm["cubin"])
+
+with multiprocessing.get_context("fork").Pool(os.cpu_count()) as pool:
+    digests = iter(pool.map(digest, jobs))
+for label, _, _ in combines:
+    print(label, next(digests), next(digests))
 """
 
 
