@@ -73,7 +73,6 @@ from .control import (
 from .peers import await_peer, await_peers, live, signal_peer, tell_new_masks
 from .primitives import (
     SAME_ON_EVERY_RANK,
-    load_uniform,
     net_put_signal,
     net_signal,
     read_uniform,
@@ -832,13 +831,12 @@ def _start(sync, SEND: tl.constexpr):
     read the number: the last one publishes it when it ends (``_finish``). Taken as the program
     starts, the ticket's round trip overlaps the program's work."""
     program = tl.program_id(0)
-    # Words other programs write meanwhile: read once for every warp. A warp that read LL_SEQ
-    # itself, late, could see the number this launch's last program has published already, and
-    # wait for the next call's flags in a parity of its own. (Every program reads LL_SEQ: a
-    # load, not an atomic, which would queue at the word.)
+    # Words other programs write meanwhile: read once for every warp (read_uniform). A warp
+    # that read LL_SEQ itself, late, could see the number this launch's last program has
+    # published already, and wait for the next call's flags in a parity of its own.
     news = read_uniform(sync.control_ptr + MASKS_NEW, program == 0, 0)
     if SEND:
-        seq = load_uniform(sync.control_ptr + LL_SEQ) + 1
+        seq = read_uniform(sync.control_ptr + LL_SEQ) + 1
         if program == 0:
             tl.store(sync.seq_ptr, seq)
         # (1 + (seq >> 62), which is 1: an operand that depends on seq, so that the ticket is

@@ -134,10 +134,10 @@ def publish_block_writes():
 # result is used, signal(), a reduction across warps), the warps take different numbers of
 # barriers and meet at the wrong ones: shared memory they exchange through is overwritten
 # while another warp still reads it. Hence such words, where they decide a wait or a branch or
-# give a call's sequence number, are read with read_uniform (or load_uniform), and a decision
-# on the clock is the whole block's (block_any). (The normal mode's data paths read the mask
-# per warp where it picks a chunk's rows: warps can disagree there only in the launch during
-# which a rank becomes masked, on that rank's rows.)
+# give a call's sequence number, are read with read_uniform, and a decision on the clock is the
+# whole block's (block_any). (The normal mode's data paths read the mask per warp where it
+# picks a chunk's rows: warps can disagree there only in the launch during which a rank
+# becomes masked, on that rank's rows.)
 
 
 @triton.jit
@@ -150,21 +150,6 @@ def read_uniform(ptr, mask=None, other=0):
     if mask is not None:
         value = tl.where(mask, value, other)
     return value
-
-
-# More threads than any program has: load_uniform's word is held by one thread.
-MAX_THREADS = tl.constexpr(1024)
-
-
-@triton.jit
-def load_uniform(ptr):
-    """The word at scalar ``ptr`` as read_uniform gives it, by one thread's load handed to the
-    others through a sum across the program's warps: where every program of a launch reads the
-    same word, a load, which the word's L2 slice serves to all at once, where atomics on one
-    address queue there one after another."""
-    lanes = tl.arange(0, MAX_THREADS)
-    word = tl.load(ptr + lanes * 0, mask=lanes == 0, other=0, volatile=True)
-    return tl.sum(word, axis=0)
 
 
 if INTERPRETED:
