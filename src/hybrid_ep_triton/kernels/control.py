@@ -40,7 +40,7 @@ LL_REFUSED = tl.constexpr(19)
 # A low-latency flag is (seq << LL_SEQ_SHIFT) | a rows field: the rows of a block (at most the
 # Buffer's low_latency_tokens, which it keeps within LL_MAX_ROWS), and the bit above them where
 # the source's host refused the call. A flag then holds 46 bits of seq: a Buffer may make 2^46
-# calls, years of them back to back, before a flag would wrap.
+# calls (17 years of 8 us calls back to back) before a flag would wrap.
 LL_SEQ_SHIFT = tl.constexpr(17)
 LL_MAX_ROWS = tl.constexpr((1 << (LL_SEQ_SHIFT.value - 1)) - 1)
 # Masked ranks (the mask itself is the heap's mask region, which peers write into): 1 where the
