@@ -472,25 +472,31 @@ def test_shrink_masks_a_rank_in_the_low_latency_calls(launch):
     assert not failures, "\n".join(failures)
 
 
-def _sized_from_rdma_bytes(rank: int, world: int) -> int:
+def _sized_from_rdma_bytes(rank: int, world: int, hint_tokens: int, hidden: int, experts: int):
     import torch.distributed as dist
 
     import hybrid_ep_triton.deep_ep as deep_ep
     from hybrid_ep_triton.tools.launcher import rank_device
 
-    budget = deep_ep.Buffer.get_low_latency_rdma_size_hint(6, 128, world, 8) + 100
-    buffer = deep_ep.Buffer(dist.group.WORLD, 0, budget, low_latency_mode=True,
+    budget = deep_ep.Buffer.get_low_latency_rdma_size_hint(hint_tokens, hidden, world, experts)
+    buffer = deep_ep.Buffer(dist.group.WORLD, 0, budget + 100, low_latency_mode=True,
                             explicitly_destroy=True)  # fmt: skip
-    x = torch.zeros(1, 128, dtype=BF16, device=rank_device())
+    x = torch.zeros(1, hidden, dtype=BF16, device=rank_device())
     idx = torch.zeros(1, 1, dtype=torch.int64, device=x.device)
-    buffer.low_latency_dispatch(x, idx, 2, 8, use_fp8=False)
+    buffer.low_latency_dispatch(x, idx, 2, experts, use_fp8=False)
     tokens = buffer._low_latency.low_latency_tokens
     buffer.destroy()
     return tokens
 
 
-def test_low_latency_buffer_holds_what_num_rdma_bytes_fits(launch):
-    assert launch(_sized_from_rdma_bytes, 2) == [6, 6]
+# (70000 tokens' worth of num_rdma_bytes: the low-latency Buffer takes the most it can, 65535)
+@pytest.mark.parametrize(
+    "hint_tokens, hidden, experts, tokens", [(6, 128, 8, 6), (70000, 16, 2, 65535)]
+)
+def test_low_latency_buffer_holds_what_num_rdma_bytes_fits(
+    launch, hint_tokens, hidden, experts, tokens
+):
+    assert launch(_sized_from_rdma_bytes, 2, hint_tokens, hidden, experts) == [tokens, tokens]
 
 
 # --- HybridEPBuffer ------------------------------------------------------------------------

@@ -22,7 +22,12 @@ import triton
 from .. import Buffer as _HepBuffer
 from ..buffer import DEFAULT_TIMEOUT_S
 from ..ops.reserved import ReservedHeap
-from ..runtime.checks import check_mask_out, check_maskable, ranks_per_host
+from ..runtime.checks import (
+    MAX_LOW_LATENCY_TOKENS,
+    check_mask_out,
+    check_maskable,
+    ranks_per_host,
+)
 from ..runtime.planner import ceil_div
 from ._sizing import Sized, gather, round_up
 from .utils.event import EventHandle, EventOverlap
@@ -877,7 +882,8 @@ def _constructor_device() -> torch.device:
 
 
 def _tokens_that_fit(num_rdma_bytes: int, hidden: int, num_ranks: int, num_experts: int) -> int:
-    """The most tokens M with DeepEP's size hint for M at most ``num_rdma_bytes`` (0: none)."""
+    """The most tokens M with DeepEP's size hint for M at most ``num_rdma_bytes`` (0: none), at
+    most what the low-latency mode takes (MAX_LOW_LATENCY_TOKENS)."""
     low, high = 0, 1
     while get_low_latency_rdma_size_hint(high, hidden, num_ranks, num_experts) <= num_rdma_bytes:
         low, high = high, high * 2
@@ -885,7 +891,7 @@ def _tokens_that_fit(num_rdma_bytes: int, hidden: int, num_ranks: int, num_exper
         middle = (low + high) // 2
         fits = get_low_latency_rdma_size_hint(middle, hidden, num_ranks, num_experts)
         low, high = (middle, high) if fits <= num_rdma_bytes else (low, middle)
-    return low
+    return min(low, MAX_LOW_LATENCY_TOKENS)
 
 
 def _token_ranks(slots: torch.Tensor, experts_per_rank: int, world: int) -> torch.Tensor:

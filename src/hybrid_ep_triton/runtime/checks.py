@@ -11,6 +11,8 @@ import triton
 from ..kernels.control import LL_MAX_ROWS
 from .planner import FP8_GROUP, MAX_SMS, MAX_TOPK, SCALED_FORMATS, Plan, ScaledFormat
 
+# The most tokens a low-latency call may take a rank (a flag counts a block's rows in 16 bits).
+MAX_LOW_LATENCY_TOKENS = int(LL_MAX_ROWS)
 # Token dtypes a Buffer takes.
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -368,8 +370,7 @@ def check_parameters(world: int, options: BufferOptions) -> None:
         raise ValueError(f"timeout_s must be > 0, got {options.timeout_s}")
     for name in ("expand", "agree_on_inputs", "mask_failed_ranks"):
         check_flag(name, getattr(options, name))
-    # (a low-latency flag counts a block's rows in LL_MAX_ROWS)
-    check_int("low_latency_tokens", options.low_latency_tokens, 0, int(LL_MAX_ROWS))
+    check_int("low_latency_tokens", options.low_latency_tokens, 0, MAX_LOW_LATENCY_TOKENS)
     check_interpreted_on_cpu(options.device)
 
 
