@@ -608,6 +608,8 @@ def _count_from(buf: Buffer, seq: int) -> None:
     rt.control[int(LL_SEQ)] = seq
     freed = rt.plan.heap.ll_freed
     rt.heap.local[freed : freed + 8 * rt.world_size].view(torch.int64).fill_(seq)
+    if rt.control.is_cuda:  # (written on this stream; the calls run on the Buffer's)
+        torch.cuda.synchronize(rt.control.device)
     dist.barrier()
 
 
