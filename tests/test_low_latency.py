@@ -21,6 +21,7 @@ rank returns a list of failure messages.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import time
@@ -34,7 +35,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from hybrid_ep_triton import Buffer, reference
-from hybrid_ep_triton.kernels.control import LL_SEQ
+from hybrid_ep_triton.kernels.control import LL_REFUSED_RANGE, LL_SEQ
 from hybrid_ep_triton.ops.low_latency import LowLatencyHandle
 from hybrid_ep_triton.ops.masks import farewell
 from hybrid_ep_triton.runtime.planner import deepep_low_latency_bytes
@@ -1092,6 +1093,191 @@ def test_refused_inputs(launch, world, ranks_per_node):
     """Bad inputs are a ValueError; a refusal on one rank does not hang its peers, whose next
     check() (or call, on CPU ranks) names it; the Buffer stays usable."""
     _assert_no_failures(launch(_validation_body, world, ranks_per_node))
+
+
+# --- expert ids outside [-1, E) ------------------------------------------------------------
+
+
+class _DropIn:
+    """A hybrid_ep_triton.deep_ep.Buffer (low_latency_mode=True) that makes the calls as
+    _run_case makes a Buffer's: dispatch returns the library's own handle (which
+    _check_dispatch reads) and the event inside DeepEP's, combine takes that handle back, and
+    check() is the low-latency Buffer's behind it (DeepEP's API has none)."""
+
+    def __init__(self, world: int, hidden: int, experts: int, tokens: int):
+        from hybrid_ep_triton import deep_ep
+
+        budget = deep_ep.Buffer.get_low_latency_rdma_size_hint(tokens, hidden, world, experts)
+        self.buffer = deep_ep.Buffer(dist.group.WORLD, 0, budget, low_latency_mode=True,
+                                     explicitly_destroy=True)  # fmt: skip
+
+    def low_latency_dispatch(self, *args, **kwargs):
+        recv_x, count, handle, event, hook = self.buffer.low_latency_dispatch(*args, **kwargs)
+        return recv_x, count, handle.hybrid_ep, event.event, hook
+
+    def low_latency_combine(self, x, topk_idx, topk_weights, handle, **kwargs):
+        out, event, hook = self.buffer.low_latency_combine(
+            x, topk_idx, topk_weights, self._deepeps(handle), **kwargs
+        )
+        return out, event.event, hook
+
+    def get_next_low_latency_combine_buffer(self, handle):
+        return self.buffer.get_next_low_latency_combine_buffer(self._deepeps(handle))
+
+    def check(self) -> None:
+        self.buffer._low_latency.check()
+
+    def destroy(self) -> None:
+        self.buffer.destroy()
+
+    def _deepeps(self, handle):
+        from hybrid_ep_triton.deep_ep.buffer import LowLatencyHandle as DeepEPHandle
+
+        return DeepEPHandle(handle, self.buffer._low_latency)
+
+
+@contextlib.contextmanager
+def _refusals_left_to_check():
+    """On CPU ranks, whose launches are synchronous, the low-latency calls raise a refusal
+    themselves; within this block they leave it to check(), as on GPUs."""
+    from hybrid_ep_triton.ops import low_latency as launches
+
+    check_after_launch = launches._check_after_launch
+    if rank_device().type == "cpu":
+        launches._check_after_launch = lambda rt, received: check_after_launch(rt, False)
+    try:
+        yield
+    finally:
+        launches._check_after_launch = check_after_launch
+
+
+def _with_outside_id(idx: torch.Tensor, outside_id: int, seed: int) -> torch.Tensor:
+    """``idx`` with ``outside_id`` at a random entry."""
+    idx = idx.clone()
+    entry = torch.randint(idx.numel(), (1,), generator=torch.Generator().manual_seed(seed))
+    idx.view(-1)[entry] = outside_id
+    return idx
+
+
+def _outside_id_dispatch(buf, rank, grp, index, case, bad, outside_id, hook, fail) -> None:
+    """A dispatch in which rank ``bad``'s topk_idx holds ``outside_id``: over the call, its hook
+    and check(), exactly one ValueError naming rank ``bad`` on every rank (_peer_refused). No
+    rank receives rows from rank ``bad``: every other rank's stats count what the reference
+    gives without rank ``bad``'s tokens, and where the outputs are there to read (a hook, or
+    GPUs) hold it too (layout_range LL_REFUSED_RANGE for rank ``bad``); rank ``bad``'s stats
+    count nothing."""
+    dev, world, fmt = rank_device(), grp.world_size, FORMATS[case.fmt]
+    inputs = [_inputs(grp, index, case, j, 0)[:2] for j in range(world)]
+    x, idx = inputs[rank]
+    if rank == bad:
+        idx = _with_outside_id(idx, outside_id, index)
+    stats = torch.zeros(grp.num_experts // world, dtype=I32, device=dev)
+    calls = []
+
+    def run_hook() -> None:
+        if calls and calls[0][4] is not None:
+            calls[0][4]()
+
+    _peer_refused(fail, case.name, bad, [
+        lambda: calls.append(buf.low_latency_dispatch(
+            x.to(dev), idx.to(dev), grp.tokens, grp.num_experts,
+            cumulative_local_expert_recv_stats=stats, return_recv_hook=hook, **fmt)),
+        run_hook,
+        buf.check,
+    ])  # fmt: skip
+    inputs[bad] = (inputs[bad][0][:0], inputs[bad][1][:0])
+    want = reference.low_latency_dispatch(
+        [t[0] for t in inputs], [t[1] for t in inputs], grp.num_experts, grp.tokens, rank, **fmt
+    )
+    counted = torch.zeros_like(want.recv_count) if rank == bad else want.recv_count
+    if not torch.equal(stats.cpu(), counted):
+        fail(f"{case.name}: stats {stats.tolist()}, expected {counted.tolist()}")
+    if calls and rank != bad:
+        recv_x, recv_count, handle = calls[0][:3]
+        recv_x = tuple(t.cpu() for t in recv_x) if isinstance(recv_x, tuple) else recv_x.cpu()
+        want.layout_range[:, bad] = int(LL_REFUSED_RANGE)
+        _check_dispatch(fail, case.name, (recv_x, recv_count.cpu(), handle), want, case, grp,
+                        grp.tokens)  # fmt: skip
+
+
+def _outside_id_combine(buf, rank, grp, index, case, bad, outside_id, fail) -> None:
+    """As on GPUs, where the calls leave a refusal to check(): a dispatch in which rank
+    ``bad``'s topk_idx holds ``outside_id``, then a combine along its handle, finish on every
+    rank (rank ``bad``'s combine waits for no rows that were never sent to it), and check()
+    then raises a ValueError naming rank ``bad`` on every rank, once."""
+    dev = rank_device()
+    x, idx, w = _inputs(grp, index, case, rank, 0)
+    if rank == bad:
+        idx = _with_outside_id(idx, outside_id, index)
+    with _refusals_left_to_check():
+        _, _, handle, _, _ = buf.low_latency_dispatch(
+            x.to(dev), idx.to(dev), grp.tokens, grp.num_experts, **FORMATS[case.fmt]
+        )
+        y = _expert_outputs(grp, index, rank, 0, grp.tokens).to(dev)
+        buf.low_latency_combine(y, idx.to(dev), w.to(dev), handle)
+    _peer_refused(fail, f"{case.name}, then a combine", bad, [buf.check])
+
+
+def _outside_ids_body(rank: int, world: int, api: str, ranks_per_node: int | None) -> list[str]:
+    failures: list[str] = []
+
+    def fail(msg: str) -> None:
+        failures.append(f"rank {rank}: {msg}")
+
+    dev = rank_device()
+    E, H, M = V_EXPERTS, V_HIDDEN, V_TOKENS
+    grp = Group(world, H, E, M, seed=23, cases=(), ranks_per_node=ranks_per_node)
+    if api == "deep_ep":
+        buf = _DropIn(world, H, E, M)
+    else:
+        buf = Buffer(None, hidden_size=H, max_tokens_per_rank=M, num_experts=E,
+                     low_latency_tokens=M, ranks_per_node=ranks_per_node, device=dev,
+                     timeout_s=30.0)  # fmt: skip
+
+    def round_trip(index: int, after: str, **more) -> None:
+        def tagged(msg: str) -> None:
+            fail(f"round trip after {after}: {msg}")
+
+        case = Case(f"after {after}", tokens=(2, 4), topk=3, stats=True, **more)
+        _run_case(buf, rank, grp, index, case, tagged)
+
+    try:
+        for index, (outside_id, idx_dtype, fmt, hook) in enumerate((
+            (E, I64, "bf16", False),
+            (-2, I64, "fp8", True),
+            (2**32 + 1, I64, "bf16", True),  # (an int32 of its low bits would be expert 1)
+            (E + 3, I32, "ue8m0", False),
+        ), start=1):  # fmt: skip
+            bad = index % world
+            what = f"expert id {outside_id} ({idx_dtype}) on rank {bad}, {fmt}, hook={hook}"
+            case = Case(what, tokens=(3, 4), topk=2, idx_dtype=idx_dtype, fmt=fmt)
+            _outside_id_dispatch(buf, rank, grp, index, case, bad, outside_id, hook, fail)
+            round_trip(10 + index, what, fmt=fmt, hook="both" if hook else "none")
+        for index, outside_id in enumerate((E, -2), start=5):
+            bad = index % world
+            what = f"expert id {outside_id} on rank {bad}"
+            case = Case(what, tokens=(3, 4))
+            _outside_id_combine(buf, rank, grp, index, case, bad, outside_id, fail)
+            round_trip(10 + index, f"{what}, then a combine", hook="combine")
+    except Exception as e:
+        fail(raised(e))
+    finally:
+        buf.destroy()
+    return failures
+
+
+@pytest.mark.parametrize(
+    "api, ranks_per_node",
+    [("native", None), ("deep_ep", None), pytest.param("native", 1, marks=pytest.mark.slow)],
+    ids=["native", "deep_ep", "native-2x1"],
+)
+def test_expert_ids_outside_the_range_refuse_the_call(launch, api, ranks_per_node):
+    """An expert id >= E or < -1 in one rank's topk_idx: the device refuses that rank's
+    dispatch (no host synchronisation): every rank raises a ValueError naming it (on CPU ranks
+    in the call, on GPUs at check()), no rank receives rows from it, a combine along the
+    handle still finishes on every rank, and the Buffer stays usable: the next calls match
+    the reference."""
+    _assert_no_failures(launch(_outside_ids_body, 2, api, ranks_per_node))
 
 
 # --- topk_idx / topk_weights whose rows are contiguous but not packed -----------------------
