@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import DEVICE, raised, skip_if_a_killed_rank_shares_a_gpu
+from conftest import DEVICE, assert_no_failures, raised, skip_if_a_killed_rank_shares_a_gpu
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -614,11 +614,6 @@ def _count_from(buf: Buffer, seq: int) -> None:
     dist.barrier()
 
 
-def _assert_no_failures(results: list) -> None:
-    failures = [msg for per_rank in results for msg in per_rank]
-    assert not failures, f"{len(failures)} failure(s):\n" + "\n".join(failures)
-
-
 @pytest.mark.parametrize(
     "grp",
     [
@@ -631,7 +626,7 @@ def _assert_no_failures(results: list) -> None:
     ids=lambda g: g.id,
 )
 def test_low_latency_matches_reference(launch, grp):
-    _assert_no_failures(launch(_rank_body, grp.world_size, grp))
+    assert_no_failures(launch(_rank_body, grp.world_size, grp))
 
 
 # --- masked ranks --------------------------------------------------------------------------
@@ -776,7 +771,7 @@ def _masked_case(buf, rank, grp, index, case, local, fail, stall_at) -> None:
 
 @pytest.mark.parametrize("grp", MASKED_GROUPS, ids=lambda g: g.id)
 def test_masked_rank_is_skipped(launch, grp):
-    _assert_no_failures(launch(_masked_body, grp.world_size, grp, "by hand"))
+    assert_no_failures(launch(_masked_body, grp.world_size, grp, "by hand"))
 
 
 def test_a_mask_set_on_one_rank_reaches_the_others(launch):
@@ -784,7 +779,7 @@ def test_a_mask_set_on_one_rank_reaches_the_others(launch):
     timeout, learn it from rank 0's first launch: their waits on MASKED end, without a
     TimeoutError, and their outputs equal the reference without it."""
     grp = MASKED_GROUPS[0]
-    _assert_no_failures(launch(_masked_body, grp.world_size, grp, "told"))
+    assert_no_failures(launch(_masked_body, grp.world_size, grp, "told"))
 
 
 @pytest.mark.slow
@@ -797,7 +792,7 @@ def test_rank_that_stops_answering_is_masked(launch, stall_at, lag_s):
     for rank 0, which waited on the stalled rank and then lags: rank 0's heartbeat keeps it
     from being masked too (without heartbeats rank 3 masks it)."""
     grp = MASKED_GROUPS[0]
-    _assert_no_failures(launch(_masked_body, grp.world_size, grp, "stalled", stall_at, 4,
+    assert_no_failures(launch(_masked_body, grp.world_size, grp, "stalled", stall_at, 4,
                                lag_s))  # fmt: skip
 
 
@@ -806,7 +801,7 @@ def test_rank_that_skips_a_clean_is_masked(launch):
     """clean_low_latency_buffer is a barrier of the live ranks: the stalled rank, which made the
     first case's calls and then no clean, is masked there, as DeepEP's clean does."""
     grp = MASKED_GROUPS[0]
-    _assert_no_failures(launch(_masked_body, grp.world_size, grp, "clean", 2, 2))
+    assert_no_failures(launch(_masked_body, grp.world_size, grp, "clean", 2, 2))
 
 
 @pytest.mark.slow
@@ -848,7 +843,7 @@ def _farewell_body(rank: int, world: int, ranks_per_node, how: str) -> list[str]
 @pytest.mark.parametrize("ranks_per_node", [None, 2], ids=["W4", "2x2"])
 @pytest.mark.parametrize("how", ["all", "masked", "silent"])
 def test_destroy_frees_together_only_where_every_rank_says_so(launch, how, ranks_per_node):
-    _assert_no_failures(launch(_farewell_body, 4, ranks_per_node, how))
+    assert_no_failures(launch(_farewell_body, 4, ranks_per_node, how))
 
 
 # --- refused inputs ------------------------------------------------------------------------
@@ -1092,7 +1087,7 @@ def _validation_body(rank: int, world: int, ranks_per_node: int | None) -> list[
 def test_refused_inputs(launch, world, ranks_per_node):
     """Bad inputs are a ValueError; a refusal on one rank does not hang its peers, whose next
     check() (or call, on CPU ranks) names it; the Buffer stays usable."""
-    _assert_no_failures(launch(_validation_body, world, ranks_per_node))
+    assert_no_failures(launch(_validation_body, world, ranks_per_node))
 
 
 # --- expert ids outside [-1, E) ------------------------------------------------------------
@@ -1277,7 +1272,7 @@ def test_expert_ids_outside_the_range_refuse_the_call(launch, api, ranks_per_nod
     in the call, on GPUs at check()), no rank receives rows from it, a combine along the
     handle still finishes on every rank, and the Buffer stays usable: the next calls match
     the reference."""
-    _assert_no_failures(launch(_outside_ids_body, 2, api, ranks_per_node))
+    assert_no_failures(launch(_outside_ids_body, 2, api, ranks_per_node))
 
 
 # --- topk_idx / topk_weights whose rows are contiguous but not packed -----------------------
@@ -1321,7 +1316,7 @@ def _strided_routing_body(rank: int, world: int) -> list[str]:
 
 
 def test_strided_routing_rows(launch):
-    _assert_no_failures(launch(_strided_routing_body, 2))
+    assert_no_failures(launch(_strided_routing_body, 2))
 
 
 # --- the reference itself ------------------------------------------------------------------
@@ -1471,7 +1466,7 @@ def _fuzz_group(scenario: dict, seed: int) -> Group:
 @given(scenario=fuzz_scenarios, seed=st.integers(0, 10**6))
 def test_random_low_latency_scenarios_match_the_reference(launch, scenario, seed):
     grp = _fuzz_group(scenario, seed)
-    _assert_no_failures(launch(_rank_body, grp.world_size, grp))
+    assert_no_failures(launch(_rank_body, grp.world_size, grp))
 
 
 # --- torch.compile ---------------------------------------------------------------------------
@@ -1536,12 +1531,12 @@ def _compile_body(rank: int, world: int, calls: int) -> list[str]:
 def test_compiled_low_latency_step_matches_eager(launch):
     """torch.compile(fullgraph=True) traces dispatch, hooks and combine without a graph break;
     each compiled call matches eager mode and the reference."""
-    _assert_no_failures(launch(_compile_body, 2, 3))
+    assert_no_failures(launch(_compile_body, 2, 3))
 
 
 @pytest.mark.slow
 def test_compiled_low_latency_step_does_not_recompile(launch):
-    _assert_no_failures(launch(_compile_body, 2, 10))
+    assert_no_failures(launch(_compile_body, 2, 10))
 
 
 # --- CUDA graphs (GPU only) ------------------------------------------------------------------
@@ -1640,10 +1635,10 @@ def _graph_replays(rank: int, world: int, fmt: str, use_graph: bool) -> list[str
 @pytest.mark.gpu
 @pytest.mark.parametrize("world", [1, 2])
 def test_graph_replay_with_hooks_matches_reference(launch, world):
-    _assert_no_failures(launch(_graph_body, world, True))
+    assert_no_failures(launch(_graph_body, world, True))
 
 
 def test_calls_on_the_same_input_tensors_match_reference(launch):
     """The graph test's step without a graph (CPU ranks too): the same input tensors refilled
     in place between calls, as a replay sees them."""
-    _assert_no_failures(launch(_graph_body, 2, False))
+    assert_no_failures(launch(_graph_body, 2, False))
