@@ -169,6 +169,7 @@ GROUPS = [
         Case("k8_unused_strided", tokens=(6, 8), topk=8, unused_prob=0.25, strided=True),
         Case("empty_rank_no_weights", tokens=(0, 11), with_weights=False, combine=("none",)),
         Case("max_recv_zero", tokens=(3, 5), recv="zero"),
+        Case("k3_aligned_counts", tokens=(10, 6), topk=3, pad_multiple=4),
     )),
     Group(4, 13, FP32, 8, seed=10, expand=False, cases=(
         Case("k3_unused_fit", tokens=(5, 12, 0, 9), topk=3, unused_prob=0.2, recv="fit"),
@@ -295,7 +296,7 @@ def _check_dispatch(fail, what: str, got: dict, want: dict, num_valid: int) -> N
         fail(f"{what}: recv_weights differs from the reference: {_diff(rw, ew)}")
     if "recv_topk_idx" in want:
         ri, ei = got["recv_topk_idx"], want["recv_topk_idx"]
-        if ri.dtype != torch.int32 or not torch.equal(ri, ei):
+        if ri.dtype != ei.dtype or not torch.equal(ri, ei):
             fail(f"{what}: recv_topk_idx differs from the reference: {_diff(ri, ei)}")
     tpe, etpe = got["tokens_per_expert"], want["tokens_per_expert"]
     if tpe.dtype != torch.int64 or not torch.equal(tpe, etpe):
@@ -379,6 +380,13 @@ def _run_case(buf: Buffer, rank: int, world: int, grp: Group, index: int, case: 
         expert_recv_stats=stats,
     )  # fmt: skip
     _check_dispatch(fail, "dispatch", got, want, num_valid)
+    if not grp.expand:  # each row's source: its rank by the prefix, its token by the index
+        src_idx = handle.recv_src_idx.cpu()
+        if not torch.equal(src_idx, eh.recv_src_idx.cpu()):
+            fail(f"recv_src_idx {src_idx.tolist()}, reference {eh.recv_src_idx.tolist()}")
+        prefix = handle.recv_rank_prefix.cpu().tolist()
+        if prefix != torch.tensor(eh.recv_splits).cumsum(0).tolist():
+            fail(f"recv_rank_prefix {prefix}, reference rows per rank {eh.recv_splits}")
     # expert_recv_stats: every rank's valid slots on this rank's experts (dropped rows too).
     expected = index + reference.tokens_routed_per_local_expert(group, _to(idx, dev), num_experts)
     if not torch.equal(stats.cpu(), expected):
@@ -412,6 +420,16 @@ def _run_case(buf: Buffer, rank: int, world: int, grp: Group, index: int, case: 
             abs_w = None if ref_weights is None else ref_weights.abs()
             magnitude = reference.combine(group, y.float().abs(), rh, weights=abs_w).cpu()
             _check_combine(fail, f"{what} (weights={mode})", out, want, magnitude, idx, dtype)
+        if not grp.expand and case.combine:  # per-slot values summed back, in the same launch
+            values = _to(torch.randn(num_rows, case.topk, generator=gen), dev)
+            out, summed = buf.combine(y, h, topk_weights=values)
+            want_out, want_summed = reference.combine(group, y, rh, topk_weights=values)
+            magnitude = reference.combine(group, y.float().abs(), rh).cpu()
+            _check_combine(fail, f"{what} with topk_weights", out.cpu(), want_out.cpu(),
+                           magnitude, idx, dtype)  # fmt: skip
+            if not torch.allclose(summed.cpu(), want_summed.cpu(), rtol=1e-6, atol=1e-6):
+                fail(f"{what}: combined topk_weights {summed.tolist()}, reference "
+                     f"{want_summed.tolist()}")  # fmt: skip
 
     combines("combine", handle, eh, got["recv_weights"], want["recv_weights"])
 

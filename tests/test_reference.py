@@ -130,8 +130,9 @@ def _oracle_layout(case: Case, inputs, dst: int, world: int):
 
 
 def _oracle_token_rows(case: Case, inputs, dst: int, world: int):
-    """Expected rows of rank ``dst`` with expand=False: (x row, local ids, weights, owner) per
-    received token, in source order, and the (token, expert) pairs per local expert."""
+    """Expected rows of rank ``dst`` with expand=False: (x row, {slot: local id}, {slot:
+    weight}, owner) per received token, in source order, and the (token, expert) pairs per
+    local expert."""
     rows, per_expert = [], [0] * case.experts_per_rank
     for src in range(world):
         x, topk_idx, weights = inputs[src]
@@ -140,10 +141,10 @@ def _oracle_token_rows(case: Case, inputs, dst: int, world: int):
                      == dst and e >= 0]  # fmt: skip
             if not slots:
                 continue
-            local = [int(topk_idx[t, k]) % case.experts_per_rank for k in slots]
-            for e in local:
+            local = {k: int(topk_idx[t, k]) % case.experts_per_rank for k in slots}
+            for e in local.values():
                 per_expert[e] += 1
-            ws = [float(weights[t, k]) for k in slots] if weights is not None else []
+            ws = {k: float(weights[t, k]) for k in slots} if weights is not None else {}
             rows.append((x[t], local, ws, (src, t)))
     return rows, per_expert
 
@@ -162,12 +163,16 @@ def _check_token_rows(case: Case, inputs, rank: int, world: int, dev, check) -> 
     limit = len(rows) if case.max_recv_tokens is None else case.max_recv_tokens
     k = case.topk
     want_x = torch.zeros(limit, case.hidden, dtype=case.dtype)
-    want_idx = torch.full((limit, k), -1, dtype=torch.int32)
+    want_idx = torch.full((limit, k), -1, dtype=topk_idx.dtype)
     want_w = torch.zeros(limit, k)
-    for j, (row, local, ws, _) in enumerate(rows[:limit]):
+    want_src = torch.full((limit,), -1, dtype=torch.int32)
+    for j, (row, local, ws, (_, t)) in enumerate(rows[:limit]):
         want_x[j] = row
-        want_idx[j, : len(local)] = torch.tensor(local, dtype=torch.int32)
-        want_w[j, : len(ws)] = torch.tensor(ws)
+        want_src[j] = t
+        for slot, e in local.items():
+            want_idx[j, slot] = e
+        for slot, w in ws.items():
+            want_w[j, slot] = w
     check("token rows: recv_x", torch.equal(recv_x.cpu(), want_x), f"\n{recv_x}\n{want_x}")
     check("token rows: recv_topk_idx", torch.equal(recv_idx.cpu(), want_idx), f"{recv_idx}")
     if weights is not None:
@@ -176,20 +181,29 @@ def _check_token_rows(case: Case, inputs, rank: int, world: int, dev, check) -> 
         check("token rows: recv_topk_weights", recv_w is None, "should be None")
     got = tokens_per_expert.cpu().tolist()
     check("token rows: tokens_per_expert", got == per_expert, f"{got} expected {per_expert}")
+    got_src = handle.recv_src_idx.cpu()
+    check("token rows: recv_src_idx", torch.equal(got_src, want_src), f"{got_src} {want_src}")
 
     gen = torch.Generator().manual_seed(1000 * case.seed + 700 + rank)
     y = torch.randn(recv_x.shape, generator=gen).to(case.dtype)
-    out = reference.combine(dist.group.WORLD, y.to(dev), handle).cpu()
+    slot_values = torch.randn(recv_x.shape[0], k, generator=gen)
+    out, summed = reference.combine(
+        dist.group.WORLD, y.to(dev), handle, topk_weights=slot_values.to(dev)
+    )
     all_y = [None] * world
-    dist.all_gather_object(all_y, y)
+    dist.all_gather_object(all_y, (y, slot_values))
     expected_out = torch.zeros(x.shape[0], case.hidden, dtype=torch.float64)
-    for dst in range(world):
-        for j, (*_, (src, t)) in enumerate(layouts[dst][0][: all_y[dst].shape[0]]):
+    expected_summed = torch.zeros(x.shape[0], k, dtype=torch.float64)
+    for dst, (y_dst, values_dst) in enumerate(all_y):
+        for j, (*_, (src, t)) in enumerate(layouts[dst][0][: y_dst.shape[0]]):
             if src == rank:
-                expected_out[t] += all_y[dst][j].double()
+                expected_out[t] += y_dst[j].double()
+                expected_summed[t] += values_dst[j].double()
     tol = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}[case.dtype]
-    ok = torch.allclose(out.double(), expected_out, rtol=tol, atol=tol)
+    ok = torch.allclose(out.cpu().double(), expected_out, rtol=tol, atol=tol)
     check("token rows: combine", ok, f"\n{out}\nexpected\n{expected_out}")
+    ok = torch.allclose(summed.cpu().double(), expected_summed, rtol=1e-6, atol=1e-6)
+    check("token rows: combined topk_weights", ok, f"\n{summed}\n{expected_summed}")
 
 
 def _fit(case: Case, rows, per_expert):

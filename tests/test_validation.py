@@ -193,6 +193,11 @@ def _bad_call_body(rank: int, world_size: int) -> list[str]:
     refused_by_all("weights bf16", lambda: buf.combine(y, h, weights=rw.to(BF16)), "weights")
     refused("combine without a handle", lambda: buf.combine(y, None), "handle")
     refused_by_all("combine, previous_event a tensor", lambda: buf.combine(y, h, previous_event=y))
+    refused_by_all("combine's topk_weights with expert-major rows",
+                   lambda: buf.combine(y, h, topk_weights=torch.zeros(n, K, **z)),
+                   "token rows")  # fmt: skip
+    _expect_value_error(failures, f"rank {rank}: an expert-major handle's recv_src_idx",
+                        lambda: h.recv_src_idx, "token row")  # fmt: skip
 
     # Still usable: the pending handle; the next new-layout dispatch tells of the first refusal
     # along a handle, on every rank, and moves nothing; then fresh calls in both modes.
@@ -403,6 +408,73 @@ def test_a_bad_call_along_a_handle_on_one_rank_is_an_error_on_every_rank(
     assert not failures, "\n".join(failures)
 
 
+# An adapter's own check failing on rank BAD (Buffer.refuse), the others making the call: the
+# bad rank raises its own error, a new-layout dispatch raises on every rank naming the bad rank
+# and the argument, a call along a handle tells them at the next new-layout dispatch, as a
+# refused native input does; and token rows' combine refuses topk_weights of another shape.
+
+
+def _adapter_refusal_body(rank: int, world_size: int) -> list[str]:
+    failures: list[str] = []
+    bad_rank = world_size - 1
+    buf = _buffer_of_two_experts_a_rank(world_size, None, expand=False)
+    own = ValueError("the adapter's own check failed")
+    for i, mode in enumerate((None, 40)):
+        what = f"rank {rank}, a refused dispatch on rank {bad_rank}, max_recv_tokens={mode}"
+        x, idx, w = _inputs(30 * i + rank, 3 + rank % 2, H, buf.num_experts, K, BF16)
+        if rank == bad_rank:
+            call = lambda m=mode: buf.refuse("dispatch", "topk_idx", own, max_recv_tokens=m)  # noqa: E731
+            match = str(own)
+        else:
+            call = lambda a=(x, idx, w), m=mode: buf.check(buf.dispatch(*a, max_recv_tokens=m)[-1])  # noqa: E731
+            match = f"rank {bad_rank} refused its topk_idx"
+        _expect_value_error(failures, what, call, match)
+        failures += _check_token_round_trip(buf, 40 + 10 * i + rank, what)
+    x, idx, w = _inputs(90 + rank, 4, H, buf.num_experts, K, BF16)
+    rx, _, rw, _, h = buf.dispatch(x, idx, w)
+    y = torch.randn(rx.shape, generator=torch.Generator().manual_seed(rank)).to(BF16).to(x.device)
+    what = f"rank {rank}, combine's topk_weights [N, K+1] on rank {bad_rank}"
+    if rank == bad_rank:
+        wide = torch.cat([rw, rw[:, :1]], 1)
+        _expect_value_error(failures, what, lambda: buf.combine(y, h, topk_weights=wide),
+                            "topk_weights")  # fmt: skip
+    else:
+        buf.combine(y, h, topk_weights=rw)
+    told = f"rank {bad_rank} refused its combine's topk_weights in an earlier call along a handle"
+    if rank == bad_rank:
+        told = f"rank {bad_rank} (this rank) refused its combine's topk_weights"
+    _expect_value_error(failures, f"{what}: the next dispatch", lambda: buf.dispatch(x, idx, w),
+                        told)  # fmt: skip
+    failures += _check_token_round_trip(buf, 95 + rank, f"{what}: the dispatch after it")
+    buf.destroy()
+    return failures
+
+
+def _check_token_round_trip(buf: Buffer, seed: int, what: str) -> list[str]:
+    """A correct token-row dispatch + combine with topk_weights matches the reference."""
+    rank = dist.get_rank()
+    x, idx, w = _inputs(seed, 2 + rank, buf.hidden_size, buf.num_experts, K, buf.dtype)
+    rx, ridx, rw, _, h = buf.dispatch(x, idx, w)
+    want = reference.dispatch(None, x, idx, w, num_experts=buf.num_experts, expand=False)
+    if not (torch.equal(rx, want[0]) and torch.equal(ridx, want[1]) and torch.equal(rw, want[2])):
+        return [f"rank {rank}, {what}: token rows differ from the reference"]
+    y = torch.randn(rx.shape, generator=torch.Generator().manual_seed(seed)).to(buf.dtype)
+    out, summed = buf.combine(y.to(x.device), h, topk_weights=rw)
+    ref_out, ref_summed = reference.combine(None, y.to(x.device), want[-1], topk_weights=want[2])
+    tol = TOL[buf.dtype]
+    if not torch.allclose(out.float(), ref_out.float(), atol=tol, rtol=tol) or not torch.allclose(
+        summed, ref_summed, atol=1e-6, rtol=1e-6
+    ):
+        return [f"rank {rank}, {what}: combine differs from the reference"]
+    return []
+
+
+def test_an_adapters_refusal_on_one_rank_is_an_error_on_every_rank(launch):
+    results = launch(_adapter_refusal_body, 2)
+    failures = [msg for per_rank in results for msg in per_rank]
+    assert not failures, "\n".join(failures)
+
+
 # Buffer(agree_on_inputs=True): every call first agrees on the host, so a bad input of rank BAD
 # in any call (along a handle, with a new layout, a handle not of this Buffer) is a ValueError
 # on every rank of that very call, and nothing moves: the same call along the same handle then
@@ -552,10 +624,6 @@ def _constructor_body(rank: int, world_size: int) -> list[str]:
         failures += _check_round_trip(buf, 10 + rank, 4, 2, "after the refused constructors")
     with Buffer(None, **good, expand=False) as buf:
         x, idx, w = _inputs(20 + rank, 4, 8, 4, 2, BF16)
-        _expect_value_error(
-            failures, f"rank {rank}: pad_multiple 2 with expand=False",
-            lambda: buf.dispatch(x, idx, w, pad_multiple=2), "expand=False",
-        )  # fmt: skip
         _expect_value_error(
             failures, f"rank {rank}: an MoE dispatcher on a Buffer without expansion",
             lambda: TokenDispatcher(buf, 2), "expand=True",

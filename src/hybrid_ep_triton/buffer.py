@@ -4,11 +4,13 @@ Each method checks its inputs (runtime/checks.py), agrees with the other ranks o
 (ops/refusal.py) and hands off to ops; docs/reference.md is the full reference.
 """
 
+from typing import NoReturn
+
 import torch
 import torch.distributed as dist
 
 from .ops import low_latency, masks, operators, status
-from .ops.handle import DispatchHandle, check_handle
+from .ops.handle import ALONG_A_HANDLE, REFUSABLE, DispatchHandle, check_handle
 from .ops.low_latency import LowLatencyHandle
 from .ops.refusal import Refusals
 from .ops.reserved import ReservedHeap
@@ -179,6 +181,7 @@ class Buffer:
         handle: DispatchHandle,
         *,
         weights: torch.Tensor | None = None,
+        topk_weights: torch.Tensor | None = None,
         previous_event: torch.cuda.Event | None = None,
         async_finish: bool = False,
     ):
@@ -189,9 +192,13 @@ class Buffer:
             y: [N, H] of the Buffer's dtype in recv_x's row order.
             handle: the dispatch's that produced recv_x.
             weights: [N] float32 factors of the rows (e.g. recv_weights), or None for 1.
+            topk_weights: token rows (expand=False) only: [N, K] float32 per-slot values of
+                the rows (e.g. recv_topk_weights, no gradient), summed back per token too.
             previous_event, async_finish: as for ``dispatch``.
 
-        Returns: out [T, H], each token's sum in fp32 of weight * y (then the event).
+        Returns: out [T, H], each token's sum in fp32 of weight * y; with topk_weights also
+        combined_topk_weights [T, K] float32, each token's sum of its rows' topk_weights (in
+        the same launch); then the event with async_finish.
         """
         self._refusals.usable_for("combine", self._check_usable)
         rt = self._rt
@@ -201,17 +208,59 @@ class Buffer:
         with self._refusals.of("combine", refuse, handle, along=True) as checks:
             checks.check_handle()
             check_combine_inputs(
-                rt.plan, rt.device, y, weights, handle.num_recv_rows, previous_event
+                rt.plan, rt.device, y, weights, topk_weights, handle, previous_event
             )
         if isinstance(y, ScaledValues):
             y = y.dequantize()
-        out, event = self._streams.run(
-            lambda: operators.run_combine(rt, self._id, y, weights, handle),
-            (y, weights),
+        (out, combined), event = self._streams.run(
+            lambda: operators.run_combine(rt, self._id, y, weights, handle, topk_weights),
+            (y, weights, topk_weights),
             previous_event,
             async_finish,
         )
-        return (out, event) if async_finish else out
+        outputs = out if topk_weights is None else (out, combined)
+        if async_finish:
+            return (*outputs, event) if topk_weights is not None else (out, event)
+        return outputs
+
+    def refuse(
+        self,
+        call: str,
+        argument: str,
+        error: ValueError,
+        *,
+        handle: DispatchHandle | None = None,
+        max_recv_tokens: int | None = None,
+    ) -> NoReturn:
+        """An adapter's own check of ``argument`` failed on this rank: run this rank's part of
+        ``call`` as a refused input's (docs/reference.md#errors), so that no peer waits and
+        nothing moves, then raise ``error``.
+
+        Args:
+            call: "dispatch" (along ``handle``: a cached one) or "combine" (along ``handle``).
+            argument: the native argument it stands for: x, topk_idx, topk_weights,
+                pad_multiple, max_recv_tokens or previous_event of a dispatch; x, topk_weights,
+                handle or previous_event of a cached dispatch; y, weights, topk_weights or
+                previous_event of a combine.
+            error: the ValueError this rank raises.
+            handle: the handle of a cached dispatch or a combine.
+            max_recv_tokens: a dispatch's mode (None: exact), as the peers' call has it.
+        """
+        self._check_usable()
+        along = {"dispatch": "cached dispatch", "combine": "combine"}[call]
+        if handle is not None and f"{along}'s {argument}" not in ALONG_A_HANDLE:
+            raise ValueError(f"{along} has no refusable argument {argument!r}")
+        if handle is None and (call != "dispatch" or argument not in REFUSABLE):
+            raise ValueError(f"a dispatch has no refusable argument {argument!r}")
+        if self.agree_on_inputs:
+            self._refusals.agree(call, argument, error)
+        if handle is None:
+            self._refusals.refuse_dispatch(None, call, argument, max_recv_tokens)
+        elif call == "dispatch":
+            self._refusals.refuse_dispatch(handle, along, argument, None)
+        else:
+            self._refusals.refuse_along(handle, call, f"{along}'s {argument}")
+        raise error
 
     def check(self, handle: DispatchHandle | None = None) -> None:
         """Synchronise and raise what the device recorded for ``handle``'s dispatch, or (None,

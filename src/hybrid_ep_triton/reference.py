@@ -14,9 +14,10 @@ Layout conventions (``W`` ranks, ``num_experts = W * L``; rank ``r`` owns the gl
   segment may be padded with zero rows to a multiple of ``pad_multiple``, and the whole buffer
   may be fixed to ``max_recv_tokens`` rows (zero tail, or truncation of the exact layout).
 * with ``expand=False`` **dispatch** keeps one row per received token instead (ordered by source
-  rank, then source token index) with the token's local expert ids and weights packed in slot
-  order beside it, as DeepEP's dispatch returns it; combine then treats every row as one
-  (token, expert) pair.
+  rank, then source token index) with the token's local expert ids and weights in their slot
+  positions beside it (-1 and 0 at the slots of other ranks' experts), and each row's source
+  token index, as DeepEP's dispatch returns them; combine then treats every row as one
+  (token, expert) pair, and can sum per-slot weights back to the tokens as DeepEP's does.
 * **combine** is the reverse path: the expert rank reduces the rows of each received token into
   one float32 partial per (token, source rank), sends the partials back, and the token's rank
   sums them in float32 (in rank order) and casts to ``y``'s dtype.
@@ -72,6 +73,8 @@ class ReferenceHandle:
             this rank or its row was dropped by ``max_recv_tokens`` truncation.
         num_recv_rows: rows of the exact (padded, untruncated) layout. Larger than
             ``recv_x.shape[0]`` exactly when ``max_recv_tokens`` truncated the output.
+        recv_src_idx: with ``expand=False``, ``[N]`` int32: each row's source token index (-1
+            past the received rows); None with expert-major rows.
     """
 
     num_tokens: int
@@ -80,6 +83,7 @@ class ReferenceHandle:
     recv_splits: list[int]
     slot_row: torch.Tensor
     num_recv_rows: int
+    recv_src_idx: torch.Tensor | None = None
 
 
 def _all_to_all(
@@ -138,13 +142,14 @@ def dispatch(
           rows, so they always sum to at most ``N`` and describe ``recv_x`` as returned.
         * ``handle``: :class:`ReferenceHandle` for :func:`combine`.
 
-        With ``expand=False`` (``pad_multiple`` must be 1): ``(recv_x, recv_topk_idx,
-        recv_topk_weights, tokens_per_expert, handle)``: ``recv_x`` ``[N, H]`` one row per
-        received token (zero tail / truncation as above), ``recv_topk_idx`` ``[N, K]`` int32
-        local expert ids of the row's slots on this rank in slot order, then -1,
-        ``recv_topk_weights`` ``[N, K]`` float32 their weights, then 0 (None without
-        ``topk_weights``), and ``tokens_per_expert`` the (token, expert) pairs of each local
-        expert among all received tokens.
+        With ``expand=False``: ``(recv_x, recv_topk_idx, recv_topk_weights, tokens_per_expert,
+        handle)``: ``recv_x`` ``[N, H]`` one row per received token (zero tail / truncation as
+        above), ``recv_topk_idx`` ``[N, K]`` of ``topk_idx``'s dtype, slot k the local expert id
+        of the token's expert k where it lives on this rank, else -1, ``recv_topk_weights``
+        ``[N, K]`` float32 their weights, 0 at the -1 slots (None without ``topk_weights``),
+        ``tokens_per_expert`` the (token, expert) pairs of each local expert among all received
+        tokens, each rounded up to a multiple of ``pad_multiple``, and the handle's
+        ``recv_src_idx``.
     """
     world = dist.get_world_size(group)
     rank = dist.get_rank(group)
@@ -156,8 +161,6 @@ def dispatch(
         raise ValueError(f"topk_weights {topk_weights.shape} != topk_idx {topk_idx.shape}")
     if pad_multiple < 1 or (max_recv_tokens is not None and max_recv_tokens < 0):
         raise ValueError(f"bad pad_multiple={pad_multiple} / max_recv_tokens={max_recv_tokens}")
-    if not expand and pad_multiple != 1:
-        raise ValueError(f"pad_multiple must be 1 with expand=False, got {pad_multiple}")
     num_local = num_experts // world
     device = x.device
     num_tokens = topk_idx.shape[0]
@@ -196,8 +199,14 @@ def dispatch(
         )
     else:
         outputs, slot_row, num_recv_rows = _token_rows(
-            recv_tok_x, local, mine, recv_w, num_local, max_recv_tokens
+            recv_tok_x, local, mine, recv_w, num_local, pad_multiple, max_recv_tokens
         )
+        recv_idx_dtype = outputs[1].to(topk_idx.dtype)
+        outputs = (outputs[0], recv_idx_dtype, *outputs[2:])
+        recv_src = _all_to_all(group, send_token_idx, send_splits, recv_splits)
+        recv_src_idx = torch.full((outputs[0].shape[0],), -1, dtype=torch.int32, device=device)
+        keep = min(recv_src_idx.shape[0], recv_src.shape[0])
+        recv_src_idx[:keep] = recv_src[:keep].to(torch.int32)
     handle = ReferenceHandle(
         num_tokens=num_tokens,
         send_token_idx=send_token_idx,
@@ -205,6 +214,7 @@ def dispatch(
         recv_splits=recv_splits,
         slot_row=slot_row,
         num_recv_rows=num_recv_rows,
+        recv_src_idx=None if expand else recv_src_idx,
     )
     return (*outputs, handle)
 
@@ -247,24 +257,22 @@ def _expert_rows(recv_tok_x, local, mine, recv_w, num_local, pad_multiple, max_r
     return (recv_x, recv_weights, tokens_per_expert), slot_row, num_recv_rows
 
 
-def _token_rows(recv_tok_x, local, mine, recv_w, num_local, max_recv_tokens):
-    """The same with one row per received token: (recv_x, recv_topk_idx, recv_topk_weights,
-    tokens_per_expert), slot_row, row count."""
+def _token_rows(recv_tok_x, local, mine, recv_w, num_local, pad_multiple, max_recv_tokens):
+    """The same with one row per received token: (recv_x, recv_topk_idx (int64),
+    recv_topk_weights, tokens_per_expert), slot_row, row count."""
     num_recv = recv_tok_x.shape[0]
     num_rows = num_recv if max_recv_tokens is None else max_recv_tokens
     keep = min(num_rows, num_recv)
-    # Local slots first, each group in slot order (a stable sort).
-    order = torch.sort((~mine).to(torch.int32), dim=1, stable=True).indices
-    packed = mine.gather(1, order)
     recv_x = recv_tok_x.new_zeros((num_rows, recv_tok_x.shape[1]))
     recv_x[:keep] = recv_tok_x[:keep]
-    recv_idx = torch.full((num_rows, local.shape[1]), -1, dtype=torch.int32, device=local.device)
-    recv_idx[:keep] = torch.where(packed, local.gather(1, order), -1)[:keep].to(torch.int32)
+    recv_idx = torch.full((num_rows, local.shape[1]), -1, dtype=torch.int64, device=local.device)
+    recv_idx[:keep] = torch.where(mine, local, -1)[:keep]
     recv_weights = None
     if recv_w is not None:
         recv_weights = torch.zeros(recv_idx.shape, dtype=torch.float32, device=local.device)
-        recv_weights[:keep] = torch.where(packed, recv_w.gather(1, order), 0.0)[:keep]
-    tokens_per_expert = torch.bincount(local[mine], minlength=num_local)
+        recv_weights[:keep] = torch.where(mine, recv_w, 0.0)[:keep]
+    counts = torch.bincount(local[mine], minlength=num_local)
+    tokens_per_expert = (counts + pad_multiple - 1) // pad_multiple * pad_multiple
     # For combine: a row is one (token, expert) pair, in slot 0.
     slot_row = torch.full_like(local, -1)
     slot_row[:keep, 0] = torch.arange(keep, device=local.device)
@@ -277,7 +285,8 @@ def combine(
     handle: ReferenceHandle,
     *,
     weights: torch.Tensor | None = None,
-) -> torch.Tensor:
+    topk_weights: torch.Tensor | None = None,
+):
     """Reduce expert outputs back onto the tokens' ranks (reverse of :func:`dispatch`).
 
     Args:
@@ -285,11 +294,14 @@ def combine(
         y: ``[N, H]`` expert outputs in ``recv_x``'s row order (any float dtype).
         handle: the handle returned by that :func:`dispatch`.
         weights: ``[N]`` float32 per-row weights (e.g. ``recv_weights``), or None for 1.
+        topk_weights: with ``expand=False``, ``[N, K]`` float32 per-slot values of the rows
+            (e.g. ``recv_topk_weights``), or None.
 
     Returns:
         ``[T, H]`` ``y.dtype``: ``out[t] = sum over t's valid slots of weight * y[row]``,
         accumulated in float32. Padding rows and rows dropped by truncation contribute nothing;
-        a token without any valid slot gets zeros.
+        a token without any valid slot gets zeros. With ``topk_weights`` also ``[T, K]``
+        float32: each token's sum of ``topk_weights`` over its rows (every slot position).
     """
     world = dist.get_world_size(group)
     hidden = y.shape[1]
@@ -306,19 +318,34 @@ def combine(
         if weights is not None:
             contrib = contrib * weights[rows[tok]].to(torch.float32).unsqueeze(1)
         partial.index_add_(0, tok, contrib)
+    out = _sum_back(group, partial, handle, world).to(y.dtype)
+    if topk_weights is None:
+        return out
+    # A token row is one received token (slot 0 of slot_row holds its row).
+    rows = handle.slot_row[:, 0]
+    slot_partial = torch.zeros((num_recv, topk), dtype=torch.float32, device=y.device)
+    kept = rows >= 0
+    slot_partial[kept] = topk_weights[rows[kept]].to(torch.float32)
+    return out, _sum_back(group, slot_partial, handle, world)
 
+
+def _sum_back(group, partial: torch.Tensor, handle: ReferenceHandle, world: int) -> torch.Tensor:
+    """[T, C] float32: every rank's float32 partials [R, C] of this rank's tokens, sent back
+    along the reverse route and summed per token in rank order."""
     # Partials travel the reverse route: what was received from rank r goes back to rank r.
-    back = _all_to_all(group, partial, handle.recv_splits, handle.send_splits)  # [S, H] fp32
+    back = _all_to_all(group, partial, handle.recv_splits, handle.send_splits)  # [S, C] fp32
 
     # Token side: add each rank's partials in rank order; a token appears at most once per
     # rank's segment, so each index_add_ again hits distinct rows.
-    out = torch.zeros((handle.num_tokens, hidden), dtype=torch.float32, device=y.device)
+    out = torch.zeros(
+        (handle.num_tokens, partial.shape[1]), dtype=torch.float32, device=partial.device
+    )
     start = 0
     for src in range(world):
         end = start + handle.send_splits[src]
         out.index_add_(0, handle.send_token_idx[start:end], back[start:end])
         start = end
-    return out.to(y.dtype)
+    return out
 
 
 # -- FP8 rows -------------------------------------------------------------------------------

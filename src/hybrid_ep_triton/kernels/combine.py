@@ -60,6 +60,7 @@ from .peers import await_peer, live, start_channel, wait_landed
 from .primitives import (
     SAME_ON_EVERY_RANK,
     finish_launch,
+    net_put,
     net_put_rows_signal,
     net_put_signal,
     node_first_rank,
@@ -122,6 +123,38 @@ def _store_expert_sums(dst_ptr, dst_rows, dmask, src_rows, h_first, h_last, rows
         tl.store(ptrs, acc.to(dst_ptr.dtype.element_ty), mask=dmask[:, None] & cmask[None, :])
 
 
+@triton.jit
+def _slot_weights_of(staged, rows, k):
+    """[CHUNK, K_P2] float32: the topk_weights row of each token row whose staged row is
+    ``staged`` [CHUNK] (-1: none, zeros): the row of y in its staged_rows entry 0."""
+    slots = tl.arange(0, k.K_P2)
+    y_row = tl.load(rows.staged_rows_ptr + staged.to(tl.int64) * k.MS, mask=staged >= 0, other=-1)
+    return tl.load(
+        rows.topk_weights_ptr + y_row.to(tl.int64)[:, None] * rows.topk + slots[None, :],
+        mask=(y_row >= 0)[:, None] & (slots[None, :] < rows.topk),
+        other=0.0,
+    )
+
+
+@triton.jit
+def _slot_rows(base_ptr, rows_, stride, rows, k):
+    """Pointers [CHUNK, K_P2] to the slot weights of rows ``rows_`` [CHUNK] (-1: none) of
+    float32 rows ``stride`` apart at ``base_ptr``, and their mask."""
+    slots = tl.arange(0, k.K_P2)
+    ptrs = base_ptr + rows_.to(tl.int64)[:, None] * stride + slots[None, :]
+    return ptrs, (rows_ >= 0)[:, None] & (slots[None, :] < rows.topk)
+
+
+@triton.jit
+def _copy_slot_weights(staged_first, num_rows, dst_ptr, rows, k):
+    """The topk_weights rows of the token rows of staged rows [staged_first, + num_rows) (at
+    most CHUNK) into rows of SW floats at ``dst_ptr``, as their partial rows go."""
+    i = tl.arange(0, k.CHUNK)
+    staged = tl.where(i < num_rows, staged_first + i, -1)
+    ptrs, mask = _slot_rows(dst_ptr, tl.where(i < num_rows, i, -1), k.SW, rows, k)
+    tl.store(ptrs, _slot_weights_of(staged, rows, k), mask=mask)
+
+
 @triton.jit(noinline=True)
 def _reduce_chunk(staged_first, staged_end, h_first, h_last, rows, k):
     """Reduce columns [h_first, h_last) of the expert-major rows of staged rows
@@ -158,6 +191,11 @@ def _sum_own_rows(c, h_first, h_last, rows, k):
     tokens, tmask, ranks, stream_rows = _stream_rows(c, rows, k)
     own_rows = column(stream_rows, ranks, rows.rank)
     _store_expert_sums(rows.out_ptr, tokens, tmask, own_rows, h_first, h_last, rows, k)
+    if k.SLOT_WEIGHTS:
+        if h_first == 0:  # (the part of column 0 also sums the slot weights)
+            tokens = tl.where(tmask, tokens, -1)
+            ptrs, mask = _slot_rows(rows.combined_weights_ptr, tokens, rows.topk, rows, k)
+            tl.store(ptrs, _slot_weights_of(own_rows, rows, k), mask=mask)
 
 
 @triton.jit(noinline=True)
@@ -170,11 +208,11 @@ def _add_partial_rows(
     inbox, a node's slots apart, whose columns start at ``slice_first``) to columns
     [h_first, h_last) of the out rows of chunk ``c`` that hold the own sums. A node whose sums
     did not come (its flag at ``node_flags_ptr``, a node's flags apart, is down: its network
-    sender is masked) sent its ranks' partial rows into the staging area instead."""
+    sender is masked) sent its ranks' partial rows into the staging area instead. With
+    SLOT_WEIGHTS the part of column 0 adds the slot weights that came with them likewise."""
     # A NetSlot of each node's work items after another (the inbox), as elements of out's dtype.
-    NODE_STRIDE: tl.constexpr = (
-        k.NC_MAX * k.H_SLICES * k.SLOT_BYTES * 8 // rows.out_ptr.dtype.element_ty.primitive_bitwidth
-    )
+    EBYTES: tl.constexpr = rows.out_ptr.dtype.element_ty.primitive_bitwidth // 8
+    NODE_STRIDE: tl.constexpr = k.NC_MAX * k.H_SLICES * k.SLOT_BYTES // EBYTES
     tokens, tmask, ranks, stream_rows = _stream_rows(c, rows, k)
     alive = tl.load(sync.mask_ptr + ranks, mask=ranks < k.W, other=1, volatile=True) == 0
     partial_rows = tl.where((ranks[None, :] != rows.rank) & alive[None, :], stream_rows, -1)
@@ -222,6 +260,25 @@ def _add_partial_rows(
                     cache_modifier=".cg",
                 ).to(tl.float32)
         tl.store(out_rows + cols[None, :], acc.to(rows.out_ptr.dtype.element_ty), mask=mask)
+    if k.SLOT_WEIGHTS:
+        if h_first == 0:
+            # (a NetSlot's slot weights, where dispatch has its metadata: at the slot's start)
+            node_weights = (node_slots_ptr - k.DATA_OFF // EBYTES).to(tl.pointer_type(tl.float32))
+            acc_ptrs, acc_mask = _slot_rows(
+                rows.combined_weights_ptr, tl.where(remote, tokens, -1), rows.topk, rows, k
+            )
+            acc = tl.load(acc_ptrs, mask=acc_mask, cache_modifier=".cg")
+            for q in tl.static_range(k.W_P2):
+                row = column(partial_rows, ranks, q)
+                ptrs, mask = _slot_rows(here.slot_weights, row, k.SW, rows, k)
+                acc += tl.load(ptrs, mask=mask & acc_mask, other=0.0, cache_modifier=".cg")
+            if k.NODES > 1:
+                for node in tl.static_range(k.NODES):
+                    row = column(node_rows, nodes, node)
+                    node_ptr = node_weights + node * (NODE_STRIDE * EBYTES // 4)
+                    ptrs, mask = _slot_rows(node_ptr, row, k.SW, rows, k)
+                    acc += tl.load(ptrs, mask=mask & acc_mask, other=0.0, cache_modifier=".cg")
+            tl.store(acc_ptrs, acc, mask=acc_mask)
 
 
 @triton.jit(noinline=True)
@@ -233,7 +290,8 @@ def _sum_node_partials(
     ``fwd_rows_ptr`` [num_rows, R] recorded when dispatch forwarded it) where it came (its
     flag at ``flags_ptr``, a block's flags apart, reached ``seq``: a masked rank's did not),
     rounded to the staging dtype, into columns [h_first, h_last) of the slot's data at
-    ``data_ptr``."""
+    ``data_ptr``; with SLOT_WEIGHTS the part of column 0 also sums their slot weights, into
+    rows of SW floats at the slot's start (``data_ptr`` - DATA_OFF)."""
     slot_rows = tl.arange(0, k.CHUNK)
     valid = slot_rows < num_rows
     locals_ = tl.arange(0, k.R_P2)
@@ -260,6 +318,19 @@ def _sum_node_partials(
                 ).to(tl.float32)
         ptrs = data_ptr + slot_rows[:, None] * k.NET_COLS + (cols - h_first)[None, :]
         tl.store(ptrs, acc.to(data_ptr.dtype.element_ty), mask=valid[:, None] & cmask[None, :])
+    if k.SLOT_WEIGHTS:
+        if h_first == 0:
+            EBYTES: tl.constexpr = data_ptr.dtype.element_ty.primitive_bitwidth // 8
+            weights = (data_ptr - k.DATA_OFF // EBYTES).to(tl.pointer_type(tl.float32))
+            acc_ptrs, acc_mask = _slot_rows(weights, tl.where(valid, slot_rows, -1), k.SW, rows, k)
+            acc = tl.zeros([k.CHUNK, k.K_P2], tl.float32)
+            for r in tl.static_range(k.R_P2):
+                if r < k.R:
+                    row = column(stream_rows, locals_, r)
+                    staged = tl.where(row >= 0, (first_block + r) * k.T_MAX + row, -1)
+                    ptrs, mask = _slot_rows(here.slot_weights, staged, k.SW, rows, k)
+                    acc += tl.load(ptrs, mask=mask, other=0.0, cache_modifier=".cg")
+            tl.store(acc_ptrs, acc, mask=acc_mask)
 
 
 @triton.jit(noinline=True)
@@ -285,12 +356,13 @@ Rows = namedtuple(
     "Rows",
     "rank y_ptr y_stride weights_ptr outbox_ptr out_ptr num_tokens hidden token_rank_pos_ptr "
     "send_chunk_start_ptr recv_chunk_start_ptr recv_src_tokens_ptr staged_rows_ptr "
-    "token_node_pos_ptr recv_net_chunk_start_ptr fwd_rows_ptr",
+    "token_node_pos_ptr recv_net_chunk_start_ptr fwd_rows_ptr topk_weights_ptr "
+    "combined_weights_ptr topk",
 )
 CombineHeap = namedtuple(
     "CombineHeap",
-    "peer_bases_ptr ready_off chunk_flags_off reduced_flags_off staging_off net_bases_ptr "
-    "net_flags_off net_inbox_off net_outbox_off heap_bytes",
+    "peer_bases_ptr ready_off chunk_flags_off reduced_flags_off staging_off slot_weights_off "
+    "net_bases_ptr net_flags_off net_inbox_off net_outbox_off heap_bytes",
 )
 CombineSync = namedtuple(
     "CombineSync",
@@ -298,11 +370,13 @@ CombineSync = namedtuple(
     "bases_ptr net_bases_ptr mask_off",
 )
 # This rank's regions of the heap and the work items' columns, the same for every role.
-Here = namedtuple("Here", "staging my_flags my_ready reduced_flags slice_cols part_cols net_flags")
+Here = namedtuple(
+    "Here", "staging my_flags my_ready reduced_flags slice_cols part_cols net_flags slot_weights"
+)
 CombineConsts = namedtuple(
     "CombineConsts",
     "W T_MAX NC_MAX H_SLICES P_MAX MS MS_P2 W_P2 CHUNK BLOCK_H COPY_BLOCK_H HAS_WEIGHTS "
-    "COPY_UNROLL LP_MAX STAGES R R_P2 NODES N_P2 NET_COLS DATA_OFF SLOT_BYTES",
+    "COPY_UNROLL LP_MAX STAGES R R_P2 NODES N_P2 NET_COLS DATA_OFF SLOT_BYTES SLOT_WEIGHTS K_P2 SW",
 )
 
 
@@ -379,13 +453,14 @@ def _send_role(sender, node_first, rows, heap, here, sync, k):
                     reduced, sync.seq, sync.timeout_ns, sync.status_ptr, rank, STAGE_COMBINE_DATA
                 )
             start = tl.load(table + w // k.H_SLICES)
+            num_rows = tl.load(table + w // k.H_SLICES + 1) - start
             h_first = (w % k.H_SLICES) * here.slice_cols
             if direct:
                 _send_over_network(
                     src=src,
                     w=w,
                     start=start,
-                    num_rows=tl.load(table + w // k.H_SLICES + 1) - start,
+                    num_rows=num_rows,
                     h_first=h_first,
                     h_last=tl.minimum(h_first + here.slice_cols, rows.hidden),
                     outbox_rows=rows.outbox_ptr
@@ -400,12 +475,24 @@ def _send_role(sender, node_first, rows, heap, here, sync, k):
                     src_ptr=rows.outbox_ptr + (src * k.T_MAX + start).to(tl.int64) * rows.hidden,
                     dst_ptr=region(heap.peer_bases_ptr, dst, heap.staging_off, dtype)
                     + (block * k.T_MAX + start).to(tl.int64) * rows.hidden,
-                    num_rows=tl.load(table + w // k.H_SLICES + 1) - start,
+                    num_rows=num_rows,
                     h_first=h_first,
                     h_last=tl.minimum(h_first + here.slice_cols, rows.hidden),
                     rows=rows,
                     k=k,
                 )
+                if k.SLOT_WEIGHTS:
+                    if h_first == 0:  # the slot weights go with the first slice of the rows
+                        weights = region(
+                            heap.peer_bases_ptr, dst, heap.slot_weights_off, tl.float32
+                        )
+                        _copy_slot_weights(
+                            staged_first=src * k.T_MAX + start,
+                            num_rows=num_rows,
+                            dst_ptr=weights + (block * k.T_MAX + start).to(tl.int64) * k.SW,
+                            rows=rows,
+                            k=k,
+                        )
                 flags = region(heap.peer_bases_ptr, dst, heap.chunk_flags_off, tl.int64)
                 signal(flags + block * items_of_src + w, sync.seq)
 
@@ -418,13 +505,21 @@ def _send_over_network(src, w, start, num_rows, h_first, h_last, outbox_rows, ro
     them from row ``start`` of src's stream here) straight to src over the network, into the
     block of this rank in src's staging area, as a sender of src's node leaves them there,
     through this rank's network outbox slot of the item on its own node (no network sender
-    uses it), then the item's flag there, after the rows (net_fence)."""
+    uses it), then the item's flag there, after the rows (net_fence); with SLOT_WEIGHTS the
+    first slice's slot weights first, into src's slot_weights, through the slot's start."""
     items_of_src: tl.constexpr = k.NC_MAX * k.H_SLICES
     dtype = rows.out_ptr.dtype.element_ty
     EBYTES: tl.constexpr = dtype.primitive_bitwidth // 8
     rank = rows.rank
-    slot_off = heap.net_outbox_off + ((rank // k.R) * items_of_src + w) * k.SLOT_BYTES + k.DATA_OFF
-    slot = region(heap.peer_bases_ptr, rank, slot_off, dtype)
+    slot_start = heap.net_outbox_off + ((rank // k.R) * items_of_src + w) * k.SLOT_BYTES
+    slot = region(heap.peer_bases_ptr, rank, slot_start + k.DATA_OFF, dtype)
+    if k.SLOT_WEIGHTS:
+        if h_first == 0:  # the slot weights first, through the slot's start
+            weights = region(heap.peer_bases_ptr, rank, slot_start, tl.float32)
+            _copy_slot_weights(src * k.T_MAX + start, num_rows, weights, rows, k)
+            net_put(heap.net_bases_ptr, rank, src,
+                    heap.slot_weights_off + (rank * k.T_MAX + start).to(tl.int64) * k.SW * 4,
+                    weights, num_rows * k.SW * 4, heap.heap_bytes)  # fmt: skip
     chunk_rows = tl.arange(0, k.CHUNK)
     for h0 in range(h_first, h_last, k.COPY_BLOCK_H):
         cols = h0 + tl.arange(0, k.COPY_BLOCK_H)
@@ -505,14 +600,20 @@ def _net_send_role(sender, node_first, rows, heap, here, sync, k):
                 started = await_peer(here.my_ready + src * k.P_MAX + sender, sync.seq, src,
                                      STAGE_COMBINE_READY, sync, k.W, k.NODES)  # fmt: skip
                 there = my_node * items_of_src + w
+                # The first slice's slot weights lie before its data (SLOT_WEIGHTS): put both.
+                skipped = k.DATA_OFF
+                if k.SLOT_WEIGHTS:
+                    skipped = tl.where(h_first == 0, 0, k.DATA_OFF)
                 if started:
                     net_put_signal(
                         net_bases_ptr=heap.net_bases_ptr,
                         rank=rank,
                         pe=src,
-                        dst_off=heap.net_inbox_off + there * k.SLOT_BYTES + k.DATA_OFF,
-                        src=slot + DATA_ELEM,
-                        nbytes=num_rows * (k.NET_COLS * dtype.primitive_bitwidth // 8),
+                        dst_off=heap.net_inbox_off + there * k.SLOT_BYTES + skipped,
+                        src=(slot + skipped // (dtype.primitive_bitwidth // 8)),
+                        nbytes=k.DATA_OFF
+                        - skipped
+                        + num_rows * (k.NET_COLS * dtype.primitive_bitwidth // 8),
                         flag_off=heap.net_flags_off + there * 8,
                         value=sync.seq,
                         heap_bytes=heap.heap_bytes,
@@ -632,7 +733,10 @@ def _roles(pid, rows, heap, sync, k):
     part_cols = tl.cdiv(tl.cdiv(slice_cols, sync.local_parts), k.BLOCK_H) * k.BLOCK_H
     node_first = node_first_rank(rows.rank, k.R, k.NODES)
     net_flags = region(heap.peer_bases_ptr, rows.rank, heap.net_flags_off, tl.int64)
-    here = Here(staging, my_flags, my_ready, reduced_flags, slice_cols, part_cols, net_flags)
+    slot_weights = region(heap.peer_bases_ptr, rows.rank, heap.slot_weights_off, tl.float32)
+    here = Here(
+        staging, my_flags, my_ready, reduced_flags, slice_cols, part_cols, net_flags, slot_weights
+    )
     # Across nodes the P programs after the senders sum this node's partial rows of the tokens of
     # the ranks of this rank's local index on other nodes and put them there.
     is_net_sender = False
@@ -687,12 +791,17 @@ def combine_kernel(
     recv_chunk_start_ptr,  # [W, NC_MAX + 1] int32
     recv_src_tokens_ptr,  # [W] int32
     staged_rows_ptr,  # [W, T_MAX, MS] int32
+    # Slot weights (SLOT_WEIGHTS, token rows): each row's values summed back per token and slot
+    topk_weights_ptr,  # [N, K] float32
+    combined_weights_ptr,  # out [T, K] float32
+    topk,  # K
     # Heap: peers' bases and the regions' offsets in the symmetric heap
     peer_bases_ptr,
     ready_off,
     chunk_flags_off,
     reduced_flags_off,
     staging_off,
+    slot_weights_off,  # [W, T_MAX, SW] float32: the slot weights that came with partial rows
     # Sync: the control block, the bound of every wait, the mask (kernels/peers.py)
     control_ptr,
     timeout_ns,
@@ -729,6 +838,9 @@ def combine_kernel(
     NET_COLS: tl.constexpr,  # the NetSlot's shape (see the planner)
     DATA_OFF: tl.constexpr,
     SLOT_BYTES: tl.constexpr,
+    SLOT_WEIGHTS: tl.constexpr,  # token rows: sum topk_weights back too (combined_weights)
+    K_P2: tl.constexpr,
+    SW: tl.constexpr,  # floats of a row of slot weights in the heap and in a NetSlot
 ):
     pid = tl.program_id(0)
     num_programs = tl.num_programs(0)
@@ -738,16 +850,18 @@ def combine_kernel(
     rows = Rows(rank, y_ptr, y_stride, weights_ptr, outbox_ptr, out_ptr, num_tokens,
                 hidden, token_rank_pos_ptr, send_chunk_start_ptr,
                 recv_chunk_start_ptr, recv_src_tokens_ptr, staged_rows_ptr,
-                token_node_pos_ptr, recv_net_chunk_start_ptr, fwd_rows_ptr)  # fmt: skip
+                token_node_pos_ptr, recv_net_chunk_start_ptr, fwd_rows_ptr,
+                topk_weights_ptr, combined_weights_ptr, topk)  # fmt: skip
     heap = CombineHeap(peer_bases_ptr, ready_off, chunk_flags_off,
-                       reduced_flags_off, staging_off, net_bases_ptr, net_flags_off,
-                       net_inbox_off, net_outbox_off, heap_bytes)  # fmt: skip
+                       reduced_flags_off, staging_off, slot_weights_off, net_bases_ptr,
+                       net_flags_off, net_inbox_off, net_outbox_off, heap_bytes)  # fmt: skip
     sync = CombineSync(control_ptr, status_ptr, seq, timeout_ns, num_reducers, num_senders,
                        local_parts, rank, region(peer_bases_ptr, rank, mask_off, tl.int64),
                        peer_bases_ptr, net_bases_ptr, mask_off)  # fmt: skip
     k: tl.constexpr = CombineConsts(W, T_MAX, NC_MAX, H_SLICES, P_MAX, MS, MS_P2,
                                     W_P2, CHUNK, BLOCK_H, COPY_BLOCK_H, HAS_WEIGHTS,
                                     COPY_UNROLL, LP_MAX, STAGES, R, R_P2, NODES,
-                                    N_P2, NET_COLS, DATA_OFF, SLOT_BYTES)  # fmt: skip
+                                    N_P2, NET_COLS, DATA_OFF, SLOT_BYTES, SLOT_WEIGHTS,
+                                    K_P2, SW)  # fmt: skip
     _roles(pid=pid, rows=rows, heap=heap, sync=sync, k=k)
     finish_launch(control_ptr, seq, num_programs)

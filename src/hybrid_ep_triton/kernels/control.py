@@ -29,14 +29,14 @@ NET_ROWS = tl.constexpr(10)  # token rows this rank has put over the network in 
 # outputs' addresses), copied there by one program for the others, and the launch's sequence
 # number once it is (ops/dispatch.PreparedMove).
 HOST_RECORD = tl.constexpr(11)
-HOST_RECORD_SEQ = tl.constexpr(16)
+HOST_RECORD_SEQ = tl.constexpr(17)
 # The low-latency mode (kernels/low_latency.py): the sequence number of its last call (dispatch
 # and combine count together: a call's receive area is the parity of its number), the tickets
 # a sending launch's programs take as they start, and the first rank whose host refused a
 # call's inputs + 1.
-LL_SEQ = tl.constexpr(17)
-LL_TICKET = tl.constexpr(18)
-LL_REFUSED = tl.constexpr(19)
+LL_SEQ = tl.constexpr(18)
+LL_TICKET = tl.constexpr(19)
+LL_REFUSED = tl.constexpr(20)
 # A low-latency flag is (seq << LL_SEQ_SHIFT) | a rows field: the rows of a block (at most the
 # Buffer's low_latency_tokens, which it keeps within LL_MAX_ROWS), and the bit above them where
 # the source's host refused the call. A flag then holds 46 bits of seq: a Buffer may make 2^46
@@ -46,13 +46,13 @@ LL_MAX_ROWS = tl.constexpr((1 << (LL_SEQ_SHIFT.value - 1)) - 1)
 # Masked ranks (the mask itself is the heap's mask region, which peers write into): 1 where the
 # Buffer masks a rank that a wait ran out on (mask_failed_ranks), else 0 (the wait records a
 # timeout).
-MASK_FAILED = tl.constexpr(20)
+MASK_FAILED = tl.constexpr(21)
 # The tickets a receiving launch's programs take as they end (its last one frees the receive
 # area), and 1 where this rank masked a rank (by hand, or a wait that ran out) that the next
 # launch tells the others of.
-LL_DONE = tl.constexpr(21)
-MASKS_NEW = tl.constexpr(22)
-CONTROL_WORDS = 23
+LL_DONE = tl.constexpr(22)
+MASKS_NEW = tl.constexpr(23)
+CONTROL_WORDS = 24
 
 STATUS_OK = tl.constexpr(0)
 STATUS_TIMED_OUT = tl.constexpr(1)
@@ -72,6 +72,13 @@ INFO_SOURCE = tl.constexpr(1)  # first rank whose dispatch could not go ahead, o
 INFO_BAD_ROW = tl.constexpr(2)  # 2**62 - (first invalid row of this rank's topk_idx), or 2**62
 INFO_CAUSE = tl.constexpr(3)  # why INFO_SOURCE's could not (ops/handle.REFUSABLE)
 INFO_WORDS = 4
+
+# -- what a token row's metadata entry holds (dispatch with TOKEN_ROWS) ------------------
+# Entry i of a staged token row: (slot << SLOT_SHIFT) | local expert id of the token's i-th
+# slot on the destination, so that the receiver puts each id and weight back at its slot;
+# after the entries, the source token's index.
+SLOT_SHIFT = tl.constexpr(16)
+LOCAL_ID_MASK = tl.constexpr((1 << SLOT_SHIFT.value) - 1)
 
 # -- stage codes: what a timed-out wait was waiting for ------------------------------------
 STAGE_LAYOUT = tl.constexpr(1)  # the layout exchange

@@ -70,8 +70,10 @@ from .control import (
     HOST_RECORD_SEQ,
     INFO_ROWS,
     INFO_SOURCE,
+    LOCAL_ID_MASK,
     NET_ROWS,
     SECOND_QUEUE,
+    SLOT_SHIFT,
     STAGE_DISPATCH_DATA,
     STAGE_DISPATCH_NET,
     STAGE_DISPATCH_OUTPUTS,
@@ -173,17 +175,29 @@ def _zero_rows(out, first, last, tok, k):
 
 @triton.jit
 def _clear_slots(first, last, tok, out, k):
-    """No slots for token rows [first, last) (at most CHUNK): expert id -1 (if WRITE_ROWS),
-    weight 0."""
+    """No slots for token rows [first, last) (at most CHUNK): expert id -1 and source index -1
+    (if WRITE_ROWS), weight 0."""
     rows = first + tl.arange(0, k.CHUNK)
+    rows = tl.where(rows < last, rows, -1)
+    no_slots = tl.zeros([k.CHUNK, k.K_P2], tl.int1)
+    no_source = tl.full([k.CHUNK], -1, tl.int32)
+    _store_token_slots(rows, no_slots, no_slots.to(tl.int32), 0.0, no_source, tok, out, k)
+
+
+@triton.jit
+def _store_token_slots(token_row, mine, local_ids, weights, src_idx, tok, out, k):
+    """Token rows ``token_row`` [CHUNK] (-1: none) get DeepEP's slot positions: slot k's local
+    expert id where ``mine`` [CHUNK, K_P2] (else -1) and its weight (else 0), and (if
+    WRITE_ROWS) the source token's index ``src_idx`` [CHUNK]."""
     slots = tl.arange(0, k.K_P2)
-    offs = rows.to(tl.int64)[:, None] * tok.topk + slots[None, :]
-    mask = (rows < last)[:, None] & (slots[None, :] < tok.topk)
+    offs = token_row.to(tl.int64)[:, None] * tok.topk + slots[None, :]
+    mask = (token_row >= 0)[:, None] & (slots[None, :] < tok.topk)
     if k.WRITE_ROWS:
-        idx = tl.full([k.CHUNK, k.K_P2], -1, tl.int32)
-        tl.store(out.recv_topk_idx_ptr + offs, idx, mask=mask)
+        ids = tl.where(mine, local_ids, -1).to(out.recv_topk_idx_ptr.dtype.element_ty)
+        tl.store(out.recv_topk_idx_ptr + offs, ids, mask=mask)
+        tl.store(out.recv_src_idx_ptr + token_row, src_idx, mask=token_row >= 0)
     if k.HAS_WEIGHTS:
-        tl.store(out.recv_weights_ptr + offs, tl.zeros([k.CHUNK, k.K_P2], tl.float32), mask=mask)
+        tl.store(out.recv_weights_ptr + offs, tl.where(mine, weights, 0.0), mask=mask)
 
 
 @triton.jit
@@ -234,6 +248,21 @@ def _store_packed(
 
 
 @triton.jit
+def _store_entries(entries_ptr, sel, recorded, sent, tokens, k):
+    """A destination's metadata of each token of a chunk, at ``entries_ptr`` [CHUNK] (its entry
+    0), for the tokens ``sent`` there: what it records of the slots ``sel`` [CHUNK, K_P2]
+    (``recorded``), packed in slot order, then -1; with TOKEN_ROWS each local id with its slot
+    (``SLOT_SHIFT``), so that the receiver puts it back in DeepEP's slot position, and the
+    token's index ``tokens`` after the slots' entries. Returns each slot's entry."""
+    SLOTS: tl.constexpr = k.MS - 1 if k.TOKEN_ROWS else k.MS
+    values = recorded
+    if k.TOKEN_ROWS:
+        values = (tl.arange(0, k.K_P2)[None, :] << SLOT_SHIFT) | recorded
+        tl.store(entries_ptr + SLOTS, tokens, mask=sent)
+    return _store_packed(entries_ptr, sel, values, sent, SLOTS, -1, k.MS_P2, k.CHUNK)
+
+
+@triton.jit
 def token_rows_first(recv_chunk_start_ptr, recv_src_tokens_ptr, src, T_MAX, NC_MAX, CHUNK):
     """First row of source ``src``'s tokens in a token-major output: the rows of every source
     before it (each source's stream, in source order)."""
@@ -275,7 +304,7 @@ def _send_chunk(c, h_first, h_last, node_first, tok, lay, heap, sync, k):
             sel = (dest == q) & (row >= 0)[:, None]
             meta = row.to(tl.int64) * k.MS
             meta_rows = region(heap.peer_bases_ptr, q, heap.meta_rows_off, tl.int32) + meta
-            entry = _store_packed(meta_rows, sel, recorded, row >= 0, k.MS, -1, k.MS_P2, k.CHUNK)
+            entry = _store_entries(meta_rows, sel, recorded, row >= 0, tokens, k)
             if k.HAS_WEIGHTS:
                 meta_weights = region(heap.peer_bases_ptr, q, heap.meta_weights_off, tl.float32)
                 tl.store((meta_weights + meta)[:, None] + entry, weight, mask=sel)
@@ -341,7 +370,7 @@ def _pack_node_slot(c, node, h_first, h_last, num_rows, slot_ptr, tok, lay, k):
             row_meta = meta + row * k.META_INTS + r * (1 + k.MS)
             tl.store(row_meta, column(stream_rows, locals_, r), mask=sent)
             sel = (dest == node * k.R + r) & sent[:, None]
-            entry = _store_packed(row_meta + 1, sel, recorded, sent, k.MS, -1, k.MS_P2, k.CHUNK)
+            entry = _store_entries(row_meta + 1, sel, recorded, sent, tokens, k)
             if k.HAS_WEIGHTS:
                 row_weights = weights + row * k.META_FLOATS + r * k.MS
                 tl.store(row_weights[:, None] + entry, weight, mask=sel)
@@ -468,23 +497,7 @@ def _expand_chunk(
         token_row = tl.where(jmask & (token_row < out.num_out_rows), token_row, -1)
         rows = tl.where(entries[None, :] == 0, token_row[:, None], -1)
         num_copies = 1
-        # Slot i of a row: the i-th entry of its metadata (packed; -1 past them).
-        slots = tl.arange(0, k.K_P2)
-        slot_meta = staged.to(tl.int64)[:, None] * k.MS + slots[None, :]
-        smask = (token_row >= 0)[:, None] & (slots[None, :] < tl.where(part == 0, tok.topk, 0))
-        mmask = smask & (slots[None, :] < k.MS)
-        out_slots = token_row.to(tl.int64)[:, None] * tok.topk + slots[None, :]
-        local_ids = tl.load(meta_rows_ptr + slot_meta, mask=mmask, other=-1, cache_modifier=".cg")
-        if k.WRITE_ROWS:
-            tl.store(out.recv_topk_idx_ptr + out_slots, local_ids, mask=smask)
-        if k.HAS_WEIGHTS:
-            weights = tl.load(
-                meta_weights_ptr + slot_meta,
-                mask=mmask & (local_ids >= 0),
-                other=0.0,
-                cache_modifier=".cg",
-            )
-            tl.store(out.recv_weights_ptr + out_slots, weights, mask=smask)
+        _expand_token_slots(staged, token_row, part, meta_rows_ptr, meta_weights_ptr, tok, out, k)
     else:
         rows = tl.load(meta_rows_ptr + meta, mask=emask, other=-1, cache_modifier=".cg")
         # Entries are packed: the copies of the token with the most of them, drops included.
@@ -521,20 +534,50 @@ def _expand_chunk(
             tile = next_tile
 
 
+@triton.jit
+def _expand_token_slots(staged, token_row, part, meta_rows_ptr, meta_weights_ptr, tok, out, k):
+    """Column part 0 of staged token rows ``staged`` [CHUNK] (their rows of recv_x
+    ``token_row``, -1: none): each slot's local expert id and weight back in its slot position,
+    which its entry names (_store_entries), and the source token's index."""
+    SLOTS: tl.constexpr = k.MS - 1
+    slots = tl.arange(0, k.K_P2)
+    meta = staged.to(tl.int64) * k.MS
+    valid = token_row >= 0
+    mine = tl.zeros([k.CHUNK, k.K_P2], tl.int1)
+    local_ids = tl.zeros([k.CHUNK, k.K_P2], tl.int32)
+    weights = tl.zeros([k.CHUNK, k.K_P2], tl.float32)
+    # Entries are packed: at most min(K, L) of them name a slot. The other parts write nothing
+    # (a bound, not a branch on the part).
+    for e in range(0, tl.where(part == 0, tl.minimum(tok.topk, SLOTS), 0)):
+        coded = tl.load(meta_rows_ptr + meta + e, mask=valid, other=-1, cache_modifier=".cg")
+        hit = (coded >= 0)[:, None] & ((coded >> SLOT_SHIFT)[:, None] == slots[None, :])
+        mine = mine | hit
+        local_ids = tl.where(hit, (coded & LOCAL_ID_MASK)[:, None], local_ids)
+        if k.HAS_WEIGHTS:
+            weight = tl.load(
+                meta_weights_ptr + meta + e, mask=valid, other=0.0, cache_modifier=".cg"
+            )
+            weights = tl.where(hit, weight[:, None], weights)
+    src_idx = tl.load(meta_rows_ptr + meta + SLOTS, mask=valid, other=-1, cache_modifier=".cg")
+    token_row = tl.where(part == 0, token_row, -1)
+    _store_token_slots(token_row, mine, local_ids, weights, src_idx, tok, out, k)
+
+
 @triton.jit(noinline=True)
 def _expand_own_chunk(c, h_first, h_last, own_stream_first, own_token_rows_first, tok, lay, out, k):
     """Copy columns [h_first, h_last) of this rank's tokens of chunk ``c`` straight from ``x``
     to the expert-major rows of their local experts (with TOKEN_ROWS: to one row per token,
-    from row ``own_token_rows_first`` on, with its slots' local expert ids in recv_topk_idx and
-    weights packed in slot order), and (if WRITE_ROWS) record those rows in staged_rows as the
-    rows of the token's place in its stream to this rank, which starts at row
-    ``own_stream_first``, packed in slot order as a sender packs them."""
+    from row ``own_token_rows_first`` on, with its slots' local expert ids and weights in
+    DeepEP's slot positions and its index in recv_src_idx), and (if WRITE_ROWS) record those
+    rows in staged_rows as the rows of the token's place in its stream to this rank, which
+    starts at row ``own_stream_first``, packed in slot order as a sender packs them."""
     PARTS: tl.constexpr = 2 if k.SCALE_WORDS > 0 else 1
     slots = tl.arange(0, k.K_P2)
     tokens, tmask, slot_offs, dest, recorded = _chunk_slots(c, tok, lay, k)
     mine = dest == tok.rank
     any_mine = tl.max(mine.to(tl.int32), axis=1) > 0
     stream_pos = tl.load(lay.token_rank_pos_ptr + tokens * k.W + tok.rank, mask=tmask)
+    weight = 0.0
     if k.HAS_WEIGHTS:
         weight = tl.load(tok.topk_weights_ptr + slot_offs, mask=mine)
     if k.TOKEN_ROWS:
@@ -542,30 +585,7 @@ def _expand_own_chunk(c, h_first, h_last, own_stream_first, own_token_rows_first
         token_row = tl.where(any_mine & (token_row < out.num_out_rows), token_row, -1)
         out_row = tl.where(slots[None, :] == 0, token_row[:, None], -1)
         packed = (slots[None, :] == 0) & any_mine[:, None]  # one staged_rows entry per token
-        kept = mine & (token_row >= 0)[:, None]
-        out_slots = token_row.to(tl.int64) * tok.topk
-        if k.WRITE_ROWS:
-            _store_packed(
-                out.recv_topk_idx_ptr + out_slots,
-                kept,
-                recorded,
-                token_row >= 0,
-                tok.topk,
-                -1,
-                k.K_P2,
-                k.CHUNK,
-            )
-        if k.HAS_WEIGHTS:
-            _store_packed(
-                out.recv_weights_ptr + out_slots,
-                kept,
-                weight,
-                token_row >= 0,
-                tok.topk,
-                0.0,
-                k.K_P2,
-                k.CHUNK,
-            )
+        _store_token_slots(token_row, mine, recorded, weight, tokens, tok, out, k)
     else:
         out_row = tl.where(
             mine & (recorded < out.num_out_rows), recorded, -1
@@ -629,7 +649,7 @@ Layout = namedtuple(
 Outputs = namedtuple(
     "Outputs",
     "num_out_rows staged_rows_ptr recv_x_ptr recv_scales_ptr recv_weights_ptr recv_topk_idx_ptr "
-    "fwd_rows_ptr",
+    "recv_src_idx_ptr fwd_rows_ptr",
 )
 Heap = namedtuple(
     "Heap",
@@ -944,11 +964,11 @@ def _forward_role(forwarder, send_cols, node_first, my_ready, tok, lay, out, hea
 def _outputs_from_host(expander, out, sync, aborted, rank):
     """Exact mode (OUTPUTS_FROM_HOST): the launch came before the host knew the row count, which
     it then writes with the outputs it allocated into its record [tag, N, recv_x, recv_scales,
-    recv_weights, recv_topk_idx, check] (N < 0: no outputs, an error on the host); meanwhile the
-    senders are sending already. Expander 0 waits for the record and copies it into
-    control[HOST_RECORD:], releasing the other expanders by control[HOST_RECORD_SEQ] = seq,
-    which every expander waits for. Returns N, aborted (also when N < 0 or the launch failed)
-    and the outputs, typed as the pointer arguments."""
+    recv_weights, recv_topk_idx, recv_src_idx, check] (N < 0: no outputs, an error on the
+    host); meanwhile the senders are sending already. Expander 0 waits for the record and
+    copies it into control[HOST_RECORD:], releasing the other expanders by
+    control[HOST_RECORD_SEQ] = seq, which every expander waits for. Returns N, aborted (also
+    when N < 0 or the launch failed) and the outputs, typed as the pointer arguments."""
     if expander == 0:
         record = wait_host_record(
             record_ptr=host_pointer(sync.outputs_addr, tl.int64),
@@ -979,9 +999,10 @@ def _outputs_from_host(expander, out, sync, aborted, rank):
     recv_scales_ptr = _output_pointer(control + HOST_RECORD + 2, out.recv_scales_ptr)
     recv_weights_ptr = _output_pointer(control + HOST_RECORD + 3, out.recv_weights_ptr)
     recv_topk_idx_ptr = _output_pointer(control + HOST_RECORD + 4, out.recv_topk_idx_ptr)
+    recv_src_idx_ptr = _output_pointer(control + HOST_RECORD + 5, out.recv_src_idx_ptr)
     outputs = Outputs(num_out_rows, out.staged_rows_ptr, recv_x_ptr,
                       recv_scales_ptr, recv_weights_ptr, recv_topk_idx_ptr,
-                      out.fwd_rows_ptr)  # fmt: skip
+                      recv_src_idx_ptr, out.fwd_rows_ptr)  # fmt: skip
     return outputs, aborted
 
 
@@ -1236,15 +1257,17 @@ def _zero_lost_chunk(staged_first, staged_end, h_first, h_last, part, token_row_
 
 @triton.jit
 def _zero_tail(expander, num_expanders, aborted, tok, lay, out, k):
-    """The expanders' last step: zero the padding rows of each local expert's segment and the
-    rows past the valid count (max_recv_tokens mode), with TOKEN_ROWS also those rows' slots."""
+    """The expanders' last step: zero the padding rows of each local expert's segment (token
+    rows have none: pad_multiple pads their counts only) and the rows past the valid count
+    (max_recv_tokens mode), with TOKEN_ROWS also those rows' slots."""
     epr = tok.experts_per_rank
     num_out_rows = out.num_out_rows
-    for e in range(expander, tl.where(aborted, 0, epr), num_expanders):
-        seg = tl.load(lay.expert_layout_ptr + e)
-        first = seg + tl.load(lay.expert_layout_ptr + epr + e)
-        last = tl.minimum(seg + tl.load(lay.expert_layout_ptr + 2 * epr + e), num_out_rows)
-        _zero_rows(out, first, last, tok, k)
+    if not k.TOKEN_ROWS:
+        for e in range(expander, tl.where(aborted, 0, epr), num_expanders):
+            seg = tl.load(lay.expert_layout_ptr + e)
+            first = seg + tl.load(lay.expert_layout_ptr + epr + e)
+            last = tl.minimum(seg + tl.load(lay.expert_layout_ptr + 2 * epr + e), num_out_rows)
+            _zero_rows(out, first, last, tok, k)
     valid_rows = tl.where(
         aborted, 0, tl.minimum(tl.load(lay.info_ptr + INFO_ROWS), num_out_rows)
     ).to(tl.int32)
@@ -1348,7 +1371,8 @@ def dispatch_kernel(
     recv_x_ptr,  # out [N, H] (FP8 rows: [N, H / 4] int32 words)
     recv_scales_ptr,  # out, FP8 rows: [N, SCALE_WORDS] float32 as int32 words; else unused
     recv_weights_ptr,  # out [N] float32, with TOKEN_ROWS [N, K] (unused unless HAS_WEIGHTS)
-    recv_topk_idx_ptr,  # out [N, K] int32 with TOKEN_ROWS and WRITE_ROWS, else unused
+    recv_topk_idx_ptr,  # out [N, K] of topk_idx's dtype with TOKEN_ROWS and WRITE_ROWS, else unused
+    recv_src_idx_ptr,  # out [N] int32 with TOKEN_ROWS and WRITE_ROWS, else unused
     # Heap: peers' bases and the regions' offsets in the symmetric heap
     peer_bases_ptr,
     ready_off,
@@ -1423,7 +1447,8 @@ def dispatch_kernel(
                  expert_layout_ptr, info_ptr, token_node_pos_ptr,
                  send_chunk_node_start_ptr, recv_net_chunk_start_ptr)  # fmt: skip
     out = Outputs(num_out_rows, staged_rows_ptr, recv_x_ptr, recv_scales_ptr,
-                  recv_weights_ptr, recv_topk_idx_ptr, fwd_rows_ptr)  # fmt: skip
+                  recv_weights_ptr, recv_topk_idx_ptr, recv_src_idx_ptr,
+                  fwd_rows_ptr)  # fmt: skip
     heap = Heap(peer_bases_ptr, ready_off, chunk_flags_off, meta_rows_off,
                 meta_weights_off, staging_off, net_bases_ptr, net_flags_off,
                 net_inbox_off, net_outbox_off, heap_bytes)  # fmt: skip

@@ -424,14 +424,14 @@ def time_out_after(start, timeout_ns, status_ptr, peer, stage):
             tl.store(status_ptr + STATUS_STAGE, stage)
 
 
-# Words of a host record (wait_host_record): the tag, HOST_RECORD_VALUES values, the check, 0.
+# Words of a host record (wait_host_record): the tag, HOST_RECORD_VALUES values, the check.
 HOST_RECORD_WORDS = tl.constexpr(8)
-HOST_RECORD_VALUES = tl.constexpr(5)
+HOST_RECORD_VALUES = tl.constexpr(6)
 
 
 @triton.jit
 def host_record_weights(idx):
-    """The check's weight of each word of a host record: 2i + 1 for value i = 1..5, else 0."""
+    """The check's weight of each word of a host record: 2i + 1 for value i = 1..6, else 0."""
     return tl.where((idx >= 1) & (idx <= HOST_RECORD_VALUES), 2 * idx + 1, 0).to(tl.int64)
 
 
@@ -442,7 +442,7 @@ def wait_host_record(record_ptr, tag, timeout_ns, status_ptr, peer, stage):
     ``timeout_ns``; returns the record's words ([HOST_RECORD_WORDS] int64; on a timeout,
     whatever was there: the caller looks at the status).
 
-    The host writes [tag, v1 .. v5, check, 0], check = tag + sum of (2i + 1) * v_i, the tag
+    The host writes [tag, v1 .. v6, check], check = tag + sum of (2i + 1) * v_i, the tag
     last. A device may see the words of host stores in another order where the host orders
     no stores (Arm hosts): a record whose check does not add up is read again, not taken.
     One program of a launch should wait here, the others for what it copies into device

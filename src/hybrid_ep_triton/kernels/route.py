@@ -136,8 +136,9 @@ Routing = namedtuple(
 HandleParts = namedtuple(
     "HandleParts",
     "slot_pos_ptr token_rank_pos_ptr chunk_expert_base_ptr send_chunk_start_ptr "
-    "recv_chunk_start_ptr recv_src_tokens_ptr expert_layout_ptr tokens_per_expert_ptr info_ptr "
-    "token_node_pos_ptr send_chunk_node_start_ptr recv_net_chunk_start_ptr",
+    "recv_chunk_start_ptr recv_src_tokens_ptr recv_rank_prefix_ptr expert_layout_ptr "
+    "tokens_per_expert_ptr info_ptr token_node_pos_ptr send_chunk_node_start_ptr "
+    "recv_net_chunk_start_ptr",
 )
 LayoutHeap = namedtuple(
     "LayoutHeap",
@@ -597,6 +598,7 @@ def _own_segments(counts, live, seg_start, padded, total, rt, out, k):
             counts + k.ROW + srcs * k.LR + tl.cdiv(src_tokens, k.CHUNK), mask=smask, other=0
         )
         tl.store(out.tokens_per_expert_ptr + local, my_padded.to(tl.int64), mask=lmask)
+        tl.store(out.recv_rank_prefix_ptr + srcs, tl.cumsum(streamed, 0), mask=srcs < rt.world_size)
         needed = tl.sum(streamed, axis=0).to(tl.int64)
     else:
         # Rows past max_rows are dropped: tokens_per_expert counts those in the output.
@@ -662,6 +664,7 @@ def layout_kernel(
     send_chunk_start_ptr,  # out [NC_MAX + 1, W] int32: offset of each chunk in the stream to W
     recv_chunk_start_ptr,  # out [W, NC_MAX + 1] int32: chunk offsets of each source's stream
     recv_src_tokens_ptr,  # out [W] int32: tokens of each source
+    recv_rank_prefix_ptr,  # out [W] int32, with TOKEN_ROWS: rows received from sources 0..s
     expert_layout_ptr,  # out [3, L] int32: segment start, valid rows, padded rows
     tokens_per_expert_ptr,  # out [L] int64: padded rows per local expert inside the output;
     # with TOKEN_ROWS the (token, expert) pairs per local expert, of all received tokens
@@ -713,7 +716,8 @@ def layout_kernel(
                  experts_per_rank, rank, world_size, pad_multiple, max_rows, refused)  # fmt: skip
     out = HandleParts(slot_pos_ptr, token_rank_pos_ptr, chunk_expert_base_ptr,
                       send_chunk_start_ptr, recv_chunk_start_ptr,
-                      recv_src_tokens_ptr, expert_layout_ptr, tokens_per_expert_ptr,
+                      recv_src_tokens_ptr, recv_rank_prefix_ptr, expert_layout_ptr,
+                      tokens_per_expert_ptr,
                       info_ptr, token_node_pos_ptr, send_chunk_node_start_ptr,
                       recv_net_chunk_start_ptr)  # fmt: skip
     heap = LayoutHeap(

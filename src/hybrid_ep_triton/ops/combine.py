@@ -4,7 +4,7 @@ sending programs."""
 import torch
 
 from ..kernels.combine import combine_kernel
-from ..runtime.planner import LOCAL_PARTS, MAX_PROGRAMS, MAX_REGISTERS, next_power_of_2
+from ..runtime.planner import LOCAL_PARTS, MAX_PROGRAMS, MAX_REGISTERS, MAX_TOPK, next_power_of_2
 from .geometry import (
     channel_programs,
     local_parts,
@@ -40,6 +40,7 @@ def _combine_launcher(rt: Runtime) -> KernelLauncher:
         chunk_flags_off=heap.chunk_flags,
         reduced_flags_off=heap.reduced_flags,
         staging_off=heap.staging,
+        slot_weights_off=heap.slot_weights,
         control_ptr=rt.control,
         timeout_ns=rt.timeout_ns,
         mask_off=heap.mask,
@@ -64,6 +65,7 @@ def _combine_launcher(rt: Runtime) -> KernelLauncher:
         net_inbox_off=heap.net_inbox,
         net_outbox_off=heap.net_outbox,
         heap_bytes=heap.total_bytes,
+        SW=MAX_TOPK,
         **net_slot_constants(plan),
         **rt.compile_options,
         **topology_constants(plan, "R", "NODES", "R_P2", "N_P2"),
@@ -71,31 +73,62 @@ def _combine_launcher(rt: Runtime) -> KernelLauncher:
 
 
 def reduce_tokens(
-    rt: Runtime, y: torch.Tensor, handle: DispatchHandle, weights: torch.Tensor | None
-) -> torch.Tensor:
-    """Sum ``y`` [N, H] (times ``weights`` [N] float32) back into out [T, H]; collective."""
+    rt: Runtime,
+    y: torch.Tensor,
+    handle: DispatchHandle,
+    weights: torch.Tensor | None,
+    topk_weights: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Sum ``y`` [N, H] (times ``weights`` [N] float32) back into out [T, H], and with token
+    rows ``topk_weights`` [N, K] float32 into combined_weights [T, K] (else None); collective."""
     out = torch.empty(handle.num_tokens, rt.plan.hidden, dtype=y.dtype, device=rt.device)
-    has_weights = weights is not None
+    has_weights, slot_weights = weights is not None, topk_weights is not None
     weights = weights.contiguous() if has_weights else y
+    combined = None
+    if slot_weights:
+        topk_weights = topk_weights.contiguous()
+        combined = torch.empty(
+            handle.num_tokens, handle.topk, dtype=torch.float32, device=rt.device
+        )
+    unused = rt.placeholder(torch.float32)
+    changing = (
+        y,
+        y.stride(0),
+        weights,
+        topk_weights if slot_weights else unused,
+        out,
+        combined if slot_weights else unused,
+    )
     # The arguments a repeated call changes (the others are fixed by the key).
-    key = ("combine", has_weights, handle.num_tokens, handle.topk)
+    key = ("combine", has_weights, slot_weights, handle.num_tokens, handle.topk)
     relaunch = rt.relaunches.get(key)
-    if relaunch is not None and relaunch(y, y.stride(0), weights, out, handle.state.data_ptr()):
-        return out
+    if relaunch is not None and relaunch(*changing, handle.state.data_ptr()):
+        return out, combined
     rt.relaunches[key] = rt.launcher(_combine_launcher)(
         (channel_programs(rt.plan) + programs_beside_senders(rt),),
         specialized=dict(
             y_ptr=y,
             y_stride=y.stride(0),
             weights_ptr=weights,
+            topk_weights_ptr=changing[3],
             num_tokens=handle.num_tokens,
+            topk=handle.topk,
             HAS_WEIGHTS=has_weights,
+            SLOT_WEIGHTS=slot_weights,
+            K_P2=next_power_of_2(handle.topk),
         ),
-        aligned=dict(out_ptr=out, **handle.args(*_COMBINE_PARTS)),
-        changing=("y_ptr", "y_stride", "weights_ptr", "out_ptr"),
+        aligned=dict(out_ptr=out, combined_weights_ptr=changing[5], **handle.args(*_COMBINE_PARTS)),
+        changing=(
+            "y_ptr",
+            "y_stride",
+            "weights_ptr",
+            "topk_weights_ptr",
+            "out_ptr",
+            "combined_weights_ptr",
+        ),
         views_of=handle.ints,
     )
-    return out
+    return out, combined
 
 
 # The handle parts combine reads.

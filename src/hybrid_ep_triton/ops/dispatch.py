@@ -108,6 +108,7 @@ _LAYOUT_PARTS = (
     "send_chunk_start",
     "recv_chunk_start",
     "recv_src_tokens",
+    "recv_rank_prefix",
     "expert_layout",
     "token_node_pos",
     "send_chunk_node_start",
@@ -328,7 +329,8 @@ class PreparedMove:
     host has none to give). ``move(N)`` and ``deliver`` return recv_x (rows: [N, H] of x's
     dtype; a format's values, planner.ScaledFormat.values_shape), recv_scales (a format's
     scales, else None) and recv_weights (None without topk_weights): [N] float32, with token
-    rows [N, K].
+    rows [N, K]; a token-row move that is not cached also sets handle.recv_topk_idx [N, K] (of
+    topk_idx's dtype) and handle.source_index [N] int32.
     """
 
     __slots__ = (
@@ -386,11 +388,13 @@ class PreparedMove:
         # Stand-ins of the outputs' types, so that the launch takes move(N)'s kernel.
         placeholder = self.rt.placeholder
         scaled = self.scaled is not None
+        slots = self.rt.plan.token_rows and not self.cached
         outputs = (
             placeholder(torch.int32 if scaled else self.dtype),
             placeholder(torch.int32) if scaled else None,
             placeholder(torch.float32) if self.has_weights else None,
-            placeholder(torch.int32) if self.rt.plan.token_rows and not self.cached else None,
+            placeholder(self.handle.topk_idx.dtype) if slots else None,
+            placeholder(torch.int32) if slots else None,
         )
         self._launch(0, tag, *self._arguments(outputs, outputs_are_words=True))
 
@@ -403,11 +407,11 @@ class PreparedMove:
 
     def cancel(self, tag: int) -> None:
         """No outputs for the launch_awaiting_outputs(tag) launch: it moves nothing here."""
-        write_host_record(self.rt.outputs_record_words, tag, (-1, 0, 0, 0, 0))
+        write_host_record(self.rt.outputs_record_words, tag, (-1, 0, 0, 0, 0, 0))
 
     def _allocate(self, num_rows: int) -> tuple:
-        """recv_x, recv_scales, recv_weights (None without weights), the recv_topk_idx the
-        launch writes (None unless a token-row move sets the handle's)."""
+        """recv_x, recv_scales, recv_weights (None without weights), the recv_topk_idx and
+        recv_src_idx the launch writes (None unless a token-row move sets the handle's)."""
         plan, dev = self.rt.plan, self.rt.device
         recv_scales = None
         if self.scaled is None:
@@ -420,30 +424,36 @@ class PreparedMove:
             # unless planner.ScaledRows.padded_scales).
             words = torch.empty(num_rows, self.scaled.scale_words, dtype=torch.int32, device=dev)
             recv_scales = words.view(fmt.scale_dtype)[:, : fmt.scales_shape(0, plan.hidden)[1]]
-        recv_weights = recv_topk_idx = None
+        recv_weights = recv_topk_idx = recv_src_idx = None
+        handle = self.handle
         if self.has_weights:
-            shape = (num_rows, self.handle.topk) if plan.token_rows else (num_rows,)
+            shape = (num_rows, handle.topk) if plan.token_rows else (num_rows,)
             recv_weights = torch.empty(shape, dtype=torch.float32, device=dev)
         if plan.token_rows and not self.cached:
-            recv_topk_idx = torch.empty(num_rows, self.handle.topk, dtype=torch.int32, device=dev)
-            self.handle.recv_topk_idx = recv_topk_idx
-        return recv_x, recv_scales, recv_weights, recv_topk_idx
+            recv_topk_idx = torch.empty(
+                num_rows, handle.topk, dtype=handle.topk_idx.dtype, device=dev
+            )
+            recv_src_idx = torch.empty(num_rows, dtype=torch.int32, device=dev)
+            handle.recv_topk_idx, handle.source_index = recv_topk_idx, recv_src_idx
+        return recv_x, recv_scales, recv_weights, recv_topk_idx, recv_src_idx
 
     def _arguments(self, outputs: tuple, outputs_are_words: bool = False) -> tuple:
         """The launch's output arguments (unused ones: any tensor of their type) and, without
         weights, the unused topk_weights: (topk_weights, recv_x, [recv_scales,] recv_weights,
-        recv_topk_idx); a pair's outputs as words (placeholders are words already)."""
-        recv_x, recv_scales, recv_weights, recv_topk_idx = outputs
+        recv_topk_idx, recv_src_idx); a pair's outputs as words (placeholders are words
+        already)."""
+        recv_x, recv_scales, recv_weights, recv_topk_idx, recv_src_idx = outputs
         if recv_weights is None:  # no weights: both weight pointers unused
             recv_weights = self.rt.placeholder(torch.float32)
         topk_weights = self.topk_weights if self.has_weights else recv_weights
-        recv_topk_idx = recv_weights if recv_topk_idx is None else recv_topk_idx
+        if recv_topk_idx is None:  # no slots to write: both pointers unused
+            recv_topk_idx = recv_src_idx = self.rt.placeholder(torch.int32)
         rows = (recv_x,)
         if self.scaled is not None:
             rows = (recv_x, recv_scales)
             if not outputs_are_words:  # (the scales' words: the rows recv_scales is a view of)
                 rows = (as_words(recv_x), _whole_words(recv_scales, self.scaled))
-        return topk_weights, *rows, recv_weights, recv_topk_idx
+        return topk_weights, *rows, recv_weights, recv_topk_idx, recv_src_idx
 
     def _launch(self, num_rows: int, tag: int, topk_weights, *outputs) -> None:
         rt, handle = self.rt, self.handle
@@ -487,7 +497,13 @@ _MOVE_PARTS = (
 # The data move's arguments from the caller or its layout (Triton specialises on them), then
 # the outputs and the handle's info, which this library allocates.
 _MOVE_SPECIALIZED = ("topk_idx_ptr", "topk_weights_ptr", "num_out_rows", "outputs_tag")
-_MOVE_ALIGNED = ("info_ptr", "recv_x_ptr", "recv_weights_ptr", "recv_topk_idx_ptr")
+_MOVE_ALIGNED = (
+    "info_ptr",
+    "recv_x_ptr",
+    "recv_weights_ptr",
+    "recv_topk_idx_ptr",
+    "recv_src_idx_ptr",
+)
 # By the rows moved (PreparedMove's ``rows``): the caller's rows (x, or what a quantizing
 # move reads) and the launcher that moves them.
 _MOVE_INPUTS = {

@@ -30,7 +30,7 @@ ALONG_A_HANDLE = (
             "previous_event",
         )
     ),
-    *(f"combine's {argument}" for argument in ("y", "weights", "previous_event")),
+    *(f"combine's {argument}" for argument in ("y", "weights", "topk_weights", "previous_event")),
 )
 REFUSABLE = (
     "x",
@@ -57,15 +57,20 @@ def refused_argument(cause: int) -> str:
 
 class _Part:
     """An int32 part of a handle: a view of its ``state``, made on first access (launches take
-    the parts by address, ``DispatchHandle.args``, and most never need the view)."""
+    the parts by address, ``DispatchHandle.args``, and most never need the view). ``part``:
+    the part's name where the attribute has another."""
+
+    def __init__(self, part: str | None = None):
+        self.part = part
 
     def __set_name__(self, owner, name: str) -> None:
         self.name = name
+        self.part = self.part or name
 
     def __get__(self, handle, owner=None):
         if handle is None:
             return self
-        view = handle._views[self.name].tensor()
+        view = handle._views[self.part].tensor()
         handle.__dict__[self.name] = view  # found there from now on
         return view
 
@@ -99,8 +104,9 @@ class DispatchHandle:
         recv_chunk_start [W, NC_MAX + 1] int32, recv_src_tokens [W] int32,
         expert_layout [3, L] int32 (segment start, valid rows, padded rows),
         tokens_per_expert [L] int64, staged_rows [W, T_MAX, MS] int32 (filled by the data move),
-        recv_topk_idx [N, K] int32 with token rows (filled by the data move; None otherwise;
-        a tensor of its own).
+        with token rows: recv_rank_prefix [W] int32 (rows received from sources 0..s),
+        recv_topk_idx [N, K] of topk_idx's dtype and recv_src_idx [N] int32 (filled by the
+        data move; tensors of their own).
     Across nodes (empty within one node): token_node_pos [T, N] int32 and
         send_chunk_node_start [NC_MAX + 1, N] int32 (this rank's streams to the other nodes),
         recv_net_chunk_start [N, NC_MAX + 1] int32 (the streams to this node that this rank
@@ -122,7 +128,9 @@ class DispatchHandle:
     state: torch.Tensor
     tokens_per_expert: torch.Tensor
     parts: dict
+    token_rows: bool = False
     recv_topk_idx: torch.Tensor | None = None
+    source_index: torch.Tensor | None = None  # recv_src_idx's tensor
 
     ints = _Ints()
     slot_pos = _Part()
@@ -131,6 +139,7 @@ class DispatchHandle:
     chunk_expert_base = _Part()
     recv_chunk_start = _Part()
     recv_src_tokens = _Part()
+    _rank_prefix = _Part("recv_rank_prefix")
     expert_layout = _Part()
     staged_rows = _Part()
     token_node_pos = _Part()
@@ -141,6 +150,27 @@ class DispatchHandle:
     @functools.cached_property
     def _views(self) -> dict[str, TensorView]:
         return {name: TensorView(self.ints, *layout) for name, layout in self.parts.items()}
+
+    @property
+    def recv_src_idx(self) -> torch.Tensor:
+        """[N] int32: each token row's index among its source rank's tokens (-1 past the
+        received rows)."""
+        self._check_token_rows("recv_src_idx")
+        return self.source_index
+
+    @property
+    def recv_rank_prefix(self) -> torch.Tensor:
+        """[W] int32: token rows received from ranks 0..r, so that rows [prefix[r - 1],
+        prefix[r]) came from rank r."""
+        self._check_token_rows("recv_rank_prefix")
+        return self._rank_prefix
+
+    def _check_token_rows(self, name: str) -> None:
+        if not self.token_rows:
+            raise ValueError(
+                f"{name} is a token row's (Buffer(expand=False)): an expert-major row's source "
+                "is its token's, which combine sums back"
+            )
 
     def args(self, *names: str) -> dict[str, TensorView]:
         """The int32 parts ``names`` as kernel arguments, by parameter name (``<part>_ptr``)."""
@@ -160,6 +190,7 @@ def _int_parts(plan: Plan, num_tokens: int, topk: int) -> dict[str, tuple[int, .
         "chunk_expert_base": (num_chunks + 1, experts),
         "recv_chunk_start": (world, plan.max_chunks + 1),
         "recv_src_tokens": (world,),
+        "recv_rank_prefix": (world,),
         "expert_layout": (3, plan.experts_per_rank),
         "staged_rows": (world, plan.max_tokens, plan.meta_stride),
         "token_node_pos": (num_tokens, nodes) if across else (0,),
@@ -208,6 +239,7 @@ def make_handle(
         state=state,
         tokens_per_expert=state[INFO_WORDS : INFO_WORDS + plan.experts_per_rank],
         parts=parts if parts is not None else state_layout(plan, num_tokens, topk)[1],
+        token_rows=plan.token_rows,
     )
 
 

@@ -175,8 +175,8 @@ def _dispatch(
     format of recv_x (x_scales given: x is a pair of it; else x is quantized). Returns recv_x
     [N, H] (or the format's values), recv_scales (the format's scales, else [0]),
     recv_weights float32 ([N], with token rows [N, K]; [0] without topk_weights),
-    recv_topk_idx ([N, K] int32 with token rows, else [0]), and the handle's state (see
-    DispatchHandle)."""
+    recv_topk_idx ([N, K] of topk_idx's dtype with token rows, else [0]), recv_src_idx ([N]
+    int32 with token rows, else [0]) and the handle's state (see DispatchHandle)."""
     rt = runtime(runtime_id)
     exact = max_recv_tokens < 0
     recv_x, recv_scales, recv_weights, handle = _dispatch_with_handle(
@@ -189,14 +189,12 @@ def _dispatch(
         None if exact else max_recv_tokens,
         scaled or None,
     )
-    recv_topk_idx = handle.recv_topk_idx
-    if recv_topk_idx is None:
-        recv_topk_idx = torch.empty(0, dtype=torch.int32, device=rt.device)
     return (
         recv_x,
         _or_empty(recv_scales, rt),
         _or_empty(recv_weights, rt),
-        recv_topk_idx,
+        _or_empty(handle.recv_topk_idx, rt, topk_idx.dtype),
+        _or_empty(handle.source_index, rt, torch.int32),
         handle.state,
     )
 
@@ -213,10 +211,12 @@ def _(runtime_id, x, x_scales, topk_idx, topk_weights, pad_multiple, max_recv_to
         rows = torch.library.get_ctx().new_dynamic_size()
     num_state = handle_size(rt.plan, *topk_idx.shape)
     slots = _slots_shape(rt, rows, topk_idx.shape[1])
+    token_rows = rt.plan.token_rows
     return (
         *_fake_rows(x, rt.plan.hidden, rows, scaled),
         x.new_empty(slots if topk_weights is not None else 0, dtype=torch.float32),
-        x.new_empty(slots if rt.plan.token_rows else 0, dtype=torch.int32),
+        x.new_empty(slots if token_rows else 0, dtype=topk_idx.dtype),
+        x.new_empty(rows if token_rows else 0, dtype=torch.int32),
         x.new_empty(num_state, dtype=torch.int64),
     )
 
@@ -288,28 +288,38 @@ def _combine(
     runtime_id: int,
     y: Tensor,
     weights: Tensor | None,
+    topk_weights: Tensor | None,
     topk_idx: Tensor,
     state: Tensor,
-) -> Tensor:
-    """out [T, H] in y's dtype: the (weighted) sum of each token's rows of y [N, H]."""
+) -> tuple[Tensor, Tensor]:
+    """out [T, H] in y's dtype: the (weighted) sum of each token's rows of y [N, H]; and
+    with token rows' topk_weights [N, K] float32 each token's sum of them, [T, K] float32
+    (else [0])."""
     rt = runtime(runtime_id)
-    return _combine_with_handle(rt, y, weights, _handle(rt, topk_idx, state, y.shape[0]))
+    handle = _handle(rt, topk_idx, state, y.shape[0])
+    out, combined = _combine_with_handle(rt, y, weights, handle, topk_weights)
+    return out, _or_empty(combined, rt)
 
 
 def _combine_with_handle(
-    rt: Runtime, y: Tensor, weights: Tensor | None, handle: DispatchHandle
-) -> Tensor:
-    out = reduce_tokens(rt, y, handle, weights)
+    rt: Runtime,
+    y: Tensor,
+    weights: Tensor | None,
+    handle: DispatchHandle,
+    topk_weights: Tensor | None = None,
+) -> tuple[Tensor, Tensor | None]:
+    moved = reduce_tokens(rt, y, handle, weights, topk_weights)
     status.check_after_launch(rt)
-    return out
+    return moved
 
 
 combine = torch.library.custom_op("hybrid_ep::combine", _combine, mutates_args=())
 
 
 @combine.register_fake
-def _(runtime_id, y, weights, topk_idx, state):
-    return y.new_empty(topk_idx.shape[0], y.shape[1])
+def _(runtime_id, y, weights, topk_weights, topk_idx, state):
+    slots = topk_idx.shape if topk_weights is not None else 0
+    return y.new_empty(topk_idx.shape[0], y.shape[1]), y.new_empty(slots, dtype=torch.float32)
 
 
 def _slot_gradients_op(
@@ -421,7 +431,7 @@ def run_dispatch(
         return _dispatch_with_handle(
             rt, x, x_scales, topk_idx, topk_weights, pad_multiple, max_recv_tokens, scaled
         )
-    recv_x, recv_scales, recv_weights, recv_topk_idx, state = dispatch(
+    recv_x, recv_scales, recv_weights, recv_topk_idx, recv_src_idx, state = dispatch(
         runtime_id,
         x,
         x_scales,
@@ -433,7 +443,7 @@ def run_dispatch(
     )
     handle = make_handle(rt.plan, topk_idx, state, recv_x.shape[0], max_recv_tokens)
     if rt.plan.token_rows:
-        handle.recv_topk_idx = recv_topk_idx
+        handle.recv_topk_idx, handle.source_index = recv_topk_idx, recv_src_idx
     return (
         recv_x,
         recv_scales if scaled else None,
@@ -473,12 +483,20 @@ def run_dispatch_cached(
 
 
 def run_combine(
-    rt: Runtime, runtime_id: int, y: Tensor, weights: Tensor | None, handle: DispatchHandle
-) -> Tensor:
-    """out [T, H]: the (weighted) sum of each token's rows of y [N, H]."""
+    rt: Runtime,
+    runtime_id: int,
+    y: Tensor,
+    weights: Tensor | None,
+    handle: DispatchHandle,
+    topk_weights: Tensor | None = None,
+) -> tuple[Tensor, Tensor | None]:
+    """out [T, H]: the (weighted) sum of each token's rows of y [N, H]; with token rows'
+    topk_weights [N, K] float32 (no gradient) each token's sum of them, [T, K] float32 (else
+    None)."""
     if not _through_torch(y, weights):
-        return _combine_with_handle(rt, y, weights, handle)
-    return combine(runtime_id, y, weights, handle.topk_idx, handle.state)
+        return _combine_with_handle(rt, y, weights, handle, topk_weights)
+    out, combined = combine(runtime_id, y, weights, topk_weights, handle.topk_idx, handle.state)
+    return out, combined if topk_weights is not None else None
 
 
 def run_quantized_dispatch(
@@ -502,10 +520,10 @@ def run_quantized_dispatch(
     )
 
 
-def _or_empty(recv: Tensor | None, rt: Runtime) -> Tensor:
+def _or_empty(recv: Tensor | None, rt: Runtime, dtype: torch.dtype = torch.float32) -> Tensor:
     # An operator returns tensors only: no weights (or scales) is an empty one.
     if recv is None:
-        return torch.empty(0, dtype=torch.float32, device=rt.device)
+        return torch.empty(0, dtype=dtype, device=rt.device)
     return recv
 
 
@@ -527,7 +545,7 @@ def _dispatch_backward(ctx, grad_recv_x, grad_recv_weights, x_index: int, weight
         if grad_recv_x is None:  # still a collective: every rank takes part
             grad_recv_x = topk_idx.new_zeros(ctx.num_recv_rows, ctx.hidden, dtype=ctx.dtype)
         grad_rows = grad_recv_x.to(ctx.dtype).contiguous()
-        grads[x_index] = combine(ctx.runtime_id, grad_rows, None, topk_idx, state)
+        grads[x_index] = combine(ctx.runtime_id, grad_rows, None, None, topk_idx, state)[0]
     if ctx.needs_input_grad[weights_index]:
         if grad_recv_weights is None:
             shape = _slots_shape(runtime(ctx.runtime_id), ctx.num_recv_rows, topk_idx.shape[1])
@@ -540,7 +558,7 @@ def _dispatch_backward(ctx, grad_recv_x, grad_recv_weights, x_index: int, weight
 
 def _dispatch_setup(ctx, inputs, output):
     runtime_id, x, _, topk_idx = inputs[:4]
-    _save_handle(ctx, runtime_id, x, output[0].shape[0], topk_idx, output[4])
+    _save_handle(ctx, runtime_id, x, output[0].shape[0], topk_idx, output[-1])
     ctx.num_inputs = len(inputs)
 
 
@@ -559,11 +577,11 @@ def _dispatch_cached_grads(ctx, grad_recv_x, _grad_scales, grad_recv_weights):
 
 
 def _combine_setup(ctx, inputs, output):
-    runtime_id, y, weights, topk_idx, state = inputs
+    runtime_id, y, weights, _, topk_idx, state = inputs
     _save_handle(ctx, runtime_id, y, y.shape[0], topk_idx, state, y, weights)
 
 
-def _combine_grads(ctx, grad_out):
+def _combine_grads(ctx, grad_out, _grad_combined_weights):
     topk_idx, state, y, weights = ctx.saved_tensors
     # Row r of grad_rows is grad_out of the token row r came from (zero on padding).
     grad_rows, _, _ = dispatch_cached(
@@ -581,7 +599,7 @@ def _combine_grads(ctx, grad_out):
         grad_y = grad_rows if weights is None else grad_rows * weights[:, None].to(y.dtype)
     if ctx.needs_input_grad[2]:
         grad_weights = (y.float() * grad_rows.float()).sum(dim=1)
-    return None, grad_y, grad_weights, None, None
+    return None, grad_y, grad_weights, None, None, None
 
 
 class _QuantizedDispatch(torch.autograd.Function):
@@ -633,18 +651,17 @@ def _slot_gradients(rt: Runtime, handle: DispatchHandle, grad_weights: Tensor) -
     all_to_all, and each source picks the entry of every slot."""
     plan, dev = rt.plan, rt.device
     # Receiver: entry (s, j, i) is the i-th local slot of s's j-th staged token, whose weight is
-    # grad_weights' element: the row in staged_rows' entry i, or with token rows entry i of the
-    # row in its entry 0.
+    # grad_weights' element: the row in staged_rows' entry i; with token rows, whose weights
+    # are in DeepEP's slot positions, entry i is slot i of the row in its entry 0.
     src_tokens = handle.recv_src_tokens.long().clamp(max=plan.max_tokens)
     last_chunk = (src_tokens + plan.config.chunk_tokens - 1) // plan.config.chunk_tokens
     streamed = handle.recv_chunk_start.long().gather(1, last_chunk[:, None])  # [W, 1]
     staged = torch.arange(plan.max_tokens, device=dev)[None, :] < streamed  # [W, T_MAX]
     rows = handle.staged_rows.long()
     if plan.token_rows:
-        entries = torch.arange(plan.meta_stride, device=dev)
         token_row = rows[:, :, :1]
-        in_row = (token_row >= 0) & (entries < handle.topk)
-        rows = torch.where(in_row, token_row * handle.topk + entries, -1)
+        slots = torch.arange(handle.topk, device=dev)
+        rows = torch.where(token_row >= 0, token_row * handle.topk + slots, -1)
     rows = torch.where(staged[:, :, None] & (rows >= 0), rows, -1)
     # Element -1 (none) reads the zero appended at the end, also when N == 0.
     flat = grad_weights.flatten()
@@ -659,7 +676,7 @@ def _slot_gradients(rt: Runtime, handle: DispatchHandle, grad_weights: Tensor) -
             )
     dist.all_to_all_single(returned, back, group=rt.group)  # block d: what rank d looked up
     # Source: slot (t, k) went to rank d as staged token j, entry i = its rank among t's slots
-    # on d (the sender packs them in slot order).
+    # on d (the sender packs them in slot order), or with token rows k itself.
     idx = handle.topk_idx.long()
     valid = idx >= 0
     dest = torch.where(valid, idx // plan.experts_per_rank, 0)
@@ -668,7 +685,11 @@ def _slot_gradients(rt: Runtime, handle: DispatchHandle, grad_weights: Tensor) -
         1, dest
     )
     k = torch.arange(handle.topk, device=dev)
-    earlier = (dest[:, None, :] == dest[:, :, None]) & valid[:, None, :] & (k[None, :] < k[:, None])
-    entry = earlier.sum(dim=2)
-    grad = returned[dest, j.clamp(min=0), entry.clamp(max=plan.meta_stride - 1)]
+    if plan.token_rows:
+        entry = k.expand_as(idx)
+    else:
+        earlier = dest[:, None, :] == dest[:, :, None]
+        earlier &= valid[:, None, :] & (k[None, :] < k[:, None])
+        entry = earlier.sum(dim=2)
+    grad = returned[dest, j.clamp(min=0), entry.clamp(max=returned.shape[2] - 1)]
     return torch.where(valid & (j >= 0), grad, 0.0)

@@ -93,11 +93,17 @@ class Runtime:
         # Made here, not on first use, which may be inside a CUDA graph capture.
         self._placeholders = {
             dtype: torch.zeros(16, dtype=torch.uint8, device=self.device).view(dtype)
-            for dtype in (torch.float32, torch.int32, torch.float8_e4m3fn, self.outbox.dtype)
+            for dtype in (
+                torch.float32,
+                torch.int32,
+                torch.int64,
+                torch.float8_e4m3fn,
+                self.outbox.dtype,
+            )
         }
 
     def placeholder(self, dtype: torch.dtype) -> torch.Tensor:
-        """16 bytes of ``dtype`` (float32, int32, float8_e4m3fn or the Buffer's dtype) on the
+        """16 bytes of ``dtype`` (float32, int32, int64, float8_e4m3fn or the Buffer's dtype) on the
         device: a pointer argument of that type that a launch does not use."""
         return self._placeholders[dtype]
 

@@ -457,18 +457,13 @@ def check_dispatch_inputs(
     if handle is None:
         with refusing("topk_idx"):
             topk = check_routing("topk_idx", topk_idx, num_tokens, device)
-            if min(topk, plan.experts_per_rank) > plan.meta_stride:
+            if min(topk, plan.experts_per_rank) > plan.slot_entries:
                 raise ValueError(
                     f"topk_idx has K={topk} slots; with {plan.experts_per_rank} experts per "
                     f"rank at most {MAX_TOPK} are supported"
                 )
         with refusing("pad_multiple"):
             check_int("pad_multiple", pad_multiple, 1)
-            if plan.token_rows and pad_multiple != 1:
-                raise ValueError(
-                    f"pad_multiple must be 1 with expand=False (rows are tokens, not grouped by "
-                    f"expert), got {pad_multiple}"
-                )
         if max_recv_tokens is not None:
             with refusing("max_recv_tokens"):
                 check_int("max_recv_tokens", max_recv_tokens, 0)
@@ -499,16 +494,28 @@ def check_dispatch_inputs(
 
 
 def check_combine_inputs(
-    plan: Plan, device: torch.device, y, weights, num_recv_rows: int, previous_event
+    plan: Plan, device: torch.device, y, weights, topk_weights, handle, previous_event
 ) -> None:
-    """Buffer.combine's inputs along a handle of ``num_recv_rows`` rows: Refused naming the
-    argument that fails."""
+    """Buffer.combine's inputs along ``handle`` (a DispatchHandle): Refused naming the argument
+    that fails."""
+    num_recv_rows = handle.num_recv_rows
     with refusing("y"):
         check_tensor("y", y, (num_recv_rows, plan.hidden), plan.dtype, device)
         check_contiguous_rows("y", y)
     if weights is not None:
         with refusing("weights"):
             check_tensor("weights", weights, (num_recv_rows,), torch.float32, device)
+    if topk_weights is not None:
+        with refusing("topk_weights"):
+            if not plan.token_rows:
+                raise ValueError(
+                    "topk_weights are summed back per slot for token rows (expand=False); "
+                    "an expert-major row is one slot: pass its factor as weights"
+                )
+            shape = (num_recv_rows, handle.topk)
+            check_tensor("topk_weights", topk_weights, shape, torch.float32, device)
+            if topk_weights.requires_grad and torch.is_grad_enabled():
+                raise ValueError("combine's topk_weights take no gradient: pass them detached")
     with refusing("previous_event"):
         check_event(previous_event, device.type == "cuda")
 

@@ -159,10 +159,12 @@ class NetSlot:
     the inbox of the rank with its local index on another node: a contiguous block, so that one
     put-with-signal carries it. Rows are the chunk's tokens to that node in order (at most CHUNK).
 
-    meta   int32 [CHUNK, R, 1 + MS]  per row and node rank r: the token's row in the sender's
-                                     stream to r (-1: none), then what the sender would record
-                                     at r (expert-major rows or local expert ids, packed; -1)
+    meta   int32 [CHUNK, R, 1 + MS]  dispatch: per row and node rank r, the token's row in the
+                                     sender's stream to r (-1: none), then what the sender
+                                     would record at r (meta_rows' entries; -1)
     weights float32 [CHUNK, R, MS]   their routing weights
+    (combine with token rows' topk_weights: float32 [CHUNK, MAX_TOPK] in their place, the node's
+    sums of the slot weights of the slice's rows)
     data   dtype [CHUNK, cols]       the slice's columns (dispatch: tokens; combine: the node's
                                      partial sums); ``cols`` is the widest slice
     """
@@ -288,7 +290,9 @@ class HeapLayout:
                                          s's chunks in its stream to this rank (NC_MAX + 1), and
                                          in its stream to this rank's node (NC_MAX + 1)
     layout_out    int32 [W, LR]          this rank's rows for peers on other nodes, put from here
-    meta_rows     int32 [W, T_MAX, MS]   expert-major rows of each staged token
+    meta_rows     int32 [W, T_MAX, MS]   expert-major rows of each staged token (token rows:
+                                         each slot's (slot << SLOT_SHIFT) | local id, then
+                                         the source token's index)
     meta_weights  float32 [W, T_MAX, MS] their routing weights
     staging       dtype [W, T_MAX, H]    staged tokens (dispatch) or partial sums (combine); block
                                          s: what rank s sent here (this rank's own block is
@@ -296,6 +300,9 @@ class HeapLayout:
                                          Across nodes, in combine, block (n, r) of another node n
                                          holds node rank r's partial rows of the tokens of rank
                                          (n, this rank's local index), in r's numbering
+    slot_weights  float32 [W, T_MAX, MAX_TOPK]  token rows, combine with topk_weights: the
+                                         slot weights of the partial rows in staging, as rows
+                                         of K (empty for expert-major rows)
     net_flags     int64 [N, NC_MAX * S]  across nodes: work item w from node n's rank of this
                                          rank's local index has landed in net_inbox
     net_inbox     [N, NC_MAX * S] NetSlot  what that rank put here (dispatch: tokens to forward
@@ -314,6 +321,7 @@ class HeapLayout:
     meta_rows: int
     meta_weights: int
     staging: int
+    slot_weights: int
     net_flags: int
     net_inbox: int
     net_outbox: int
@@ -448,6 +456,12 @@ class Plan:
     scaled: tuple[ScaledRows, ...]  # the block-scaled formats whose blocks divide H
     low_latency: LowLatencyLayout  # tokens == 0: no low-latency mode
 
+    @property
+    def slot_entries(self) -> int:
+        """Entries of a staged row's metadata that name its slots on the destination (MS, less
+        the source token's index with token rows)."""
+        return self.meta_stride - 1 if self.token_rows else self.meta_stride
+
     def scaled_rows(self, name: str) -> ScaledRows | None:
         """The layout of format ``name``'s rows (SCALED_FORMATS), None if H does not fit it."""
         return next((rows for rows in self.scaled if rows.format.name == name), None)
@@ -494,7 +508,8 @@ def make_plan(
     nodes = world_size // ranks_per_node
     experts_per_rank = num_experts // world_size
     max_chunks = max(1, ceil_div(max_tokens, config.chunk_tokens))
-    meta_stride = min(experts_per_rank, MAX_TOPK)
+    # Token rows also carry the source token's index, after the entries of its slots.
+    meta_stride = min(experts_per_rank, MAX_TOPK) + (1 if token_rows else 0)
     counts_row = num_experts + 3
     layout_row = counts_row + 2 * (max_chunks + 1)
     rows = world_size * max(max_tokens, 1)
@@ -510,7 +525,9 @@ def make_plan(
     for layout in scaled:  # block-scaled rows move through the same regions
         row_bytes = max(row_bytes, layout.words * 4)
         data_bytes = max(data_bytes, layout.net_cols * 4)
-    data_offset = ceil_div(chunk * (meta_ints + meta_floats) * 4, 16) * 16
+    # Combine puts a token row's slot weights (topk_weights) where dispatch has metadata.
+    slot_weights = MAX_TOPK if token_rows else 0
+    data_offset = ceil_div(chunk * max(meta_ints + meta_floats, slot_weights) * 4, 16) * 16
     slot_bytes = ceil_div(data_offset + chunk * data_bytes, _ALIGN) * _ALIGN
     # Across nodes only: a group of one node moves nothing over the network.
     net_slots = nodes * items if nodes > 1 else 0
@@ -532,6 +549,7 @@ def make_plan(
         ("meta_rows", rows * meta_stride * 4),
         ("meta_weights", rows * meta_stride * 4),
         ("staging", rows * row_bytes),
+        ("slot_weights", rows * slot_weights * 4),
         ("net_flags", net_slots * 8),
         ("net_inbox", net_slots * slot_bytes),
         ("net_outbox", net_slots * slot_bytes),
