@@ -319,8 +319,9 @@ def _refusals(buffer) -> list[str]:
 
 def _bad_input_on_one_rank(rank: int, world: int, hidden: int, experts: int) -> list[str]:
     """Each argument DeepEP asserts on, bad on one rank (the ranks take turns): a ValueError on
-    every rank in the same call, the bad rank's own (its words), the others' naming that rank;
-    then a good call on every rank matches the reference."""
+    every rank in the same call, the bad rank's own (its words), the others' naming that rank
+    (along a handle: at the next dispatch with a new layout, as the native Buffer's); then a
+    good call on every rank matches the reference."""
     import torch.distributed as dist
 
     import hybrid_ep_triton.deep_ep as deep_ep
@@ -352,15 +353,22 @@ def _bad_input_on_one_rank(rank: int, world: int, hidden: int, experts: int) -> 
             fail(f"{what}: the next good combine differs from the reference")
         return handle
 
-    def refused(what: str, bad: int, words: str, call) -> None:
+    def refused(what: str, bad: int, words: str, call, along: bool = False) -> None:
+        """``call`` raises on the bad rank (its ``words``) and on the others (its rank); along a
+        handle, as the native Buffer's calls there, the others' calls go on and the next
+        dispatch with a new layout raises on every rank naming the bad one."""
         try:
             call()
         except ValueError as error:
             want = words if rank == bad else f"rank {bad}"
-            if want not in str(error):
+            if want not in str(error) or (along and rank != bad):
                 fail(f"{what}: rank {rank}'s ValueError does not say {want!r}: {error}")
         else:
-            fail(f"{what}: rank {rank} raised nothing (bad rank {bad})")
+            if rank == bad or not along:
+                fail(f"{what}: rank {rank} raised nothing (bad rank {bad})")
+        if along:
+            told = f"rank {bad}"
+            expect_error(failures, ValueError, told, lambda: buffer.dispatch(x, **good))
 
     bad_idx = idx.clone()
     bad_idx[0, 0] = experts
@@ -395,7 +403,7 @@ def _bad_input_on_one_rank(rank: int, world: int, hidden: int, experts: int) -> 
     # The first call makes the Buffer: its bad argument is refused by the sizing gather.
     for index, (what, words, change) in enumerate(dispatches):
         bad = index % world
-        args = dict(good, x=x, **(change if rank == bad else {}))
+        args = {**good, "x": x, **(change if rank == bad else {})}
         if what.startswith("num_worst_tokens"):  # every rank without a host synchronisation
             args["num_worst_tokens"] = 16
         refused(what, bad, words, lambda args=args: buffer.dispatch(**args))
@@ -408,8 +416,8 @@ def _bad_input_on_one_rank(rank: int, world: int, hidden: int, experts: int) -> 
     ]
     for index, (what, words, change) in enumerate(cached):
         bad = index % world
-        args = dict(x=x, handle=handle, **(change if rank == bad else {}))
-        refused(what, bad, words, lambda args=args: buffer.dispatch(**args))
+        args = {"x": x, "handle": handle, **(change if rank == bad else {})}
+        refused(what, bad, words, lambda args=args: buffer.dispatch(**args), along=True)
         if not torch.equal(buffer.dispatch(x, handle=handle)[0].cpu(), rows):
             fail(f"{what}: the next cached dispatch differs from the reference")
     y = rows.to(device)
@@ -427,8 +435,8 @@ def _bad_input_on_one_rank(rank: int, world: int, hidden: int, experts: int) -> 
     ]  # fmt: skip
     for index, (what, words, change) in enumerate(combines):
         bad = index % world
-        args = dict(x=y, handle=handle, topk_weights=slot_w, **(change if rank == bad else {}))
-        refused(what, bad, words, lambda args=args: buffer.combine(**args))
+        args = {"x": y, "handle": handle, "topk_weights": slot_w, **(change if rank == bad else {})}
+        refused(what, bad, words, lambda args=args: buffer.combine(**args), along=True)
         check_good(what, handle)
     buffer.destroy()
     return failures

@@ -103,7 +103,9 @@ class Sized:
                         "call with the largest token count without it first"
                     ) from error
                 raise
-            everyone = gather(self.group, (None if asked else key, num_tokens))
+            # (A refusal along a handle that this call tells of makes it raise on every rank.)
+            told = "in an earlier call along a handle" in str(error)
+            everyone = gather(self.group, (None if asked or told else key, num_tokens))
             keys = {k for k, _ in everyone}
             largest = max(n for _, n in everyone)
             if None in keys or len(keys) > 1 or (key == self.key and largest <= self.capacity):
@@ -159,10 +161,8 @@ def rows_key(rows) -> tuple | None:
 def token_ranks(slots: torch.Tensor, experts_per_rank: int, world: int) -> torch.Tensor:
     """[T, W] bool: whether token t has an expert on rank r (``slots`` [T, K] global ids, -1
     unused; with one expert a rank: whether it goes to expert r)."""
-    ranks = torch.where(slots >= 0, slots.long() // experts_per_rank, world)
-    in_rank = torch.zeros(slots.shape[0], world + 1, dtype=torch.bool, device=slots.device)
-    in_rank.scatter_(1, ranks, True)
-    return in_rank[:, :world]
+    ranks = torch.where(slots >= 0, slots // experts_per_rank, -1)
+    return (ranks[:, :, None] == torch.arange(world, device=slots.device)).any(1)
 
 
 def need(ok: bool, message: str) -> None:
