@@ -503,7 +503,7 @@ def _check_handle(handle) -> None:
     if type(handle) is not Handle:
         raise ValueError(
             "handle must be one that this Buffer's calls returned (a tuple rebuilt from its "
-            f"parts lacks the native one), got {type(handle).__name__}"
+            f"parts lacks the native handle and its token_slots), got {type(handle).__name__}"
         )
 
 

@@ -170,7 +170,7 @@ def _dispatch(
     pad_multiple: int,
     max_recv_tokens: int,
     scaled: str,
-) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """The operator: max_recv_tokens < 0 is exact mode; ``scaled``: "" or the block-scaled
     format of recv_x (x_scales given: x is a pair of it; else x is quantized). Returns recv_x
     [N, H] (or the format's values), recv_scales (the format's scales, else [0]),
