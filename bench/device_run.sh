@@ -44,7 +44,16 @@
 #          its alltoall dispatcher (expert-parallel 1 on one GPU; EP 2 and DP 2 x EP 1 on two;
 #          DP 2 x EP 2 on four), and examples/megatron_moe.py (GPTModel losses, both dispatchers)
 #   megatron-bench  bench/megatron_bench.py: one MoE layer's forward+backward at DeepSeek-V3 sizes
-#          per rank, alltoall against this library, one rank per GPU (JSON into $OUT)
+#          per rank, one rank per GPU: Megatron-Core's alltoall dispatcher, this library
+#          (use_hybrid_ep), and its flex dispatcher with the "deepep" and "hybridep" backends on
+#          deep_ep (at world 1 "deepep" past its TP x EP > 1 assertion: the script says how);
+#          JSON and Markdown into $OUT
+#   deepep-bench  bench/deep_ep_bench.py on one GPU: each deep_ep (DeepEP drop-in) call beside
+#          the native Buffer call it maps to, S1 and 128 tokens, eager and in CUDA graphs, for
+#          each tree in $AB_OLD (folders holding src/, see eager-ab; named by the folder) and
+#          then this tree (named $HEP_COMMIT), each in its own process, then their ratios side
+#          by side (--compare: .md and .png in $OUT). Each tree's JSON, Markdown and PNG in
+#          $OUT/deepep-bench.tgz (deepep/<name>/, <name>-again for a tree's second run)
 #   shared  the whole GPU test suite with every multi-rank case, ranks sharing the GPUs under CUDA
 #          MPS (started before the step, stopped after it): W2, W4, W8 in one node, 2x1, 2x2, 2x4,
 #          4x2 across simulated nodes, FP8, autograd, timeouts, validation, the fuzz. $SHARED_TESTS
@@ -229,6 +238,16 @@ for step in $STEPS; do
                        -q -rs -s -p no:warnings tests/test_megatron.py \
                        && python3 examples/megatron_moe.py --steps 10') ;;
         megatron-bench) cmd=(python3 bench/megatron_bench.py --out "$OUT") ;;
+        deepep-bench) cmd=(bash -c 'rc=0; results=(); for tree in ${AB_OLD:-} .; do \
+                      src=(--src $tree); name=$(basename $tree); \
+                      [ $tree = . ] && { src=(); name=${HEP_COMMIT:-new}; }; \
+                      [ -e $OUT/deepep/$name ] && name=$name-again; start=$SECONDS; \
+                      python3 bench/deep_ep_bench.py "${src[@]}" --label $name \
+                      --out $OUT/deepep/$name || rc=1; results+=($OUT/deepep/$name/*.json); \
+                      echo "== tree $tree ($name): $((SECONDS - start)) s"; \
+                      tar czf $OUT/deepep-bench.tgz -C $OUT deepep; done; \
+                      python3 bench/deep_ep_bench.py --compare "${results[@]}" --out $OUT || rc=1; \
+                      rm -r $OUT/deepep; exit $rc') ;;
         shared) cmd=(env "${MPS_DIRS[@]}" HEP_TEST_DEVICE=cuda HEP_TEST_TIMEOUT="${HEP_TEST_TIMEOUT:-300}"
                      HEP_TEST_BUDGET_S="${SHARED_BUDGET:-450}" HEP_TEST_MAX_POOLS=6
                      python3 -m pytest -rs -v --durations=40 -p no:cacheprovider
