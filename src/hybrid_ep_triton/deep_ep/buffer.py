@@ -21,7 +21,7 @@ from ..ops.reserved import ReservedHeap
 from ..runtime.checks import check_mask_out, check_maskable, ranks_per_host
 from . import sizing
 from .config import Config, get_low_latency_rdma_size_hint, recommended, tokens_that_fit
-from .sizing import check_tensor, need, refusing
+from .sizing import tensor_problem
 from .utils.event import EventHandle, EventOverlap
 
 topk_idx_t = torch.int64
@@ -226,26 +226,30 @@ class Buffer:
         num_recv_tokens_per_expert_list (L ints, aligned), handle, event. A cached dispatch
         returns recv_x, None, None, None, None, event.
         """
-        rows = tuple(x) if isinstance(x, list) else x
-        previous = _event_of(previous_event)
+        rows, previous = tuple(x) if isinstance(x, list) else x, _event_of(previous_event)
         extras = config, previous_event, async_finish, allocate_on_comm_stream
         if handle is not None:
-            refused = sizing.refusal(lambda: _check_cached(handle, topk_idx, topk_weights, *extras))
+            _check_handle(handle)
+            refused = _extras_refusal(*extras)
+            if topk_idx is not None or topk_weights is not None:
+                why = "a dispatch with a handle takes no topk_idx or topk_weights"
+                refused = "topk_weights", ValueError(why)
             with torch.no_grad():
                 if refused is not None:
                     handle.buffer.refuse("dispatch", *refused, handle=handle.native)
                 out = handle.buffer.dispatch(rows, handle=handle.native, previous_event=previous,
                                              async_finish=async_finish)  # fmt: skip
             return out[0], None, None, None, None, _overlap(out, async_finish)
-        worst = num_worst_tokens or None
-        refused = sizing.refusal(lambda: self._check_dispatch(
-            rows, num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert, topk_idx,
-            topk_weights, worst, *extras))  # fmt: skip
-        key, slots, num_tokens = None, topk_idx, 0
+        key, slots, num_tokens, worst = sizing.rows_key(rows), topk_idx, 0, num_worst_tokens or None
+        refused = self._dispatch_refusal(
+            key, rows, num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert, topk_idx,
+            topk_weights, worst, *extras,
+        )  # fmt: skip
         if refused is None:
-            key = (*sizing.rows_key(rows), num_tokens_per_expert.numel())
-            num_tokens = max(len(sizing.values_of(rows)), -(-num_worst_tokens // self.group_size))
-            if topk_idx is None:  # each rank's first expert, where is_token_in_rank says
+            key = (*key, num_tokens_per_expert.numel())
+            worst_share = -(-num_worst_tokens // self.group_size)  # W x T fits T a rank
+            num_tokens = max(sizing.values_of(rows).shape[0], worst_share)
+            if topk_idx is None:  # to each rank's first expert, where is_token_in_rank says
                 firsts = torch.arange(0, key[3], key[3] // self.group_size, device=key[2])
                 slots = torch.where(is_token_in_rank, firsts, -1)
 
@@ -256,8 +260,8 @@ class Buffer:
                                    max_recv_tokens=worst, previous_event=previous,
                                    async_finish=async_finish)  # fmt: skip
 
-        before = self._normal.key
-        changed = "topk_idx" if key and before and key[3] != before[3] else "x"
+        before = self._normal.key  # a new E stands for topk_idx, new rows for x
+        changed = "topk_idx" if refused is None and before and key[3] != before[3] else "x"
         with torch.no_grad():
             out = self._normal.run(key, num_tokens, call, refused, worst is None, changed)
         recv_x, recv_topk_idx, recv_topk_weights, counts, native = out[:5]
@@ -265,10 +269,11 @@ class Buffer:
             recv_topk_idx = None
             counts = self._summed_counts(num_tokens_per_expert, expert_alignment)
         else:
-            recv_topk_idx = recv_topk_idx.long()  # (int64 already: no op)
+            if recv_topk_idx.dtype != torch.int64:  # (of int32 topk_idx)
+                recv_topk_idx = recv_topk_idx.long()
             counts = [] if worst else counts.tolist()
         column = self._columns.get(key[2])
-        if column is None:
+        if column is None:  # [W, W] bool, True in this rank's column
             column = torch.arange(self.group_size, device=key[2]) == self.rank
             column = self._columns[key[2]] = column.expand(self.group_size, -1)
         rank_prefix = torch.where(column, native.recv_rank_prefix[:, None], -1)
@@ -293,21 +298,28 @@ class Buffer:
         """
         _check_handle(handle)
         buffer, native, previous = handle.buffer, handle.native, _event_of(previous_event)
-        extras = config, previous_event, async_finish, allocate_on_comm_stream
-        refused = sizing.refusal(lambda: _check_combine(buffer, native, bias, *extras))
+        refused = _extras_refusal(config, previous_event, async_finish, allocate_on_comm_stream)
+        terms = bias if isinstance(bias, (tuple, list)) else (bias,)
+        if len(terms) > 2:
+            refused = "y", ValueError(f"bias must be a tensor or a pair, got {len(terms)} items")
+        for term in terms if refused is None else ():
+            shape = native.num_tokens, buffer.hidden_size
+            problem = term is not None and tensor_problem(
+                "bias", term, buffer.dtype, buffer.device, shape
+            )
+            refused = ("y", ValueError(problem)) if problem else refused
         with torch.no_grad():
             if refused is not None:
                 buffer.refuse("combine", *refused, handle=native)
             out = buffer.combine(x, native, topk_weights=topk_weights, previous_event=previous,
                                  async_finish=async_finish)  # fmt: skip
-        combined = out[0] if isinstance(out, tuple) else out
+        combined, event = out[0] if isinstance(out, tuple) else out, _overlap(out, async_finish)
         weights = out[1] if topk_weights is not None else None
-        event = _overlap(out, async_finish)
         if bias is not None:  # added on the current stream, after the sums
             if event.event is not None:
                 event.event.current_stream_wait()
             total = combined.float()
-            for term in bias if isinstance(bias, (tuple, list)) else (bias,):
+            for term in terms:
                 total = total if term is None else total + term.float()
             combined = total.to(combined.dtype)
             event = EventOverlap(EventHandle() if async_finish else None)
@@ -417,30 +429,35 @@ class Buffer:
 
     # -- internals -------------------------------------------------------------------------
 
-    def _check_dispatch(self, rows, per_rank, in_rank, per_expert, topk_idx, topk_weights,
-                        worst, *extras) -> None:  # fmt: skip
-        """DeepEP's asserts on a dispatch's arguments that the native Buffer does not take
-        (runtime.checks.Refused naming the native argument each stands for)."""
-        world, key = self.group_size, sizing.rows_key(rows)
-        with refusing("x"):
-            need(key is not None, "x must be a [T, H] tensor or an FP8 (values, scales) pair")
-        with refusing("topk_idx"):
-            need(None not in (per_rank, in_rank, per_expert), "a dispatch needs its layout's "
-                 "num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert")  # fmt: skip
-            shape = (len(sizing.values_of(rows)), world)
-            check_tensor("is_token_in_rank", in_rank, torch.bool, key[2], shape)
-            check_tensor("num_tokens_per_rank", per_rank, torch.int32, key[2], (world,))
-            check_tensor("num_tokens_per_expert", per_expert, torch.int32, key[2])
-            experts = per_expert.numel()
-            most = MAX_LOCAL_EXPERTS * world
-            need(per_expert.dim() == 1 and 0 < experts <= most and experts % world == 0,
-                 f"num_tokens_per_expert must be [E], E a multiple of {world} up to {most}, "
-                 f"got {tuple(per_expert.shape)}")  # fmt: skip
-        with refusing("topk_weights"):
-            need((topk_idx is None) == (topk_weights is None), "pass topk_idx with topk_weights")
-        with refusing("max_recv_tokens"):
-            need(not worst or topk_idx is not None, "num_worst_tokens needs topk_idx")
-        _check_extras(*extras)
+    def _dispatch_refusal(self, key, rows, per_rank, in_rank, per_expert, topk_idx,
+                          topk_weights, worst, *extras) -> sizing.Refusal | None:  # fmt: skip
+        """The first of DeepEP's asserts on a dispatch's arguments that the native Buffer does
+        not take that fails: (the native argument it stands for, its ValueError), or None."""
+        world = self.group_size
+        if key is None:
+            return "x", ValueError("x must be a [T, H] tensor or an FP8 (values, scales) pair")
+        if per_rank is None or in_rank is None or per_expert is None:
+            why = "a dispatch needs its layout's num_tokens_per_rank, is_token_in_rank and "
+            return "topk_idx", ValueError(why + "num_tokens_per_expert")
+        shape = len(sizing.values_of(rows)), world
+        problem = (
+            tensor_problem("is_token_in_rank", in_rank, torch.bool, key[2], shape)
+            or tensor_problem("num_tokens_per_rank", per_rank, torch.int32, key[2], (world,))
+            or tensor_problem("num_tokens_per_expert", per_expert, torch.int32, key[2])
+        )
+        if problem:
+            return "topk_idx", ValueError(problem)
+        experts = per_expert.numel()
+        if per_expert.dim() != 1 or not 0 < experts <= MAX_LOCAL_EXPERTS * world or experts % world:
+            why = f"num_tokens_per_expert must be [E], E a multiple of {world} up to "
+            return "topk_idx", ValueError(
+                f"{why}{MAX_LOCAL_EXPERTS * world}, got {tuple(per_expert.shape)}"
+            )
+        if (topk_idx is None) != (topk_weights is None):
+            return "topk_weights", ValueError("pass topk_idx with topk_weights (DeepEP asserts)")
+        if worst and topk_idx is None:
+            return "max_recv_tokens", ValueError("num_worst_tokens needs topk_idx")
+        return _extras_refusal(*extras)
 
     def _summed_counts(self, num_tokens_per_expert: torch.Tensor, alignment: int) -> list:
         """This rank's received count per local expert without topk_idx: the sum of every
@@ -507,35 +524,15 @@ def _check_handle(handle) -> None:
         )
 
 
-def _check_cached(handle, topk_idx, topk_weights, *extras) -> None:
-    """DeepEP's asserts on a cached dispatch's arguments (Refused)."""
-    _check_handle(handle)
-    with refusing("topk_weights"):
-        need(topk_idx is None and topk_weights is None, "a dispatch with a handle takes no "
-             "topk_idx or topk_weights (DeepEP asserts)")  # fmt: skip
-    _check_extras(*extras)
-
-
-def _check_combine(buffer: NativeBuffer, native, bias, *extras) -> None:
-    """DeepEP's asserts on a combine's bias and extras (Refused)."""
-    with refusing("y"):
-        terms = bias if isinstance(bias, (tuple, list)) else (bias,)
-        need(len(terms) in (1, 2), f"bias must be a tensor or a pair, got {len(terms)} items")
-        for term in terms:
-            if term is not None:
-                shape = native.num_tokens, buffer.hidden_size
-                check_tensor("bias", term, buffer.dtype, buffer.device, shape)
-    _check_extras(*extras)
-
-
-def _check_extras(config, previous_event, async_finish, allocate_on_comm_stream) -> None:
-    """DeepEP's asserts on a normal call's config and allocate_on_comm_stream (Refused)."""
-    with refusing("previous_event"):
-        if config is not None:
-            need(config.num_sms % 2 == 0, f"config.num_sms must be even, got {config.num_sms}")
-        has_event = getattr(previous_event, "event", None) is not None
-        need(not allocate_on_comm_stream or (has_event and async_finish),
-             "allocate_on_comm_stream needs previous_event and async_finish")  # fmt: skip
+def _extras_refusal(config, previous_event, async_finish, allocate_on_comm_stream):
+    """DeepEP's asserts on a normal call's config and allocate_on_comm_stream: (the native
+    argument they stand for, the ValueError), or None."""
+    if config is not None and config.num_sms % 2:
+        return "previous_event", ValueError(f"config.num_sms must be even, got {config.num_sms}")
+    if allocate_on_comm_stream and not (getattr(previous_event, "event", None) and async_finish):
+        why = "allocate_on_comm_stream needs previous_event and async_finish (DeepEP asserts)"
+        return "previous_event", ValueError(why)
+    return None
 
 
 def _event_of(previous_event: EventOverlap | None):

@@ -23,9 +23,9 @@ import torch
 import torch.distributed as dist
 
 from .. import Buffer as NativeBuffer
-from ..runtime.checks import ranks_per_host
+from ..runtime.checks import describe, ranks_per_host
 from ..runtime.planner import MAX_TOPK
-from .sizing import TOKEN_QUANTUM, Sized, gather, need, refusal, refusing, round_up, token_ranks
+from .sizing import TOKEN_QUANTUM, Sized, gather, round_up, token_ranks
 
 DOMAIN_ENV = "NUM_OF_HYBRID_EP_RANKS_PER_NVLINK_DOMAIN"
 # HybridEP passes FP8 rows as float8_e4m3fn or as their bytes.
@@ -327,39 +327,37 @@ class HybridEPBuffer:
 
     def _inputs(self, hidden, scaling_factor, topk_idx, topk_weights, num_of_experts,
                 routing_map, probs, experts_per_rank, blocking, missing_rows):  # fmt: skip
-        """(rows as the Buffer takes them, (slots, their probs, overflow), the refusal) of a
-        dispatch with a new layout; see _routing."""
-        rows, routing = hidden, (None, None, None)
-
-        def checks():
-            nonlocal rows, routing
-            with refusing("max_recv_tokens"):
-                need(not missing_rows, "a non_blocking dispatch needs num_permuted_tokens")
-            with refusing("x"):
-                rows = _rows(hidden, scaling_factor)
-            with refusing("topk_idx"):
-                need(experts_per_rank in (None, self.num_local_experts),
-                     f"num_of_experts_per_rank must be the buffer's {self.num_local_experts}, "
-                     f"got {experts_per_rank}")  # fmt: skip
-                routing = self._routing(topk_idx, topk_weights, num_of_experts, routing_map,
-                                        probs, blocking)  # fmt: skip
-
+        """A dispatch's rows as the Buffer takes them, its routing (see _routing) and this
+        rank's refusal of its arguments (the native argument each stands for) or None."""
+        if missing_rows:
+            why = "a non_blocking dispatch needs num_permuted_tokens"
+            return hidden, (None,) * 3, ("max_recv_tokens", ValueError(why))
+        try:
+            rows = _rows(hidden, scaling_factor)
+        except ValueError as error:
+            return hidden, (None,) * 3, ("x", error)
+        experts = routing_map.shape[-1] if routing_map is not None else num_of_experts
+        why = None
+        if experts_per_rank not in (None, self.num_local_experts):
+            why = f"num_of_experts_per_rank must be the buffer's {self.num_local_experts}"
+        elif (experts or self.num_of_experts) != self.num_of_experts:
+            why = (
+                f"the routing must cover the buffer's {self.num_of_experts} experts, not {experts}"
+            )
+        elif routing_map is None and topk_idx is None:
+            why = "pass topk_idx (with num_of_experts) or routing_map"
+        if why is not None:
+            return rows, (None,) * 3, ("topk_idx", ValueError(why))
         with torch.no_grad():
-            refused = refusal(checks)
-        return rows, routing, refused
+            return rows, self._routing(topk_idx, topk_weights, routing_map, probs, blocking), None
 
-    def _routing(self, topk_idx, topk_weights, num_of_experts, routing_map, probs, blocking):
+    def _routing(self, topk_idx, topk_weights, routing_map, probs, blocking):
         """[T, K] slots (global expert ids, -1 unused), their float32 probs or None, and (a
         routing map when not blocking) a bool device scalar: some row had more than K."""
-        experts = num_of_experts or self.num_of_experts
-        if routing_map is not None:
-            experts = routing_map.shape[-1]
-        need(experts == self.num_of_experts, f"the routing must cover the buffer's "
-             f"{self.num_of_experts} experts, got {experts}")  # fmt: skip
         if routing_map is None:
-            need(topk_idx is not None, "pass topk_idx (with num_of_experts) or routing_map")
             weights = None if topk_weights is None else topk_weights.float().contiguous()
             return topk_idx, weights, None
+        experts = self.num_of_experts
         routing_map = routing_map.reshape(-1, experts)
         routed, overflow = routing_map.sum(dim=1), None
         if blocking:
@@ -387,7 +385,10 @@ class HybridEPBuffer:
             taken = probs.reshape(slots.shape[0], -1).gather(1, slots.long().clamp(min=0))
             weights = torch.where(slots >= 0, taken.float(), 0.0)
         with torch.no_grad():
-            rows = _rows(hidden, scaling_factor)
+            try:
+                rows = _rows(hidden, scaling_factor)
+            except ValueError as error:  # no peer waits for this rank's part
+                handle.buffer.refuse("dispatch", "x", error, handle=handle.inner)
             outputs = handle.buffer.dispatch(rows, topk_weights=weights, handle=handle.inner)
         return outputs[0], outputs[1 if handle.buffer.expand else 2]
 
@@ -395,10 +396,11 @@ class HybridEPBuffer:
 def _rows(hidden: torch.Tensor, scaling_factor: torch.Tensor | None):
     """hidden as the Buffer takes it: contiguous rows, or an FP8 pair (values, scales)."""
     hidden = hidden.detach().contiguous()
+    if (scaling_factor is None) == (hidden.dtype in FP8_DTYPES):
+        raise ValueError(f"{hidden.dtype} hidden with scaling_factor {describe(scaling_factor)}: "
+                         "FP8 hidden (float8_e4m3fn or uint8) goes with its scales")  # fmt: skip
     if scaling_factor is None:
-        need(hidden.dtype not in FP8_DTYPES, f"{hidden.dtype} hidden needs its scaling_factor")
         return hidden
-    need(hidden.dtype in FP8_DTYPES, f"scaling_factor goes with FP8 hidden, got {hidden.dtype}")
     return hidden.view(torch.float8_e4m3fn), scaling_factor.detach().float().contiguous()
 
 
