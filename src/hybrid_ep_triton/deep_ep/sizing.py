@@ -34,8 +34,8 @@ GROWTH = 1.5
 # An adapter's refusal of its own argument: (the native argument it stands for, the error).
 Refusal = tuple[str, ValueError]
 
-__all__ = ["GROWTH", "TOKEN_QUANTUM", "Refusal", "Sized", "gather", "round_up", "rows_key",
-           "tensor_problem", "token_ranks", "values_of"]  # fmt: skip
+__all__ = ["GROWTH", "TOKEN_QUANTUM", "Handle", "Refusal", "Sized", "check_handle", "gather",
+           "round_up", "rows_key", "tensor_problem", "token_ranks", "values_of"]  # fmt: skip
 
 
 def gather(group: dist.ProcessGroup, value) -> list:
@@ -43,6 +43,28 @@ def gather(group: dist.ProcessGroup, value) -> list:
     everyone = [None] * dist.get_world_size(group)
     dist.all_gather_object(everyone, value, group=group)
     return everyone
+
+
+class Handle(tuple):
+    """A call's handle: DeepEP's (or HybridEP's) tuple of ``parts``, carrying the native handle
+    (``native``), the native Buffer of the call (``buffer``) and ``more`` attributes: a tuple
+    rebuilt from the parts lacks them, which the calls refuse (ValueError)."""
+
+    def __new__(cls, parts, native, buffer: Buffer, **more):
+        handle = super().__new__(cls, parts)
+        handle.native, handle.buffer = native, buffer
+        handle.__dict__.update(more)
+        return handle
+
+
+def check_handle(handle, expand: bool | None = None) -> None:
+    """``handle`` is a Handle (of a Buffer of ``expand``, None: any), else a ValueError on this
+    rank, as the native Buffer's for a handle that is none of its own."""
+    if type(handle) is not Handle or expand not in (None, handle.buffer.expand):
+        raise ValueError(
+            "handle must be one that this buffer's calls returned (a tuple rebuilt from its "
+            f"parts lacks the native handle and its token_slots), got {type(handle).__name__}"
+        )
 
 
 class Sized:
