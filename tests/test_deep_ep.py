@@ -257,11 +257,12 @@ def _without_topk(buffer, rank, world, hidden, experts, seed, device) -> list[st
 
 
 def _fp8_and_dtype(buffer, rank, world, hidden, experts, seed, device) -> list[str]:
-    """FP8 pairs (scales column-major, as DeepEP's test passes them), then float32 rows."""
+    """FP8 pairs of two scales a row (column-major, as DeepEP's test passes them: the Buffer is
+    made again for the new hidden size), then float32 rows."""
     from hybrid_ep_triton import reference
 
     failures = []
-    local = experts // world
+    local, hidden = experts // world, 2 * hidden
     everyone = [_inputs(seed + 60, r, (3, 5), hidden, experts, 2) for r in range(world)]
     x, idx, w = (t.to(device) for t in everyone[rank])
     values, scales = reference.quantize_fp8(x)

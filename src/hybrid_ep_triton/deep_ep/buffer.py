@@ -173,7 +173,9 @@ class Buffer(LowLatencyMode):
         [W, W] int32 of this rank's column, others -1; None, None; recv_src_idx [N] int32;
         is_token_in_rank; None), event. A cached dispatch: recv_x, None x 4, event.
         """
-        rows, previous = tuple(x) if isinstance(x, list) else x, native_event(previous_event)
+        rows, previous = x, native_event(previous_event)
+        if isinstance(x, (tuple, list)):  # DeepEP takes scales of any strides: made row-major
+            rows = (x[0], x[1].contiguous()) if len(x) == 2 and hasattr(x[1], "contiguous") else x
         extras = config, previous_event, async_finish, allocate_on_comm_stream
         if handle is not None:
             check_handle(handle)
