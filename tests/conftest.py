@@ -38,6 +38,12 @@ def raised(error: BaseException) -> str:
     return f"raised {error!r}\n" + "".join(traceback.format_list(ours[-3:])).rstrip()
 
 
+def assert_no_failures(results: list) -> None:
+    """Every rank's failure messages (``launch``'s results: a list per rank), none expected."""
+    failures = [msg for per_rank in results for msg in per_rank]
+    assert not failures, f"{len(failures)} failure(s):\n" + "\n".join(failures)
+
+
 def expect_error(failures: list[str], error: type, words: str, call) -> None:
     """Record a failure in ``failures`` unless ``call()`` raises ``error`` with ``words`` in its
     message."""

@@ -6,14 +6,15 @@ kernels, at EP2 and EP8, each with its branches that depend on a read each threa
 itself (``per_warp_decisions``). Compiles the launch shapes of EP2 and EP8 within one node
 and of EP16 as 2 nodes of 8, whose kernels link NVSHMEM's sm_90 device bitcode as pip installs
 it, and prints one line per kernel (dispatch and its layout also with one row per token,
-expand=False; dispatch of FP8 rows at EP8, with token rows at EP16; quantizing, and an exact-mode
+expand=False, and combine summing token rows' topk_weights back; dispatch of FP8 rows at
+EP8, with token rows at EP16; quantizing, and an exact-mode
 move whose outputs come from the host, at EP2; the MXFP8 / NVFP4 quantizer once per format) with
 ptxas' resource usage
 (registers, and STACK: bytes spilled) and a digest of its machine code (identical digests:
 identical code, e.g. before and after a change that should not change it); any compile or link
 error fails. Integer arguments that
 the JIT would specialise as multiples of 16 (pointers, hidden sizes, strides) are marked so.
-The builds (36) compile side by side on every core first, into Triton's cache, which the
+The builds (39) compile side by side on every core first, into Triton's cache, which the
 printing pass then reads.
 """
 
@@ -193,6 +194,8 @@ def builds(topologies=TOPOLOGIES):
             K_P2=8,
             HAS_WEIGHTS=True,
             WRITE_ROWS=True,
+            SLOT_WEIGHTS=False,
+            SW=32,
             COPY_UNROLL=cfg.copy_unroll,
             LP_MAX=LOCAL_PARTS,
             STAGES=cfg.copy_stages,
@@ -229,8 +232,9 @@ def builds(topologies=TOPOLOGIES):
               for rows in (False, True)),
             *((dispatch_kernel, tokens, dict(common, BLOCK_H=cfg.block_h, TOKEN_ROWS=rows),
                cfg.num_warps) for rows in (False, True)),
-            (combine_kernel, partials,
-             dict(common, BLOCK_H=cfg.combine_block_h, COPY_BLOCK_H=cfg.block_h), cfg.num_warps),
+            *((combine_kernel, partials,
+               dict(common, BLOCK_H=cfg.combine_block_h, COPY_BLOCK_H=cfg.block_h,
+                    SLOT_WEIGHTS=slots), cfg.num_warps) for slots in (False, True)),
             # FP8 rows: expert-major at EP8, token rows across nodes (each build costs ~20 s).
             *((dispatch_kernel, fp8_tokens, dict(fp8_constexprs, TOKEN_ROWS=nodes > 1),
                cfg.num_warps) for _ in range(world > 2)),
@@ -258,6 +262,7 @@ def builds(topologies=TOPOLOGIES):
             constexprs = {k: v for k, v in constexprs.items() if k in params}
             signature, attrs = _signature(kernel, pointers, constexprs)
             rows = " (token rows)" if constexprs.get("TOKEN_ROWS") else ""
+            rows += " (token rows' topk_weights)" if constexprs.get("SLOT_WEIGHTS") else ""
             quantizer = {code: name for name, code in QUANTIZERS.items()}.get(
                 constexprs.get("QUANTIZE")
             )

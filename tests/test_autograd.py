@@ -13,6 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
+from conftest import assert_no_failures
 
 from hybrid_ep_triton import Buffer
 from hybrid_ep_triton.tools.launcher import rank_device
@@ -128,5 +129,4 @@ def test_gradients_match_a_single_process_model(launch):
     # 2 ranks as 2 nodes (every transfer a network put), 3 ranks in one node.
     for world, ranks_per_node in ((2, 1), (3, None)):
         results = launch(_grad_body, world, CASES, ranks_per_node)
-        failures = [msg for per_rank in results for msg in per_rank]
-        assert not failures, "\n".join(failures)
+        assert_no_failures(results)

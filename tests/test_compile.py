@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import assert_no_failures
 
 from hybrid_ep_triton import Buffer
 from hybrid_ep_triton.tools.launcher import rank_device
@@ -95,5 +96,4 @@ def _compare(buf: Buffer, world: int, rank: int, max_recv_tokens: int | None) ->
 )
 def test_compiled_moe_step_matches_eager(launch, world):
     results = launch(_compile_body, world)
-    failures = [msg for per_rank in results for msg in per_rank]
-    assert not failures, "\n".join(failures)
+    assert_no_failures(results)

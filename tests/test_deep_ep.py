@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import expect_error
+from conftest import assert_no_failures, expect_error
 
 BF16 = torch.bfloat16
 TOL = 2e-2  # bf16 sums: |got - want| <= TOL * (1 + sum of the summed terms' magnitudes)
@@ -444,8 +444,7 @@ def _bad_input_on_one_rank(rank: int, world: int, hidden: int, experts: int) -> 
 
 
 def test_bad_input_on_one_rank_is_refused_on_every_rank(launch):
-    failures = [m for r in launch(_bad_input_on_one_rank, 2, 128, 8) for m in r]
-    assert not failures, "\n".join(failures)
+    assert_no_failures(launch(_bad_input_on_one_rank, 2, 128, 8))
 
 
 @pytest.mark.parametrize(

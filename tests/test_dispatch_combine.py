@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import raised
+from conftest import assert_no_failures, raised
 
 from hybrid_ep_triton import Buffer, reference
 from hybrid_ep_triton.tools.launcher import rank_device
@@ -502,5 +502,4 @@ def _quick(g: Group) -> bool:
 )
 def test_dispatch_combine_match_reference(launch, grp):
     results = launch(_rank_body, grp.world_size, grp)
-    failures = [msg for per_rank in results for msg in per_rank]
-    assert not failures, f"{len(failures)} failure(s):\n" + "\n".join(failures)
+    assert_no_failures(results)

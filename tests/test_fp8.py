@@ -16,6 +16,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
+from conftest import assert_no_failures
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -496,8 +497,7 @@ ALL = tuple(range(len(CASES)))
 )  # fmt: skip
 def test_fp8_dispatch_matches_reference(launch, world, expand, ranks_per_node, hidden, cases):
     results = launch(_rank_body, world, expand, ranks_per_node, hidden, cases)
-    failures = [msg for per_rank in results for msg in per_rank]
-    assert not failures, f"{len(failures)} failure(s):\n" + "\n".join(failures)
+    assert_no_failures(results)
 
 
 # The formats of Blackwell's block-scaled GEMMs, as FP8 above: pairs, quantize=format, along
@@ -524,5 +524,4 @@ def test_block_scaled_dispatch_matches_reference(
     launch, fmt, world, expand, ranks_per_node, hidden, cases
 ):
     results = launch(_rank_body, world, expand, ranks_per_node, hidden, cases, fmt)
-    failures = [msg for per_rank in results for msg in per_rank]
-    assert not failures, f"{len(failures)} failure(s):\n" + "\n".join(failures)
+    assert_no_failures(results)

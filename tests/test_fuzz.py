@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import DEVICE
+from conftest import DEVICE, assert_no_failures
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -128,5 +128,4 @@ def _scenario_body(rank: int, world: int, scenario: dict) -> list[str]:
 @given(scenario=scenarios)
 def test_random_scenarios_match_the_reference(launch, scenario):
     results = launch(_scenario_body, scenario["world"], scenario)
-    failures = [msg for per_rank in results for msg in per_rank]
-    assert not failures, "\n".join(failures)
+    assert_no_failures(results)

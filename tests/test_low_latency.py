@@ -21,6 +21,7 @@ rank returns a list of failure messages.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import time
@@ -29,12 +30,12 @@ from dataclasses import dataclass
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import DEVICE, raised, skip_if_a_killed_rank_shares_a_gpu
+from conftest import DEVICE, assert_no_failures, raised, skip_if_a_killed_rank_shares_a_gpu
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from hybrid_ep_triton import Buffer, reference
-from hybrid_ep_triton.kernels.control import LL_SEQ
+from hybrid_ep_triton.kernels.control import LL_REFUSED_RANGE, LL_SEQ
 from hybrid_ep_triton.ops.low_latency import LowLatencyHandle
 from hybrid_ep_triton.ops.masks import farewell
 from hybrid_ep_triton.runtime.planner import deepep_low_latency_bytes
@@ -613,11 +614,6 @@ def _count_from(buf: Buffer, seq: int) -> None:
     dist.barrier()
 
 
-def _assert_no_failures(results: list) -> None:
-    failures = [msg for per_rank in results for msg in per_rank]
-    assert not failures, f"{len(failures)} failure(s):\n" + "\n".join(failures)
-
-
 @pytest.mark.parametrize(
     "grp",
     [
@@ -630,7 +626,7 @@ def _assert_no_failures(results: list) -> None:
     ids=lambda g: g.id,
 )
 def test_low_latency_matches_reference(launch, grp):
-    _assert_no_failures(launch(_rank_body, grp.world_size, grp))
+    assert_no_failures(launch(_rank_body, grp.world_size, grp))
 
 
 # --- masked ranks --------------------------------------------------------------------------
@@ -775,7 +771,7 @@ def _masked_case(buf, rank, grp, index, case, local, fail, stall_at) -> None:
 
 @pytest.mark.parametrize("grp", MASKED_GROUPS, ids=lambda g: g.id)
 def test_masked_rank_is_skipped(launch, grp):
-    _assert_no_failures(launch(_masked_body, grp.world_size, grp, "by hand"))
+    assert_no_failures(launch(_masked_body, grp.world_size, grp, "by hand"))
 
 
 def test_a_mask_set_on_one_rank_reaches_the_others(launch):
@@ -783,7 +779,7 @@ def test_a_mask_set_on_one_rank_reaches_the_others(launch):
     timeout, learn it from rank 0's first launch: their waits on MASKED end, without a
     TimeoutError, and their outputs equal the reference without it."""
     grp = MASKED_GROUPS[0]
-    _assert_no_failures(launch(_masked_body, grp.world_size, grp, "told"))
+    assert_no_failures(launch(_masked_body, grp.world_size, grp, "told"))
 
 
 @pytest.mark.slow
@@ -796,7 +792,7 @@ def test_rank_that_stops_answering_is_masked(launch, stall_at, lag_s):
     for rank 0, which waited on the stalled rank and then lags: rank 0's heartbeat keeps it
     from being masked too (without heartbeats rank 3 masks it)."""
     grp = MASKED_GROUPS[0]
-    _assert_no_failures(launch(_masked_body, grp.world_size, grp, "stalled", stall_at, 4,
+    assert_no_failures(launch(_masked_body, grp.world_size, grp, "stalled", stall_at, 4,
                                lag_s))  # fmt: skip
 
 
@@ -805,7 +801,7 @@ def test_rank_that_skips_a_clean_is_masked(launch):
     """clean_low_latency_buffer is a barrier of the live ranks: the stalled rank, which made the
     first case's calls and then no clean, is masked there, as DeepEP's clean does."""
     grp = MASKED_GROUPS[0]
-    _assert_no_failures(launch(_masked_body, grp.world_size, grp, "clean", 2, 2))
+    assert_no_failures(launch(_masked_body, grp.world_size, grp, "clean", 2, 2))
 
 
 @pytest.mark.slow
@@ -847,7 +843,7 @@ def _farewell_body(rank: int, world: int, ranks_per_node, how: str) -> list[str]
 @pytest.mark.parametrize("ranks_per_node", [None, 2], ids=["W4", "2x2"])
 @pytest.mark.parametrize("how", ["all", "masked", "silent"])
 def test_destroy_frees_together_only_where_every_rank_says_so(launch, how, ranks_per_node):
-    _assert_no_failures(launch(_farewell_body, 4, ranks_per_node, how))
+    assert_no_failures(launch(_farewell_body, 4, ranks_per_node, how))
 
 
 # --- refused inputs ------------------------------------------------------------------------
@@ -1091,7 +1087,192 @@ def _validation_body(rank: int, world: int, ranks_per_node: int | None) -> list[
 def test_refused_inputs(launch, world, ranks_per_node):
     """Bad inputs are a ValueError; a refusal on one rank does not hang its peers, whose next
     check() (or call, on CPU ranks) names it; the Buffer stays usable."""
-    _assert_no_failures(launch(_validation_body, world, ranks_per_node))
+    assert_no_failures(launch(_validation_body, world, ranks_per_node))
+
+
+# --- expert ids outside [-1, E) ------------------------------------------------------------
+
+
+class _DropIn:
+    """A hybrid_ep_triton.deep_ep.Buffer (low_latency_mode=True) that makes the calls as
+    _run_case makes a Buffer's: dispatch returns the library's own handle (which
+    _check_dispatch reads) and the event inside DeepEP's, combine takes that handle back, and
+    check() is the low-latency Buffer's behind it (DeepEP's API has none)."""
+
+    def __init__(self, world: int, hidden: int, experts: int, tokens: int):
+        from hybrid_ep_triton import deep_ep
+
+        budget = deep_ep.Buffer.get_low_latency_rdma_size_hint(tokens, hidden, world, experts)
+        self.buffer = deep_ep.Buffer(dist.group.WORLD, 0, budget, low_latency_mode=True,
+                                     explicitly_destroy=True)  # fmt: skip
+
+    def low_latency_dispatch(self, *args, **kwargs):
+        recv_x, count, handle, event, hook = self.buffer.low_latency_dispatch(*args, **kwargs)
+        return recv_x, count, handle.hybrid_ep, event.event, hook
+
+    def low_latency_combine(self, x, topk_idx, topk_weights, handle, **kwargs):
+        out, event, hook = self.buffer.low_latency_combine(
+            x, topk_idx, topk_weights, self._deepeps(handle), **kwargs
+        )
+        return out, event.event, hook
+
+    def get_next_low_latency_combine_buffer(self, handle):
+        return self.buffer.get_next_low_latency_combine_buffer(self._deepeps(handle))
+
+    def check(self) -> None:
+        self.buffer._low_latency.check()
+
+    def destroy(self) -> None:
+        self.buffer.destroy()
+
+    def _deepeps(self, handle):
+        from hybrid_ep_triton.deep_ep.buffer import LowLatencyHandle as DeepEPHandle
+
+        return DeepEPHandle(handle, self.buffer._low_latency)
+
+
+@contextlib.contextmanager
+def _refusals_left_to_check():
+    """On CPU ranks, whose launches are synchronous, the low-latency calls raise a refusal
+    themselves; within this block they leave it to check(), as on GPUs."""
+    from hybrid_ep_triton.ops import low_latency as launches
+
+    check_after_launch = launches._check_after_launch
+    if rank_device().type == "cpu":
+        launches._check_after_launch = lambda rt, received: check_after_launch(rt, False)
+    try:
+        yield
+    finally:
+        launches._check_after_launch = check_after_launch
+
+
+def _with_outside_id(idx: torch.Tensor, outside_id: int, seed: int) -> torch.Tensor:
+    """``idx`` with ``outside_id`` at a random entry."""
+    idx = idx.clone()
+    entry = torch.randint(idx.numel(), (1,), generator=torch.Generator().manual_seed(seed))
+    idx.view(-1)[entry] = outside_id
+    return idx
+
+
+def _outside_id_dispatch(buf, rank, grp, index, case, bad, outside_id, hook, fail) -> None:
+    """A dispatch in which rank ``bad``'s topk_idx holds ``outside_id``: over the call, its hook
+    and check(), exactly one ValueError naming rank ``bad`` on every rank (_peer_refused). No
+    rank receives rows from rank ``bad``: every other rank's stats count what the reference
+    gives without rank ``bad``'s tokens, and where the outputs are there to read (a hook, or
+    GPUs) hold it too (layout_range LL_REFUSED_RANGE for rank ``bad``); rank ``bad``'s stats
+    count nothing."""
+    dev, world, fmt = rank_device(), grp.world_size, FORMATS[case.fmt]
+    inputs = [_inputs(grp, index, case, j, 0)[:2] for j in range(world)]
+    x, idx = inputs[rank]
+    if rank == bad:
+        idx = _with_outside_id(idx, outside_id, index)
+    stats = torch.zeros(grp.num_experts // world, dtype=I32, device=dev)
+    calls = []
+
+    def run_hook() -> None:
+        if calls and calls[0][4] is not None:
+            calls[0][4]()
+
+    _peer_refused(fail, case.name, bad, [
+        lambda: calls.append(buf.low_latency_dispatch(
+            x.to(dev), idx.to(dev), grp.tokens, grp.num_experts,
+            cumulative_local_expert_recv_stats=stats, return_recv_hook=hook, **fmt)),
+        run_hook,
+        buf.check,
+    ])  # fmt: skip
+    inputs[bad] = (inputs[bad][0][:0], inputs[bad][1][:0])
+    want = reference.low_latency_dispatch(
+        [t[0] for t in inputs], [t[1] for t in inputs], grp.num_experts, grp.tokens, rank, **fmt
+    )
+    counted = torch.zeros_like(want.recv_count) if rank == bad else want.recv_count
+    if not torch.equal(stats.cpu(), counted):
+        fail(f"{case.name}: stats {stats.tolist()}, expected {counted.tolist()}")
+    if calls and rank != bad:
+        recv_x, recv_count, handle = calls[0][:3]
+        recv_x = tuple(t.cpu() for t in recv_x) if isinstance(recv_x, tuple) else recv_x.cpu()
+        want.layout_range[:, bad] = int(LL_REFUSED_RANGE)
+        _check_dispatch(fail, case.name, (recv_x, recv_count.cpu(), handle), want, case, grp,
+                        grp.tokens)  # fmt: skip
+
+
+def _outside_id_combine(buf, rank, grp, index, case, bad, outside_id, fail) -> None:
+    """As on GPUs, where the calls leave a refusal to check(): a dispatch in which rank
+    ``bad``'s topk_idx holds ``outside_id``, then a combine along its handle, finish on every
+    rank (rank ``bad``'s combine waits for no rows that were never sent to it), and check()
+    then raises a ValueError naming rank ``bad`` on every rank, once."""
+    dev = rank_device()
+    x, idx, w = _inputs(grp, index, case, rank, 0)
+    if rank == bad:
+        idx = _with_outside_id(idx, outside_id, index)
+    with _refusals_left_to_check():
+        _, _, handle, _, _ = buf.low_latency_dispatch(
+            x.to(dev), idx.to(dev), grp.tokens, grp.num_experts, **FORMATS[case.fmt]
+        )
+        y = _expert_outputs(grp, index, rank, 0, grp.tokens).to(dev)
+        buf.low_latency_combine(y, idx.to(dev), w.to(dev), handle)
+    _peer_refused(fail, f"{case.name}, then a combine", bad, [buf.check])
+
+
+def _outside_ids_body(rank: int, world: int, api: str, ranks_per_node: int | None) -> list[str]:
+    failures: list[str] = []
+
+    def fail(msg: str) -> None:
+        failures.append(f"rank {rank}: {msg}")
+
+    dev = rank_device()
+    E, H, M = V_EXPERTS, V_HIDDEN, V_TOKENS
+    grp = Group(world, H, E, M, seed=23, cases=(), ranks_per_node=ranks_per_node)
+    if api == "deep_ep":
+        buf = _DropIn(world, H, E, M)
+    else:
+        buf = Buffer(None, hidden_size=H, max_tokens_per_rank=M, num_experts=E,
+                     low_latency_tokens=M, ranks_per_node=ranks_per_node, device=dev,
+                     timeout_s=30.0)  # fmt: skip
+
+    def round_trip(index: int, after: str, **more) -> None:
+        def tagged(msg: str) -> None:
+            fail(f"round trip after {after}: {msg}")
+
+        case = Case(f"after {after}", tokens=(2, 4), topk=3, stats=True, **more)
+        _run_case(buf, rank, grp, index, case, tagged)
+
+    try:
+        for index, (outside_id, idx_dtype, fmt, hook) in enumerate((
+            (E, I64, "bf16", False),
+            (-2, I64, "fp8", True),
+            (2**32 + 1, I64, "bf16", True),  # (an int32 of its low bits would be expert 1)
+            (E + 3, I32, "ue8m0", False),
+        ), start=1):  # fmt: skip
+            bad = index % world
+            what = f"expert id {outside_id} ({idx_dtype}) on rank {bad}, {fmt}, hook={hook}"
+            case = Case(what, tokens=(3, 4), topk=2, idx_dtype=idx_dtype, fmt=fmt)
+            _outside_id_dispatch(buf, rank, grp, index, case, bad, outside_id, hook, fail)
+            round_trip(10 + index, what, fmt=fmt, hook="both" if hook else "none")
+        for index, outside_id in enumerate((E, -2), start=5):
+            bad = index % world
+            what = f"expert id {outside_id} on rank {bad}"
+            case = Case(what, tokens=(3, 4))
+            _outside_id_combine(buf, rank, grp, index, case, bad, outside_id, fail)
+            round_trip(10 + index, f"{what}, then a combine", hook="combine")
+    except Exception as e:
+        fail(raised(e))
+    finally:
+        buf.destroy()
+    return failures
+
+
+@pytest.mark.parametrize(
+    "api, ranks_per_node",
+    [("native", None), ("deep_ep", None), pytest.param("native", 1, marks=pytest.mark.slow)],
+    ids=["native", "deep_ep", "native-2x1"],
+)
+def test_expert_ids_outside_the_range_refuse_the_call(launch, api, ranks_per_node):
+    """An expert id >= E or < -1 in one rank's topk_idx: the device refuses that rank's
+    dispatch (no host synchronisation): every rank raises a ValueError naming it (on CPU ranks
+    in the call, on GPUs at check()), no rank receives rows from it, a combine along the
+    handle still finishes on every rank, and the Buffer stays usable: the next calls match
+    the reference."""
+    assert_no_failures(launch(_outside_ids_body, 2, api, ranks_per_node))
 
 
 # --- topk_idx / topk_weights whose rows are contiguous but not packed -----------------------
@@ -1135,7 +1316,7 @@ def _strided_routing_body(rank: int, world: int) -> list[str]:
 
 
 def test_strided_routing_rows(launch):
-    _assert_no_failures(launch(_strided_routing_body, 2))
+    assert_no_failures(launch(_strided_routing_body, 2))
 
 
 # --- the reference itself ------------------------------------------------------------------
@@ -1285,7 +1466,7 @@ def _fuzz_group(scenario: dict, seed: int) -> Group:
 @given(scenario=fuzz_scenarios, seed=st.integers(0, 10**6))
 def test_random_low_latency_scenarios_match_the_reference(launch, scenario, seed):
     grp = _fuzz_group(scenario, seed)
-    _assert_no_failures(launch(_rank_body, grp.world_size, grp))
+    assert_no_failures(launch(_rank_body, grp.world_size, grp))
 
 
 # --- torch.compile ---------------------------------------------------------------------------
@@ -1350,12 +1531,12 @@ def _compile_body(rank: int, world: int, calls: int) -> list[str]:
 def test_compiled_low_latency_step_matches_eager(launch):
     """torch.compile(fullgraph=True) traces dispatch, hooks and combine without a graph break;
     each compiled call matches eager mode and the reference."""
-    _assert_no_failures(launch(_compile_body, 2, 3))
+    assert_no_failures(launch(_compile_body, 2, 3))
 
 
 @pytest.mark.slow
 def test_compiled_low_latency_step_does_not_recompile(launch):
-    _assert_no_failures(launch(_compile_body, 2, 10))
+    assert_no_failures(launch(_compile_body, 2, 10))
 
 
 # --- CUDA graphs (GPU only) ------------------------------------------------------------------
@@ -1454,10 +1635,10 @@ def _graph_replays(rank: int, world: int, fmt: str, use_graph: bool) -> list[str
 @pytest.mark.gpu
 @pytest.mark.parametrize("world", [1, 2])
 def test_graph_replay_with_hooks_matches_reference(launch, world):
-    _assert_no_failures(launch(_graph_body, world, True))
+    assert_no_failures(launch(_graph_body, world, True))
 
 
 def test_calls_on_the_same_input_tensors_match_reference(launch):
     """The graph test's step without a graph (CPU ranks too): the same input tensors refilled
     in place between calls, as a replay sees them."""
-    _assert_no_failures(launch(_graph_body, 2, False))
+    assert_no_failures(launch(_graph_body, 2, False))

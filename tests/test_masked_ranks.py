@@ -21,7 +21,7 @@ import signal
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import DEVICE, raised, skip_if_a_killed_rank_shares_a_gpu
+from conftest import DEVICE, assert_no_failures, raised, skip_if_a_killed_rank_shares_a_gpu
 
 from hybrid_ep_triton import Buffer
 from hybrid_ep_triton.tools.launcher import RankFailure, rank_device
@@ -221,16 +221,11 @@ def _masked_round(buf, round_: int, stall_at: int) -> None:
         buf.dispatch(rows.to(dev), topk_weights=w.to(dev), handle=handle)
 
 
-def _assert_no_failures(results: list) -> None:
-    failures = [msg for rank_failures in results for msg in rank_failures]
-    assert not failures, "\n".join(failures)
-
-
 @pytest.mark.parametrize("ranks_per_node", [None, 2], ids=["one node", "2x2"])
 def test_masked_rank_is_skipped(launch, ranks_per_node):
     """A rank masked by hand (on rank 0, which tells the others in its first layout) is a
     source and destination of nothing, in every call, and nobody waits for it."""
-    _assert_no_failures(launch(_body, WORLD, "told", 0, 1, ranks_per_node))
+    assert_no_failures(launch(_body, WORLD, "told", 0, 1, ranks_per_node))
 
 
 @pytest.mark.slow
@@ -240,7 +235,7 @@ def test_rank_that_stops_answering_is_masked(launch, stall_at, ranks_per_node):
     """mask_failed_ranks: the live ranks' waits on the stalled rank run out and mask it; that
     call and the rounds after it equal the reference without it (between a dispatch and its
     combine: test_rank_killed_outright_is_masked)."""
-    _assert_no_failures(launch(_body, WORLD, "stalled", stall_at, ROUNDS, ranks_per_node))
+    assert_no_failures(launch(_body, WORLD, "stalled", stall_at, ROUNDS, ranks_per_node))
 
 
 @pytest.mark.slow

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 import triton
 import triton.language as tl
-from conftest import ranks_fit
+from conftest import assert_no_failures, ranks_fit
 
 from hybrid_ep_triton.kernels.control import STATUS_OK
 from hybrid_ep_triton.kernels.primitives import INTERPRETED, net_put_signal, wait_at_least
@@ -114,8 +114,7 @@ def _put_body(rank: int, world: int) -> list[str]:
 def test_put_with_signal_lands(launch, device):
     # Between two ranks (sharing a GPU where there is one), else one rank into its own heap.
     results = launch(_put_body, 2 if ranks_fit(device, 2) else 1)
-    failures = [msg for per_rank in results for msg in per_rank]
-    assert not failures, "\n".join(failures)
+    assert_no_failures(results)
 
 
 def _outside_body(rank: int, world: int) -> list[str]:
@@ -149,8 +148,7 @@ def _outside_body(rank: int, world: int) -> list[str]:
 @pytest.mark.slow
 def test_put_from_outside_the_heap_fails_loudly(launch):
     results = launch(_outside_body, 2)
-    failures = [msg for per_rank in results for msg in per_rank]
-    assert not failures, "\n".join(failures)
+    assert_no_failures(results)
 
 
 def _load_body(rank: int, world: int) -> list[str]:

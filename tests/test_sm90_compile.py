@@ -35,13 +35,14 @@ def test_low_latency_kernels_compile_for_sm90():
 @pytest.mark.slow
 def test_kernels_compile_for_sm90():
     stdout = _compile_for_sm90()
-    # Five builds (layout and dispatch with expert-major and with token rows, combine) at EP2
-    # and EP8 in one node, and at EP16 as 2 nodes of 8 with NVSHMEM linked; FP8 dispatch at
+    # Six builds (layout and dispatch with expert-major and with token rows, combine, and
+    # combine with token rows' topk_weights) at EP2 and EP8 in one node, and at EP16 as 2 nodes
+    # of 8 with NVSHMEM linked; FP8 dispatch at
     # EP8 (expert-major rows) and EP16 (token rows); dispatch quantizing into FP8, MXFP8 and
     # NVFP4 and the exact-mode move whose outputs come from the host, at EP2; the MXFP8 / NVFP4
     # quantizer alone (3); the low-latency dispatch (bf16, FP8 with UE8M0 scales), combine and
     # farewell at each of the three topologies (12).
-    assert stdout.count("REG:") == 36, stdout
+    assert stdout.count("REG:") == 39, stdout
 
 
 _CACHE_HIT_SCRIPT = """

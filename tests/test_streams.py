@@ -15,6 +15,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
+from conftest import assert_no_failures
 
 from hybrid_ep_triton import Buffer
 from hybrid_ep_triton.tools.launcher import rank_device
@@ -102,8 +103,7 @@ def _async_in_a_graph(buf: Buffer, x, idx, w, max_recv: int) -> dict:
 @pytest.mark.parametrize("world", [1, 2])
 def test_async_finish_matches_the_calling_stream(launch, world):
     results = launch(_async_body, world)
-    failures = [msg for per_rank in results for msg in per_rank]
-    assert not failures, "\n".join(failures)
+    assert_no_failures(results)
 
 
 # --- CUDA graphs ---------------------------------------------------------------------------
@@ -192,8 +192,7 @@ def _graph_body(rank: int, world: int) -> list[str]:
 @pytest.mark.parametrize("world", [1, 2])
 def test_graph_replay_of_forward_and_backward_matches_eager(launch, world):
     results = launch(_graph_body, world)
-    failures = [msg for per_rank in results for msg in per_rank]
-    assert not failures, "\n".join(failures)
+    assert_no_failures(results)
 
 
 def _stats_graph_body(rank: int, world: int) -> list[str]:
@@ -238,5 +237,4 @@ def _stats_graph_body(rank: int, world: int) -> list[str]:
 @pytest.mark.parametrize("world", [1, 2])
 def test_expert_recv_stats_add_up_in_graph_replays(launch, world):
     results = launch(_stats_graph_body, world)
-    failures = [msg for per_rank in results for msg in per_rank]
-    assert not failures, "\n".join(failures)
+    assert_no_failures(results)

@@ -20,6 +20,7 @@ import sys
 import pytest
 import torch
 import torch.distributed as dist
+from conftest import assert_no_failures
 
 from hybrid_ep_triton import Buffer, reference
 from hybrid_ep_triton.buffer import ranks_per_host
@@ -223,8 +224,7 @@ def _bad_call_body(rank: int, world_size: int) -> list[str]:
 
 def test_bad_dispatch_and_combine_arguments(launch):
     results = launch(_bad_call_body, 2)
-    failures = [msg for per_rank in results for msg in per_rank]
-    assert not failures, "\n".join(failures)
+    assert_no_failures(results)
 
 
 # --- a bad input on one rank ------------------------------------------------------------------
@@ -306,8 +306,7 @@ def test_a_bad_input_on_one_rank_is_an_error_on_every_rank(launch, world):
         kinds = ["x float32", "topk_idx float", "topk_weights bf16", "pad_multiple 0",
                  "max_recv_tokens -1", "expert_recv_stats int32"]  # fmt: skip
     results = launch(_one_bad_rank_body, world, kinds)
-    failures = [msg for per_rank in results for msg in per_rank]
-    assert not failures, "\n".join(failures)
+    assert_no_failures(results)
 
 
 # Rank BAD passes one bad argument to a call along a handle (a cached dispatch or a combine), the
@@ -404,8 +403,7 @@ def test_a_bad_call_along_a_handle_on_one_rank_is_an_error_on_every_rank(
     if world == 4:  # across 2 nodes: one of each call
         kinds = ["cached dispatch, x float32", "combine, weights bf16"]
     results = launch(_one_bad_call_along_a_handle_body, world, ranks_per_node, kinds)
-    failures = [msg for per_rank in results for msg in per_rank]
-    assert not failures, "\n".join(failures)
+    assert_no_failures(results)
 
 
 # An adapter's own check failing on rank BAD (Buffer.refuse), the others making the call: the
@@ -471,8 +469,7 @@ def _check_token_round_trip(buf: Buffer, seed: int, what: str) -> list[str]:
 
 def test_an_adapters_refusal_on_one_rank_is_an_error_on_every_rank(launch):
     results = launch(_adapter_refusal_body, 2)
-    failures = [msg for per_rank in results for msg in per_rank]
-    assert not failures, "\n".join(failures)
+    assert_no_failures(results)
 
 
 # Buffer(agree_on_inputs=True): every call first agrees on the host, so a bad input of rank BAD
@@ -538,8 +535,7 @@ def test_agreeing_ranks_raise_a_bad_input_in_the_call_on_every_rank(launch, worl
     if world == 4:  # across 2 nodes
         kinds = ["cached dispatch, x float32", "combine, weights bf16", "dispatch, x float32"]
     results = launch(_agreeing_body, world, ranks_per_node, kinds)
-    failures = [msg for per_rank in results for msg in per_rank]
-    assert not failures, "\n".join(failures)
+    assert_no_failures(results)
 
 
 # --- constructor -----------------------------------------------------------------------------
@@ -633,8 +629,7 @@ def _constructor_body(rank: int, world_size: int) -> list[str]:
 
 def test_bad_constructor_arguments(launch):
     results = launch(_constructor_body, 2)
-    failures = [msg for per_rank in results for msg in per_rank]
-    assert not failures, "\n".join(failures)
+    assert_no_failures(results)
 
 
 # --- routing values, checked on the device ---------------------------------------------------
@@ -701,8 +696,7 @@ def test_invalid_routing_values_raise_on_every_rank(launch):
     # int64 ids past the int32 range must not be narrowed into valid-looking ones.
     kinds = ["too_large", "below_minus_one", "duplicate", "huge_int64", "huge_negative_int64"]
     results = launch(_routing_body, 3, kinds)
-    failures = [msg for per_rank in results for msg in per_rank]
-    assert not failures, "\n".join(failures)
+    assert_no_failures(results)
 
 
 # --- a group of one rank ---------------------------------------------------------------------

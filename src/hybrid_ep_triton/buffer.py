@@ -295,7 +295,8 @@ class Buffer:
 
         Args:
             x: [T, H] tokens of the Buffer's dtype, T <= num_max_dispatch_tokens_per_rank.
-            topk_idx: [T, K] int32/int64 global expert ids, -1 for an unused slot.
+            topk_idx: [T, K] int32/int64 global expert ids, -1 for an unused slot (an id
+                outside [-1, E) refuses the call on the device: docs/reference.md).
             num_max_dispatch_tokens_per_rank: M', the same on every rank, 1..low_latency_tokens.
             num_experts: E, the Buffer's.
             cumulative_local_expert_recv_stats: int32 [L] or None: adds each local expert's rows.

@@ -32,11 +32,16 @@ HOST_RECORD = tl.constexpr(11)
 HOST_RECORD_SEQ = tl.constexpr(17)
 # The low-latency mode (kernels/low_latency.py): the sequence number of its last call (dispatch
 # and combine count together: a call's receive area is the parity of its number), the tickets
-# a sending launch's programs take as they start, and the first rank whose host refused a
-# call's inputs + 1.
+# a sending launch's programs take as they start, and the first rank that refused a call + 1
+# (another rank, whose host refused the call's inputs or whose dispatch's topk_idx held an
+# expert id outside [-1, E); or this one, for such a topk_idx: its host raises the others).
 LL_SEQ = tl.constexpr(18)
 LL_TICKET = tl.constexpr(19)
 LL_REFUSED = tl.constexpr(20)
+# A low-latency dispatch's layout_range entry for a source that refused the call: no rows, and
+# a combine along the handle sends that source its flags all the same (with no rows), since its
+# topk_idx names experts it sent no rows to, whose flags its combine waits for.
+LL_REFUSED_RANGE = tl.constexpr(-1)
 # A low-latency flag is (seq << LL_SEQ_SHIFT) | a rows field: the rows of a block (at most the
 # Buffer's low_latency_tokens, which it keeps within LL_MAX_ROWS), and the bit above them where
 # the source's host refused the call. A flag then holds 46 bits of seq: a Buffer may make 2^46

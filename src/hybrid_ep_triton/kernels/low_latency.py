@@ -36,10 +36,16 @@ A sender of call seq overwrites what call seq - 2 received: it first waits until
 destination's receive of seq - 2 is over (``ll_freed``, which each rank's last receiving
 program pushes to every other rank). Every wait is bounded by timeout_ns, as in normal mode.
 A rank whose host refused a call's inputs still runs it, with no rows and REFUSED in its flags:
-no peer waits, every peer records the rank in LL_REFUSED (Buffer.check raises it). A masked
-rank (kernels/peers.py: Buffer.update_mask, or a wait on it that ran out with
-mask_failed_ranks) is neither sent to nor waited for: it counts as a source of no rows, and its
-experts add nothing to another rank's combine. A mask this rank sets (a wait that ran out, or by
+no peer waits, every peer records the rank in LL_REFUSED (Buffer.check raises it). A dispatch
+whose topk_idx holds an expert id outside [-1, E) is refused on the device alike: its count and
+send programs scan the whole of topk_idx anyway, so each sees it there (a compare per entry) and
+sends no rows and REFUSED flags, and the count programs record this rank itself in LL_REFUSED.
+A receiver marks a refusing source LL_REFUSED_RANGE in layout_range, and a combine along that
+handle sends such a source its flags all the same, with no rows: its topk_idx names experts it
+sent no rows to, whose flags its combine waits for. A masked rank (kernels/peers.py:
+Buffer.update_mask, or a wait on it that ran out with mask_failed_ranks) is neither sent to
+nor waited for: it counts as a source of no rows, and its experts add nothing to another
+rank's combine. A mask this rank sets (a wait that ran out, or by
 hand) is MASKED_HERE until program 0 of its next launch tells every other rank (sets the mask
 in theirs, and 1 in its own), so that their waits on that rank end too.
 
@@ -61,6 +67,7 @@ from .control import (
     LL_DONE,
     LL_MAX_ROWS,
     LL_REFUSED,
+    LL_REFUSED_RANGE,
     LL_SEQ,
     LL_SEQ_SHIFT,
     LL_TICKET,
@@ -163,9 +170,17 @@ def _rows_sent(rows, source, rank, sync):
 
 @triton.jit
 def _note_refusal(source, sync):
-    """Record in LL_REFUSED (the first one: source + 1) that ``source``, another rank, refused a
-    call (a rank's host raises its own refusal)."""
+    """Record in LL_REFUSED (the first one: source + 1) that ``source`` refused a call: another
+    rank, or this one where its dispatch's topk_idx holds an expert id outside [-1, E) (a
+    rank's host raises its own refusals)."""
     tl.atomic_cas(sync.control_ptr + LL_REFUSED, tl.zeros([], tl.int64), source.to(tl.int64) + 1)
+
+
+@triton.jit
+def _outside(ids, k):
+    """Whether each of the expert ids ``ids`` lies outside [-1, E), compared in the ids' own
+    width (an int64 id must not wrap into int32 first)."""
+    return (ids < -1) | (ids >= k.W * k.L)
 
 
 @triton.jit
@@ -445,17 +460,20 @@ def _token_chunks(hidden, k):
 def _list_rows(tokens, expert, scratch, k):
     """Scan this rank's topk_idx for ``expert``: its list is the entries (t, slot) that name it,
     in token order. Writes each entry i = t * K + slot to ``scratch`` [M] at its position in the
-    list; returns the list's length."""
+    list; returns the list's length and whether topk_idx holds an expert id outside [-1, E)."""
     entries = tokens.num_tokens * k.K
     length = 0
+    outside = tl.zeros([k.SCAN], tl.int1)
     for i0 in range(0, entries, k.SCAN):
         i = i0 + tl.arange(0, k.SCAN)
-        named = tl.load(tokens.topk_ptr + i, mask=i < entries, other=-1) == expert
+        ids = tl.load(tokens.topk_ptr + i, mask=i < entries, other=-1)
+        outside |= _outside(ids, k)
+        named = ids == expert
         position = length + tl.cumsum(named.to(tl.int32), axis=0) - 1
         tl.store(scratch + position, i, mask=named)
         length += tl.sum(named.to(tl.int32), axis=0)
     tl.debug_barrier()  # the scratch, written by other threads, is read next
-    return length
+    return length, tl.max(outside.to(tl.int32), axis=0) != 0
 
 
 @triton.jit
@@ -492,26 +510,42 @@ def _count_role(program, seq, tokens, out, heap, sync, k):
     """Program (COUNTED local experts): the length of each one's list (the token role moves their
     rows), released alone in ll_own (the own rows are not read in this launch: no release
     needed); their layout_range entries, and in a group of one recv_count (and the
-    statistics). Waits for nothing."""
+    statistics). A topk_idx with an expert id outside [-1, E) refuses the call: no rows, and
+    this rank in LL_REFUSED. Waits for nothing."""
     rank = tokens.rank
     expert_local = program * COUNTED + tl.arange(0, COUNTED)
     emask = expert_local < k.L
-    expert = rank * k.L + expert_local
-    entries = tokens.num_tokens * k.K
-    length = tl.zeros([COUNTED], tl.int32)
-    for i0 in range(0, entries, k.SCAN):
-        i = i0 + tl.arange(0, k.SCAN)
-        named = tl.load(tokens.topk_ptr + i, mask=i < entries, other=-1).to(tl.int32)
-        length += tl.sum((named[None, :] == expert[:, None]).to(tl.int32), axis=1)
-    tl.store(out.layout_range_ptr + expert_local * k.W + rank, length.to(tl.int64), mask=emask)
+    length, outside = _count_lists(tokens, rank * k.L + expert_local, k)
+    if outside:
+        _note_refusal(rank, sync)
+    refused = (sync.refused != 0) | outside
+    length = tl.where(refused, 0, length)
+    span = tl.where(refused, LL_REFUSED_RANGE, length.to(tl.int64))
+    tl.store(out.layout_range_ptr + expert_local * k.W + rank, span, mask=emask)
     if k.W == 1:
         received = tl.minimum(length, out.rows)
         tl.store(out.recv_count_ptr + expert_local, received, mask=emask)
         if k.HAS_STATS:
             tl.atomic_add(out.stats_ptr + expert_local, received, mask=emask)
     own = region(heap.peer_bases_ptr, rank, heap.own_off, tl.int64)
-    flags = _flag_value(seq, length | tl.where(sync.refused != 0, REFUSED, 0))
+    flags = _flag_value(seq, length | tl.where(refused, REFUSED, 0))
     tl.atomic_xchg(own + (seq % 2) * k.L + expert_local, flags, mask=emask, sem="relaxed")
+
+
+@triton.jit
+def _count_lists(tokens, expert, k):
+    """The lengths of the lists of ``expert`` [COUNTED] (the entries of this rank's topk_idx
+    that name each), and whether topk_idx holds an expert id outside [-1, E)."""
+    entries = tokens.num_tokens * k.K
+    length = tl.zeros([COUNTED], tl.int32)
+    outside = tl.zeros([k.SCAN], tl.int1)
+    for i0 in range(0, entries, k.SCAN):
+        i = i0 + tl.arange(0, k.SCAN)
+        ids = tl.load(tokens.topk_ptr + i, mask=i < entries, other=-1)
+        outside |= _outside(ids, k)
+        named = ids.to(tl.int32)
+        length += tl.sum((named[None, :] == expert[:, None]).to(tl.int32), axis=1)
+    return length, tl.max(outside.to(tl.int32), axis=0) != 0
 
 
 @triton.jit
@@ -520,7 +554,8 @@ def _send_role(program, seq, tokens, heap, sync, k):
     e's receive block on its rank, each row behind a header with its token index, or to another
     node whole, by slice 0, through this rank's send area. Waits for its tokens' quantization
     (FP8) and for that rank's receive of call seq - 2 to be over. Releases the slice's flag with
-    the list's length."""
+    the list's length (a refused call, or a topk_idx with an expert id outside [-1, E): none,
+    and REFUSED)."""
     s = program % k.S
     expert = program // k.S
     expert += k.L * (expert >= tokens.rank * k.L).to(tl.int32)
@@ -535,8 +570,10 @@ def _send_rows(program, expert, s, seq, tokens, heap, sync, k):
     owner = expert // k.L
     rank = tokens.rank
     dtype = tokens.x_ptr.dtype.element_ty
-    length = _list_rows(tokens, expert, sync.scratch_ptr + program * k.M, k)
-    flag = _flag_value(seq, length | tl.where(sync.refused != 0, REFUSED, 0))
+    length, outside = _list_rows(tokens, expert, sync.scratch_ptr + program * k.M, k)
+    refused = (sync.refused != 0) | outside
+    length = tl.where(refused, 0, length)  # (a refused call sends no rows)
+    flag = _flag_value(seq, length | tl.where(refused, REFUSED, 0))
     cols = tokens.hidden // 4 if k.FP8 else tokens.hidden
     first, last = _slice(cols, s, k)
     on_node = tl.load(heap.peer_bases_ptr + owner) != 0
@@ -593,30 +630,13 @@ def _send_rows(program, expert, s, seq, tokens, heap, sync, k):
 @triton.jit
 def _dispatch_receive_role(program, seq, tokens, out, heap, sync, k):
     """Program (local expert e, source position q >= 1). Waits for the lengths of the sources
-    at positions 0..q (position 0: this rank's own count), then for q's slices (a source on
-    another node: its whole block). Releases nothing: writes q's rows of recv_x with their
-    src_info, its layout_range entry, and after the last source recv_count (and adds it into
-    the statistics)."""
+    at positions 0..q (``_place``), then for q's slices (a source on another node: its whole
+    block). Releases nothing: writes q's rows of recv_x with their src_info, its layout_range
+    entry, and after the last source recv_count (and adds it into the statistics)."""
     expert_local = program // (k.W - 1)
     q = program % (k.W - 1) + 1
     rank = tokens.rank
-    own = region(heap.peer_bases_ptr, rank, heap.own_off, tl.int64)
-    own_flag = own + (seq % 2) * k.L + expert_local
-    wait_at_least(
-        own_flag, _flag_value(seq, 0), sync.timeout_ns, sync.status_ptr, rank, STAGE_LL_DISPATCH
-    )
-    first = _rows_sent(_flag_rows(own_flag), rank, rank, sync)
-    length = 0
-    for place in range(1, q + 1):
-        source = _source_in_order(place, rank)
-        b = _dispatch_block(expert_local, source, rank, k)
-        first += length
-        arrived, sent = _wait_flag(
-            _flag(heap, rank, b, 0, seq, k), seq, source, STAGE_LL_DISPATCH, heap, sync, k
-        )
-        length = 0  # (a masked source sends none)
-        if arrived:
-            length = _rows_sent(sent, source, rank, sync)
+    first, length, refusal, own_refusal = _place(expert_local, q, seq, heap, sync, k)
     source = _source_in_order(q, rank)
     b = _dispatch_block(expert_local, source, rank, k)
     if (tl.load(heap.peer_bases_ptr + source) != 0) & (length > 0):
@@ -651,14 +671,52 @@ def _dispatch_receive_role(program, seq, tokens, out, heap, sync, k):
             tokens.x_ptr.dtype.element_ty,
             k,
         )
-    tl.store(
-        out.layout_range_ptr + expert_local * k.W + source, (first.to(tl.int64) << 32) | length
+    _store_counts(out, expert_local, q, source, first, length, refusal, own_refusal, k)
+
+
+@triton.jit
+def _place(expert_local, q, seq, heap, sync, k):
+    """Where the rows of the source at position q >= 1 of local expert ``expert_local`` go, once
+    the lengths of the sources at positions 0..q are up (position 0: this rank's own count):
+    (their first row, their number, the REFUSED bit of that source's flag, and of this
+    rank's own)."""
+    rank = sync.rank
+    own = region(heap.peer_bases_ptr, rank, heap.own_off, tl.int64)
+    own_flag = own + (seq % 2) * k.L + expert_local
+    wait_at_least(
+        own_flag, _flag_value(seq, 0), sync.timeout_ns, sync.status_ptr, rank, STAGE_LL_DISPATCH
     )
+    own_sent = _flag_rows(own_flag)
+    first = _rows_sent(own_sent, rank, rank, sync)
+    length = 0
+    refusal = 0
+    for place in range(1, q + 1):
+        source = _source_in_order(place, rank)
+        b = _dispatch_block(expert_local, source, rank, k)
+        first += length
+        arrived, sent = _wait_flag(
+            _flag(heap, rank, b, 0, seq, k), seq, source, STAGE_LL_DISPATCH, heap, sync, k
+        )
+        length = 0  # (a masked source sends none)
+        refusal = 0
+        if arrived:
+            length = _rows_sent(sent, source, rank, sync)
+            refusal = sent & REFUSED
+    return first, length, refusal, own_sent & REFUSED
+
+
+@triton.jit
+def _store_counts(out, expert_local, q, source, first, length, refusal, own_refusal, k):
+    """The layout_range entry of the rows of local expert ``expert_local`` from ``source``, at
+    position q (LL_REFUSED_RANGE where it refused the call: ``refusal``), and after the last
+    source recv_count, which the statistics add unless this rank refused the call."""
+    span = tl.where(refusal != 0, LL_REFUSED_RANGE, (first.to(tl.int64) << 32) | length)
+    tl.store(out.layout_range_ptr + expert_local * k.W + source, span)
     if q == k.W - 1:
         received = tl.minimum(first + length, out.rows)
         tl.store(out.recv_count_ptr + expert_local, received)
         if k.HAS_STATS:
-            tl.atomic_add(out.stats_ptr + expert_local, received)
+            tl.atomic_add(out.stats_ptr + expert_local, received, mask=own_refusal == 0)
 
 
 @triton.jit
@@ -679,18 +737,21 @@ def _output_rows(out, expert_local, position):
 def _combine_send_role(program, seq, rows, heap, sync, k):
     """Program (local expert e, other rank j, slice s): the rows of e from j (layout_range) go
     back into j's receive block of e, at the positions they had in j's list (to another node
-    whole, by slice 0; a refused call: no rows, every flag a peer could wait for). Waits for
-    j's receive of call seq - 2 to be over. Releases the slice's flag."""
+    whole, by slice 0; a refused call, or a dispatch that j refused: no rows, every flag j
+    could wait for). Waits for j's receive of call seq - 2 to be over. Releases the slice's
+    flag."""
     s = program % k.S
     expert_local = program // k.S // (k.W - 1)
     j = program // k.S % (k.W - 1)
     rank = rows.rank
     j += (j >= rank).to(tl.int32)
     span = tl.load(rows.layout_range_ptr + expert_local * k.W + j, mask=sync.refused == 0, other=0)
+    echo = span == LL_REFUSED_RANGE  # (j refused the dispatch: no rows, but the flags)
+    span = tl.where(echo, 0, span)
     first = (span >> 32).to(tl.int32)
     length = (span & 0xFFFFFFFF).to(tl.int32)
     on_node = tl.load(heap.peer_bases_ptr + j) != 0
-    sending = ((length > 0) | (sync.refused != 0)) & (on_node | (s == 0)) & live(sync, j)
+    sending = ((length > 0) | (sync.refused != 0) | echo) & (on_node | (s == 0)) & live(sync, j)
     if sending:
         sending = _wait_freed(j, seq, heap, sync, k)  # (False: masked meanwhile)
     if sending:
@@ -772,12 +833,14 @@ def _combine_receive_role(program, seq, rows, heap, sync, k):
     dtype = rows.x_ptr.dtype.element_ty
     slots = tl.arange(0, k.K_P2)
     entry = t * k.K + slots
-    expert = tl.load(rows.topk_ptr + entry, mask=slots < k.K, other=-1).to(tl.int32)
+    ids = tl.load(rows.topk_ptr + entry, mask=slots < k.K, other=-1)
     # (read beside the experts rather than after them: an invalid slot's are not used)
     position = tl.load(rows.slots_ptr + entry, mask=slots < k.K, other=0).to(tl.int64)
     weight = tl.load(rows.weights_ptr + entry, mask=slots < k.K, other=0.0)
-    valid = expert >= 0
-    expert = tl.where(valid, expert, 0)
+    # (an id outside [-1, E), which made the dispatch refuse the call, names no expert; compared
+    # in the ids' own width, as ``_outside``)
+    valid = (ids >= 0) & (ids < k.W * k.L)
+    expert = tl.where(valid, ids, 0).to(tl.int32)
     owner = expert // k.L
     own = owner == rank
     remote = valid & ~own

@@ -369,11 +369,13 @@ def run_refused_combine(rt: Runtime, area: int) -> None:
     )
 
 
-def _check_after_launch(rt: Runtime) -> None:
+def _check_after_launch(rt: Runtime, received: bool) -> None:
     """CPU ranks' launches are synchronous: raise what the launch recorded now (on GPUs,
-    Buffer.check does)."""
+    Buffer.check does). A refusal is raised after a launch that ``received``: a send half that
+    refused its own topk_idx leaves it to the call's receive half (its hook), which must still
+    run, as it frees this call's receive area for the peers' call two calls on."""
     if not rt.on_gpu:
-        status.check_low_latency(rt)
+        status.check_low_latency(rt, refusals=received)
 
 
 # -- the calls, as Buffer makes them ------------------------------------------------------------
@@ -653,7 +655,7 @@ def _dispatch_op(
         area=area,
         refused=refused,
     )
-    _check_after_launch(rt)
+    _check_after_launch(rt, receive)
     return tuple(outputs)
 
 
@@ -702,7 +704,7 @@ def _dispatch_receive_op(
         receive=True,
         area=0,
     )
-    _check_after_launch(rt)
+    _check_after_launch(rt, True)
 
 
 dispatch_receive = torch.library.custom_op(
@@ -744,7 +746,7 @@ def _combine_op(
         area=area,
         refused=refused,
     )
-    _check_after_launch(rt)
+    _check_after_launch(rt, receive)
     return call_seq
 
 
@@ -796,7 +798,7 @@ def _combine_receive_op(
         receive=True,
         area=0,
     )
-    _check_after_launch(rt)
+    _check_after_launch(rt, True)
 
 
 combine_receive = torch.library.custom_op(

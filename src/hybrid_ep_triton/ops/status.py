@@ -69,20 +69,35 @@ def check_after_launch(rt: Runtime) -> None:
         raise_on_status(rt, *rt.control[_STATUS].tolist())
 
 
-def check_low_latency(rt: Runtime) -> None:
+def check_low_latency(rt: Runtime, refusals: bool = True) -> None:
     """What the device recorded of low-latency calls (synchronises on GPUs): TimeoutError (a
-    wait timed out), or ValueError (a rank's host refused a call's inputs: the outputs of
+    wait timed out), or with ``refusals`` ValueError (a rank refused a call: its host refused
+    the inputs, or its dispatch's topk_idx held an expert id outside [-1, E); the outputs of
     that call are not valid), after which the record is cleared."""
     code, peer, stage, refused = rt.control[
         [*range(int(STATUS), int(STATUS) + int(STATUS_WORDS)), int(LL_REFUSED)]
     ].tolist()
     raise_on_status(rt, code, peer, stage)
-    if refused:
+    if refused and refusals:
         rt.control[int(LL_REFUSED)] = 0
-        raise ValueError(
-            f"rank {refused - 1} refused its inputs of a low-latency call (its own ValueError "
-            "said why): that call's outputs here are not valid"
+        raise ValueError(_low_latency_refusal(rt, refused - 1))
+
+
+def _low_latency_refusal(rt: Runtime, source: int) -> str:
+    """What LL_REFUSED's ``source`` did: this rank only records itself for an invalid topk_idx
+    (its host raises its own refusals in the call)."""
+    experts = rt.plan.num_experts
+    if source == rt.rank:
+        return (
+            f"rank {source} (this rank): the topk_idx of a low-latency dispatch held an expert "
+            f"id outside [-1, {experts}), so the call was refused: no rank received rows from "
+            "this one, and the call's outputs here are not valid"
         )
+    return (
+        f"rank {source} refused a low-latency call (its host refused the inputs, or its "
+        f"topk_idx held an expert id outside [-1, {experts}); its own ValueError says which): "
+        "that call's outputs here are not valid"
+    )
 
 
 def raise_on_status(rt: Runtime, code: int, peer: int, stage: int) -> None:
