@@ -62,7 +62,8 @@ class Buffer(LowLatencyMode):
             raise ValueError("Either 'group' or 'comm' must be provided.")
         if not timeout_s > 0:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
-        self.group, self.rank, self.group_size = group, group.rank(), group.size()
+        self.group, self.rank = group, dist.get_rank(group)
+        self.group_size = dist.get_world_size(group)
         self.num_nvl_bytes, self.num_rdma_bytes = num_nvl_bytes, num_rdma_bytes
         self.low_latency_mode, self.explicitly_destroy = low_latency_mode, explicitly_destroy
         self.enable_shrink, self.timeout_s = enable_shrink, float(timeout_s)

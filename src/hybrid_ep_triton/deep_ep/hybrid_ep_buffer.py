@@ -19,6 +19,7 @@ import os
 import socket
 
 import torch
+import torch.distributed as dist
 
 from .. import Buffer as NativeBuffer
 from ..moe import topk_from_map
@@ -63,7 +64,8 @@ class HybridEPBuffer:
                  num_blocks_unpermute=None, load_cached_kernels=False, use_shared_buffer=True,
                  enable_custom_allgather=True, num_of_hybrid_ep_ranks_per_nvlink_domain=None,
                  use_mnnvl=None):  # fmt: skip
-        self.group, self.rank, self.group_size = group, group.rank(), group.size()
+        self.group, self.rank = group, dist.get_rank(group)
+        self.group_size = dist.get_world_size(group)
         everyone = gather(group, (socket.gethostname(), max_num_of_tokens_per_rank))
         per_domain = num_of_hybrid_ep_ranks_per_nvlink_domain or int(os.getenv(DOMAIN_ENV, "0"))
         per_domain = per_domain or ranks_per_host([host for host, _ in everyone])

@@ -1,20 +1,9 @@
-"""The native Buffer behind an adapter's calls, sized at its first call and made again,
-collectively, when a call needs more tokens or rows of another kind; and the helpers of rows
-and routing that the adapters share.
-
-DeepEP's constructors take byte counts and no token limit; a ``hybrid_ep_triton.Buffer`` is
-made for ``max_tokens_per_rank`` tokens of one hidden size and dtype. So (docs/deep_ep.md,
-"Sizes"): the first call agrees on its rows' kind (the ``key``) and the largest token count of
-the ranks in one host all-gather, which also carries a rank's refusal of its arguments, and
-makes the Buffer for it (rounded up to TOKEN_QUANTUM). A later call with more tokens than the
-capacity on some rank, or rows of another key, is refused by the Buffer on every rank in the
-same call (nothing moves); every rank then agrees on the largest count and the key (a host
-all-gather), makes a Buffer for max(that, GROWTH x the capacity) (for a new key: that) and
-repeats the call; a call some rank refused for another reason raises on every rank instead.
-With max_recv_tokens (no host synchronisation) nothing grows: a new key is agreed on by a
-host all-gather before the call, more tokens than the capacity is a ValueError naming it.
-Earlier Buffers stay until ``destroy()``: handles made on them stay valid, and freeing
-symmetric memory is collective, which garbage collection cannot be.
+"""The native Buffer behind an adapter's calls (``Sized``), made at the first call for its
+rows' kind (``key``) and the ranks' largest token count, and made again when a call needs more
+tokens or rows of another kind: the Buffer refuses that call on every rank, which then agree on
+the new size in a host all-gather (docs/deep_ep.md, "Sizes"); and the helpers of handles, rows
+and routing that the adapters share. Earlier Buffers stay until ``destroy()``: handles made on
+them stay valid, and freeing symmetric memory is collective, which garbage collection is not.
 """
 
 from __future__ import annotations
