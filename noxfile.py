@@ -1,13 +1,15 @@
 """Developer tasks (arguments after `--` go to the command, e.g. `nox -s quick -- -k cli`):
 
+- `nox -s lint tests oldest_triton`: what `.ci/run` runs, one after another (the sessions below).
+- `nox -s lint`: ruff (check, format --check), then the import contracts of pyproject.toml
+  (`lint-imports`: the rooms of docs/architecture.md and the way imports go between them).
 - `nox -s tests`: the whole test suite on CPU ranks (Triton interpreter), 8 to 17 minutes on 2
-  cores by the day's machine (docs/testing.md); it names each test as it runs, lists the skipped
-  ones with their reasons at the end, then the 15 slowest. `.ci/run` runs this, then the next.
+  cores, by the machine (docs/testing.md); it names each test as it runs, lists the skipped
+  ones with their reasons at the end, then the 15 slowest.
 - `nox -s quick`: the tests not marked slow (`pytest -m "not slow"`), in about 3 minutes.
 - `nox -s oldest_triton`: every kernel under the oldest Triton supported (3.6) with the NumPy
   that pip resolves, the kernels' tests not marked slow: 4 minutes with the installs, fresh.
-- `nox -s lint`: ruff. `nox -s bench`: the benchmark (GPUs). `nox -s demo`: one MoE layer on
-  CPU ranks.
+- `nox -s bench`: the benchmark (GPUs). `nox -s demo`: one MoE layer on CPU ranks.
 """
 
 from pathlib import Path
@@ -29,6 +31,8 @@ MEGATRON = "megatron-core==0.19.2"
 # must leave the CPU torch alone.
 TORCHAO = "torchao==0.18.0"
 LINT_PATHS = ["src", "tests", "bench", "examples", "noxfile.py"]
+# The private_modules contract type of pyproject.toml came with import-linter 2.17.
+IMPORT_LINTER = "import-linter>=2.17"
 
 
 # Each test's name as it runs (-v), why tests were skipped (-ra), the slowest 15.
@@ -82,11 +86,14 @@ def oldest_triton(session: nox.Session) -> None:
 
 @nox.session
 def lint(session: nox.Session) -> None:
-    """ruff check and ruff format --check."""
-    session.install("ruff")
+    """ruff check, ruff format --check, then the import contracts of pyproject.toml."""
+    session.install("ruff", IMPORT_LINTER)
     paths = [p for p in LINT_PATHS if Path(p).exists()]
     session.run("ruff", "check", *paths)
     session.run("ruff", "format", "--check", *paths)
+    # import-linter reads the source and imports nothing of it: src/ on the path is enough, so
+    # this session installs neither the package nor torch.
+    session.run("lint-imports", env={"PYTHONPATH": "src"})
 
 
 @nox.session

@@ -83,7 +83,7 @@ def pytest_collection_modifyitems(config, items):
         # Tests that run ranks first, then those that use the GPU in this process: a CUDA
         # context here makes this process a client of the MPS daemon, which can then not be
         # restarted after a rank sharing the GPU was killed, and every later pool would fail
-        # (tools/launcher._restart_mps_if_needed; 12 tests so on an H200 at c86395c).
+        # (tools/launcher._restart_mps_if_needed).
         items.sort(key=lambda item: "launch" not in item.fixturenames)
         return
     skip = pytest.mark.skip(reason="gpu test: set HEP_TEST_DEVICE=cuda")

@@ -261,7 +261,7 @@ def test_ranks_sharing_a_gpu_without_mps_fail_before_any_start(gpus, monkeypatch
 
 def test_daemon_answers_only_when_its_control_program_does(tmp_path, monkeypatch):
     """A stand-in for nvidia-cuda-mps-control, answering as the real one does (exit 1 and
-    'Cannot find MPS control daemon process' without a daemon, as measured on an H200)."""
+    'Cannot find MPS control daemon process' without a daemon)."""
     control = tmp_path / mps.CONTROL
     # Only the stand-in on PATH: a GPU machine has the real one, whose daemon may be running.
     monkeypatch.setenv("PATH", str(tmp_path))

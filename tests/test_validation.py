@@ -108,8 +108,9 @@ def _bad_call_body(rank: int, world_size: int) -> list[str]:
                 f"rank {rank}: {what}: the symmetric heap changed ({len(changed)} bytes, the "
                 f"first at {first}, in {region})"
             )
-        # A peer's next call may be a layout exchange, which writes its flag into our heap: it
-        # waits until we compared (on one H200 a faster rank 1 did, at a41979f).
+        # A peer's next call may be a layout exchange, which writes its flag into this rank's
+        # heap, and a faster peer would make it before this rank has compared: the barrier
+        # holds every rank until all have.
         dist.barrier()
 
     def refused_by_all(what: str, call, match: str | None = None) -> None:

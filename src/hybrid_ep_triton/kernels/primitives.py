@@ -49,18 +49,18 @@ INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
 # The kernels' integer arguments whose value class (1, a multiple of 16, other) changes from
 # call to call but not their machine code: the layout and dispatch kernels take them as
 # do_not_specialize, so that Triton compiles one build for all their values instead of one per
-# combination of classes (what made a soak compile for hundreds of rounds). Measured with
+# combination of classes (else a soak keeps compiling for hundreds of rounds). With
 # tests/sm90_compile.py's builder: marking each of them, or all, divisible by 16 gives the same
 # sm_90 code as leaving them unmarked, at EP2, EP8 and 2 nodes of 8; num_tokens, num_chunks do
-# change it (so does making every count unspecialised: combine 4.8% slower on one H200), and
-# pad_multiple, num_quantizers stay per job (bench/results/2026-12-03-sm90-unspecialised.log).
+# change it (so does making every count unspecialised: combine 4.8% slower on an H200), and
+# pad_multiple, num_quantizers stay per job.
 UNSPECIALISED = ("max_rows", "num_out_rows", "report_tag", "refused", "outputs_tag")
 # The rank, which Triton would specialise as rank 0 (a multiple of 16), rank 1 (the constant 1)
 # and any other: the data-move and layout kernels take it as do_not_specialize, so that every
 # rank runs one build, and Triton's cache (and a prebuild) holds a third as many. Rank 0's
 # class already gives the unmarked sm_90 code for dispatch and combine at EP2 and EP8; rank 1's
-# own build (fewer spills) is given up, which the other rank of an exchange, running the
-# unmarked code, did not get anyway (bench/results/2026-12-03-sm90-rank-classes.log).
+# own build (fewer spills) is given up, which the other ranks of an exchange, running the
+# unmarked code, do not get anyway.
 SAME_ON_EVERY_RANK = ("rank",)
 
 if INTERPRETED:

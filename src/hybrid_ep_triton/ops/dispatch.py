@@ -229,7 +229,7 @@ def _quantizing_move_launcher(rt: Runtime, name: str) -> KernelLauncher:
 
 def _quantizers(rt: Runtime, num_tokens: int) -> int:
     """Programs of a quantizing move that quantize: the room beside the senders (the expanders
-    start as they finish; half of it took 117 µs instead of 93 for quantizing then moving S1
+    start as they finish; half of it takes 117 µs instead of 93 for quantizing then moving S1
     token rows at one rank, as both halves are bound by their SMs), at most one per work
     item."""
     items = ceil_div(num_tokens, rt.plan.config.chunk_tokens) * _quantizer_slices(rt.plan)

@@ -2,10 +2,9 @@
 
 ``kernel[grid](...)`` derives the kernel's specialisation from every argument on every call
 (Triton's binder, cache key, launch metadata), then its launcher reads each tensor's address
-and checks it with the driver. For our kernels' 30-50 arguments that was 50-60 µs of host time
-per launch on an H200 machine's host, against 13 µs for the compiled kernel's launcher alone
-(bench/results/2026-11-30-2xH200-experiments.log, run L0): more than a small dispatch takes on
-the GPU.
+and checks it with the driver. For this library's kernels, 30-50 arguments, that is 50-60 µs
+of host time per launch on an H200 machine's host, against 13 µs for the compiled kernel's
+launcher alone: more than a small dispatch takes on the GPU.
 
 A KernelLauncher binds the arguments that stay the same for a Buffer once. Each call passes the
 others in two groups: ``specialized``, whose Triton specialisation may differ between calls
@@ -17,15 +16,14 @@ Triton, which compiles or loads the kernel; later ones call its compiled launche
 (TRITON_INTERPRET=1) every call goes through Triton.
 
 Even then, naming every argument per call costs more host time than the compiled launcher
-(bench/results/2026-12-01-1xH200-host-profile-6e3b28f.log: 10-14 µs per launch for our
-bookkeeping, and as much again for building the arguments at the call sites). So a launch also
-returns a Relaunch: the same launch again, given only the values of the arguments that a
-repeated call changes (``changing``, positionally, then the new address of the tensor its
-TensorViews were views of), checked against the specialisation. A Relaunch launches through
-the driver (``cuLaunchKernel``) from a parameter array it keeps, where the kernel needs nothing
-that only Triton's launcher does, instead of Triton's compiled launcher, which parses every
-argument again on every call: 6-10 µs per launch of our kernels instead of 8-16, of which the
-driver call itself is most (bench/results/2026-12-01-1xH200-host-profile-3ccb8fb.log).
+(10-14 µs per launch for the bookkeeping here, and as much again for building the arguments at
+the call sites). So a launch also returns a Relaunch: the same launch again, given only the
+values of the arguments that a repeated call changes (``changing``, positionally, then the new
+address of the tensor its TensorViews were views of), checked against the specialisation. A
+Relaunch launches through the driver (``cuLaunchKernel``) from a parameter array it keeps, where
+the kernel needs nothing that only Triton's launcher does, instead of Triton's compiled
+launcher, which parses every argument again on every call: 6-10 µs per launch of these kernels
+instead of 8-16, of which the driver call itself is most.
 
 With HEP_RECORD_BUILDS set to a directory, each process records the specialisations of this
 library's kernels that it builds (``record_builds``), for ``tools.prebuild`` to compile ahead of

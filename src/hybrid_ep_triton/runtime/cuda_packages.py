@@ -21,10 +21,9 @@ NVSHMEM_PACKAGES = ("nvshmem4py-cu{}", "nvidia-nvshmem-cu{}")  # one name per CU
 CUDA_PYTHON_PACKAGES = ("cuda-python", "cuda-bindings")  # one name, versioned as CUDA is
 # (NVSHMEM version, the oldest Triton that reads its device bitcode): each release of NVSHMEM
 # writes its bitcode with a newer LLVM (3.4.5: LLVM 18.1.1, 3.5.21: 18.1.8, 3.6.5 and 3.7.2:
-# 21.1.0, 3.8.0: 22.1.8), which an older LLVM cannot read. Measured by compiling the kernels
-# across nodes for sm_90 with Triton 3.6.0, 3.7.1, 3.8.0 and 3.9.0 against each: only Triton
-# 3.6.0 with NVSHMEM 3.8.0 failed, at the first launch ("Failed to parse library";
-# bench/results/2026-12-03-bitcode-triton-matrix.log).
+# 21.1.0, 3.8.0: 22.1.8), which an older LLVM cannot read. The kernels across nodes compile
+# for sm_90 with Triton 3.6.0, 3.7.1, 3.8.0 and 3.9.0 against each, except Triton 3.6.0 with
+# NVSHMEM 3.8.0, which fails at the first launch ("Failed to parse library").
 BITCODE_NEEDS_TRITON = (((3, 8), (3, 7)),)
 
 

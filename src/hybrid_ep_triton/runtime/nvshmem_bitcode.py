@@ -7,7 +7,7 @@ kernel that calls NVSHMEM, a third of such a build's time, for the few functions
 call (``DEVICE_CALLS``, kernels/primitives.py). ``device_library`` links those out of it
 once, with Triton's own LLVM, into a small file of textual IR in the cache directory
 (``cache_location.cache_dir() / "nvshmem"``), and gives Triton that: the same sm_90 code (SASS
-identical), in less time (bench/results/2026-12-05-sm90-slim-nvshmem-bitcode.log).
+identical), in less time.
 
 No torch here: ``tools.prebuild`` maps recorded libraries with it in an environment that has
 only Triton and NVSHMEM's wheel.

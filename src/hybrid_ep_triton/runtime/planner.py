@@ -471,7 +471,7 @@ class Plan:
 
     def __hash__(self) -> int:
         # Computed once: a Plan keys caches that every dispatch looks up, and hashing its
-        # nested fields took a µs of host time per lookup.
+        # nested fields costs a µs of host time per lookup.
         return self._hash
 
     def __reduce__(self):

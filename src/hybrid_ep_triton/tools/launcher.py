@@ -69,8 +69,8 @@ _POOL_PG_TIMEOUT_S = 3 * 3600.0
 # Added to timeout_s for run_ranks's process-group timeout, for the same reason.
 _PG_TIMEOUT_MARGIN_S = 60.0
 # NVSHMEM fixes its heap's size when it initialises, from the first Buffer of a process; later
-# Buffers of a pooled process may be larger. The size reserves address space, not memory
-# (bench/results/2026-12-02-1xH200-mps-probe.log: 2 and 16 GiB took the same device memory).
+# Buffers of a pooled process may be larger. The size reserves address space, not memory (a
+# heap of 2 GiB and one of 16 GiB take the same device memory).
 _POOL_NVSHMEM_HEAP_BYTES = 16 << 30
 # What the parent sends a rank: a task (this byte, then the pickled environment and task), or
 # the word to leave, in order (through a barrier and NVSHMEM's finalisation) or at once.
@@ -431,9 +431,8 @@ class RankPool:
             _send(conn, _LEAVE_AT_ONCE if abort else _LEAVE_IN_ORDER)
         _stop([self._procs[r] for r in hung])
         # Ranks sharing a GPU get the whole exit time even when told to leave at once: a CUDA
-        # context with NVSHMEM's heap took more than _TERMINATE_GRACE_S to go under MPS (after
-        # a failed test on an H200, bench/results/2026-12-03-1xH200-shared-963cf6c.log), and
-        # killing it there costs a restart of the MPS daemon.
+        # context with NVSHMEM's heap may take more than _TERMINATE_GRACE_S to go under MPS
+        # (after a failed test), and killing it there costs a restart of the MPS daemon.
         quick = abort and not self.sharing
         _wait_all(self._procs, _TERMINATE_GRACE_S if quick else _EXIT_TIMEOUT_S)
         if self.sharing and (hung or any(p.is_alive() for p in self._procs)):
@@ -537,9 +536,8 @@ def _rank_main(rank, world_size, device, backend, tasks, results, stack_path, pg
         if device == "cuda":
             torch.cuda.synchronize()  # no kernel of this rank runs as its context goes
     # Exit without the atexit handlers, NVSHMEM's collective finalisation among them: after a
-    # failure peers may be gone or stuck, and with several PEs on one GPU it can hang (a pool's
-    # ranks did not leave within a minute on an H200 under MPS,
-    # bench/results/2026-12-02-1xH200-shared-4d2f6c7.log). The process's exit frees its memory.
+    # failure peers may be gone or stuck, and with several PEs on one GPU under MPS it can hang
+    # for more than a minute. The process's exit frees its memory.
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)

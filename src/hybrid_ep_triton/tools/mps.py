@@ -1,14 +1,14 @@
 """The CUDA MPS control daemon, for ranks that share a GPU.
 
 Without MPS, processes on one GPU are time-sliced: a flag round trip between two ranks takes
-milliseconds (4.5 ms on an H200 in the probe of issue 30), so the ranks' kernels wait on each
-other for most of their time. Under MPS they run at the same time, each on its share of the SMs
-(2.3-2.7 µs per round trip there). A process connects to the daemon when CUDA starts in it,
-through the pipe directory ``CUDA_MPS_PIPE_DIRECTORY`` (default /tmp/nvidia-mps); under
-``CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=p`` its context reports and uses p% of the SMs, rounded
-down to an even count (measured on an H200: 66, 32 and 14 of its 132 SMs at 50, 25 and 12%;
-bench/results/2026-12-02-1xH200-mps-probe.log). One daemon serves every process of the machine:
-run one test session on it at a time (a restart after a killed rank ends the others' clients).
+milliseconds (4.5 ms on an H200), so the ranks' kernels wait on each other for most of their
+time. Under MPS they run at the same time, each on its share of the SMs (2.3-2.7 µs per round
+trip there). A process connects to the daemon when CUDA starts in it, through the pipe directory
+``CUDA_MPS_PIPE_DIRECTORY`` (default /tmp/nvidia-mps); under
+``CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=p`` its context reports and uses p% of the SMs, rounded down
+to an even count (on an H200: 66, 32 and 14 of its 132 SMs at 50, 25 and 12%). One daemon serves
+every process of the machine: run one test session on it at a time (a restart after a killed
+rank ends the others' clients).
 """
 
 from __future__ import annotations

@@ -2,8 +2,7 @@
 
 Triton compiles each specialisation of a kernel at its first launch in a process, one after
 another as a run reaches them: 1-7 s each within one node, a few seconds more where NVSHMEM's
-device library is linked (across nodes; bench/results/2026-12-06-sm90-trimmed-nvshmem-ab.log),
-on a core of this project's 2-core CI machine. A run with
+device library is linked (across nodes), on one core of a 2-core CI machine. A run with
 HEP_RECORD_BUILDS=DIR records the specialisations it built (ops/launch.record_builds);
 ``prebuild`` compiles those records into Triton's cache (TRITON_CACHE_DIR) over several
 processes, so that a later run loads each build at its first launch instead of compiling it

@@ -137,9 +137,9 @@ def soak_rank(rank: int, world_size: int, cfg: SoakConfig) -> dict:
                 limit = max(memory) + bound  # the growth check's (see _summary)
             if r >= warmup and in_use > limit:
                 # Read again after a garbage collection: memory that it frees was held by
-                # objects in reference cycles awaiting Python's collector, not leaked (spikes
-                # of one round's rows on GPUs, back to the steady figure at the next reading:
-                # bench/results/2026-12-06-1xH100-soak-shared-ca3bbc0.log).
+                # objects in reference cycles awaiting Python's collector, not leaked (on GPUs,
+                # spikes of one round's rows that are back to the steady figure at the next
+                # reading).
                 gc.collect()
                 in_use, most = _memory(on_gpu)
                 collected += in_use <= limit
