@@ -4,9 +4,10 @@ sending programs."""
 import torch
 
 from ..kernels.combine import combine_kernel
-from ..runtime.planner import LOCAL_PARTS, MAX_PROGRAMS, MAX_REGISTERS, MAX_TOPK, next_power_of_2
+from ..runtime.planner import LOCAL_PARTS, MAX_TOPK, next_power_of_2
 from .geometry import (
     channel_programs,
+    data_move_arguments,
     local_parts,
     net_slot_constants,
     programs_beside_senders,
@@ -28,46 +29,21 @@ def _combine_launcher(rt: Runtime) -> KernelLauncher:
     plan, cfg, heap = rt.plan, rt.plan.config, rt.plan.heap
     return KernelLauncher(
         combine_kernel,
-        on_compile=rt.on_compile,
         outbox_ptr=rt.outbox,
         hidden=plan.hidden,
-        rank=rt.rank,
         num_reducers=_reducers(programs_beside_senders(rt), rt.world_size),
         num_senders=cfg.senders,
         local_parts=local_parts(plan, cfg.combine_block_h),
-        peer_bases_ptr=rt.heap.peer_bases,
         ready_off=heap.combine_ready,
-        chunk_flags_off=heap.chunk_flags,
         reduced_flags_off=heap.reduced_flags,
-        staging_off=heap.staging,
         slot_weights_off=heap.slot_weights,
-        control_ptr=rt.control,
-        timeout_ns=rt.timeout_ns,
-        mask_off=heap.mask,
-        W=rt.world_size,
-        T_MAX=plan.max_tokens,
-        NC_MAX=plan.max_chunks,
-        H_SLICES=cfg.h_slices,
-        P_MAX=MAX_PROGRAMS,
-        MS=plan.meta_stride,
-        MS_P2=next_power_of_2(plan.meta_stride),
-        W_P2=next_power_of_2(rt.world_size),
-        CHUNK=cfg.chunk_tokens,
         BLOCK_H=cfg.combine_block_h,
         COPY_BLOCK_H=cfg.block_h,
         COPY_UNROLL=cfg.copy_unroll,
         LP_MAX=LOCAL_PARTS,
-        STAGES=cfg.copy_stages,
-        num_warps=cfg.num_warps,
-        maxnreg=MAX_REGISTERS,
-        net_bases_ptr=rt.heap.net_bases,
-        net_flags_off=heap.net_flags,
-        net_inbox_off=heap.net_inbox,
-        net_outbox_off=heap.net_outbox,
-        heap_bytes=heap.total_bytes,
         SW=MAX_TOPK,
         **net_slot_constants(plan),
-        **rt.compile_options,
+        **data_move_arguments(rt),
         **topology_constants(plan, "R", "NODES", "R_P2", "N_P2"),
     )
 

@@ -12,14 +12,18 @@ from ..kernels.quantize import NO_QUANTIZER, QUANTIZE_FP8, QUANTIZE_MXFP8, QUANT
 from ..kernels.route import layout_kernel
 from ..runtime.planner import (
     FP8_GROUP,
-    MAX_PROGRAMS,
-    MAX_REGISTERS,
     Plan,
     ScaledRows,
     ceil_div,
     next_power_of_2,
 )
-from .geometry import channel_programs, local_parts, programs_beside_senders, topology_constants
+from .geometry import (
+    channel_programs,
+    data_move_arguments,
+    local_parts,
+    programs_beside_senders,
+    topology_constants,
+)
 from .handle import DispatchHandle, make_handle, state_layout
 from .launch import KernelLauncher
 from .runtime import Runtime
@@ -257,43 +261,18 @@ def _data_move_launcher(
     slot = plan.net_slot
     return KernelLauncher(
         dispatch_kernel,
-        on_compile=rt.on_compile,
         hidden=cols,
         data_cols=data_cols,
         num_experts=plan.num_experts,
         experts_per_rank=plan.experts_per_rank,
-        rank=rt.rank,
         num_senders=cfg.senders,
         expand_slices=_own_slices(rt, programs_beside_senders(rt), cols, block),
         staged_parts=local_parts(plan, block, cols),
-        peer_bases_ptr=rt.heap.peer_bases,
         ready_off=heap.dispatch_ready,
-        chunk_flags_off=heap.chunk_flags,
         meta_rows_off=heap.meta_rows,
         meta_weights_off=heap.meta_weights,
-        staging_off=heap.staging,
-        control_ptr=rt.control,
-        timeout_ns=rt.timeout_ns,
-        mask_off=heap.mask,
-        W=rt.world_size,
-        T_MAX=plan.max_tokens,
-        NC_MAX=plan.max_chunks,
-        H_SLICES=cfg.h_slices,
-        P_MAX=MAX_PROGRAMS,
-        MS=plan.meta_stride,
-        MS_P2=next_power_of_2(plan.meta_stride),
-        W_P2=next_power_of_2(rt.world_size),
-        CHUNK=cfg.chunk_tokens,
         BLOCK_H=block,
         TOKEN_ROWS=plan.token_rows,
-        STAGES=cfg.copy_stages,
-        num_warps=cfg.num_warps,
-        maxnreg=MAX_REGISTERS,
-        net_bases_ptr=rt.heap.net_bases,
-        net_flags_off=heap.net_flags,
-        net_inbox_off=heap.net_inbox,
-        net_outbox_off=heap.net_outbox,
-        heap_bytes=heap.total_bytes,
         outputs_addr=rt.outputs_record.data_ptr(),
         META_INTS=slot.meta_ints,
         META_FLOATS=slot.meta_floats,
@@ -301,7 +280,7 @@ def _data_move_launcher(
         DATA_OFF=slot.data_offset,
         SLOT_BYTES=slot.bytes,
         SCALE_WORDS=scale_words,
-        **rt.compile_options,
+        **data_move_arguments(rt),
         **topology_constants(plan, "R", "NODES", "R_P2"),
         **bound,
     )

@@ -1,7 +1,15 @@
 """Launch geometry shared by the dispatch and combine launches: how many programs of each role,
-column parts, and the topology's and network slot's constexprs."""
+column parts, the arguments both data moves bind for a Buffer, and the topology's and network
+slot's constexprs."""
 
-from ..runtime.planner import LOCAL_PARTS, Plan, ceil_div, next_power_of_2
+from ..runtime.planner import (
+    LOCAL_PARTS,
+    MAX_PROGRAMS,
+    MAX_REGISTERS,
+    Plan,
+    ceil_div,
+    next_power_of_2,
+)
 from .runtime import Runtime
 
 
@@ -41,3 +49,38 @@ def net_slot_constants(plan: Plan) -> dict:
     """The constexprs of a NetSlot (see the planner), by the names the kernels give them."""
     slot = plan.net_slot
     return dict(NET_COLS=slot.cols, DATA_OFF=slot.data_offset, SLOT_BYTES=slot.bytes)
+
+
+def data_move_arguments(rt: Runtime) -> dict:
+    """What dispatch's and combine's data moves both take and a Buffer fixes: its rank, heap
+    regions, control block and bound of every wait, and their shared constexprs (by the names
+    the kernels give them), with KernelLauncher's on_compile and the compile options."""
+    plan, cfg, heap = rt.plan, rt.plan.config, rt.plan.heap
+    return dict(
+        on_compile=rt.on_compile,
+        rank=rt.rank,
+        peer_bases_ptr=rt.heap.peer_bases,
+        chunk_flags_off=heap.chunk_flags,
+        staging_off=heap.staging,
+        control_ptr=rt.control,
+        timeout_ns=rt.timeout_ns,
+        mask_off=heap.mask,
+        net_bases_ptr=rt.heap.net_bases,
+        net_flags_off=heap.net_flags,
+        net_inbox_off=heap.net_inbox,
+        net_outbox_off=heap.net_outbox,
+        heap_bytes=heap.total_bytes,
+        W=rt.world_size,
+        T_MAX=plan.max_tokens,
+        NC_MAX=plan.max_chunks,
+        H_SLICES=cfg.h_slices,
+        P_MAX=MAX_PROGRAMS,
+        MS=plan.meta_stride,
+        MS_P2=next_power_of_2(plan.meta_stride),
+        W_P2=next_power_of_2(rt.world_size),
+        CHUNK=cfg.chunk_tokens,
+        STAGES=cfg.copy_stages,
+        num_warps=cfg.num_warps,
+        maxnreg=MAX_REGISTERS,
+        **rt.compile_options,
+    )
