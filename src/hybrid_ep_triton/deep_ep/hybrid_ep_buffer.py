@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from .. import Buffer as NativeBuffer
+from ..moe import topk_from_map
 from ..runtime.checks import describe, ranks_per_host
 from ..runtime.planner import MAX_TOPK
 from .sizing import TOKEN_QUANTUM, Handle, Sized, check_handle, gather, round_up, token_ranks
@@ -318,13 +319,9 @@ class HybridEPBuffer:
             else:
                 topk = min(experts, MAX_TOPK)
                 overflow = (routed > topk).any()
-            # Each row's K lowest routed ids (the Buffer takes at least one slot), then -1.
-            ids = routing_map.argsort(dim=1, descending=True, stable=True)[:, : max(topk, 1)]
-            routed = routing_map.gather(1, ids)
-            slots, slot_probs = ids.masked_fill(~routed, -1), None
-            if probs is not None:
-                taken = probs.reshape(-1, experts).gather(1, ids).float()
-                slot_probs = taken.masked_fill(~routed, 0.0)
+            # Each row's K lowest routed ids (the Buffer takes at least one slot).
+            probs = None if probs is None else probs.reshape(-1, experts).float()
+            slots, slot_probs = topk_from_map(routing_map, probs, max(topk, 1))
         return rows, (slots, slot_probs, overflow), None
 
     def _along(self, hidden, scaling_factor, topk_weights, probs, handle, expand: bool):
