@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import expect_error
+from conftest import assert_no_failures, expect_error
 
 BF16 = torch.bfloat16
 TOL = 2e-2  # bf16 sums: |got - want| <= TOL * (1 + sum of the summed terms' magnitudes)
@@ -216,13 +216,13 @@ def _normal_mode(rank: int, world: int, hidden: int, experts: int, seed: int) ->
     if not torch.equal(combined.cpu().float(), _combined(everyone, ys, rank, local, world)):
         fail("combine along a handle made before the growth differs from the reference")
     # Weights of another slot count: a ValueError on every rank, and the Buffer goes on.
-    wrong = torch.zeros(ys[rank].shape[0], handle.topk + 1, dtype=torch.float32, device=device)
+    wrong = torch.zeros(ys[rank].shape[0], handle.native.topk + 1, device=device)
     try:
         buffer.combine(ys[rank].to(device), handle, topk_weights=wrong)
         fail("a combine with topk_weights of another slot count raised nothing")
     except ValueError as error:
-        if "slots" not in str(error):
-            fail(f"the slot-count ValueError does not say so: {error}")
+        if "topk_weights" not in str(error):
+            fail(f"the slot-count ValueError does not name topk_weights: {error}")
     combined, _, _ = buffer.combine(ys[rank].to(device), handle)
     if not torch.equal(combined.cpu().float(), _combined(everyone, ys, rank, local, world)):
         fail("a combine after a refused one differs from the reference")
@@ -257,11 +257,12 @@ def _without_topk(buffer, rank, world, hidden, experts, seed, device) -> list[st
 
 
 def _fp8_and_dtype(buffer, rank, world, hidden, experts, seed, device) -> list[str]:
-    """FP8 pairs (scales column-major, as DeepEP's test passes them), then float32 rows."""
+    """FP8 pairs of two scales a row (column-major, as DeepEP's test passes them: the Buffer is
+    made again for the new hidden size), then float32 rows."""
     from hybrid_ep_triton import reference
 
     failures = []
-    local = experts // world
+    local, hidden = experts // world, 2 * hidden
     everyone = [_inputs(seed + 60, r, (3, 5), hidden, experts, 2) for r in range(world)]
     x, idx, w = (t.to(device) for t in everyone[rank])
     values, scales = reference.quantize_fp8(x)
@@ -315,6 +316,135 @@ def _refusals(buffer) -> list[str]:
     expect("timeout_s", lambda: deep_ep.Buffer(dist.group.WORLD, timeout_s=0))
     expect("explicitly_destroy", deep_ep.Buffer(dist.group.WORLD).destroy)
     return failures
+
+
+def _bad_input_on_one_rank(rank: int, world: int, hidden: int, experts: int) -> list[str]:
+    """Each argument DeepEP asserts on, bad on one rank (the ranks take turns): a ValueError on
+    every rank in the same call, the bad rank's own (its words), the others' naming that rank
+    (along a handle: at the next dispatch with a new layout, as the native Buffer's); then a
+    good call on every rank matches the reference."""
+    import torch.distributed as dist
+
+    import hybrid_ep_triton.deep_ep as deep_ep
+    from hybrid_ep_triton.tools.launcher import rank_device
+
+    device = rank_device()
+    failures: list[str] = []
+    fail = failures.append
+    local = experts // world
+    buffer = deep_ep.Buffer(dist.group.WORLD, explicitly_destroy=True)
+    everyone = [_inputs(80, r, (3, 5), hidden, experts, 2) for r in range(world)]
+    x, idx, w = (t.to(device) for t in everyone[rank])
+    layout = buffer.get_dispatch_layout(idx, experts)
+    good = dict(num_tokens_per_rank=layout[0], is_token_in_rank=layout[3],
+                num_tokens_per_expert=layout[2], topk_idx=idx, topk_weights=w)  # fmt: skip
+    rows, ids, weights, _, _ = _token_rows(everyone, rank, local)
+    summed = x.cpu().float() * layout[3].cpu().sum(1, keepdim=True)  # combine of recv_x
+
+    def check_good(what: str, handle=None):
+        """A good dispatch (with a handle: none), then a combine, match the reference."""
+        if handle is None:
+            recv_x, recv_idx, recv_w, counts, handle, _ = buffer.dispatch(x, **good)
+            want_counts = [(ids == e).sum().item() for e in range(local)]
+            got = recv_x.cpu(), recv_idx.cpu(), recv_w.cpu()
+            if not all(map(torch.equal, got, (rows, ids, weights))) or counts != want_counts:
+                fail(f"{what}: the next good dispatch differs from the reference")
+        combined, _, _ = buffer.combine(rows.to(device), handle)
+        if not torch.equal(combined.cpu().float(), summed):
+            fail(f"{what}: the next good combine differs from the reference")
+        return handle
+
+    def refused(what: str, bad: int, words: str, call, along: bool = False) -> None:
+        """``call`` raises on the bad rank (its ``words``) and on the others (its rank); along a
+        handle, as the native Buffer's calls there, the others' calls go on and the next
+        dispatch with a new layout raises on every rank naming the bad one."""
+        try:
+            call()
+        except ValueError as error:
+            want = words if rank == bad else f"rank {bad}"
+            if want not in str(error) or (along and rank != bad):
+                fail(f"{what}: rank {rank}'s ValueError does not say {want!r}: {error}")
+        else:
+            if rank == bad or not along:
+                fail(f"{what}: rank {rank} raised nothing (bad rank {bad})")
+        if along:
+            told = f"rank {bad}"
+            expect_error(failures, ValueError, told, lambda: buffer.dispatch(x, **good))
+
+    bad_idx = idx.clone()
+    bad_idx[0, 0] = experts
+    names = "num_tokens_per_rank", "num_tokens_per_rdma_rank", "num_tokens_per_expert"
+    bad_layout = dict(zip(names, buffer.get_dispatch_layout(bad_idx, experts), strict=False))
+    odd = deep_ep.Config(num_sms=3)
+    dispatches = [
+        # what, words of the bad rank's error, the bad rank's arguments
+        ("is_token_in_rank of another shape", "is_token_in_rank",
+         dict(is_token_in_rank=layout[3][:, :1].contiguous())),
+        ("an expert id >= E", "topk_idx", dict(topk_idx=bad_idx)),
+        ("an expert id >= E, with its layout", "num_tokens_per_expert",
+         dict(bad_layout, topk_idx=bad_idx)),
+        ("topk_weights [T, 1] beside [T, 2] topk_idx", "topk_weights",
+         dict(topk_weights=w[:, :1].contiguous())),
+        ("topk_idx without topk_weights", "topk_weights", dict(topk_weights=None)),
+        ("num_tokens_per_rank None", "num_tokens_per_rank", dict(num_tokens_per_rank=None)),
+        ("num_tokens_per_rank int64", "num_tokens_per_rank",
+         dict(num_tokens_per_rank=layout[0].long())),
+        ("num_tokens_per_expert of E + 1", "num_tokens_per_expert",
+         dict(num_tokens_per_expert=layout[2].new_zeros(experts + 1))),
+        ("x of 3 dimensions", "x", dict(x=x[None])),
+        ("x of another dtype", "Buffer", dict(x=x.half())),
+        ("expert_alignment 0", "pad_multiple", dict(expert_alignment=0)),
+        ("config with an odd num_sms", "num_sms", dict(config=odd)),
+        ("allocate_on_comm_stream without previous_event", "allocate_on_comm_stream",
+         dict(allocate_on_comm_stream=True, async_finish=True)),
+    ]  # fmt: skip
+    if device.type == "cpu":  # (on GPUs the peers of a call without host sync learn it later)
+        dispatches.append(("num_worst_tokens without topk_idx", "num_worst_tokens",
+                           dict(topk_idx=None, topk_weights=None)))  # fmt: skip
+    # The first call makes the Buffer: its bad argument is refused by the sizing gather.
+    for index, (what, words, change) in enumerate(dispatches):
+        bad = index % world
+        args = {**good, "x": x, **(change if rank == bad else {})}
+        if what.startswith("num_worst_tokens"):  # every rank without a host synchronisation
+            args["num_worst_tokens"] = 16
+        refused(what, bad, words, lambda args=args: buffer.dispatch(**args))
+        check_good(what)
+    handle = check_good("a good dispatch")
+    cached = [
+        ("a cached dispatch with topk_idx", "topk_idx", dict(topk_idx=idx)),
+        ("a cached dispatch of other tokens", "tokens", dict(x=x[:-1].contiguous())),
+        ("a cached dispatch's config with an odd num_sms", "num_sms", dict(config=odd)),
+    ]
+    for index, (what, words, change) in enumerate(cached):
+        bad = index % world
+        args = {"x": x, "handle": handle, **(change if rank == bad else {})}
+        refused(what, bad, words, lambda args=args: buffer.dispatch(**args), along=True)
+        if not torch.equal(buffer.dispatch(x, handle=handle)[0].cpu(), rows):
+            fail(f"{what}: the next cached dispatch differs from the reference")
+    y = rows.to(device)
+    slot_w = torch.ones(y.shape[0], idx.shape[1], device=device)
+    combines = [
+        ("combine's topk_weights of another K", "topk_weights",
+         dict(topk_weights=slot_w[:, :1].contiguous())),
+        ("combine's bias of other rows", "bias",
+         dict(bias=torch.zeros(x.shape[0] + 1, hidden, dtype=BF16, device=device))),
+        ("combine's bias of three", "bias", dict(bias=(None, None, None))),
+        ("combine's x of other rows", "y", dict(x=y[:-1].contiguous())),
+        ("combine's config with an odd num_sms", "num_sms", dict(config=odd)),
+        ("combine's allocate_on_comm_stream", "allocate_on_comm_stream",
+         dict(allocate_on_comm_stream=True)),
+    ]  # fmt: skip
+    for index, (what, words, change) in enumerate(combines):
+        bad = index % world
+        args = {"x": y, "handle": handle, "topk_weights": slot_w, **(change if rank == bad else {})}
+        refused(what, bad, words, lambda args=args: buffer.combine(**args), along=True)
+        check_good(what, handle)
+    buffer.destroy()
+    return failures
+
+
+def test_bad_input_on_one_rank_is_refused_on_every_rank(launch):
+    assert_no_failures(launch(_bad_input_on_one_rank, 2, 128, 8))
 
 
 @pytest.mark.parametrize(

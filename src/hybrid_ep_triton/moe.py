@@ -155,7 +155,7 @@ class TokenDispatcher:
             )
             if self.max_recv_tokens is None and num_tokens:
                 self._check_map_counts(routing_map)
-            topk_idx, probs = _topk_from_map(routing_map, probs, self.router_topk)
+            topk_idx, probs = topk_from_map(routing_map, probs, self.router_topk)
         else:
             topk_idx = self._flat(
                 "topk_idx", topk_idx, hidden_states, width, _INDEX_DTYPES, "int32 or int64"
@@ -375,9 +375,12 @@ def _wait(outputs, async_finish: bool):
     return outputs[0] if len(outputs) == 1 else tuple(outputs)
 
 
-def _topk_from_map(routing_map, probs, topk):
-    """[T, E] bool map and probs -> [T, K] ids (the K lowest routed expert ids, then -1) and
-    their probs (0 for -1 slots); gathered, so gradients flow back to probs."""
+def topk_from_map(routing_map, probs, topk):
+    """[T, E] bool map and probs (or None) -> [T, K] ids (the K lowest routed expert ids, then
+    -1) and their probs (0 for -1 slots; None without probs); gathered, so gradients flow back
+    to probs. (Also the DeepEP drop-in's, deep_ep.HybridEPBuffer's routing maps.)"""
     ids = routing_map.argsort(dim=1, descending=True, stable=True)[:, :topk]
     routed = routing_map.gather(1, ids)
+    if probs is None:
+        return ids.masked_fill(~routed, -1), None
     return ids.masked_fill(~routed, -1), probs.gather(1, ids).masked_fill(~routed, 0.0)

@@ -11,21 +11,14 @@ docs/deep_ep.md.
 import sys
 
 from . import buffer, buffers, hybrid_ep_buffer, utils
-from .buffer import Buffer, Config, get_low_latency_rdma_size_hint, topk_idx_t
+from .buffer import Buffer, topk_idx_t
+from .config import Config, get_low_latency_rdma_size_hint
 from .hybrid_ep_buffer import HybridEPBuffer
 from .utils import event
 from .utils.event import EventHandle, EventOverlap
 
-__all__ = [
-    "Buffer",
-    "Config",
-    "EventHandle",
-    "EventOverlap",
-    "HybridEPBuffer",
-    "get_low_latency_rdma_size_hint",
-    "register",
-    "topk_idx_t",
-]
+__all__ = ["Buffer", "Config", "EventHandle", "EventOverlap", "HybridEPBuffer",
+           "get_low_latency_rdma_size_hint", "register", "topk_idx_t"]  # fmt: skip
 
 # The module names DeepEP's clients import, and this package's module for each.
 _MODULES = {

@@ -1,17 +1,13 @@
 """HybridEP's ``HybridEPBuffer`` (DeepEP's hybrid-ep branch) over ``hybrid_ep_triton.Buffer``.
 
-The calls keep HybridEP's signatures, outputs and meanings, so that Megatron-Core's flex
-dispatcher (backend "hybridep") and vLLM's hybrid_ep prepare/finalize run unchanged;
-docs/deep_ep.md lists every difference. In brief:
-
-- ``dispatch_with_permute`` / ``combine_with_unpermute`` are a Buffer of ``expand=True`` (rows
-  grouped by local expert, padded per expert); ``dispatch`` / ``combine`` a Buffer of
-  ``expand=False`` (one row per (token, rank)). A routing map becomes [T, K] slots of expert ids.
-- The Buffers start at ``max_num_of_tokens_per_rank`` tokens and grow as DeepEP V1's normal mode
-  does (``_sizing``); non-blocking calls (a fixed row count) do not grow them.
-- ``combine_with_unpermute``'s probs gradient is the Buffer's own: the dispatch sends the
-  per-slot probs as a leaf that requires grad and keeps the small autograd graph of its
-  permuted probs in the handle; the combine differentiates it (one all_to_all over the group).
+HybridEP's signatures, outputs and meanings (Megatron-Core's flex dispatcher "hybridep", vLLM's
+hybrid_ep prepare/finalize), each call one native call: ``dispatch_with_permute`` /
+``combine_with_unpermute`` on a Buffer of ``expand=True`` (rows by local expert, padded),
+``dispatch`` / ``combine`` on one of ``expand=False`` (a row per (token, rank)), sized as
+``sizing`` says. A routing map becomes [T, K] slots of expert ids. ``combine_with_unpermute``'s
+probs gradient is the native Buffer's autograd: the dispatch sends the per-slot probs as a leaf
+that requires grad, and the handle keeps the permuted probs' graph, which the combine
+differentiates (one all_to_all). docs/deep_ep.md lists every difference.
 
 Shapes: T tokens of this rank, H ``hidden_dim``, E experts, L = E / group size local experts,
 R ranks of an NVLink domain (a node), K slots per token, N rows received.
@@ -25,173 +21,85 @@ import socket
 import torch
 import torch.distributed as dist
 
-from .. import Buffer as _HepBuffer
-from ..runtime.checks import ranks_per_host
+from .. import Buffer as NativeBuffer
+from ..moe import topk_from_map
+from ..runtime.checks import describe, ranks_per_host
 from ..runtime.planner import MAX_TOPK
-from ._sizing import TOKEN_QUANTUM, Sized, gather, round_up
-from .buffer import _dtype_of, _token_ranks, _values
+from .sizing import TOKEN_QUANTUM, Handle, Sized, check_handle, gather, round_up, token_ranks
 
-_DOMAIN_ENV = "NUM_OF_HYBRID_EP_RANKS_PER_NVLINK_DOMAIN"
-# HybridEP passes FP8 rows as float8_e4m3fn or as their bytes.
-_FP8_DTYPES = (torch.float8_e4m3fn, torch.uint8)
+DOMAIN_ENV = "NUM_OF_HYBRID_EP_RANKS_PER_NVLINK_DOMAIN"
+FP8_DTYPES = (torch.float8_e4m3fn, torch.uint8)  # HybridEP's FP8 rows: e4m3, or their bytes
 
-
-class TokenHandle(tuple):
-    """A ``dispatch``'s handle: HybridEP's 7-tuple (sparse_to_dense_map, rdma_to_attn_map,
-    attn_to_rdma_map, num_dispatched_tokens_tensor, local_expert_routing_map, num_of_tokens,
-    config), with this library's handle and Buffer as attributes.
-
-    num_dispatched_tokens_tensor [1] int32 on the CPU: N. local_expert_routing_map [N, L] bool:
-    which of this rank's experts each row goes to. num_of_tokens: T. HybridEP's kernel tables and
-    config are None. A tuple rebuilt from the parts lacks the attributes: calls refuse it.
-    """
-
-    inner: object  # the Buffer's DispatchHandle
-    buffer: _HepBuffer
-
-    def __new__(cls, parts, inner, buffer):
-        handle = super().__new__(cls, parts)
-        handle.inner, handle.buffer = inner, buffer
-        return handle
-
-
-class PermuteHandle(TokenHandle):
-    """A ``dispatch_with_permute``'s handle: HybridEP's 11-tuple (sparse_to_dense_map,
-    rdma_to_attn_map, attn_to_rdma_map, num_dispatched_tokens_tensor, local_expert_routing_map,
-    row_id_map, num_permuted_tokens, tokens_per_expert, num_of_tokens_per_rank, config,
-    overflow_flag), with what ``combine_with_unpermute`` needs as attributes.
-
-    tokens_per_expert [L] int32: (token, expert) pairs per local expert, unpadded.
-    num_of_tokens_per_rank: T. overflow_flag [1] int32 on the rows' device: 1 where the rows
-    needed more than num_permuted_tokens (the rest were dropped). The other items are None.
-    Attributes: ``recv_probs`` [N] float32 permuted probs with their graph back to
-    ``slot_probs`` [T, K] float32 (both None without probs), ``counts`` the tokens_per_expert
-    the dispatch returned (padded), ``num_of_experts`` E.
-    """
-
-    recv_probs: torch.Tensor | None
-    slot_probs: torch.Tensor | None
-    counts: torch.Tensor
-    num_of_experts: int
-
-    def __new__(cls, parts, inner, buffer, recv_probs, slot_probs, counts, num_of_experts):
-        handle = super().__new__(cls, parts, inner, buffer)
-        handle.recv_probs, handle.slot_probs = recv_probs, slot_probs
-        handle.counts, handle.num_of_experts = counts, num_of_experts
-        return handle
+__all__ = ["HybridEPBuffer", "indices_to_map"]
 
 
 class HybridEPBuffer:
-    """HybridEP's communication buffer for expert parallelism, on ``hybrid_ep_triton.Buffer``s.
+    """HybridEP's communication buffer for expert parallelism, on native Buffers.
 
-    Collective, like HybridEP's: every rank of ``group`` makes one (a host all-gather of host
-    names and token counts). The Buffers that move data are made at the first dispatch of each
-    kind (permuted or token rows; its rows' dtype and device): docs/deep_ep.md, "Sizes".
+    Collective: every rank of ``group`` makes one (a host all-gather of host names and token
+    counts). The native Buffers are made at the first dispatch of each kind (permuted or token
+    rows; its rows' dtype and device): docs/deep_ep.md, "Sizes".
 
     Args:
         group: the torch.distributed group of the expert-parallel ranks (NCCL, or gloo).
         hidden_dim: H, elements per token row.
-        max_num_of_tokens_per_rank: tokens a rank passes to a dispatch: the Buffers' first
-            capacity (the largest of the ranks', rounded up to 16); larger calls grow it.
+        max_num_of_tokens_per_rank: the Buffers' first capacity (the ranks' largest, to 16).
         num_local_experts: L, experts per rank.
-        use_fp8: HybridEP's FP8 rows: recorded; a call's rows are FP8 when it passes
-            scaling_factor.
-        num_sms_dispatch_api: HybridEP's SMs of dispatch: ignored (this library's tuning).
-        num_sms_combine_api: HybridEP's SMs of combine: ignored.
-        num_sms_preprocessing_api: HybridEP's SMs of its metadata scan: ignored.
-        num_blocks_permute: HybridEP's blocks of its permute: ignored.
-        num_blocks_unpermute: HybridEP's blocks of its unpermute: ignored.
-        load_cached_kernels: HybridEP's JIT cache: ignored (Triton's cache holds the builds).
+        use_fp8: recorded; a call's rows are FP8 when it passes scaling_factor.
+        num_sms_dispatch_api: ignored (this library's tuning), as the other SM counts.
+        num_sms_combine_api: ignored.
+        num_sms_preprocessing_api: ignored.
+        num_blocks_permute: ignored.
+        num_blocks_unpermute: ignored.
+        load_cached_kernels: ignored (Triton's cache holds the builds).
         use_shared_buffer: ignored.
         enable_custom_allgather: ignored.
-        num_of_hybrid_ep_ranks_per_nvlink_domain: R, consecutive ranks of a node; None: the
-            environment's NUM_OF_HYBRID_EP_RANKS_PER_NVLINK_DOMAIN, else the ranks of a host.
-        use_mnnvl: ignored (nodes are R ranks).
+        num_of_hybrid_ep_ranks_per_nvlink_domain: R (None: $DOMAIN_ENV, else a host's ranks).
+        use_mnnvl: ignored.
     """
 
-    def __init__(
-        self,
-        group: dist.ProcessGroup,
-        hidden_dim: int,
-        max_num_of_tokens_per_rank: int,
-        num_local_experts: int,
-        use_fp8: bool = False,
-        num_sms_dispatch_api: int = 32,
-        num_sms_combine_api: int = 32,
-        num_sms_preprocessing_api: int = 108,
-        num_blocks_permute: int | None = None,
-        num_blocks_unpermute: int | None = None,
-        load_cached_kernels: bool = False,
-        use_shared_buffer: bool = True,
-        enable_custom_allgather: bool = True,
-        num_of_hybrid_ep_ranks_per_nvlink_domain: int | None = None,
-        use_mnnvl: bool | None = None,
-    ):
-        self.group = group
-        self.rank = dist.get_rank(group)
+    def __init__(self, group, hidden_dim, max_num_of_tokens_per_rank, num_local_experts,
+                 use_fp8=False, num_sms_dispatch_api=32, num_sms_combine_api=32,
+                 num_sms_preprocessing_api=108, num_blocks_permute=None,
+                 num_blocks_unpermute=None, load_cached_kernels=False, use_shared_buffer=True,
+                 enable_custom_allgather=True, num_of_hybrid_ep_ranks_per_nvlink_domain=None,
+                 use_mnnvl=None):  # fmt: skip
+        self.group, self.rank = group, dist.get_rank(group)
         self.group_size = dist.get_world_size(group)
         everyone = gather(group, (socket.gethostname(), max_num_of_tokens_per_rank))
-        per_domain = num_of_hybrid_ep_ranks_per_nvlink_domain or int(
-            os.environ.get(_DOMAIN_ENV, "0")
-        )
-        if not per_domain:
-            per_domain = ranks_per_host([host for host, _ in everyone])
+        per_domain = num_of_hybrid_ep_ranks_per_nvlink_domain or int(os.getenv(DOMAIN_ENV, "0"))
+        per_domain = per_domain or ranks_per_host([host for host, _ in everyone])
         if per_domain < 1 or self.group_size % per_domain:
-            raise ValueError(
-                f"the ranks per NVLink domain ({per_domain}) must divide the group size "
-                f"{self.group_size}"
-            )
+            raise ValueError(f"the ranks per NVLink domain ({per_domain}) must divide the group")
         self.num_of_hybrid_ep_ranks_per_nvlink_domain = per_domain
-        self.local_rank = self.rank % per_domain
-        self.node_rank = self.rank // per_domain
+        self.local_rank, self.node_rank = self.rank % per_domain, self.rank // per_domain
         self.num_of_nodes = self.group_size // per_domain
-        self.hidden_dim = hidden_dim
-        self.num_local_experts = num_local_experts
-        self.num_of_experts = num_local_experts * self.group_size
-        self.use_fp8 = use_fp8
+        self.hidden_dim, self.num_local_experts = hidden_dim, num_local_experts
+        self.num_of_experts, self.use_fp8 = num_local_experts * self.group_size, use_fp8
         # Every rank sizes alike: Megatron-Core passes each rank's first token count.
         largest = max(tokens for _, tokens in everyone)
         self.max_num_of_tokens_per_rank = round_up(max(largest, 1), TOKEN_QUANTUM)
-        self._sized = Sized(group, self._make)
-        self._sized.capacity = self.max_num_of_tokens_per_rank
-
-    # -- HybridEP's small calls ------------------------------------------------------------
+        self._sized = {expand: Sized(group, self._make, self.max_num_of_tokens_per_rank)
+                       for expand in (True, False)}  # fmt: skip
 
     def update_template_config(self, *args, **kwargs):
         """Unsupported: there are no HybridEP kernel templates to configure."""
-        raise ValueError(
-            "update_template_config is not supported: this library's kernels take their "
-            "parameters from its tuning cache, not HybridEP's templates"
-        )
+        raise ValueError("update_template_config is not supported (no HybridEP templates)")
 
     def empty_jit_cache(self) -> None:
         """Nothing to do: Triton's cache holds the kernel builds."""
 
     def destroy(self) -> None:
         """Free every Buffer, earlier (smaller) ones too (collective)."""
-        self._sized.destroy()
+        for sized in self._sized.values():
+            sized.destroy()
 
-    # -- permuted rows ---------------------------------------------------------------------
-
-    def dispatch_with_permute(
-        self,
-        hidden: torch.Tensor,
-        topk_idx: torch.Tensor | None = None,
-        topk_weights: torch.Tensor | None = None,
-        num_of_experts_per_rank: int | None = None,
-        num_of_experts: int | None = None,
-        use_fp8: bool | None = None,
-        routing_map: torch.Tensor | None = None,
-        probs: torch.Tensor | None = None,
-        scaling_factor: torch.Tensor | None = None,
-        num_permuted_tokens: int | None = None,
-        pad_multiple: int | None = None,
-        handle: PermuteHandle | None = None,
-        non_blocking: bool = False,
-        fuse_permute_dispatch: bool = False,
-        num_dispatched_tokens: int | None = None,
-        use_host_meta: bool | None = None,
-    ):
+    def dispatch_with_permute(self, hidden, topk_idx=None, topk_weights=None,
+                              num_of_experts_per_rank=None, num_of_experts=None, use_fp8=None,
+                              routing_map=None, probs=None, scaling_factor=None,
+                              num_permuted_tokens=None, pad_multiple=None, handle=None,
+                              non_blocking=False, fuse_permute_dispatch=False,
+                              num_dispatched_tokens=None, use_host_meta=None):  # fmt: skip
         """Send each token to its experts' ranks, one row per (token, local expert). Collective.
 
         Args:
@@ -205,113 +113,90 @@ class HybridEPBuffer:
             probs: [T, E] float32 with routing_map, or None.
             scaling_factor: [T, H / 128] float32 scales of FP8 hidden, or None.
             num_permuted_tokens: with non_blocking, the rows returned (M); else not read.
-            pad_multiple: pad each local expert's rows with zero rows of prob 0 to a multiple of
-                it (None: 1).
+            pad_multiple: pad each local expert's rows with zero rows (prob 0) to it (None: 1).
             handle: an earlier dispatch_with_permute's: send hidden along its routing.
-            non_blocking: M rows, no host synchronisation, no growth (needs
-                num_permuted_tokens).
+            non_blocking: M rows, no host synchronisation, no growth.
             fuse_permute_dispatch: accepted (the permute is always fused).
-            num_dispatched_tokens: HybridEP's count of received tokens: not read.
-            use_host_meta: HybridEP's host metadata: not read.
+            num_dispatched_tokens: not read.
+            use_host_meta: not read.
 
-        Returns:
-            dispatched hidden [N, H] in hidden's dtype (rows by local expert, then source
-            rank, then source token; padding zero), dispatched probs [N] float32 (0 on padding)
-            or None, dispatched scaling factor [N, H / 128] float32 or None, tokens_per_expert
-            [L] int64 padded (blocking: on the CPU; else on the rows' device), the handle.
+        Returns: hidden [N, H] of hidden's dtype (rows by local expert, then source rank and
+        token; padding zero), probs [N] float32 (0 on padding) or None, scaling factor
+        [N, H / 128] float32 or None, tokens_per_expert [L] int64 padded (blocking: on the CPU),
+        the handle (HybridEP's 11-tuple: [7] tokens_per_expert [L] int32 unpadded, [8] T, [10]
+        overflow_flag [1] int32, 1 where the rows needed more than M; the others None).
         """
-        with torch.no_grad():
-            rows = self._rows(hidden, scaling_factor)
-            if handle is not None:
-                return self._permute_along(rows, hidden, topk_weights, probs, handle)
-            if non_blocking and num_permuted_tokens is None:
-                raise ValueError("a non_blocking dispatch_with_permute needs num_permuted_tokens")
-            self._check_experts_per_rank(num_of_experts_per_rank)
-            slots, slot_probs, map_overflow = self._routing(
-                topk_idx, topk_weights, num_of_experts, routing_map, probs, not non_blocking
-            )
-            pad = pad_multiple or 1
-            worst = int(num_permuted_tokens) if non_blocking else None
-            kind = (True, _dtype_of(rows), _values(rows).device)
-            buffer, outputs, stats, leaf = self._sized.run(
-                _values(rows).shape[0],
-                lambda: self._send(kind, rows, slots, slot_probs, pad, worst, keep_graph=True),
-                growable=worst is None,
-            )
-            recv, recv_probs, tokens_per_expert, inner = outputs
-            values, scales = recv if isinstance(recv, tuple) else (recv, None)
-            overflow = torch.zeros(1, dtype=torch.int32, device=stats.device)
-            if worst is not None:
-                # The rows needed, padding included, against M: on the device, no host read.
-                needed = round_up(stats, pad).sum()
-                over = needed > worst
-                if map_overflow is not None:
-                    over = over | map_overflow
-                overflow = over.int().reshape(1)
-            # A view of the Buffer's handle: a copy, as HybridEP's output is its own.
-            tokens_per_expert = (
-                tokens_per_expert.cpu() if worst is None else tokens_per_expert.clone()
-            )
-            parts = (None,) * 7 + (stats.int(), hidden.shape[0], None, overflow)
-            handle = PermuteHandle(
-                parts, inner, buffer, recv_probs, leaf, tokens_per_expert, self.num_of_experts
-            )
-            dispatched_probs = None if recv_probs is None else recv_probs.detach()
-            return values.view(hidden.dtype), dispatched_probs, scales, tokens_per_expert, handle
+        if handle is not None:
+            recv, recv_probs = self._along(hidden, scaling_factor, topk_weights, probs, handle,
+                                           True)  # fmt: skip
+            values, scales = _values(recv, hidden)
+            return values, recv_probs, scales, handle.counts, handle
+        worst = num_permuted_tokens if non_blocking else None
+        rows, (slots, slot_probs, map_overflow), refused = self._inputs(
+            hidden, scaling_factor, topk_idx, topk_weights, num_of_experts, routing_map, probs,
+            num_of_experts_per_rank, not non_blocking, non_blocking and worst is None,
+        )  # fmt: skip
+        pad, stats, leaf = pad_multiple or 1, None, None
+        if refused is None:
+            stats = torch.zeros(self.num_local_experts, dtype=torch.int64, device=hidden.device)
+            if slot_probs is not None:  # a leaf, so that the permuted probs keep their graph
+                leaf = slot_probs.detach().requires_grad_(True)
 
-    def combine_with_unpermute(
-        self,
-        hidden: torch.Tensor,
-        probs: torch.Tensor | None = None,
-        handle: PermuteHandle | None = None,
-        pad_multiple: int | None = None,
-        fuse_unpermute_combine: bool = False,
-        num_dispatched_tokens: int | None = None,
-    ):
+        def call(buffer, refused):
+            if refused is not None:
+                buffer.refuse("dispatch", *refused, max_recv_tokens=worst)
+            with torch.enable_grad():
+                return buffer.dispatch(rows, slots, leaf, pad_multiple=pad, max_recv_tokens=worst,
+                                       expert_recv_stats=stats)  # fmt: skip
+
+        recv, recv_probs, tokens_per_expert, native = self._run(True, rows, call, refused, worst)
+        overflow = torch.zeros(1, dtype=torch.int32, device=stats.device)
+        if worst is not None:  # the rows needed, padding included, against M: no host read
+            over = round_up(stats, pad).sum() > worst
+            overflow = (over if map_overflow is None else over | map_overflow).int().reshape(1)
+        # A copy of the native handle's counts, as HybridEP's output is its own.
+        counts = tokens_per_expert.cpu() if worst is None else tokens_per_expert.clone()
+        parts = (None,) * 7 + (stats.int(), hidden.shape[0], None, overflow)
+        handle = Handle(parts, native, self._sized[True].buffer, recv_probs=recv_probs,
+                        slot_probs=leaf, counts=counts)  # fmt: skip
+        values, scales = _values(recv, hidden)
+        recv_probs = None if recv_probs is None else recv_probs.detach()
+        return values, recv_probs, scales, counts, handle
+
+    def combine_with_unpermute(self, hidden, probs=None, handle=None, pad_multiple=None,
+                               fuse_unpermute_combine=False,
+                               num_dispatched_tokens=None):  # fmt: skip
         """Sum each token's rows from every rank, unweighted (padding ignored). Collective.
 
         Args:
             hidden: [N, H] rows in the dispatch's order, of the dispatched rows' dtype.
-            probs: [N] float32 per-row values (e.g. the gradient of the dispatched probs), or
-                None.
+            probs: [N] float32 per-row values (e.g. the dispatched probs' gradient), or None.
             handle: the dispatch_with_permute's handle.
             pad_multiple: accepted (the handle's padding is used).
             fuse_unpermute_combine: accepted (the unpermute is always fused).
-            num_dispatched_tokens: HybridEP's count of received tokens: not read.
+            num_dispatched_tokens: not read.
 
-        Returns:
-            combined hidden [T, H] (the sum in fp32, rounded to hidden's dtype), combined probs
-            [T, E] float32 (each (token, expert)'s row value, 0 elsewhere) or None without probs.
+        Returns: hidden [T, H] (fp32 sums rounded to hidden's dtype), combined probs [T, E]
+        float32 (each (token, expert)'s row value, 0 elsewhere) or None without probs.
         """
-        handle = _own(handle, PermuteHandle, "dispatch_with_permute")
+        check_handle(handle, expand=True)
         with torch.no_grad():
-            combined = handle.buffer.combine(hidden.detach().contiguous(), handle.inner)
+            combined = handle.buffer.combine(hidden.detach().contiguous(), handle.native)
         if probs is None:
             return combined, None
         if handle.slot_probs is None:
             raise ValueError("combine_with_unpermute got probs for a dispatch made without probs")
+        # The native Buffer's autograd of the permuted probs: one all_to_all over the group.
         with torch.enable_grad():
-            # Kept (retain_graph): the graph's tensors live in the handle anyway.
             (grad,) = torch.autograd.grad(
                 handle.recv_probs, handle.slot_probs, probs.detach().float(), retain_graph=True
             )
-        return combined, _scatter_slots(grad, handle.inner.topk_idx, handle.num_of_experts)
+        return combined, _scatter_slots(grad, handle.native.topk_idx, self.num_of_experts)
 
-    # -- token rows ------------------------------------------------------------------------
-
-    def dispatch(
-        self,
-        hidden: torch.Tensor,
-        scaling_factor: torch.Tensor | None = None,
-        topk_idx: torch.Tensor | None = None,
-        topk_weights: torch.Tensor | None = None,
-        num_of_experts: int | None = None,
-        probs: torch.Tensor | None = None,
-        routing_map: torch.Tensor | None = None,
-        num_dispatched_tokens_tensor: torch.Tensor | None = None,
-        num_dispatched_tokens: int | None = None,
-        handle: TokenHandle | None = None,
-    ):
+    def dispatch(self, hidden, scaling_factor=None, topk_idx=None, topk_weights=None,
+                 num_of_experts=None, probs=None, routing_map=None,
+                 num_dispatched_tokens_tensor=None, num_dispatched_tokens=None,
+                 handle=None):  # fmt: skip
         """Send each token to the ranks of its experts, one row per (token, rank). Collective.
 
         Args:
@@ -322,53 +207,48 @@ class HybridEPBuffer:
             num_of_experts: E with topk_idx, or None (the buffer's).
             probs: [T, E] float32 with routing_map, or None.
             routing_map: [T, E] bool, True where a token goes to an expert.
-            num_dispatched_tokens_tensor: HybridEP's count tensor: not read (the handle has it).
-            num_dispatched_tokens: None: exactly the rows received (a host read); N: N rows, no
-                host synchronisation, no growth.
+            num_dispatched_tokens_tensor: not read (the handle has it).
+            num_dispatched_tokens: None: exactly the rows received (a host read); N: N rows.
             handle: an earlier dispatch's: send hidden along its routing.
 
-        Returns:
-            dispatched hidden [N, H] in hidden's dtype (by source rank, then source token),
-            dispatched probs [N, L * R] float32 (the columns of this rank's experts; the node's
-            other ranks' 0) or None, dispatched scaling factor [N, H / 128] float32 or None,
-            the handle (a TokenHandle).
+        Returns: hidden [N, H] of hidden's dtype (by source rank, then token), probs [N, L * R]
+        float32 (this rank's experts' columns; the node's other ranks' 0) or None, scaling
+        factor [N, H / 128] float32 or None, the handle (HybridEP's 7-tuple: [3] N, [1] int32
+        on the CPU; [4] local_expert_routing_map [N, L] bool; [5] T; the others None).
         """
-        with torch.no_grad():
-            rows = self._rows(hidden, scaling_factor)
-            if handle is not None:
-                handle = _own(handle, TokenHandle, "dispatch")
-                recv, recv_topk_idx, recv_weights = self._along(rows, topk_weights, probs, handle)
-            else:
-                blocking = num_dispatched_tokens is None
-                slots, weights, _ = self._routing(
-                    topk_idx, topk_weights, num_of_experts, routing_map, probs, blocking
-                )
-                kind = (False, _dtype_of(rows), _values(rows).device)
-                buffer, outputs, _, _ = self._sized.run(
-                    _values(rows).shape[0],
-                    lambda: self._send(kind, rows, slots, weights, 1, num_dispatched_tokens),
-                    growable=blocking,
-                )
-                recv, recv_topk_idx, recv_weights, _, inner = outputs
-            recv_values, scales = recv if isinstance(recv, tuple) else (recv, None)
-            dispatched_probs = None
-            if recv_weights is not None:
-                # This rank's experts' columns among the node's R * L.
-                per_node = self.num_of_hybrid_ep_ranks_per_nvlink_domain * self.num_local_experts
-                first = self.local_rank * self.num_local_experts
-                node_slots = torch.where(recv_topk_idx >= 0, recv_topk_idx + first, -1)
-                dispatched_probs = _scatter_slots(recv_weights, node_slots, per_node)
-            if handle is None:
-                # A row's "ranks" with one expert a rank are its local experts.
-                local = _token_ranks(recv_topk_idx, 1, self.num_local_experts)
-                count = torch.tensor([recv_values.shape[0]], dtype=torch.int32, device="cpu")
-                parts = (None, None, None, count, local, hidden.shape[0], None)
-                handle = TokenHandle(parts, inner, buffer)
-            return recv_values.view(hidden.dtype), dispatched_probs, scales, handle
+        worst = num_dispatched_tokens
+        if handle is not None:
+            recv, recv_weights = self._along(hidden, scaling_factor, topk_weights, probs, handle,
+                                             False)  # fmt: skip
+            recv_topk_idx = handle.native.recv_topk_idx
+        else:
+            rows, (slots, weights, _), refused = self._inputs(
+                hidden, scaling_factor, topk_idx, topk_weights, num_of_experts, routing_map,
+                probs, None, worst is None, False,
+            )  # fmt: skip
 
-    def combine(
-        self, hidden: torch.Tensor, probs: torch.Tensor | None = None, handle=None
-    ) -> tuple[torch.Tensor, None]:
+            def call(buffer, refused):
+                if refused is not None:
+                    buffer.refuse("dispatch", *refused, max_recv_tokens=worst)
+                return buffer.dispatch(rows, slots, weights, max_recv_tokens=worst)
+
+            recv, recv_topk_idx, recv_weights, _, native = self._run(False, rows, call, refused,
+                                                                     worst)  # fmt: skip
+            # A row's "ranks" with one expert a rank are its local experts.
+            local = token_ranks(recv_topk_idx, 1, self.num_local_experts)
+            count = torch.tensor([local.shape[0]], dtype=torch.int32, device="cpu")
+            parts = (None, None, None, count, local, hidden.shape[0], None)
+            handle = Handle(parts, native, self._sized[False].buffer)
+        dispatched_probs = None
+        if recv_weights is not None:  # this rank's experts' columns among the node's R * L
+            first = self.local_rank * self.num_local_experts
+            node_slots = torch.where(recv_topk_idx >= 0, recv_topk_idx + first, -1)
+            per_node = self.num_of_hybrid_ep_ranks_per_nvlink_domain * self.num_local_experts
+            dispatched_probs = _scatter_slots(recv_weights, node_slots, per_node)
+        values, scales = _values(recv, hidden)
+        return values, dispatched_probs, scales, handle
+
+    def combine(self, hidden, probs=None, handle=None) -> tuple[torch.Tensor, None]:
         """Sum each token's rows from every rank it went to, unweighted. Collective.
 
         Args:
@@ -376,162 +256,119 @@ class HybridEPBuffer:
             probs: unsupported (ValueError): combine_with_unpermute returns the probs' way back.
             handle: the dispatch's handle.
 
-        Returns:
-            combined hidden [T, H] (the sum in fp32, rounded to hidden's dtype), None.
+        Returns: hidden [T, H] (fp32 sums rounded to hidden's dtype), None.
         """
         if probs is not None:
-            raise ValueError(
-                "combine's probs are not supported: use dispatch_with_permute and "
-                "combine_with_unpermute, which return the probs' gradient"
-            )
-        handle = _own(handle, TokenHandle, "dispatch")
+            raise ValueError("combine's probs are not supported: combine_with_unpermute "
+                             "returns the probs' gradient")  # fmt: skip
+        check_handle(handle, expand=False)
         with torch.no_grad():
-            return handle.buffer.combine(hidden.detach().contiguous(), handle.inner), None
+            return handle.buffer.combine(hidden.detach().contiguous(), handle.native), None
 
     # -- internals -------------------------------------------------------------------------
 
-    def _make(self, kind, capacity: int) -> _HepBuffer:
-        """The Buffer of ``kind`` (expand, dtype, device) for ``capacity`` tokens a rank."""
-        expand, dtype, device = kind
-        return _HepBuffer(
-            self.group,
-            hidden_size=self.hidden_dim,
-            max_tokens_per_rank=capacity,
-            num_experts=self.num_of_experts,
-            dtype=dtype,
-            expand=expand,
-            device=device,
+    def _make(self, key, capacity: int) -> NativeBuffer:
+        """The Buffer of ``key`` (expand, dtype, device) for ``capacity`` tokens a rank."""
+        expand, dtype, device = key
+        return NativeBuffer(
+            self.group, hidden_size=self.hidden_dim, max_tokens_per_rank=capacity,
+            num_experts=self.num_of_experts, dtype=dtype, expand=expand, device=device,
             ranks_per_node=self.num_of_hybrid_ep_ranks_per_nvlink_domain,
-        )
+        )  # fmt: skip
 
-    def _rows(self, hidden: torch.Tensor, scaling_factor: torch.Tensor | None):
-        """hidden as the Buffer takes it: contiguous rows, or an FP8 pair (values, scales)."""
-        hidden = hidden.detach().contiguous()
-        if scaling_factor is None:
-            if hidden.dtype in _FP8_DTYPES:
-                raise ValueError(f"{hidden.dtype} hidden needs its scaling_factor")
-            return hidden
-        if hidden.dtype not in _FP8_DTYPES:
-            raise ValueError(f"scaling_factor goes with FP8 hidden, got {hidden.dtype} rows")
-        return hidden.view(torch.float8_e4m3fn), scaling_factor.detach().float().contiguous()
+    def _run(self, expand: bool, rows, call, refused, worst):
+        """``call`` on the Buffer of ``expand`` for ``rows`` (Sized.run), without grad."""
+        values = rows[0] if isinstance(rows, tuple) else rows
+        dtype = torch.bfloat16 if rows is not values else values.dtype
+        key = None if refused else (expand, dtype, values.device)
+        with torch.no_grad():
+            return self._sized[expand].run(key, 0 if refused else values.shape[0], call, refused,
+                                           worst is None)  # fmt: skip
 
-    def _check_experts_per_rank(self, num_of_experts_per_rank: int | None) -> None:
-        if num_of_experts_per_rank not in (None, self.num_local_experts):
-            raise ValueError(
-                f"num_of_experts_per_rank must be the buffer's {self.num_local_experts}, got "
-                f"{num_of_experts_per_rank}"
-            )
-
-    def _routing(self, topk_idx, topk_weights, num_of_experts, routing_map, probs, blocking):
-        """[T, K] slots (global expert ids, -1 unused), their float32 probs or None, and (a
-        routing map when not blocking) a bool device scalar: some row had more than K."""
-        if routing_map is not None:
-            experts = routing_map.shape[-1]
-            self._check_experts(experts)
+    def _inputs(self, hidden, scaling_factor, topk_idx, topk_weights, num_of_experts,
+                routing_map, probs, experts_per_rank, blocking, missing_rows):  # fmt: skip
+        """A dispatch's rows as the Buffer takes them, its routing ([T, K] slots of global ids,
+        -1 unused; their float32 probs or None; with a routing map when not blocking, a bool
+        device scalar: a row had more than K) and this rank's refusal of its arguments (the
+        native argument it stands for, its ValueError) or None."""
+        none = hidden, (None,) * 3
+        if missing_rows:
+            return *none, ("max_recv_tokens", ValueError("non_blocking needs num_permuted_tokens"))
+        try:
+            rows = _rows(hidden, scaling_factor)
+        except ValueError as error:
+            return *none, ("x", error)
+        experts = num_of_experts if routing_map is None else routing_map.shape[-1]
+        why = None
+        if experts_per_rank not in (None, self.num_local_experts):
+            why = f"num_of_experts_per_rank must be the buffer's {self.num_local_experts}"
+        elif experts not in (None, self.num_of_experts):
+            why = f"the routing must cover the buffer's {self.num_of_experts} experts: {experts}"
+        elif routing_map is None and topk_idx is None:
+            why = "pass topk_idx (with num_of_experts) or routing_map"
+        if why is not None:
+            return rows, (None,) * 3, ("topk_idx", ValueError(why))
+        if routing_map is None:
+            weights = None if topk_weights is None else topk_weights.float().contiguous()
+            return rows, (topk_idx, weights, None), None
+        with torch.no_grad():
             routing_map = routing_map.reshape(-1, experts)
-            routed = routing_map.sum(dim=1)
-            overflow = None
-            if blocking:
-                topk = int(routed.max()) if routed.numel() else 0  # one host read
+            routed, overflow = routing_map.sum(dim=1), None
+            if blocking:  # one host read
+                topk = int(routed.max()) if routed.numel() else 0
             else:
                 topk = min(experts, MAX_TOPK)
                 overflow = (routed > topk).any()
-            ids = torch.where(
-                routing_map, torch.arange(self.num_of_experts, device=routing_map.device), experts
-            )
             # Each row's K lowest routed ids (the Buffer takes at least one slot).
-            ids = ids.topk(max(topk, 1), dim=1, largest=False).values
-            slots = torch.where(ids < experts, ids, -1)
-            slot_probs = None
-            if probs is not None:
-                taken = probs.reshape(-1, experts).gather(1, slots.clamp(min=0))
-                slot_probs = torch.where(slots >= 0, taken.float(), 0.0)
-            return slots, slot_probs, overflow
-        if topk_idx is None:
-            raise ValueError("pass topk_idx (with num_of_experts) or routing_map")
-        self._check_experts(num_of_experts or self.num_of_experts)
-        weights = None if topk_weights is None else topk_weights.float().contiguous()
-        return topk_idx, weights, None
+            probs = None if probs is None else probs.reshape(-1, experts).float()
+            slots, slot_probs = topk_from_map(routing_map, probs, max(topk, 1))
+        return rows, (slots, slot_probs, overflow), None
 
-    def _check_experts(self, num_of_experts: int) -> None:
-        if num_of_experts != self.num_of_experts:
-            raise ValueError(
-                f"the routing must cover the buffer's {self.num_of_experts} experts "
-                f"({self.num_local_experts} a rank), got {num_of_experts}"
-            )
-
-    def _send(self, kind, rows, slots, slot_probs, pad, worst, keep_graph=False):
-        """A dispatch with a new layout on the Buffer of ``kind``: (the Buffer, its outputs,
-        each local expert's (token, expert) pairs [L] int64, the probs' leaf or None). With
-        ``keep_graph`` the per-slot probs are a leaf that requires grad, so that the permuted
-        probs keep their graph (combine_with_unpermute's gradient)."""
-        buffer = self._sized.buffer(kind)
-        stats = torch.zeros(self.num_local_experts, dtype=torch.int64, device=buffer.device)
-        leaf = slot_probs
-        if keep_graph and slot_probs is not None:
-            leaf = slot_probs.detach().requires_grad_(True)
-        with torch.set_grad_enabled(keep_graph):
-            outputs = buffer.dispatch(
-                rows,
-                slots,
-                leaf,
-                pad_multiple=pad,
-                max_recv_tokens=worst,
-                expert_recv_stats=stats,
-            )
-        return buffer, outputs, stats, leaf if keep_graph else None
-
-    def _along(self, rows, topk_weights, probs, handle: TokenHandle):
-        """A dispatch along ``handle``: recv rows, then (token rows) recv_topk_idx, and the
-        received per-row probs or None (probs [T, E] or topk_weights [T, K] given)."""
-        slots = handle.inner.topk_idx
-        weights = None
+    def _along(self, hidden, scaling_factor, topk_weights, probs, handle, expand: bool):
+        """A dispatch along ``handle`` (of a call with ``expand``): the received rows, and
+        per-row probs or None (probs [T, E] or topk_weights [T, K] given)."""
+        check_handle(handle, expand)
+        slots, weights = handle.native.topk_idx, None
         if topk_weights is not None:
             weights = topk_weights.float().contiguous()
         elif probs is not None:
             taken = probs.reshape(slots.shape[0], -1).gather(1, slots.long().clamp(min=0))
             weights = torch.where(slots >= 0, taken.float(), 0.0)
-        outputs = handle.buffer.dispatch(rows, topk_weights=weights, handle=handle.inner)
-        if handle.buffer.expand:
-            recv, recv_weights, _, _ = outputs
-            return recv, recv_weights
-        recv, recv_topk_idx, recv_weights, _, _ = outputs
-        return recv, recv_topk_idx, recv_weights
-
-    def _permute_along(self, rows, hidden, topk_weights, probs, handle):
-        """dispatch_with_permute along ``handle``: its outputs, the handle's counts."""
-        handle = _own(handle, PermuteHandle, "dispatch_with_permute")
-        recv, recv_probs = self._along(rows, topk_weights, probs, handle)
-        values, scales = recv if isinstance(recv, tuple) else (recv, None)
-        return values.view(hidden.dtype), recv_probs, scales, handle.counts, handle
+        with torch.no_grad():
+            try:
+                rows = _rows(hidden, scaling_factor)
+            except ValueError as error:  # no peer waits for this rank's part
+                handle.buffer.refuse("dispatch", "x", error, handle=handle.native)
+            out = handle.buffer.dispatch(rows, topk_weights=weights, handle=handle.native)
+        return out[0], out[1 if expand else 2]
 
 
-def _own(handle, kind: type, call: str):
-    """``handle`` if it is a handle of ``kind`` (that of ``call``), else ValueError."""
-    if type(handle) is not kind:
-        raise ValueError(
-            f"handle must be the one {call} returned (a tuple rebuilt from its parts lacks "
-            f"this library's handle), got {type(handle).__name__}"
-        )
-    return handle
+def _rows(hidden: torch.Tensor, scaling_factor: torch.Tensor | None):
+    """hidden as the Buffer takes it: contiguous rows, or an FP8 pair (values, scales)."""
+    hidden = hidden.detach().contiguous()
+    if (scaling_factor is None) == (hidden.dtype in FP8_DTYPES):
+        raise ValueError(f"{hidden.dtype} hidden with scaling_factor {describe(scaling_factor)}: "
+                         "FP8 hidden (float8_e4m3fn or uint8) goes with its scales")  # fmt: skip
+    if scaling_factor is None:
+        return hidden
+    return hidden.view(torch.float8_e4m3fn), scaling_factor.detach().float().contiguous()
+
+
+def _values(recv, hidden: torch.Tensor):
+    """(received values in hidden's dtype, received scales or None)."""
+    values, scales = recv if isinstance(recv, tuple) else (recv, None)
+    return values.view(hidden.dtype), scales
 
 
 def _scatter_slots(per_slot, slots, num_experts):
     """[T, K] per-slot values to [T, E] at each slot's expert (-1 slots dropped)."""
     columns = torch.where(slots >= 0, slots.long(), num_experts)
-    full = torch.zeros(
-        slots.shape[0], num_experts + 1, dtype=per_slot.dtype, device=per_slot.device
-    )
+    full = per_slot.new_zeros(slots.shape[0], num_experts + 1)
     full.scatter_(1, columns, torch.where(slots >= 0, per_slot, 0.0))
     return full[:, :num_experts]
 
 
-def indices_to_map(
-    topk_idx: torch.Tensor,
-    topk_weights: torch.Tensor | None,
-    num_of_tokens: int,
-    num_of_experts: int,
-):
+def indices_to_map(topk_idx, topk_weights, num_of_tokens: int, num_of_experts: int):
     """HybridEP's conversion of top-k routing to a routing map, on topk_idx's device.
 
     Args:
@@ -540,24 +377,15 @@ def indices_to_map(
         num_of_tokens: rows of the outputs, at least T (rows past T route nowhere).
         num_of_experts: E.
 
-    Returns:
-        routing_map [num_of_tokens, E] bool, probs [num_of_tokens, E] of topk_weights' dtype
-        (0 where not routed) or None.
+    Returns: routing_map [num_of_tokens, E] bool, probs [num_of_tokens, E] of topk_weights'
+    dtype (0 where not routed) or None.
     """
     extra = num_of_tokens - topk_idx.shape[0]
     if extra < 0:
-        raise ValueError(
-            f"num_of_tokens {num_of_tokens} is less than topk_idx's {topk_idx.shape[0]}"
-        )
-    if extra:
-        topk_idx = torch.cat([topk_idx, topk_idx.new_full((extra, topk_idx.shape[1]), -1)])
-        if topk_weights is not None:
-            topk_weights = torch.cat(
-                [topk_weights, topk_weights.new_zeros(extra, topk_idx.shape[1])]
-            )
-    # A token's "ranks" with one expert a rank are its experts.
-    routing_map = _token_ranks(topk_idx, 1, num_of_experts)
-    probs = None
-    if topk_weights is not None:
-        probs = _scatter_slots(topk_weights, topk_idx, num_of_experts)
-    return routing_map, probs
+        raise ValueError(f"num_of_tokens {num_of_tokens} is less than topk_idx's {len(topk_idx)}")
+    topk_idx = torch.cat([topk_idx, topk_idx.new_full((extra, topk_idx.shape[1]), -1)])
+    routing_map = token_ranks(topk_idx, 1, num_of_experts)  # one expert a "rank"
+    if topk_weights is None:
+        return routing_map, None
+    topk_weights = torch.cat([topk_weights, topk_weights.new_zeros(extra, topk_idx.shape[1])])
+    return routing_map, _scatter_slots(topk_weights, topk_idx, num_of_experts)

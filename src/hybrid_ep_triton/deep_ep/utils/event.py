@@ -76,3 +76,15 @@ class EventOverlap:
         if self.event is not None:
             self.current_stream_wait(release_handle=self._release_handle_by_call)
         self._release_handle_by_call = False
+
+
+def native_event(previous_event: EventOverlap | None):
+    """The torch.cuda.Event inside a DeepEP previous_event, for a native call (None: none, or
+    CPU ranks)."""
+    return getattr(getattr(previous_event, "event", None), "event", None)
+
+
+def overlap(outputs: tuple, async_finish: bool) -> EventOverlap:
+    """DeepEP's event of a native call's ``outputs`` (with async_finish the last: an event, or
+    None on CPU ranks, whose calls complete before they return)."""
+    return EventOverlap(EventHandle.of(outputs[-1]) if async_finish else None)
