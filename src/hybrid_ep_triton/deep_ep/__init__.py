@@ -17,8 +17,16 @@ from .hybrid_ep_buffer import HybridEPBuffer
 from .utils import event
 from .utils.event import EventHandle, EventOverlap
 
-__all__ = ["Buffer", "Config", "EventHandle", "EventOverlap", "HybridEPBuffer",
-           "get_low_latency_rdma_size_hint", "register", "topk_idx_t"]  # fmt: skip
+__all__ = [
+    "Buffer",
+    "Config",
+    "EventHandle",
+    "EventOverlap",
+    "HybridEPBuffer",
+    "get_low_latency_rdma_size_hint",
+    "register",
+    "topk_idx_t",
+]
 
 # The module names DeepEP's clients import, and this package's module for each.
 _MODULES = {

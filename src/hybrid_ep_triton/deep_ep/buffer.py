@@ -137,12 +137,18 @@ class Buffer(LowLatencyMode):
         if num_experts % self.group_size:
             raise ValueError(f"num_experts must be a multiple of {self.group_size}: {num_experts}")
         in_rank = sizing.token_ranks(topk_idx, num_experts // self.group_size, self.group_size)
-        per_expert = torch.bincount(topk_idx[topk_idx >= 0].long(), minlength=num_experts)
+        # Counted by a scatter, not bincount of the valid ids: no host synchronisation, so that
+        # a CUDA graph can capture the layout with the dispatch (ids outside [0, E) uncounted).
+        ids = topk_idx.flatten().long()
+        ids = torch.where((ids >= 0) & (ids < num_experts), ids, num_experts)
+        per_expert = torch.zeros(num_experts + 1, dtype=torch.int32, device=ids.device)
+        per_expert = per_expert.scatter_add_(0, ids, torch.ones_like(ids, dtype=torch.int32))
+        per_expert = per_expert[:num_experts]
         per_node, nodes = None, self.group_size // self.ranks_per_node
         if nodes > 1:
             per_node = in_rank.view(-1, nodes, self.ranks_per_node).any(2).sum(0, dtype=torch.int32)
         event = EventOverlap(EventHandle() if async_finish else None)
-        return in_rank.sum(0, dtype=torch.int32), per_node, per_expert.int(), in_rank, event
+        return in_rank.sum(0, dtype=torch.int32), per_node, per_expert, in_rank, event
 
     def dispatch(self, x, handle=None, num_tokens_per_rank=None, num_tokens_per_rdma_rank=None,
                  is_token_in_rank=None, num_tokens_per_expert=None, topk_idx=None,
@@ -187,13 +193,22 @@ class Buffer(LowLatencyMode):
             with torch.no_grad():
                 if refused is not None:
                     handle.buffer.refuse("dispatch", *refused, handle=handle.native)
-                out = handle.buffer.dispatch(rows, handle=handle.native, previous_event=previous,
-                                             async_finish=async_finish)  # fmt: skip
+                out = handle.buffer.dispatch(
+                    rows, handle=handle.native, previous_event=previous, async_finish=async_finish
+                )
             return out[0], None, None, None, None, overlap(out, async_finish)
         key, slots, num_tokens, worst = sizing.rows_key(rows), topk_idx, 0, num_worst_tokens or None
-        refused = self._dispatch_refusal(key, rows, num_tokens_per_rank, is_token_in_rank,
-                                         num_tokens_per_expert, topk_idx, topk_weights, worst,
-                                         *extras)  # fmt: skip
+        refused = self._dispatch_refusal(
+            key,
+            rows,
+            num_tokens_per_rank,
+            is_token_in_rank,
+            num_tokens_per_expert,
+            topk_idx,
+            topk_weights,
+            worst,
+            *extras,
+        )
         if refused is None:
             key = (*key, num_tokens_per_expert.numel())
             worst_share = -(-num_worst_tokens // self.group_size)  # W x T holds T a rank
@@ -205,9 +220,15 @@ class Buffer(LowLatencyMode):
         def call(buffer: NativeBuffer, refused):
             if refused is not None:
                 buffer.refuse("dispatch", *refused, max_recv_tokens=worst)
-            return buffer.dispatch(rows, slots, topk_weights, pad_multiple=expert_alignment,
-                                   max_recv_tokens=worst, previous_event=previous,
-                                   async_finish=async_finish)  # fmt: skip
+            return buffer.dispatch(
+                rows,
+                slots,
+                topk_weights,
+                pad_multiple=expert_alignment,
+                max_recv_tokens=worst,
+                previous_event=previous,
+                async_finish=async_finish,
+            )
 
         before = self._normal.key  # a new E stands for topk_idx, new rows for x
         changed = "topk_idx" if refused is None and before and key[3] != before[3] else "x"
@@ -253,14 +274,20 @@ class Buffer(LowLatencyMode):
             refused = "y", ValueError(f"bias must be a tensor or a pair, got {len(terms)} items")
         for term in terms if refused is None else ():
             shape = native.num_tokens, buffer.hidden_size
-            problem = term is not None and tensor_problem("bias", term, buffer.dtype, buffer.device,
-                                                          shape)  # fmt: skip
+            problem = term is not None and tensor_problem(
+                "bias", term, buffer.dtype, buffer.device, shape
+            )
             refused = ("y", ValueError(problem)) if problem else refused
         with torch.no_grad():
             if refused is not None:
                 buffer.refuse("combine", *refused, handle=native)
-            out = buffer.combine(x, native, topk_weights=topk_weights, previous_event=previous,
-                                 async_finish=async_finish)  # fmt: skip
+            out = buffer.combine(
+                x,
+                native,
+                topk_weights=topk_weights,
+                previous_event=previous,
+                async_finish=async_finish,
+            )
         combined, event = out[0] if isinstance(out, tuple) else out, overlap(out, async_finish)
         if bias is not None:  # added on the current stream, after the sums
             if event.event is not None:
@@ -274,8 +301,9 @@ class Buffer(LowLatencyMode):
 
     # -- internals -------------------------------------------------------------------------
 
-    def _dispatch_refusal(self, key, rows, per_rank, in_rank, per_expert, topk_idx,
-                          topk_weights, worst, *extras) -> sizing.Refusal | None:  # fmt: skip
+    def _dispatch_refusal(
+        self, key, rows, per_rank, in_rank, per_expert, topk_idx, topk_weights, worst, *extras
+    ) -> sizing.Refusal | None:
         """The first of DeepEP's asserts on a dispatch's own arguments that fails: (the native
         argument it stands for, its ValueError), or None."""
         world = self.group_size
@@ -285,11 +313,16 @@ class Buffer(LowLatencyMode):
             why = "a dispatch needs num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert"
             return "topk_idx", ValueError(why)
         problem = (
-            tensor_problem("is_token_in_rank", in_rank, torch.bool, key[2],
-                           (sizing.values_of(rows).shape[0], world))
+            tensor_problem(
+                "is_token_in_rank",
+                in_rank,
+                torch.bool,
+                key[2],
+                (sizing.values_of(rows).shape[0], world),
+            )
             or tensor_problem("num_tokens_per_rank", per_rank, torch.int32, key[2], (world,))
             or tensor_problem("num_tokens_per_expert", per_expert, torch.int32, key[2])
-        )  # fmt: skip
+        )
         experts, most = per_expert.numel() if not problem else 0, MAX_LOCAL_EXPERTS * world
         if not problem and (per_expert.dim() != 1 or not 0 < experts <= most or experts % world):
             problem = f"num_tokens_per_expert must be [E], E a multiple of {world} up to {most}"
@@ -315,10 +348,16 @@ class Buffer(LowLatencyMode):
         """The normal mode's Buffer of token rows for ``key`` (hidden, dtype, device, E)."""
         hidden, dtype, device, experts = key
         return NativeBuffer(
-            self.group, hidden_size=hidden, max_tokens_per_rank=capacity, num_experts=experts,
-            dtype=dtype, expand=False, device=device, ranks_per_node=self.ranks_per_node,
+            self.group,
+            hidden_size=hidden,
+            max_tokens_per_rank=capacity,
+            num_experts=experts,
+            dtype=dtype,
+            expand=False,
+            device=device,
+            ranks_per_node=self.ranks_per_node,
             timeout_s=self.timeout_s,
-        )  # fmt: skip
+        )
 
 
 def _extras_refusal(config, previous_event, async_finish, allocate_on_comm_stream):

@@ -23,12 +23,12 @@ import torch.distributed as dist
 
 from .. import Buffer as NativeBuffer
 from ..moe import topk_from_map
-from ..runtime.checks import describe, ranks_per_host
+from ..runtime.checks import ranks_per_host
 from ..runtime.planner import MAX_TOPK
+from .routing import hybrid_rows, indices_to_map, received_values, scatter_slots
 from .sizing import TOKEN_QUANTUM, Handle, Sized, check_handle, gather, round_up, token_ranks
 
 DOMAIN_ENV = "NUM_OF_HYBRID_EP_RANKS_PER_NVLINK_DOMAIN"
-FP8_DTYPES = (torch.float8_e4m3fn, torch.uint8)  # HybridEP's FP8 rows: e4m3, or their bytes
 
 __all__ = ["HybridEPBuffer", "indices_to_map"]
 
@@ -79,8 +79,10 @@ class HybridEPBuffer:
         # Every rank sizes alike: Megatron-Core passes each rank's first token count.
         largest = max(tokens for _, tokens in everyone)
         self.max_num_of_tokens_per_rank = round_up(max(largest, 1), TOKEN_QUANTUM)
-        self._sized = {expand: Sized(group, self._make, self.max_num_of_tokens_per_rank)
-                       for expand in (True, False)}  # fmt: skip
+        self._sized = {
+            expand: Sized(group, self._make, self.max_num_of_tokens_per_rank)
+            for expand in (True, False)
+        }
 
     def update_template_config(self, *args, **kwargs):
         """Unsupported: there are no HybridEP kernel templates to configure."""
@@ -127,15 +129,24 @@ class HybridEPBuffer:
         overflow_flag [1] int32, 1 where the rows needed more than M; the others None).
         """
         if handle is not None:
-            recv, recv_probs = self._along(hidden, scaling_factor, topk_weights, probs, handle,
-                                           True)  # fmt: skip
-            values, scales = _values(recv, hidden)
+            recv, recv_probs = self._along(
+                hidden, scaling_factor, topk_weights, probs, handle, True
+            )
+            values, scales = received_values(recv, hidden)
             return values, recv_probs, scales, handle.counts, handle
         worst = num_permuted_tokens if non_blocking else None
         rows, (slots, slot_probs, map_overflow), refused = self._inputs(
-            hidden, scaling_factor, topk_idx, topk_weights, num_of_experts, routing_map, probs,
-            num_of_experts_per_rank, not non_blocking, non_blocking and worst is None,
-        )  # fmt: skip
+            hidden,
+            scaling_factor,
+            topk_idx,
+            topk_weights,
+            num_of_experts,
+            routing_map,
+            probs,
+            num_of_experts_per_rank,
+            not non_blocking,
+            non_blocking and worst is None,
+        )
         pad, stats, leaf = pad_multiple or 1, None, None
         if refused is None:
             stats = torch.zeros(self.num_local_experts, dtype=torch.int64, device=hidden.device)
@@ -146,8 +157,14 @@ class HybridEPBuffer:
             if refused is not None:
                 buffer.refuse("dispatch", *refused, max_recv_tokens=worst)
             with torch.enable_grad():
-                return buffer.dispatch(rows, slots, leaf, pad_multiple=pad, max_recv_tokens=worst,
-                                       expert_recv_stats=stats)  # fmt: skip
+                return buffer.dispatch(
+                    rows,
+                    slots,
+                    leaf,
+                    pad_multiple=pad,
+                    max_recv_tokens=worst,
+                    expert_recv_stats=stats,
+                )
 
         recv, recv_probs, tokens_per_expert, native = self._run(True, rows, call, refused, worst)
         overflow = torch.zeros(1, dtype=torch.int32, device=stats.device)
@@ -157,9 +174,15 @@ class HybridEPBuffer:
         # A copy of the native handle's counts, as HybridEP's output is its own.
         counts = tokens_per_expert.cpu() if worst is None else tokens_per_expert.clone()
         parts = (None,) * 7 + (stats.int(), hidden.shape[0], None, overflow)
-        handle = Handle(parts, native, self._sized[True].buffer, recv_probs=recv_probs,
-                        slot_probs=leaf, counts=counts)  # fmt: skip
-        values, scales = _values(recv, hidden)
+        handle = Handle(
+            parts,
+            native,
+            self._sized[True].buffer,
+            recv_probs=recv_probs,
+            slot_probs=leaf,
+            counts=counts,
+        )
+        values, scales = received_values(recv, hidden)
         recv_probs = None if recv_probs is None else recv_probs.detach()
         return values, recv_probs, scales, counts, handle
 
@@ -191,7 +214,7 @@ class HybridEPBuffer:
             (grad,) = torch.autograd.grad(
                 handle.recv_probs, handle.slot_probs, probs.detach().float(), retain_graph=True
             )
-        return combined, _scatter_slots(grad, handle.native.topk_idx, self.num_of_experts)
+        return combined, scatter_slots(grad, handle.native.topk_idx, self.num_of_experts)
 
     def dispatch(self, hidden, scaling_factor=None, topk_idx=None, topk_weights=None,
                  num_of_experts=None, probs=None, routing_map=None,
@@ -218,22 +241,32 @@ class HybridEPBuffer:
         """
         worst = num_dispatched_tokens
         if handle is not None:
-            recv, recv_weights = self._along(hidden, scaling_factor, topk_weights, probs, handle,
-                                             False)  # fmt: skip
+            recv, recv_weights = self._along(
+                hidden, scaling_factor, topk_weights, probs, handle, False
+            )
             recv_topk_idx = handle.native.recv_topk_idx
         else:
             rows, (slots, weights, _), refused = self._inputs(
-                hidden, scaling_factor, topk_idx, topk_weights, num_of_experts, routing_map,
-                probs, None, worst is None, False,
-            )  # fmt: skip
+                hidden,
+                scaling_factor,
+                topk_idx,
+                topk_weights,
+                num_of_experts,
+                routing_map,
+                probs,
+                None,
+                worst is None,
+                False,
+            )
 
             def call(buffer, refused):
                 if refused is not None:
                     buffer.refuse("dispatch", *refused, max_recv_tokens=worst)
                 return buffer.dispatch(rows, slots, weights, max_recv_tokens=worst)
 
-            recv, recv_topk_idx, recv_weights, _, native = self._run(False, rows, call, refused,
-                                                                     worst)  # fmt: skip
+            recv, recv_topk_idx, recv_weights, _, native = self._run(
+                False, rows, call, refused, worst
+            )
             # A row's "ranks" with one expert a rank are its local experts.
             local = token_ranks(recv_topk_idx, 1, self.num_local_experts)
             count = torch.tensor([local.shape[0]], dtype=torch.int32, device="cpu")
@@ -244,8 +277,8 @@ class HybridEPBuffer:
             first = self.local_rank * self.num_local_experts
             node_slots = torch.where(recv_topk_idx >= 0, recv_topk_idx + first, -1)
             per_node = self.num_of_hybrid_ep_ranks_per_nvlink_domain * self.num_local_experts
-            dispatched_probs = _scatter_slots(recv_weights, node_slots, per_node)
-        values, scales = _values(recv, hidden)
+            dispatched_probs = scatter_slots(recv_weights, node_slots, per_node)
+        values, scales = received_values(recv, hidden)
         return values, dispatched_probs, scales, handle
 
     def combine(self, hidden, probs=None, handle=None) -> tuple[torch.Tensor, None]:
@@ -259,8 +292,10 @@ class HybridEPBuffer:
         Returns: hidden [T, H] (fp32 sums rounded to hidden's dtype), None.
         """
         if probs is not None:
-            raise ValueError("combine's probs are not supported: combine_with_unpermute "
-                             "returns the probs' gradient")  # fmt: skip
+            raise ValueError(
+                "combine's probs are not supported: combine_with_unpermute "
+                "returns the probs' gradient"
+            )
         check_handle(handle, expand=False)
         with torch.no_grad():
             return handle.buffer.combine(hidden.detach().contiguous(), handle.native), None
@@ -271,10 +306,15 @@ class HybridEPBuffer:
         """The Buffer of ``key`` (expand, dtype, device) for ``capacity`` tokens a rank."""
         expand, dtype, device = key
         return NativeBuffer(
-            self.group, hidden_size=self.hidden_dim, max_tokens_per_rank=capacity,
-            num_experts=self.num_of_experts, dtype=dtype, expand=expand, device=device,
+            self.group,
+            hidden_size=self.hidden_dim,
+            max_tokens_per_rank=capacity,
+            num_experts=self.num_of_experts,
+            dtype=dtype,
+            expand=expand,
+            device=device,
             ranks_per_node=self.num_of_hybrid_ep_ranks_per_nvlink_domain,
-        )  # fmt: skip
+        )
 
     def _run(self, expand: bool, rows, call, refused, worst):
         """``call`` on the Buffer of ``expand`` for ``rows`` (Sized.run), without grad."""
@@ -282,11 +322,23 @@ class HybridEPBuffer:
         dtype = torch.bfloat16 if rows is not values else values.dtype
         key = None if refused else (expand, dtype, values.device)
         with torch.no_grad():
-            return self._sized[expand].run(key, 0 if refused else values.shape[0], call, refused,
-                                           worst is None)  # fmt: skip
+            return self._sized[expand].run(
+                key, 0 if refused else values.shape[0], call, refused, worst is None
+            )
 
-    def _inputs(self, hidden, scaling_factor, topk_idx, topk_weights, num_of_experts,
-                routing_map, probs, experts_per_rank, blocking, missing_rows):  # fmt: skip
+    def _inputs(
+        self,
+        hidden,
+        scaling_factor,
+        topk_idx,
+        topk_weights,
+        num_of_experts,
+        routing_map,
+        probs,
+        experts_per_rank,
+        blocking,
+        missing_rows,
+    ):
         """A dispatch's rows as the Buffer takes them, its routing ([T, K] slots of global ids,
         -1 unused; their float32 probs or None; with a routing map when not blocking, a bool
         device scalar: a row had more than K) and this rank's refusal of its arguments (the
@@ -295,7 +347,7 @@ class HybridEPBuffer:
         if missing_rows:
             return *none, ("max_recv_tokens", ValueError("non_blocking needs num_permuted_tokens"))
         try:
-            rows = _rows(hidden, scaling_factor)
+            rows = hybrid_rows(hidden, scaling_factor)
         except ValueError as error:
             return *none, ("x", error)
         experts = num_of_experts if routing_map is None else routing_map.shape[-1]
@@ -336,56 +388,8 @@ class HybridEPBuffer:
             weights = torch.where(slots >= 0, taken.float(), 0.0)
         with torch.no_grad():
             try:
-                rows = _rows(hidden, scaling_factor)
+                rows = hybrid_rows(hidden, scaling_factor)
             except ValueError as error:  # no peer waits for this rank's part
                 handle.buffer.refuse("dispatch", "x", error, handle=handle.native)
             out = handle.buffer.dispatch(rows, topk_weights=weights, handle=handle.native)
         return out[0], out[1 if expand else 2]
-
-
-def _rows(hidden: torch.Tensor, scaling_factor: torch.Tensor | None):
-    """hidden as the Buffer takes it: contiguous rows, or an FP8 pair (values, scales)."""
-    hidden = hidden.detach().contiguous()
-    if (scaling_factor is None) == (hidden.dtype in FP8_DTYPES):
-        raise ValueError(f"{hidden.dtype} hidden with scaling_factor {describe(scaling_factor)}: "
-                         "FP8 hidden (float8_e4m3fn or uint8) goes with its scales")  # fmt: skip
-    if scaling_factor is None:
-        return hidden
-    return hidden.view(torch.float8_e4m3fn), scaling_factor.detach().float().contiguous()
-
-
-def _values(recv, hidden: torch.Tensor):
-    """(received values in hidden's dtype, received scales or None)."""
-    values, scales = recv if isinstance(recv, tuple) else (recv, None)
-    return values.view(hidden.dtype), scales
-
-
-def _scatter_slots(per_slot, slots, num_experts):
-    """[T, K] per-slot values to [T, E] at each slot's expert (-1 slots dropped)."""
-    columns = torch.where(slots >= 0, slots.long(), num_experts)
-    full = per_slot.new_zeros(slots.shape[0], num_experts + 1)
-    full.scatter_(1, columns, torch.where(slots >= 0, per_slot, 0.0))
-    return full[:, :num_experts]
-
-
-def indices_to_map(topk_idx, topk_weights, num_of_tokens: int, num_of_experts: int):
-    """HybridEP's conversion of top-k routing to a routing map, on topk_idx's device.
-
-    Args:
-        topk_idx: [T, K] int64 (or int32) global expert ids, -1 for an unused slot (skipped).
-        topk_weights: [T, K] probs of those slots, or None.
-        num_of_tokens: rows of the outputs, at least T (rows past T route nowhere).
-        num_of_experts: E.
-
-    Returns: routing_map [num_of_tokens, E] bool, probs [num_of_tokens, E] of topk_weights'
-    dtype (0 where not routed) or None.
-    """
-    extra = num_of_tokens - topk_idx.shape[0]
-    if extra < 0:
-        raise ValueError(f"num_of_tokens {num_of_tokens} is less than topk_idx's {len(topk_idx)}")
-    topk_idx = torch.cat([topk_idx, topk_idx.new_full((extra, topk_idx.shape[1]), -1)])
-    routing_map = token_ranks(topk_idx, 1, num_of_experts)  # one expert a "rank"
-    if topk_weights is None:
-        return routing_map, None
-    topk_weights = torch.cat([topk_weights, topk_weights.new_zeros(extra, topk_idx.shape[1])])
-    return routing_map, _scatter_slots(topk_weights, topk_idx, num_of_experts)

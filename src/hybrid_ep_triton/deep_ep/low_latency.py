@@ -80,11 +80,17 @@ class LowLatencyMode:
         buffer = self._low_latency_buffer(x, num_max_dispatch_tokens_per_rank, num_experts)
         with torch.no_grad():
             recv_x, count, native, event, hook = buffer.low_latency_dispatch(
-                x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts,
+                x,
+                topk_idx,
+                num_max_dispatch_tokens_per_rank,
+                num_experts,
                 cumulative_local_expert_recv_stats=cumulative_local_expert_recv_stats,
-                use_fp8=use_fp8, round_scale=round_scale, use_ue8m0=use_ue8m0,
-                async_finish=async_finish, return_recv_hook=return_recv_hook,
-            )  # fmt: skip
+                use_fp8=use_fp8,
+                round_scale=round_scale,
+                use_ue8m0=use_ue8m0,
+                async_finish=async_finish,
+                return_recv_hook=return_recv_hook,
+            )
         handle = Handle(tuple(native)[:5], native, buffer)
         return recv_x, count, handle, overlap((event,), async_finish), hook
 
@@ -114,9 +120,15 @@ class LowLatencyMode:
             x = self.get_next_low_latency_combine_buffer(handle)
         with torch.no_grad():
             combined, event, hook = handle.buffer.low_latency_combine(
-                x, topk_idx, topk_weights, handle.native, zero_copy=zero_copy,
-                async_finish=async_finish, return_recv_hook=return_recv_hook, out=out,
-            )  # fmt: skip
+                x,
+                topk_idx,
+                topk_weights,
+                handle.native,
+                zero_copy=zero_copy,
+                async_finish=async_finish,
+                return_recv_hook=return_recv_hook,
+                out=out,
+            )
         return combined, overlap((event,), async_finish), hook
 
     def get_next_low_latency_combine_buffer(self, handle: Handle) -> torch.Tensor:
@@ -158,19 +170,28 @@ class LowLatencyMode:
         self._check_mode("low_latency_mode")
         buffer, hidden = self._low_latency, x.shape[-1]
         shape = hidden, num_experts, x.dtype
-        if buffer is not None and buffer.low_latency_tokens >= tokens and shape == (
-            buffer.hidden_size, buffer.num_experts, buffer.dtype
-        ):  # fmt: skip
+        if (
+            buffer is not None
+            and buffer.low_latency_tokens >= tokens
+            and shape == (buffer.hidden_size, buffer.num_experts, buffer.dtype)
+        ):
             return buffer
         if buffer is not None:
             self._retired.append(buffer)
         fit = tokens_that_fit(self.num_rdma_bytes, hidden, self.group_size, num_experts)
         buffer = self._low_latency = NativeBuffer(
-            self.group, hidden_size=hidden, max_tokens_per_rank=0, num_experts=num_experts,
-            dtype=x.dtype, ranks_per_node=self.ranks_per_node, device=x.device,
-            low_latency_tokens=max(tokens, fit), mask_failed_ranks=self.enable_shrink,
-            timeout_s=self.timeout_s, heap=self._reserved,
-        )  # fmt: skip
+            self.group,
+            hidden_size=hidden,
+            max_tokens_per_rank=0,
+            num_experts=num_experts,
+            dtype=x.dtype,
+            ranks_per_node=self.ranks_per_node,
+            device=x.device,
+            low_latency_tokens=max(tokens, fit),
+            mask_failed_ranks=self.enable_shrink,
+            timeout_s=self.timeout_s,
+            heap=self._reserved,
+        )
         for rank in self._masked.nonzero().flatten().tolist():
             buffer.update_mask(rank, True)
         return buffer

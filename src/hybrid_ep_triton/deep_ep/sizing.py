@@ -23,8 +23,20 @@ GROWTH = 1.5
 # An adapter's refusal of its own argument: (the native argument it stands for, the error).
 Refusal = tuple[str, ValueError]
 
-__all__ = ["GROWTH", "TOKEN_QUANTUM", "Handle", "Refusal", "Sized", "check_handle", "gather",
-           "round_up", "rows_key", "tensor_problem", "token_ranks", "values_of"]  # fmt: skip
+__all__ = [
+    "GROWTH",
+    "TOKEN_QUANTUM",
+    "Handle",
+    "Refusal",
+    "Sized",
+    "check_handle",
+    "gather",
+    "round_up",
+    "rows_key",
+    "tensor_problem",
+    "token_ranks",
+    "values_of",
+]
 
 
 def gather(group: dist.ProcessGroup, value) -> list:
@@ -66,8 +78,15 @@ class Sized:
         self.buffer: Buffer | None = None
         self.retired: list[Buffer] = []
 
-    def run(self, key, num_tokens: int, call, refused: Refusal | None, growable: bool = True,
-            changed: str = "x"):  # fmt: skip
+    def run(
+        self,
+        key,
+        num_tokens: int,
+        call,
+        refused: Refusal | None,
+        growable: bool = True,
+        changed: str = "x",
+    ):
         """``call(buffer, refusal)``, a dispatch with a new layout of ``num_tokens`` tokens on
         the Buffer for ``key`` (None where this rank ``refused`` an argument), which calls
         ``buffer.refuse(*refusal)`` first where refusal is given; ``growable``: without
@@ -147,8 +166,13 @@ def rows_key(rows) -> tuple | None:
 def tensor_problem(name: str, t, dtype: torch.dtype, device, shape=None) -> str | None:
     """Why ``t`` is not a contiguous tensor of ``dtype`` on ``device`` (of ``shape``, None:
     any), as DeepEP asserts; None where it is."""
-    if not (isinstance(t, torch.Tensor) and t.dtype == dtype and t.device == device
-            and (shape is None or t.shape == shape) and t.is_contiguous()):  # fmt: skip
+    if not (
+        isinstance(t, torch.Tensor)
+        and t.dtype == dtype
+        and t.device == device
+        and (shape is None or t.shape == shape)
+        and t.is_contiguous()
+    ):
         want = "" if shape is None else f" of shape {tuple(shape)}"
         return f"{name} must be a contiguous {dtype} tensor{want} on {device}, got {describe(t)}"
     return None
