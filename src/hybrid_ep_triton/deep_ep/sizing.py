@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from .. import Buffer
-from ..runtime.checks import describe
+from ..runtime.checks import RefusedEarlier, describe
 from .config import round_up
 
 TOKEN_QUANTUM = 16
@@ -110,7 +110,7 @@ class Sized:
                     ) from error
                 raise
             # (A refusal along a handle that this call tells of raises on every rank too.)
-            told = "in an earlier call along a handle" in str(error)
+            told = isinstance(error, RefusedEarlier)
             everyone = gather(self.group, (None if asked or told else key, num_tokens))
             keys, largest = {k for k, _ in everyone}, max(n for _, n in everyone)
             if None in keys or len(keys) > 1 or (key == self.key and largest <= self.capacity):

@@ -9,7 +9,7 @@ rank's next dispatch with a new layout (``Refusals``). With ``agree_on_inputs`` 
 gathers, on the host, whether each rank's host passed its inputs.
 """
 
-from ..runtime.checks import Refused, gather_or_refuse, refusing
+from ..runtime.checks import Refused, RefusedEarlier, gather_or_refuse, refusing
 from . import operators
 from .handle import DispatchHandle, check_handle
 from .runtime import Runtime
@@ -88,7 +88,7 @@ class Refusals:
             return
         argument, self.along = self.along, None
         operators.run_refused_dispatch(self.rt, argument, max_recv_tokens)
-        raise ValueError(
+        raise RefusedEarlier(
             f"rank {self.rt.rank} (this rank) refused its {argument} in an earlier call along a "
             "handle, so that call's outputs on the other ranks are not valid: this dispatch "
             "tells every rank and moved nothing (the next one goes ahead)"

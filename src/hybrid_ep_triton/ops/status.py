@@ -34,6 +34,7 @@ from ..kernels.control import (
     STATUS,
     STATUS_WORDS,
 )
+from ..runtime.checks import RefusedEarlier
 from .handle import ALONG_A_HANDLE, INVALID_ROUTING, DispatchHandle, refused_argument
 from .runtime import Runtime
 
@@ -134,7 +135,7 @@ def read_report(rt: Runtime, handle: DispatchHandle, tag: int = 0) -> int:
     if cause != INVALID_ROUTING:
         argument = refused_argument(cause)
         if argument in ALONG_A_HANDLE:
-            raise ValueError(
+            raise RefusedEarlier(
                 f"rank {src} refused its {argument} in an earlier call along a handle (its own "
                 "ValueError said why), so that call's outputs on the other ranks are not "
                 "valid; nothing was dispatched"

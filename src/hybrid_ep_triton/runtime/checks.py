@@ -25,6 +25,12 @@ class Refused(Exception):
         self.argument, self.error = argument, error
 
 
+class RefusedEarlier(ValueError):
+    """A dispatch with a new layout that tells every rank of a refusal in an earlier call along
+    a handle (a cached dispatch or a combine, this rank's or a peer's): it moved nothing, and
+    the next dispatch goes ahead."""
+
+
 class refusing:
     """``with refusing(argument):`` checks of ``argument``: their ValueError becomes a Refused
     naming it. A class, not a contextlib.contextmanager: every dispatch and combine enters
