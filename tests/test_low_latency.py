@@ -1108,7 +1108,7 @@ class _DropIn:
 
     def low_latency_dispatch(self, *args, **kwargs):
         recv_x, count, handle, event, hook = self.buffer.low_latency_dispatch(*args, **kwargs)
-        return recv_x, count, handle.hybrid_ep, event.event, hook
+        return recv_x, count, handle.native, event.event, hook
 
     def low_latency_combine(self, x, topk_idx, topk_weights, handle, **kwargs):
         out, event, hook = self.buffer.low_latency_combine(
@@ -1126,9 +1126,9 @@ class _DropIn:
         self.buffer.destroy()
 
     def _deepeps(self, handle):
-        from hybrid_ep_triton.deep_ep.buffer import LowLatencyHandle as DeepEPHandle
+        from hybrid_ep_triton.deep_ep.sizing import Handle
 
-        return DeepEPHandle(handle, self.buffer._low_latency)
+        return Handle(tuple(handle)[:5], handle, self.buffer._low_latency)
 
 
 @contextlib.contextmanager

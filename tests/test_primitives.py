@@ -10,6 +10,7 @@ import triton.language as tl
 
 from hybrid_ep_triton.kernels.control import STATUS_TIMED_OUT
 from hybrid_ep_triton.kernels.primitives import (
+    HOST_RECORD_VALUES,
     HOST_RECORD_WORDS,
     host_pointer,
     interleaved,
@@ -64,7 +65,7 @@ def test_wait_host_record_takes_only_a_complete_record_of_its_tag(device, record
     another tag, or whose check does not add up (words of two writes), times out recording
     (TIMED_OUT, peer, stage)."""
     gen = torch.Generator().manual_seed(len(record))
-    values = tuple(torch.randint(0, 2**48, (5,), generator=gen).tolist())
+    values = tuple(torch.randint(0, 2**48, (int(HOST_RECORD_VALUES),), generator=gen).tolist())
     words = torch.zeros(HOST_RECORD_WORDS, dtype=torch.int64, pin_memory=device == "cuda")
     write_host_record(words.numpy(), 41 if record == "another tag" else 43, values)
     if record == "torn":
@@ -74,7 +75,7 @@ def test_wait_host_record_takes_only_a_complete_record_of_its_tag(device, record
     _host_record_kernel[(1,)](words.data_ptr(), 43, 2_000_000, status, out)
     if record == "complete":
         assert status.tolist() == [0, 0, 0]
-        assert out.tolist() == words.tolist() and out[1:6].tolist() == list(values)
+        assert out.tolist() == words.tolist() and out[1 : 1 + len(values)].tolist() == list(values)
     else:
         assert status.tolist() == [int(STATUS_TIMED_OUT), 7, 9]
 
