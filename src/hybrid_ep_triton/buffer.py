@@ -247,7 +247,9 @@ class Buffer:
             max_recv_tokens: a dispatch's mode (None: exact), as the peers' call has it.
         """
         self._check_usable()
-        along = {"dispatch": "cached dispatch", "combine": "combine"}[call]
+        if call not in ("dispatch", "combine"):
+            raise ValueError(f"call must be 'dispatch' or 'combine', got {call!r}")
+        along = "cached dispatch" if call == "dispatch" else "combine"
         if handle is not None and f"{along}'s {argument}" not in ALONG_A_HANDLE:
             raise ValueError(f"{along} has no refusable argument {argument!r}")
         if handle is None and (call != "dispatch" or argument not in REFUSABLE):
