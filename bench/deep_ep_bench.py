@@ -6,9 +6,11 @@ model; tiny: 16 tokens, hidden 64, top-2 of 8, the CPU default), in one rank pro
 Buffer and a native ``Buffer(expand=False)`` of the same sizes (a pair made for each shape, so
 that each is sized for its tokens as a user's would be), the calls as pairs:
 
-- dispatch: drop-in ``get_dispatch_layout(topk_idx, E)`` then ``dispatch(x, topk_idx=,
-  topk_weights=, num_tokens_per_rank=, is_token_in_rank=, num_tokens_per_expert=)`` against
-  native ``dispatch(x, topk_idx, topk_weights)``;
+- dispatch: drop-in ``dispatch(x, topk_idx=, topk_weights=, num_tokens_per_rank=,
+  is_token_in_rank=, num_tokens_per_expert=)`` (get_dispatch_layout's outputs, made before)
+  against native ``dispatch(x, topk_idx, topk_weights)``;
+- layout+dispatch: drop-in ``get_dispatch_layout(topk_idx, E)`` then that dispatch, against
+  the same native dispatch (what a DeepEP user's step pays);
 - combine: drop-in ``combine(y, handle, topk_weights=recv_topk_weights)`` against native
   ``combine(y, handle)``, with ``topk_weights=recv_topk_weights`` too where the native combine
   takes it (found with inspect.signature: the call the drop-in maps to then);
@@ -126,9 +128,11 @@ class Pair:
     def layout(self, x, topk_idx, weights):
         return self.dropin.get_dispatch_layout(topk_idx, self.shape.experts)
 
-    def dropin_dispatch(self, x, topk_idx, weights, worst: bool = False):
-        """get_dispatch_layout, then dispatch with its outputs (as DeepEP's users call it)."""
-        per_rank, _, per_expert, in_rank, _ = self.layout(x, topk_idx, weights)
+    def dropin_dispatch(self, x, topk_idx, weights, worst: bool = False, layout=None):
+        """dispatch with get_dispatch_layout's outputs (as DeepEP's users call it): ``layout``,
+        or get_dispatch_layout's run first (None)."""
+        layout = layout or self.layout(x, topk_idx, weights)
+        per_rank, _, per_expert, in_rank, _ = layout
         return self.dropin.dispatch(x, topk_idx=topk_idx, topk_weights=weights,
                                     num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
                                     num_tokens_per_expert=per_expert,
@@ -221,9 +225,11 @@ def _check_pair(pair: Pair, sets) -> list[str]:
 
 def _eager_calls(pair: Pair, sets) -> dict[tuple[str, str], tuple]:
     """{(op, side): (fn, argument sets)}, the eager calls timed together."""
+    laid_out = [(*s, False, pair.layout(*s)) for s in sets]
     return {
-        ("dispatch", "drop-in"): (pair.dropin_dispatch, sets),
+        ("dispatch", "drop-in"): (pair.dropin_dispatch, laid_out),
         ("dispatch", "native"): (pair.native_dispatch, sets),
+        ("layout+dispatch", "drop-in"): (pair.dropin_dispatch, sets),
         ("combine", "drop-in"): (pair.dropin_combine, pair.combine_sets("drop-in", sets)),
         ("combine", "native"): (pair.native_combine, pair.combine_sets("native", sets)),
         ("layout", "drop-in"): (pair.layout, sets),
@@ -315,12 +321,18 @@ def _graphs(pair: Pair, sets, graph_calls: int, errors: list) -> tuple[dict, dic
     order = [sets[c % len(sets)] for c in range(graph_calls)]
     dispatches = {"drop-in": pair.dropin_dispatch, "native": pair.native_dispatch}
     combines = {"drop-in": pair.dropin_combine, "native": pair.native_combine}
+    layouts = [pair.layout(*s) for s in sets]
+    laid_out = [partial(pair.dropin_dispatch, *s, worst=True, layout=layouts[c % len(sets)])
+                for c, s in enumerate(order)]  # fmt: skip
     for side in SIDES:
         calls = [partial(dispatches[side], *s, worst=True) for s in order]
         combine_args = pair.combine_sets(side, sets, worst=True)
         combine_order = [combine_args[c % len(sets)] for c in range(graph_calls)]
         combine_calls = [partial(combines[side], *args) for args in combine_order]
-        for op, op_calls in (("dispatch", calls), ("combine", combine_calls)):
+        ops = [("dispatch", calls), ("combine", combine_calls)]
+        if side == "drop-in":  # its dispatch alone, and after get_dispatch_layout
+            ops = [("dispatch", laid_out), ("layout+dispatch", calls), ("combine", combine_calls)]
+        for op, op_calls in ops:
             why = _synchronises(op_calls[0]) if side == "drop-in" else None
             if why:
                 refused[op, side] = f"not capturable: {why}"
@@ -332,7 +344,7 @@ def _graphs(pair: Pair, sets, graph_calls: int, errors: list) -> tuple[dict, dic
                 continue
             graph.replay()
             torch.cuda.synchronize()
-            if op == "dispatch":
+            if op != "combine":
                 problem = _check_dispatch(f"{side} dispatch graph", order[0][0], outputs[0])
             else:
                 out = outputs[0][0] if isinstance(outputs[0], tuple) else outputs[0]
@@ -379,11 +391,23 @@ def _row(shape: Shape, op: str, mode: str, run: int, times: dict, refused: str |
                 native_us=native, copy_us=times.get(COPY), ratio=ratio, note=refused)  # fmt: skip
 
 
+# dispatch: each side's dispatch call (the drop-in's on get_dispatch_layout's outputs, made
+# before); layout+dispatch: the drop-in's get_dispatch_layout then dispatch, against the same
+# native dispatch; layout: get_dispatch_layout alone (no native counterpart).
+OPS = ("dispatch", "layout+dispatch", "combine", "layout")
+
+
+def _key(op: str, side: str) -> tuple[str, str]:
+    """The timings' key of ``op`` on ``side``: the native side of layout+dispatch is its
+    dispatch."""
+    return ("dispatch", side) if (op, side) == ("layout+dispatch", "native") else (op, side)
+
+
 def _eager_rows(shape: Shape, run: int, eager: dict, on_gpu: bool) -> list[dict]:
     """Rows of _time_eager's times: device µs (GPUs) and host µs, the copy beside each op."""
     rows = []
-    for op in ("dispatch", "combine", "layout"):
-        sides = {side: eager[op, side] for side in SIDES if (op, side) in eager}
+    for op in OPS:
+        sides = {side: eager[_key(op, side)] for side in SIDES if _key(op, side) in eager}
         if op != "layout":
             sides[COPY] = eager[COPY, COPY]
         if on_gpu:
@@ -395,10 +419,11 @@ def _eager_rows(shape: Shape, run: int, eager: dict, on_gpu: bool) -> list[dict]
 def _graph_rows(shape: Shape, run: int, replays: dict, refused: dict, calls: int) -> list[dict]:
     """Rows of _time_graphs's replay times, per call, and why a side was not captured."""
     rows = []
-    for op in ("dispatch", "combine"):
-        per_call = {side: replays[op, side] / calls for side in SIDES if (op, side) in replays}
+    for op in OPS[:-1]:
+        per_call = {side: replays[_key(op, side)] / calls for side in SIDES
+                    if _key(op, side) in replays}  # fmt: skip
         per_call[COPY] = replays[COPY, COPY] / calls
-        why = refused.get((op, "drop-in")) or refused.get((op, "native"))
+        why = refused.get((op, "drop-in")) or refused.get(_key(op, "native"))
         rows.append(_row(shape, op, "graph", run, per_call, why))
     return rows
 
@@ -496,7 +521,8 @@ def _write(result: dict, out_dir: str) -> str:
         "median (range over the rounds). eager: events around each call, back to back; eager "
         "host: the Python call's wall-clock time, the device synchronised before it; graph: a "
         "replay's time over its calls (drop-in num_worst_tokens = native max_recv_tokens = "
-        "W * T). dispatch: drop-in get_dispatch_layout + dispatch; layout: that layout alone. "
+        "W * T). dispatch: the drop-in's dispatch on get_dispatch_layout's outputs, made before; "
+        "layout+dispatch: get_dispatch_layout then dispatch; layout: that layout alone. "
         "copy: x.clone() timed with them, the bytes a dispatch or combine at world 1 reads and "
         "writes (the floor).",
         "",

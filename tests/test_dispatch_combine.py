@@ -380,6 +380,8 @@ def _run_case(buf: Buffer, rank: int, world: int, grp: Group, index: int, case: 
         expert_recv_stats=stats,
     )  # fmt: skip
     _check_dispatch(fail, "dispatch", got, want, num_valid)
+    if handle.tokens_per_expert_list != want["tokens_per_expert"].tolist():
+        fail(f"dispatch: tokens_per_expert_list {handle.tokens_per_expert_list}")
     if not grp.expand:  # each row's source: its rank by the prefix, its token by the index
         src_idx = handle.recv_src_idx.cpu()
         if not torch.equal(src_idx, eh.recv_src_idx.cpu()):

@@ -17,6 +17,7 @@ from .ops.reserved import ReservedHeap
 from .ops.runtime import agreed_plan, make_runtime
 from .ops.scaled_rows import ScaledValues
 from .ops.streams import CommStream
+from .ops.token_counts import token_counts
 from .runtime.checks import (
     SUPPORTED_DTYPES,
     BufferOptions,
@@ -362,6 +363,7 @@ class Buffer:
         self._low_latency.clean(num_max_dispatch_tokens_per_rank, hidden, num_experts)
 
     low_latency_bytes = staticmethod(low_latency_bytes)
+    token_counts = staticmethod(token_counts)
 
     def update_mask(self, rank: int, masked: bool = True) -> None:
         """Mask ``rank`` (not this one) or unmask it, in stream order: the calls skip it."""

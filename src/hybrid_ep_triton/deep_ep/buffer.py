@@ -134,21 +134,10 @@ class Buffer(LowLatencyMode):
         """
         if native_event(previous_event) is not None:
             torch.cuda.current_stream().wait_event(native_event(previous_event))
-        if num_experts % self.group_size:
-            raise ValueError(f"num_experts must be a multiple of {self.group_size}: {num_experts}")
-        in_rank = sizing.token_ranks(topk_idx, num_experts // self.group_size, self.group_size)
-        # Counted by a scatter, not bincount of the valid ids: no host synchronisation, so that
-        # a CUDA graph can capture the layout with the dispatch (ids outside [0, E) uncounted).
-        ids = topk_idx.flatten().long()
-        ids = torch.where((ids >= 0) & (ids < num_experts), ids, num_experts)
-        per_expert = torch.zeros(num_experts + 1, dtype=torch.int32, device=ids.device)
-        per_expert = per_expert.scatter_add_(0, ids, torch.ones_like(ids, dtype=torch.int32))
-        per_expert = per_expert[:num_experts]
-        per_node, nodes = None, self.group_size // self.ranks_per_node
-        if nodes > 1:
-            per_node = in_rank.view(-1, nodes, self.ranks_per_node).any(2).sum(0, dtype=torch.int32)
-        event = EventOverlap(EventHandle() if async_finish else None)
-        return in_rank.sum(0, dtype=torch.int32), per_node, per_expert, in_rank, event
+        counts = NativeBuffer.token_counts(
+            topk_idx, num_experts, self.group_size, self.ranks_per_node
+        )
+        return *counts, EventOverlap(EventHandle() if async_finish else None)
 
     def dispatch(self, x, handle=None, num_tokens_per_rank=None, num_tokens_per_rdma_rank=None,
                  is_token_in_rank=None, num_tokens_per_expert=None, topk_idx=None,
@@ -241,7 +230,7 @@ class Buffer(LowLatencyMode):
         else:
             if recv_topk_idx.dtype != torch.int64:  # (of int32 topk_idx)
                 recv_topk_idx = recv_topk_idx.long()
-            counts = [] if worst else counts.tolist()
+            counts = [] if worst else native.tokens_per_expert_list
         column = self._columns.get(key[2])
         if column is None:
             column = torch.arange(self.group_size, device=key[2]) == self.rank

@@ -5,7 +5,8 @@ peers: waits on peers that may fail (the mask, heartbeats, handshakes, destroy()
 route: the dispatch layout; dispatch: the token move and expansion; combine: the reduction back;
 quantize: the FP8, MXFP8 and NVFP4 quantizers; control: the control block's words and the stage
 codes by name; work: column parts and work queues that dispatch and combine share;
-low_latency: the low-latency mode's dispatch and combine (decode).
+low_latency: the low-latency mode's dispatch and combine (decode); token_counts: what a dispatch
+would send where, counted on one rank (DeepEP's get_dispatch_layout).
 
 The meta-parameters (constexprs) by name. Sizes: W ranks, R ranks a node, NODES nodes (R_P2,
 N_P2, W_P2: their powers of 2), E_P2 and L_P2 the powers of 2 of the experts and of a rank's,

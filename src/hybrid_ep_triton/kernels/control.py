@@ -1,7 +1,7 @@
 """Names of the words a Buffer's launches share with each other and with the host.
 
 The control block is int64 [CONTROL_WORDS] in device memory, one per Buffer; the report is
-int64 [REPORT_WORDS] in the host's pinned memory, written by an exact-mode layout launch; a
+int64 [REPORT_EXPERTS + L] in the host's pinned memory, written by an exact-mode layout launch; a
 wait that times out records its stage code. Kernels, ops and Buffer name them from here: they
 are tl.constexpr, so the kernels compile them as the literals they stand for, and the host
 reads them as int(NAME).
@@ -69,7 +69,7 @@ REPORT_SOURCE = tl.constexpr(2)  # first rank whose dispatch could not go ahead,
 REPORT_BAD_ROW = tl.constexpr(3)  # first invalid row of this rank (as the handle's info[2])
 REPORT_STATUS = tl.constexpr(4)  # STATUS_WORDS: the control block's status
 REPORT_CAUSE = tl.constexpr(7)  # why REPORT_SOURCE's could not (ops/handle.REFUSABLE)
-REPORT_WORDS = 8
+REPORT_EXPERTS = tl.constexpr(8)  # L words from here: tokens_per_expert (the report's last)
 
 # -- a dispatch handle's info: int64 [INFO_WORDS], where the handle's state starts ---------
 INFO_ROWS = tl.constexpr(0)  # rows the output needs (also past max_recv_tokens)

@@ -53,6 +53,7 @@ from .control import (
     MASKS_NEW,
     REPORT_BAD_ROW,
     REPORT_CAUSE,
+    REPORT_EXPERTS,
     REPORT_ROWS,
     REPORT_SOURCE,
     REPORT_STATUS,
@@ -290,7 +291,7 @@ def _exchange_role(rt, out, heap, sync, m, k):
         _drop_masked_destinations(live=live, rt=rt, out=out, k=k)
     first_invalid, first_cause = _read_sources(counts=counts, live=live, rt=rt, out=out, k=k)
     seg_start, padded, total = _destination_segments(counts=counts, live=live, rt=rt, out=out, k=k)
-    needed = _own_segments(
+    needed, per_expert = _own_segments(
         counts=counts,
         live=live,
         seg_start=seg_start,
@@ -305,10 +306,12 @@ def _exchange_role(rt, out, heap, sync, m, k):
     if sync.report_tag != 0:
         _report(
             needed=needed,
+            per_expert=per_expert,
             first_invalid=first_invalid,
             bad=bad,
             status_ptr=status_ptr,
             first_cause=first_cause,
+            rt=rt,
             sync=sync,
             k=k,
         )
@@ -575,7 +578,8 @@ def _destination_segments(counts, live, rt, out, k):
 @triton.jit
 def _own_segments(counts, live, seg_start, padded, total, rt, out, k):
     """Step 5, as a receiver: this rank's own segments into expert_layout, tokens_per_expert,
-    and the rows its output needs (returned), from the ``live`` sources' rows."""
+    from the ``live`` sources' rows. Returns the rows its output needs and tokens_per_expert
+    ([L_P2] int64)."""
     dsts = tl.arange(0, k.W_P2)
     local = tl.arange(0, k.L_P2)
     mine = dsts[:, None] == rt.rank
@@ -597,23 +601,27 @@ def _own_segments(counts, live, seg_start, padded, total, rt, out, k):
         streamed = tl.load(
             counts + k.ROW + srcs * k.LR + tl.cdiv(src_tokens, k.CHUNK), mask=smask, other=0
         )
-        tl.store(out.tokens_per_expert_ptr + local, my_padded.to(tl.int64), mask=lmask)
+        per_expert = my_padded.to(tl.int64)
         tl.store(out.recv_rank_prefix_ptr + srcs, tl.cumsum(streamed, 0), mask=srcs < rt.world_size)
         needed = tl.sum(streamed, axis=0).to(tl.int64)
     else:
         # Rows past max_rows are dropped: tokens_per_expert counts those in the output.
         present = tl.minimum(my_start + my_padded, rt.max_rows) - my_start
-        tl.store(out.tokens_per_expert_ptr + local, tl.maximum(present, 0).to(tl.int64), mask=lmask)
+        per_expert = tl.maximum(present, 0).to(tl.int64)
         needed = tl.sum(my_padded, axis=0).to(tl.int64)
-    return needed
+    tl.store(out.tokens_per_expert_ptr + local, per_expert, mask=lmask)
+    return needed, per_expert
 
 
 @triton.jit
-def _report(needed, first_invalid, bad, status_ptr, first_cause, sync, k):
+def _report(needed, per_expert, first_invalid, bad, status_ptr, first_cause, rt, sync, k):
     """Exact mode: what the host waits for, straight into its pinned memory, the tag last, so
-    that the host polls host memory instead of synchronising with the stream."""
+    that the host polls host memory instead of synchronising with the stream; tokens_per_expert
+    (``per_expert``) too, which the host then has with no copy from the device."""
     report = host_pointer(sync.report_addr, tl.int64)
     tl.store(report + REPORT_ROWS, needed)
+    local = tl.arange(0, k.L_P2)
+    tl.store(report + REPORT_EXPERTS + local, per_expert, mask=local < rt.experts_per_rank)
     tl.store(report + REPORT_SOURCE, _first_source(first_invalid, k.W_P2))
     tl.store(report + REPORT_BAD_ROW, _first_bad_row(bad))
     for i in tl.static_range(STATUS_WORDS):

@@ -131,6 +131,8 @@ class DispatchHandle:
     token_rows: bool = False
     recv_topk_idx: torch.Tensor | None = None
     source_index: torch.Tensor | None = None  # recv_src_idx's tensor
+    # tokens_per_expert as the host has it from an exact-mode layout's report, or None.
+    reported_tokens_per_expert: list[int] | None = None
 
     ints = _Ints()
     slot_pos = _Part()
@@ -150,6 +152,15 @@ class DispatchHandle:
     @functools.cached_property
     def _views(self) -> dict[str, TensorView]:
         return {name: TensorView(self.ints, *layout) for name, layout in self.parts.items()}
+
+    @property
+    def tokens_per_expert_list(self) -> list[int]:
+        """tokens_per_expert as L Python ints: for an exact-mode dispatch on a GPU, as its
+        layout reported them to the host (no wait for the device); else read from the device
+        (a synchronisation)."""
+        if self.reported_tokens_per_expert is not None:
+            return self.reported_tokens_per_expert
+        return self.tokens_per_expert.tolist()
 
     @property
     def recv_src_idx(self) -> torch.Tensor:

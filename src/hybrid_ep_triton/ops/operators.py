@@ -149,12 +149,14 @@ def _exact_move(rt: Runtime, handle: DispatchHandle, move: PreparedMove, tag: in
             move.cancel(tag)  # moves nothing, still runs, as on GPUs and in max_recv_tokens
             move.launch_awaiting_outputs(tag)  # mode (the ranks' modes may differ)
             raise
+        handle.reported_tokens_per_expert = status.reported_tokens_per_expert(rt, tag)
         moved = move.deliver(handle.num_recv_rows, tag)
         move.launch_awaiting_outputs(tag)
         return moved
     move.launch_awaiting_outputs(tag)
     try:
         handle.num_recv_rows = status.read_report(rt, handle, tag)
+        handle.reported_tokens_per_expert = status.reported_tokens_per_expert(rt, tag)
         return move.deliver(handle.num_recv_rows, tag)
     except BaseException:  # its expansion waits for the record: say there is none
         move.cancel(tag)

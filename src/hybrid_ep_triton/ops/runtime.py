@@ -9,7 +9,7 @@ from dataclasses import dataclass, field, replace
 import torch
 import torch.distributed as dist
 
-from ..kernels.control import CONTROL_WORDS, NET_ROWS, REPORT_WORDS
+from ..kernels.control import CONTROL_WORDS, NET_ROWS, REPORT_EXPERTS
 from ..kernels.primitives import HOST_RECORD_WORDS
 from ..runtime.checks import (
     BufferOptions,
@@ -42,7 +42,7 @@ class Runtime:
         reduction, finish): the config's programs_per_sm per SM; the senders are taken from it.
     outbox: [W * T_MAX, H] of the Buffer's dtype: combine's partial rows for the other ranks,
         laid out like the heap's staging area.
-    report: int64 [REPORT_WORDS] in host memory (pinned on GPUs, which the device writes
+    report: int64 [REPORT_EXPERTS + L] in host memory (pinned on GPUs, which the device writes
         through its mapping): what an exact-mode layout writes for the host, the REPORT_* words
         of kernels/control.py; ``report_words`` is a memoryview of it (ops/status.py reads it).
     broken: why the Buffer is unusable (a wait timed out: ops/status.py), or None.
@@ -164,7 +164,12 @@ def make_runtime(
             plan.world_size * max(plan.max_tokens, 1), plan.hidden, dtype=plan.dtype, device=device
         ),
         group=group,
-        report=torch.zeros(REPORT_WORDS, dtype=torch.int64, device="cpu", pin_memory=on_gpu),
+        report=torch.zeros(
+            int(REPORT_EXPERTS) + plan.experts_per_rank,
+            dtype=torch.int64,
+            device="cpu",
+            pin_memory=on_gpu,
+        ),
         outputs_record=torch.zeros(
             int(HOST_RECORD_WORDS), dtype=torch.int64, device="cpu", pin_memory=on_gpu
         ),

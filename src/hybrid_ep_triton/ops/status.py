@@ -17,6 +17,7 @@ from ..kernels.control import (
     INFO_SOURCE,
     LL_REFUSED,
     REPORT_CAUSE,
+    REPORT_EXPERTS,
     REPORT_ROWS,
     REPORT_TAG,
     STAGE_COMBINE_DATA,
@@ -99,6 +100,16 @@ def _low_latency_refusal(rt: Runtime, source: int) -> str:
         f"topk_idx held an expert id outside [-1, {experts}); its own ValueError says which): "
         "that call's outputs here are not valid"
     )
+
+
+def reported_tokens_per_expert(rt: Runtime, tag: int) -> list[int] | None:
+    """tokens_per_expert as the exact-mode layout launch given ``tag`` reported it into host
+    memory (read_report has returned its row count), or None where the report is another
+    launch's (read_report took the device's info instead)."""
+    report = rt.report_words
+    if report[REPORT_TAG] != tag:
+        return None
+    return report[int(REPORT_EXPERTS) : int(REPORT_EXPERTS) + rt.plan.experts_per_rank].tolist()
 
 
 def raise_on_status(rt: Runtime, code: int, peer: int, stage: int) -> None:
