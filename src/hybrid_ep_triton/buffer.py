@@ -21,6 +21,9 @@ from .ops.token_counts import token_counts
 from .runtime.checks import (
     SUPPORTED_DTYPES,
     BufferOptions,
+    DispatchArguments,
+    LowLatencyCombineArguments,
+    LowLatencyDispatchArguments,
     check_combine_inputs,
     check_dispatch_inputs,
     ranks_per_host,
@@ -76,11 +79,8 @@ class Buffer:
         mask_failed_ranks: bool = False,
         heap: ReservedHeap | None = None,
     ):
+        options = BufferOptions.of(locals())
         group = group if group is not None else dist.group.WORLD
-        options = BufferOptions(
-            hidden_size, max_tokens_per_rank, num_experts, dtype, num_sms, timeout_s, expand,
-            ranks_per_node, device, agree_on_inputs, low_latency_tokens, mask_failed_ranks,
-        )  # fmt: skip
         taken = None  # the reserved heap, where this Buffer fits it
         if heap is not None:
             plan, device, context_sms = agreed_plan(group, options, heap.ranks_per_node)
@@ -141,6 +141,12 @@ class Buffer:
         recv_topk_weights [N, K] float32 or None, tokens_per_expert, handle); then the event
         with async_finish. recv_x is a pair of a block-scaled format's.
         """
+        return self._dispatch(DispatchArguments.of(locals()))
+
+    def _dispatch(self, args: DispatchArguments):
+        """``dispatch`` of its arguments' record (a method of its own: see
+        ArgumentRecord.of)."""
+        handle, max_recv_tokens = args.handle, args.max_recv_tokens
         call = "dispatch" if handle is None else "cached dispatch"
         self._refusals.usable_for(call, self._check_usable)
         rt = self._rt
@@ -149,10 +155,8 @@ class Buffer:
         )
         with self._refusals.of(call, refuse, handle, along=handle is not None) as checks:
             checks.check_handle()
-            x, x_scales, scaled = check_dispatch_inputs(
-                rt.plan, rt.device, x, topk_idx, topk_weights, pad_multiple, max_recv_tokens,
-                handle, quantize, expert_recv_stats, previous_event, ScaledValues,
-            )  # fmt: skip
+            x, x_scales, scaled = check_dispatch_inputs(rt.plan, rt.device, args, ScaledValues)
+        topk_idx, topk_weights = args.topk_idx, args.topk_weights
         if handle is None:
             self._refusals.tell_along(max_recv_tokens)
             topk_idx = topk_idx.contiguous()
@@ -160,11 +164,22 @@ class Buffer:
             x = x.dequantize()  # (what every torch op sees of it, with its gradient)
         (recv_x, recv_scales, recv_weights, new_handle), event = self._streams.run(
             lambda: operators.run_any_dispatch(
-                rt, self._id, x, x_scales, topk_idx, topk_weights, pad_multiple,
-                max_recv_tokens, handle, scaled, expert_recv_stats,
+                rt,
+                self._id,
+                x,
+                x_scales,
+                topk_idx,
+                topk_weights,
+                args.pad_multiple,
+                max_recv_tokens,
+                handle,
+                scaled,
+                args.expert_recv_stats,
             ),
-            (x, x_scales, topk_idx, topk_weights), previous_event, async_finish,
-        )  # fmt: skip
+            (x, x_scales, topk_idx, topk_weights),
+            args.previous_event,
+            args.async_finish,
+        )
         if handle is None:
             self._overflows.track(new_handle)
         if recv_scales is not None:
@@ -174,7 +189,7 @@ class Buffer:
             outputs = recv_x, recv_weights, tokens_per_expert, new_handle
         else:
             outputs = recv_x, new_handle.recv_topk_idx, recv_weights, tokens_per_expert, new_handle
-        return (*outputs, event) if async_finish else outputs
+        return (*outputs, event) if args.async_finish else outputs
 
     def combine(
         self,
@@ -312,12 +327,9 @@ class Buffer:
         Returns: recv_x [L, W * M', H] (use_fp8: (values, scales)), recv_count [L] int32,
         handle (src_info, layout_range first), event or None, hook or None.
         """
+        arguments = LowLatencyDispatchArguments.of(locals())
         self._check_usable()
-        return self._low_latency.dispatch(
-            x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts,
-            cumulative_local_expert_recv_stats, use_fp8, round_scale, use_ue8m0, async_finish,
-            return_recv_hook, previous_event,
-        )  # fmt: skip
+        return self._low_latency.dispatch(arguments)
 
     def low_latency_combine(
         self,
@@ -344,11 +356,9 @@ class Buffer:
 
         Returns: combined_x [T, H] (each token's weighted sum, in fp32), event, hook.
         """
+        arguments = LowLatencyCombineArguments.of(locals())
         self._check_usable()
-        return self._low_latency.combine(
-            x, topk_idx, topk_weights, handle, zero_copy, async_finish, return_recv_hook, out,
-            previous_event,
-        )  # fmt: skip
+        return self._low_latency.combine(arguments)
 
     def get_next_low_latency_combine_buffer(self, handle: LowLatencyHandle) -> torch.Tensor:
         """[L, W * M', H] in the heap for experts' outputs, read by the next call (zero_copy)."""

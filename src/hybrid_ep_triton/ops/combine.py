@@ -9,7 +9,6 @@ from .geometry import (
     channel_programs,
     data_move_arguments,
     local_parts,
-    net_slot_constants,
     programs_beside_senders,
     topology_constants,
 )
@@ -32,7 +31,6 @@ def _combine_launcher(rt: Runtime) -> KernelLauncher:
         outbox_ptr=rt.outbox,
         hidden=plan.hidden,
         num_reducers=_reducers(programs_beside_senders(rt), rt.world_size),
-        num_senders=cfg.senders,
         local_parts=local_parts(plan, cfg.combine_block_h),
         ready_off=heap.combine_ready,
         reduced_flags_off=heap.reduced_flags,
@@ -42,9 +40,9 @@ def _combine_launcher(rt: Runtime) -> KernelLauncher:
         COPY_UNROLL=cfg.copy_unroll,
         LP_MAX=LOCAL_PARTS,
         SW=MAX_TOPK,
-        **net_slot_constants(plan),
+        NET_COLS=plan.net_slot.cols,
         **data_move_arguments(rt),
-        **topology_constants(plan, "R", "NODES", "R_P2", "N_P2"),
+        **topology_constants(plan, "N_P2"),
     )
 
 

@@ -257,7 +257,7 @@ def _data_move_launcher(
     """dispatch_kernel for staged rows of ``cols`` elements (``data_cols`` of them in recv_x's
     rows, then ``scale_words`` of an FP8 row's scales) in tiles of ``block``, ``net_cols`` per
     network slot row."""
-    plan, cfg, heap = rt.plan, rt.plan.config, rt.plan.heap
+    plan, heap = rt.plan, rt.plan.heap
     slot = plan.net_slot
     return KernelLauncher(
         dispatch_kernel,
@@ -265,7 +265,6 @@ def _data_move_launcher(
         data_cols=data_cols,
         num_experts=plan.num_experts,
         experts_per_rank=plan.experts_per_rank,
-        num_senders=cfg.senders,
         expand_slices=_own_slices(rt, programs_beside_senders(rt), cols, block),
         staged_parts=local_parts(plan, block, cols),
         ready_off=heap.dispatch_ready,
@@ -277,11 +276,8 @@ def _data_move_launcher(
         META_INTS=slot.meta_ints,
         META_FLOATS=slot.meta_floats,
         NET_COLS=net_cols,
-        DATA_OFF=slot.data_offset,
-        SLOT_BYTES=slot.bytes,
         SCALE_WORDS=scale_words,
         **data_move_arguments(rt),
-        **topology_constants(plan, "R", "NODES", "R_P2"),
         **bound,
     )
 

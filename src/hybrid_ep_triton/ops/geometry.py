@@ -1,6 +1,6 @@
 """Launch geometry shared by the dispatch and combine launches: how many programs of each role,
-column parts, the arguments both data moves bind for a Buffer, and the topology's and network
-slot's constexprs."""
+column parts, the arguments both data moves bind for a Buffer, and the topology's
+constexprs."""
 
 from ..runtime.planner import (
     LOCAL_PARTS,
@@ -45,20 +45,17 @@ def topology_constants(plan: Plan, *names: str) -> dict:
     return {name: values[name] for name in names}
 
 
-def net_slot_constants(plan: Plan) -> dict:
-    """The constexprs of a NetSlot (see the planner), by the names the kernels give them."""
-    slot = plan.net_slot
-    return dict(NET_COLS=slot.cols, DATA_OFF=slot.data_offset, SLOT_BYTES=slot.bytes)
-
-
 def data_move_arguments(rt: Runtime) -> dict:
     """What dispatch's and combine's data moves both take and a Buffer fixes: its rank, heap
-    regions, control block and bound of every wait, and their shared constexprs (by the names
-    the kernels give them), with KernelLauncher's on_compile and the compile options."""
+    regions, control block and bound of every wait, its senders, and their shared constexprs
+    (by the names the kernels give them: of the node topology and of a NetSlot but its
+    columns, which each move's rows set), with KernelLauncher's on_compile and the compile
+    options."""
     plan, cfg, heap = rt.plan, rt.plan.config, rt.plan.heap
     return dict(
         on_compile=rt.on_compile,
         rank=rt.rank,
+        num_senders=cfg.senders,
         peer_bases_ptr=rt.heap.peer_bases,
         chunk_flags_off=heap.chunk_flags,
         staging_off=heap.staging,
@@ -80,6 +77,9 @@ def data_move_arguments(rt: Runtime) -> dict:
         W_P2=next_power_of_2(rt.world_size),
         CHUNK=cfg.chunk_tokens,
         STAGES=cfg.copy_stages,
+        DATA_OFF=plan.net_slot.data_offset,
+        SLOT_BYTES=plan.net_slot.bytes,
+        **topology_constants(plan, "R", "NODES", "R_P2"),
         num_warps=cfg.num_warps,
         maxnreg=MAX_REGISTERS,
         **rt.compile_options,

@@ -11,8 +11,8 @@ from ..kernels.low_latency import (
     low_latency_dispatch_kernel,
 )
 from ..runtime.checks import (
-    check_event,
-    check_flag,
+    LowLatencyCombineArguments,
+    LowLatencyDispatchArguments,
     check_int,
     check_low_latency_combine,
     check_low_latency_dispatch,
@@ -78,7 +78,7 @@ class DispatchOutputs(NamedTuple):
 
 
 def allocate_dispatch(
-    rt: Runtime, num_tokens: int, topk: int, max_tokens: int, fp8: bool, ue8m0: bool
+    rt: Runtime, num_tokens: int, topk: int, max_tokens: int, *, fp8: bool, ue8m0: bool
 ) -> DispatchOutputs:
     """Outputs of a dispatch of ``num_tokens`` tokens with ``topk`` slots, sized for
     ``max_tokens`` (M') tokens a rank. FP8 scales are stored as DeepEP lays them out (for TMA,
@@ -328,15 +328,13 @@ def run_refused_dispatch(rt: Runtime, area: int) -> None:
     REFUSED in every flag, so that no peer waits and every peer records the refusal (what this
     rank receives is dropped)."""
     plan = rt.plan
-    outputs = allocate_dispatch(rt, 0, 1, plan.low_latency.tokens, False, False)
-    x = torch.empty(0, plan.hidden, dtype=plan.dtype, device=rt.device)
-    no_routing = torch.empty(0, 1, dtype=torch.int64, device=rt.device)
+    outputs = allocate_dispatch(rt, 0, 1, plan.low_latency.tokens, fp8=False, ue8m0=False)
     launch_dispatch(
         rt,
-        x,
-        no_routing,
-        None,
-        outputs,
+        x=torch.empty(0, plan.hidden, dtype=plan.dtype, device=rt.device),
+        topk_idx=torch.empty(0, 1, dtype=torch.int64, device=rt.device),
+        stats=None,
+        outputs=outputs,
         round_scale=False,
         ue8m0=False,
         send=True,
@@ -350,17 +348,18 @@ def run_refused_combine(rt: Runtime, area: int) -> None:
     """This rank's part of a low-latency combine whose inputs its host refused: every flag a
     peer could wait for, with REFUSED and no rows (its stand-in x, a send area, is not read)."""
     plan, device = rt.plan, rt.device
-    x = combine_buffer(rt, plan.low_latency.tokens, area)
     no_slots = torch.empty(0, 1, dtype=torch.int32, device=device)
     launch_combine(
         rt,
-        x,
-        no_slots,
-        no_slots.float(),
-        no_slots,
-        torch.zeros(plan.experts_per_rank, rt.world_size, dtype=torch.int64, device=device),
-        torch.empty(0, plan.hidden, dtype=plan.dtype, device=device),
-        torch.empty(1, dtype=torch.int64, device=device),
+        x=combine_buffer(rt, plan.low_latency.tokens, area),
+        topk_idx=no_slots,
+        topk_weights=no_slots.float(),
+        token_slots=no_slots,
+        layout_range=torch.zeros(
+            plan.experts_per_rank, rt.world_size, dtype=torch.int64, device=device
+        ),
+        out=torch.empty(0, plan.hidden, dtype=plan.dtype, device=device),
+        call_seq=torch.empty(1, dtype=torch.int64, device=device),
         zero_copy=True,
         send=True,
         receive=True,
@@ -376,6 +375,16 @@ def _check_after_launch(rt: Runtime, received: bool) -> None:
     run, as it frees this call's receive area for the peers' call two calls on."""
     if not rt.on_gpu:
         status.check_low_latency(rt, refusals=received)
+
+
+def _check_handle(rt: Runtime, handle) -> None:
+    """ValueError unless ``handle`` is a low-latency dispatch's handle of this Buffer."""
+    if not isinstance(handle, LowLatencyHandle) or (
+        handle.src_info.device != rt.device or handle.hidden != rt.plan.hidden
+    ):
+        raise ValueError(
+            f"handle must be a low-latency dispatch's handle of this Buffer, got {describe(handle)}"
+        )
 
 
 # -- the calls, as Buffer makes them ------------------------------------------------------------
@@ -401,190 +410,125 @@ class Calls:
                 f"{name}: the receive hook of the low-latency call two calls back was not "
                 "called; at most two calls may await their hooks (call them before the next)"
             )
-        call = [return_recv_hook is True]
-        self.last = [*self.last[-1:], call]
+        cell = [return_recv_hook is True]
+        self.last = [*self.last[-1:], cell]
         area, self.next_area = self.next_area, 1 - self.next_area
-        return call, area
+        return cell, area
 
-    def hook(self, call: list[bool], receive):
-        """The receive hook of ``call``: runs ``receive`` once."""
+    def hook(self, cell: list[bool], receive):
+        """The receive hook of the call of ``cell``: runs ``receive`` once."""
 
         def hook() -> None:
             self.usable()
-            if not call[0]:
+            if not cell[0]:
                 raise RuntimeError("this receive hook was called already")
-            call[0] = False
+            cell[0] = False
             receive()
 
         return hook
 
-    def dispatch(
-        self,
-        x,
-        topk_idx,
-        max_tokens,
-        num_experts,
-        stats,
-        use_fp8,
-        round_scale,
-        use_ue8m0,
-        async_finish,
-        return_recv_hook,
-        previous_event,
-    ):
-        """Buffer.low_latency_dispatch (its docstring says what is what)."""
-        rt = self.rt
-        call, area = self.start("low_latency_dispatch", return_recv_hook)
+    def run(self, name: str, args, prepare, refuse, send, receive):
+        """The sequence of every low-latency call ``name`` of ``args`` (its arguments' record):
+        its cell and send area (``start``); ``prepare(area)``, which checks the arguments and
+        returns the tensors the call's launches take, and whose ValueError is raised after
+        ``refuse(rt, area)`` has run this rank's part of the call as a refused one's, so that
+        no peer waits; then ``send(tensors, area)``, the send half (with the receive half
+        unless the call returns a hook), on the stream that args.async_finish and
+        args.previous_event ask for; with args.return_recv_hook, a hook that runs
+        ``receive(tensors, outputs)``, the receive half. Returns the tensors, send's outputs,
+        the event (or None) and the hook (or None)."""
+        cell, area = self.start(name, args.return_recv_hook)
         try:
-            check_low_latency_dispatch(
-                rt.plan,
-                rt.device,
-                x,
-                topk_idx,
-                max_tokens,
-                num_experts,
-                stats,
-                use_fp8,
-                round_scale,
-                use_ue8m0,
-            )
-            check_event(previous_event, rt.on_gpu)
+            tensors = prepare(area)
         except ValueError:
-            call[0] = False
-            run_refused_dispatch(rt, area)
+            cell[0] = False
+            refuse(self.rt, area)
             raise
-        topk_idx = topk_idx.contiguous()  # (the kernels read it as [T, K], rows K apart)
         outputs, event = self.streams.run(
-            lambda: dispatch(
-                self.runtime_id,
-                x,
-                topk_idx,
-                stats,
-                max_tokens,
-                use_fp8,
-                round_scale,
-                use_ue8m0,
-                not return_recv_hook,
-                area,
-                False,
-            ),
-            (x, topk_idx, stats),
-            previous_event,
-            async_finish,
+            lambda: send(tensors, area), tensors, args.previous_event, args.async_finish
         )
-        outputs = DispatchOutputs(*outputs)
         hook = None
-        if return_recv_hook:
-            hook = self.hook(
-                call,
-                lambda: dispatch_receive(
-                    self.runtime_id, x, topk_idx, stats, *outputs, round_scale, use_ue8m0
-                ),
+        if args.return_recv_hook:
+            hook = self.hook(cell, lambda: receive(tensors, outputs))
+        return tensors, outputs, event, hook
+
+    def dispatch(self, args: LowLatencyDispatchArguments):
+        """Buffer.low_latency_dispatch (its docstring says what is what)."""
+        rt, runtime_id = self.rt, self.runtime_id
+        scales = dict(round_scale=args.round_scale, ue8m0=args.use_ue8m0)
+
+        def prepare(area: int) -> tuple:
+            """x, topk_idx (as the kernels read it: [T, K], rows K apart) and the stats."""
+            check_low_latency_dispatch(rt.plan, rt.device, args)
+            topk_idx = args.topk_idx.contiguous()
+            return args.x, topk_idx, args.cumulative_local_expert_recv_stats
+
+        def send(tensors: tuple, area: int) -> DispatchOutputs:
+            return DispatchOutputs(
+                *dispatch(
+                    runtime_id,
+                    *tensors,
+                    max_tokens=args.num_max_dispatch_tokens_per_rank,
+                    fp8=args.use_fp8,
+                    receive=not args.return_recv_hook,
+                    area=area,
+                    **scales,
+                )
             )
+
+        def receive(tensors: tuple, outputs: DispatchOutputs) -> None:
+            dispatch_receive(runtime_id, *tensors, *outputs, **scales)
+
+        _, outputs, event, hook = self.run(
+            "low_latency_dispatch", args, prepare, run_refused_dispatch, send, receive
+        )
         recv_x = outputs.recv_x
-        if use_fp8:
+        if args.use_fp8:
             recv_x = recv_x, caller_scales(outputs.scale_storage)
         handle = LowLatencyHandle(
-            outputs.src_info,
-            outputs.layout_range,
-            max_tokens,
-            rt.plan.hidden,
-            rt.plan.num_experts,
-            outputs.token_slots,
+            src_info=outputs.src_info,
+            layout_range=outputs.layout_range,
+            num_max_dispatch_tokens_per_rank=args.num_max_dispatch_tokens_per_rank,
+            hidden=rt.plan.hidden,
+            num_experts=rt.plan.num_experts,
+            token_slots=outputs.token_slots,
         )
         return recv_x, outputs.recv_count, handle, event, hook
 
-    def combine(
-        self,
-        x,
-        topk_idx,
-        topk_weights,
-        handle,
-        zero_copy,
-        async_finish,
-        return_recv_hook,
-        out,
-        previous_event,
-    ):
+    def combine(self, args: LowLatencyCombineArguments):
         """Buffer.low_latency_combine (its docstring says what is what)."""
-        rt = self.rt
-        call, area = self.start("low_latency_combine", return_recv_hook)
-        try:
-            self._check_combine(
-                x,
-                topk_idx,
-                topk_weights,
-                handle,
-                zero_copy,
-                async_finish,
-                return_recv_hook,
-                out,
-                area,
-            )
-            check_event(previous_event, rt.on_gpu)
-        except ValueError:
-            call[0] = False
-            run_refused_combine(rt, area)
-            raise
-        topk_idx, topk_weights = topk_idx.contiguous(), topk_weights.contiguous()
-        if out is None:
-            out = torch.empty(
-                topk_idx.shape[0], rt.plan.hidden, dtype=rt.plan.dtype, device=rt.device
-            )
-        parts = (x, topk_idx, topk_weights, handle.token_slots, handle.layout_range, out)
-        call_seq, event = self.streams.run(
-            lambda: combine(self.runtime_id, *parts, zero_copy, not return_recv_hook, area, False),
-            parts,
-            previous_event,
-            async_finish,
-        )
-        hook = None
-        if return_recv_hook:
-            hook = self.hook(call, lambda: combine_receive(self.runtime_id, *parts, call_seq))
-        return out, event, hook
+        rt, runtime_id, handle = self.rt, self.runtime_id, args.handle
 
-    def _check_combine(
-        self,
-        x,
-        topk_idx,
-        topk_weights,
-        handle,
-        zero_copy,
-        async_finish,
-        return_recv_hook,
-        out,
-        area,
-    ) -> None:
-        rt = self.rt
-        if not isinstance(handle, LowLatencyHandle) or (
-            handle.src_info.device != rt.device or handle.hidden != rt.plan.hidden
-        ):
-            raise ValueError(
-                f"handle must be a low-latency dispatch's handle of this Buffer, got "
-                f"{describe(handle)}"
+        def prepare(area: int) -> tuple:
+            """x, topk_idx and topk_weights (contiguous), the handle's token_slots and
+            layout_range, and out (allocated where the caller gave none), last."""
+            _check_handle(rt, handle)
+            buffer = combine_buffer(rt, handle.num_max_dispatch_tokens_per_rank, area)
+            check_low_latency_combine(rt.plan, rt.device, args, buffer)
+            out = args.out
+            if out is None:
+                shape = (args.topk_idx.shape[0], rt.plan.hidden)
+                out = torch.empty(shape, dtype=rt.plan.dtype, device=rt.device)
+            topk_idx, topk_weights = args.topk_idx.contiguous(), args.topk_weights.contiguous()
+            return args.x, topk_idx, topk_weights, handle.token_slots, handle.layout_range, out
+
+        def send(tensors: tuple, area: int) -> torch.Tensor:
+            return combine(
+                runtime_id,
+                *tensors,
+                zero_copy=args.zero_copy,
+                receive=not args.return_recv_hook,
+                area=area,
             )
-        for name, flag in (
-            ("zero_copy", zero_copy),
-            ("return_recv_hook", return_recv_hook),
-            ("async_finish", async_finish),
-        ):
-            check_flag(name, flag)
-        check_low_latency_combine(
-            rt.plan,
-            rt.device,
-            x,
-            topk_idx,
-            topk_weights,
-            handle.token_slots,
-            handle.src_info.shape[1],
-            out,
+
+        def receive(tensors: tuple, call_seq: torch.Tensor) -> None:
+            combine_receive(runtime_id, *tensors, call_seq)
+
+        tensors, _, event, hook = self.run(
+            "low_latency_combine", args, prepare, run_refused_combine, send, receive
         )
-        buffer = combine_buffer(rt, handle.num_max_dispatch_tokens_per_rank, area)
-        if zero_copy and x.data_ptr() != buffer.data_ptr():
-            raise ValueError(
-                "zero_copy takes the buffer that get_next_low_latency_combine_buffer returned "
-                "right before this call as x"
-            )
+        out = tensors[-1]
+        return out, event, hook
 
     def require(self) -> None:
         """ValueError unless the Buffer was built with the mode."""
@@ -597,19 +541,21 @@ class Calls:
         """Buffer.clean_low_latency_buffer: the arguments against the Buffer's, then a
         dispatch of no tokens (M' = 1), which every rank makes: a barrier of the live ranks."""
         self.require()
-        check_int(
-            "num_max_dispatch_tokens_per_rank", max_tokens, 1, self.rt.plan.low_latency.tokens
-        )
-        if (hidden, num_experts) != (self.rt.plan.hidden, self.rt.plan.num_experts):
+        plan, device = self.rt.plan, self.rt.device
+        check_int("num_max_dispatch_tokens_per_rank", max_tokens, 1, plan.low_latency.tokens)
+        if (hidden, num_experts) != (plan.hidden, plan.num_experts):
             raise ValueError(
-                f"hidden and num_experts must be the Buffer's ({self.rt.plan.hidden}, "
-                f"{self.rt.plan.num_experts}), got ({hidden}, {num_experts})"
+                f"hidden and num_experts must be the Buffer's ({plan.hidden}, "
+                f"{plan.num_experts}), got ({hidden}, {num_experts})"
             )
-        no_tokens = torch.empty(0, hidden, dtype=self.rt.plan.dtype, device=self.rt.device)
-        no_routing = torch.empty(0, 1, dtype=torch.int64, device=self.rt.device)
-        self.dispatch(
-            no_tokens, no_routing, 1, num_experts, None, False, False, False, False, False, None
+        no_tokens = LowLatencyDispatchArguments(
+            x=torch.empty(0, hidden, dtype=plan.dtype, device=device),
+            topk_idx=torch.empty(0, 1, dtype=torch.int64, device=device),
+            num_max_dispatch_tokens_per_rank=1,
+            num_experts=num_experts,
+            use_fp8=False,
         )
+        self.dispatch(no_tokens)
 
     def next_combine_buffer(self, handle: LowLatencyHandle) -> torch.Tensor:
         """Buffer.get_next_low_latency_combine_buffer."""
@@ -629,19 +575,20 @@ def _dispatch_op(
     x: torch.Tensor,
     topk_idx: torch.Tensor,
     stats: torch.Tensor | None,
+    *,
     max_tokens: int,
     fp8: bool,
     round_scale: bool,
     ue8m0: bool,
     receive: bool,
     area: int,
-    refused: bool,
 ) -> tuple[
     torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor
 ]:
     """A dispatch's send half (and with ``receive`` its receive half): the DispatchOutputs."""
     rt = operators.runtime(runtime_id)
-    outputs = allocate_dispatch(rt, topk_idx.shape[0], topk_idx.shape[1], max_tokens, fp8, ue8m0)
+    num_tokens, topk = topk_idx.shape
+    outputs = allocate_dispatch(rt, num_tokens, topk, max_tokens, fp8=fp8, ue8m0=ue8m0)
     launch_dispatch(
         rt,
         x,
@@ -653,9 +600,8 @@ def _dispatch_op(
         send=True,
         receive=receive,
         area=area,
-        refused=refused,
     )
-    _check_after_launch(rt, receive)
+    _check_after_launch(rt, received=receive)
     return tuple(outputs)
 
 
@@ -665,10 +611,10 @@ dispatch = torch.library.custom_op(
 
 
 @dispatch.register_fake
-def _(runtime_id, x, topk_idx, stats, max_tokens, fp8, round_scale, ue8m0, receive, area, refused):
+def _(runtime_id, x, topk_idx, stats, *, max_tokens, fp8, ue8m0, **launch):
     rt = operators.runtime(runtime_id)
     with torch.device("meta"):
-        outputs = allocate_dispatch(rt, *topk_idx.shape, max_tokens, fp8, ue8m0)
+        outputs = allocate_dispatch(rt, *topk_idx.shape, max_tokens, fp8=fp8, ue8m0=ue8m0)
     return tuple(torch.empty_like(t, device=x.device) for t in outputs)
 
 
@@ -684,6 +630,7 @@ def _dispatch_receive_op(
     layout_range: torch.Tensor,
     token_slots: torch.Tensor,
     call_seq: torch.Tensor,
+    *,
     round_scale: bool,
     ue8m0: bool,
 ) -> None:
@@ -704,7 +651,7 @@ def _dispatch_receive_op(
         receive=True,
         area=0,
     )
-    _check_after_launch(rt, True)
+    _check_after_launch(rt, received=True)
 
 
 dispatch_receive = torch.library.custom_op(
@@ -722,10 +669,10 @@ def _combine_op(
     token_slots: torch.Tensor,
     layout_range: torch.Tensor,
     out: torch.Tensor,
+    *,
     zero_copy: bool,
     receive: bool,
     area: int,
-    refused: bool,
 ) -> torch.Tensor:
     """A combine's send half (and with ``receive`` its receive half, into ``out``); returns
     the call's sequence number (int64 [1]) for a receive launched later."""
@@ -744,9 +691,8 @@ def _combine_op(
         send=True,
         receive=receive,
         area=area,
-        refused=refused,
     )
-    _check_after_launch(rt, receive)
+    _check_after_launch(rt, received=receive)
     return call_seq
 
 
@@ -756,19 +702,7 @@ combine = torch.library.custom_op(
 
 
 @combine.register_fake
-def _(
-    runtime_id,
-    x,
-    topk_idx,
-    topk_weights,
-    token_slots,
-    layout_range,
-    out,
-    zero_copy,
-    receive,
-    area,
-    refused,
-):
+def _(runtime_id, x, *tensors, **launch):
     return x.new_empty(1, dtype=torch.int64)
 
 
@@ -798,7 +732,7 @@ def _combine_receive_op(
         receive=True,
         area=0,
     )
-    _check_after_launch(rt, True)
+    _check_after_launch(rt, received=True)
 
 
 combine_receive = torch.library.custom_op(

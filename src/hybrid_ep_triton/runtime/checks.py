@@ -163,35 +163,71 @@ def check_routing(name: str, topk_idx, num_tokens: int, device: torch.device) ->
     return topk
 
 
+class ArgumentRecord:
+    """A frozen dataclass of a public call's arguments, by the names of its signature."""
+
+    @classmethod
+    def of(cls, arguments: dict):
+        """The record of the call whose ``locals()`` are ``arguments``, its fields picked by
+        name (by ``__dataclass_fields__``: torch.compile traces no ``dataclasses.fields``).
+        torch.compile traces no locals() of a function that has a closure over a local not yet
+        assigned: a method that makes the record so passes it to another for its work."""
+        return cls(**{name: arguments[name] for name in cls.__dataclass_fields__})
+
+
+@dataclass(frozen=True)
+class LowLatencyDispatchArguments(ArgumentRecord):
+    """Buffer.low_latency_dispatch's arguments, unchecked (its docstring says what each is),
+    with its defaults for a dispatch that the Buffer makes itself (clean_low_latency_buffer)."""
+
+    x: torch.Tensor
+    topk_idx: torch.Tensor
+    num_max_dispatch_tokens_per_rank: int
+    num_experts: int
+    cumulative_local_expert_recv_stats: torch.Tensor | None = None
+    use_fp8: bool = True
+    round_scale: bool = False
+    use_ue8m0: bool = False
+    async_finish: bool = False
+    return_recv_hook: bool = False
+    previous_event: torch.cuda.Event | None = None
+
+
+@dataclass(frozen=True)
+class LowLatencyCombineArguments(ArgumentRecord):
+    """Buffer.low_latency_combine's arguments, unchecked (its docstring says what each is;
+    ``handle``: a low-latency dispatch's handle, ops.low_latency.LowLatencyHandle)."""
+
+    x: torch.Tensor
+    topk_idx: torch.Tensor
+    topk_weights: torch.Tensor
+    handle: tuple
+    zero_copy: bool
+    async_finish: bool
+    return_recv_hook: bool
+    out: torch.Tensor | None
+    previous_event: torch.cuda.Event | None
+
+
 def check_low_latency_dispatch(
-    plan,
-    device: torch.device,
-    x,
-    topk_idx,
-    max_tokens,
-    num_experts,
-    stats,
-    use_fp8,
-    round_scale,
-    use_ue8m0,
+    plan: Plan, device: torch.device, args: LowLatencyDispatchArguments
 ) -> None:
-    """A low-latency dispatch's inputs against the Buffer's ``plan``: ValueError naming the
+    """A low-latency dispatch's arguments against the Buffer's ``plan``: ValueError naming the
     first that does not fit."""
+    max_tokens, x = args.num_max_dispatch_tokens_per_rank, args.x
     check_int("num_max_dispatch_tokens_per_rank", max_tokens, 1, plan.low_latency.tokens)
-    if num_experts != plan.num_experts:
-        raise ValueError(f"num_experts must be the Buffer's {plan.num_experts}, got {num_experts}")
-    for name, flag in (
-        ("use_fp8", use_fp8),
-        ("round_scale", round_scale),
-        ("use_ue8m0", use_ue8m0),
-    ):
-        check_flag(name, flag)
-    if use_fp8 and plan.hidden % FP8_GROUP:
+    if args.num_experts != plan.num_experts:
+        raise ValueError(
+            f"num_experts must be the Buffer's {plan.num_experts}, got {args.num_experts}"
+        )
+    for name in ("use_fp8", "round_scale", "use_ue8m0"):
+        check_flag(name, getattr(args, name))
+    if args.use_fp8 and plan.hidden % FP8_GROUP:
         raise ValueError(
             f"use_fp8 needs a hidden size that is a multiple of {FP8_GROUP}, the Buffer's is "
             f"{plan.hidden}"
         )
-    if use_ue8m0 and not (use_fp8 and round_scale):
+    if args.use_ue8m0 and not (args.use_fp8 and args.round_scale):
         raise ValueError("use_ue8m0 needs use_fp8=True and round_scale=True (as DeepEP's)")
     check_tensor("x", x, None, plan.dtype, device)
     if x.dim() != 2 or x.shape[1] != plan.hidden:
@@ -201,39 +237,51 @@ def check_low_latency_dispatch(
             f"x has {x.shape[0]} tokens, more than num_max_dispatch_tokens_per_rank={max_tokens}"
         )
     check_contiguous_rows("x", x)
-    topk = check_routing("topk_idx", topk_idx, x.shape[0], device)
+    topk = check_routing("topk_idx", args.topk_idx, x.shape[0], device)
     if topk > MAX_TOPK:
         raise ValueError(f"topk_idx must have 1 to {MAX_TOPK} slots per token, got K={topk}")
+    stats = args.cumulative_local_expert_recv_stats
     if stats is not None:
-        check_tensor(
-            "cumulative_local_expert_recv_stats",
-            stats,
-            (plan.experts_per_rank,),
-            torch.int32,
-            device,
-        )
+        shape = (plan.experts_per_rank,)
+        check_tensor("cumulative_local_expert_recv_stats", stats, shape, torch.int32, device)
+    check_event(args.previous_event, device.type == "cuda")
 
 
 def check_low_latency_combine(
-    plan, device: torch.device, x, topk_idx, topk_weights, token_slots, rows: int, out
+    plan: Plan,
+    device: torch.device,
+    args: LowLatencyCombineArguments,
+    combine_buffer: torch.Tensor,
 ) -> None:
-    """A low-latency combine's inputs against the Buffer's ``plan`` and its handle's
-    ``token_slots`` [T, K] and ``rows`` (W * M'): ValueError naming the first that does not
-    fit."""
-    shape = (plan.experts_per_rank, rows, plan.hidden)
+    """A low-latency combine's arguments against the Buffer's ``plan`` and the handle (a
+    low-latency handle of this Buffer, checked before), with ``combine_buffer`` the buffer
+    that get_next_low_latency_combine_buffer returned for this call (zero_copy's x):
+    ValueError naming the first that does not fit."""
+    x, token_slots = args.x, args.handle.token_slots
+    for name in ("zero_copy", "return_recv_hook", "async_finish"):
+        check_flag(name, getattr(args, name))
+    shape = (plan.experts_per_rank, args.handle.src_info.shape[1], plan.hidden)
     check_tensor("x", x, shape, plan.dtype, device)
     if x.stride(2) != 1 and plan.hidden > 1:
         raise ValueError("x must have contiguous rows (stride(2) == 1)")
+    topk_idx, topk_weights = args.topk_idx, args.topk_weights
     check_tensor("topk_idx", topk_idx, tuple(token_slots.shape), topk_idx.dtype, device)
     if topk_idx.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"topk_idx must be int32 or int64, got {topk_idx.dtype}")
     check_contiguous_rows("topk_idx", topk_idx)
     check_tensor("topk_weights", topk_weights, tuple(token_slots.shape), torch.float32, device)
     check_contiguous_rows("topk_weights", topk_weights)
-    if out is not None:
-        check_tensor("out", out, (token_slots.shape[0], plan.hidden), plan.dtype, device)
-        if not out.is_contiguous():
+    if args.out is not None:
+        shape = (token_slots.shape[0], plan.hidden)
+        check_tensor("out", args.out, shape, plan.dtype, device)
+        if not args.out.is_contiguous():
             raise ValueError("out must be contiguous")
+    if args.zero_copy and x.data_ptr() != combine_buffer.data_ptr():
+        raise ValueError(
+            "zero_copy takes the buffer that get_next_low_latency_combine_buffer returned "
+            "right before this call as x"
+        )
+    check_event(args.previous_event, device.type == "cuda")
 
 
 def check_event(event, on_gpu: bool) -> None:
@@ -336,8 +384,9 @@ def check_pair(pair, plan: Plan, device: torch.device, scaled_values: type) -> s
 
 
 @dataclass(frozen=True)
-class BufferOptions:
-    """Buffer's constructor arguments but the group (its docstring says what each is)."""
+class BufferOptions(ArgumentRecord):
+    """Buffer's constructor arguments but the group and the heap (its docstring says what each
+    is)."""
 
     hidden_size: int
     max_tokens_per_rank: int
@@ -422,29 +471,35 @@ def ranks_per_host(hosts: list[str]) -> int:
     return per_host
 
 
+@dataclass(frozen=True)
+class DispatchArguments(ArgumentRecord):
+    """Buffer.dispatch's arguments, unchecked (its docstring says what each is; ``handle``: a
+    DispatchHandle, whose num_tokens and topk a cached dispatch takes, or None)."""
+
+    x: torch.Tensor | tuple[torch.Tensor, torch.Tensor]
+    topk_idx: torch.Tensor | None
+    topk_weights: torch.Tensor | None
+    pad_multiple: int
+    max_recv_tokens: int | None
+    handle: object
+    quantize: bool | str
+    expert_recv_stats: torch.Tensor | None
+    previous_event: torch.cuda.Event | None
+    async_finish: bool
+
+
 def check_dispatch_inputs(
-    plan: Plan,
-    device: torch.device,
-    x,
-    topk_idx,
-    topk_weights,
-    pad_multiple,
-    max_recv_tokens,
-    handle,
-    quantize,
-    expert_recv_stats,
-    previous_event,
-    scaled_values: type,
+    plan: Plan, device: torch.device, args: DispatchArguments, scaled_values: type
 ) -> tuple:
-    """Buffer.dispatch's inputs: Refused naming the argument that fails (``handle``: a
-    DispatchHandle, whose num_tokens and topk a cached dispatch takes, or None; ``scaled_values``
-    as for check_pair). Returns x (the rows, or a pair's values), a pair's scales or None, and
-    the block-scaled format of recv_x or None (rows of the Buffer's dtype)."""
+    """Buffer.dispatch's inputs: Refused naming the argument that fails (``scaled_values`` as
+    for check_pair). Returns x (the rows, or a pair's values), a pair's scales or None, and the
+    block-scaled format of recv_x or None (rows of the Buffer's dtype)."""
+    x, topk_idx, handle = args.x, args.topk_idx, args.handle
     x_scales = None
     with refusing("quantize"):
         scaled = check_quantize_format(
             "quantize",
-            quantize,
+            args.quantize,
             plan.hidden,
             takes_bools=True,
             hint=" (pass rows quantized beforehand as a (values, scales) pair instead)",
@@ -453,7 +508,7 @@ def check_dispatch_inputs(
         if isinstance(x, tuple):
             if scaled is not None:
                 raise ValueError(
-                    f"quantize={quantize!r} takes rows of the Buffer's dtype, not a pair"
+                    f"quantize={args.quantize!r} takes rows of the Buffer's dtype, not a pair"
                 )
             scaled = check_pair(x, plan, device, scaled_values)
             x, x_scales = x
@@ -469,10 +524,10 @@ def check_dispatch_inputs(
                     f"rank at most {MAX_TOPK} are supported"
                 )
         with refusing("pad_multiple"):
-            check_int("pad_multiple", pad_multiple, 1)
-        if max_recv_tokens is not None:
+            check_int("pad_multiple", args.pad_multiple, 1)
+        if args.max_recv_tokens is not None:
             with refusing("max_recv_tokens"):
-                check_int("max_recv_tokens", max_recv_tokens, 0)
+                check_int("max_recv_tokens", args.max_recv_tokens, 0)
     else:
         with refusing("handle"):
             if num_tokens != handle.num_tokens:
@@ -480,22 +535,23 @@ def check_dispatch_inputs(
                     f"x must have the handle's {handle.num_tokens} tokens, got {num_tokens}"
                 )
         topk = handle.topk
-    if topk_weights is not None:
+    if args.topk_weights is not None:
         with refusing("topk_weights"):
-            check_tensor("topk_weights", topk_weights, (num_tokens, topk), torch.float32, device)
-    if expert_recv_stats is not None:
+            shape = (num_tokens, topk)
+            check_tensor("topk_weights", args.topk_weights, shape, torch.float32, device)
+    if args.expert_recv_stats is not None:
         with refusing("expert_recv_stats"):
             if handle is not None:
                 raise ValueError("expert_recv_stats counts routing: pass it without a handle")
             check_tensor(
                 "expert_recv_stats",
-                expert_recv_stats,
+                args.expert_recv_stats,
                 (plan.experts_per_rank,),
                 torch.int64,
                 device,
             )
     with refusing("previous_event"):
-        check_event(previous_event, device.type == "cuda")
+        check_event(args.previous_event, device.type == "cuda")
     return x, x_scales, scaled
 
 
