@@ -29,6 +29,7 @@ def _reference(topk_idx, num_experts, world, ranks_per_node):
         (130, 8, 64, 8, 4, torch.int32),  # more than one program of tokens, int32 ids
         (77, 1, 16, 16, 4, torch.int64),  # one slot, one expert a rank, four nodes
         (40, 6, 256, 1, 1, torch.int64),  # world 1
+        (40, 8, 256, 256, 256, torch.int64),  # an expert a "rank" (HybridEP's routing map)
     ],
 )
 @pytest.mark.parametrize("hot", [False, True])

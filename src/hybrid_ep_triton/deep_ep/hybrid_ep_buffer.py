@@ -26,7 +26,7 @@ from ..moe import topk_from_map
 from ..runtime.checks import ranks_per_host
 from ..runtime.planner import MAX_TOPK
 from .routing import hybrid_rows, indices_to_map, received_values, scatter_slots
-from .sizing import TOKEN_QUANTUM, Handle, Sized, check_handle, gather, round_up, token_ranks
+from .sizing import TOKEN_QUANTUM, Handle, Sized, check_handle, gather, round_up
 
 DOMAIN_ENV = "NUM_OF_HYBRID_EP_RANKS_PER_NVLINK_DOMAIN"
 
@@ -268,7 +268,7 @@ class HybridEPBuffer:
                 False, rows, call, refused, worst
             )
             # A row's "ranks" with one expert a rank are its local experts.
-            local = token_ranks(recv_topk_idx, 1, self.num_local_experts)
+            local = NativeBuffer.token_counts(recv_topk_idx, *(self.num_local_experts,) * 2)[3]
             count = torch.tensor([local.shape[0]], dtype=torch.int32, device="cpu")
             parts = (None, None, None, count, local, hidden.shape[0], None)
             handle = Handle(parts, native, self._sized[False].buffer)

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import torch
 
+from .. import Buffer
 from ..runtime.checks import describe
-from .sizing import token_ranks
 
 FP8_DTYPES = (torch.float8_e4m3fn, torch.uint8)  # HybridEP's FP8 rows: e4m3, or their bytes
 
@@ -56,7 +56,7 @@ def indices_to_map(topk_idx, topk_weights, num_of_tokens: int, num_of_experts: i
     if extra < 0:
         raise ValueError(f"num_of_tokens {num_of_tokens} is less than topk_idx's {len(topk_idx)}")
     topk_idx = torch.cat([topk_idx, topk_idx.new_full((extra, topk_idx.shape[1]), -1)])
-    routing_map = token_ranks(topk_idx, 1, num_of_experts)  # one expert a "rank"
+    routing_map = Buffer.token_counts(topk_idx, num_of_experts, num_of_experts)[3]  # one a "rank"
     if topk_weights is None:
         return routing_map, None
     topk_weights = torch.cat([topk_weights, topk_weights.new_zeros(extra, topk_idx.shape[1])])

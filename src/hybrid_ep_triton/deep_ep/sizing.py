@@ -34,7 +34,6 @@ __all__ = [
     "round_up",
     "rows_key",
     "tensor_problem",
-    "token_ranks",
     "values_of",
 ]
 
@@ -176,10 +175,3 @@ def tensor_problem(name: str, t, dtype: torch.dtype, device, shape=None) -> str 
         want = "" if shape is None else f" of shape {tuple(shape)}"
         return f"{name} must be a contiguous {dtype} tensor{want} on {device}, got {describe(t)}"
     return None
-
-
-def token_ranks(slots: torch.Tensor, experts_per_rank: int, world: int) -> torch.Tensor:
-    """[T, W] bool: whether token t has an expert on rank r (``slots`` [T, K] global ids, -1
-    unused; with one expert a rank: whether it goes to expert r)."""
-    ranks = torch.where(slots >= 0, slots // experts_per_rank, -1)
-    return (ranks[:, :, None] == torch.arange(world, device=slots.device)).any(1)

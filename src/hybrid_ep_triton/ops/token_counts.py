@@ -12,8 +12,14 @@ from ..kernels.token_counts import token_counts_kernel
 from ..runtime.checks import describe
 from .launch import KernelLauncher
 
-# Tokens a program takes: its [BLOCK, W] tile of ranks stays in registers up to W = 64.
-_BLOCK = 64
+# Elements of a program's [BLOCK, W_P2] tile of ranks: it stays in registers.
+_TILE = 4096
+
+
+def _block(world_size: int) -> int:
+    """Tokens a program takes: 64, fewer where W is large (an expert a "rank", as HybridEP's
+    routing maps count)."""
+    return max(1, min(64, _TILE // next_power_of_2(world_size)))
 
 
 @functools.cache
@@ -24,7 +30,7 @@ def _launcher(world_size: int, nodes: int) -> KernelLauncher:
         NODES=nodes,
         W_P2=next_power_of_2(world_size),
         N_P2=next_power_of_2(nodes),
-        BLOCK=_BLOCK,
+        BLOCK=_block(world_size),
         num_warps=4,
     )
 
@@ -70,7 +76,7 @@ def token_counts(
     if num_tokens:
         with torch.cuda.device(device) if topk_idx.is_cuda else contextlib.nullcontext():
             _launcher(world_size, nodes)(
-                (cdiv(num_tokens, _BLOCK),),
+                (cdiv(num_tokens, _block(world_size)),),
                 specialized=dict(
                     topk_idx_ptr=topk_idx,
                     num_tokens=num_tokens,
