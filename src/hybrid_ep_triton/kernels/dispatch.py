@@ -1338,9 +1338,9 @@ def _roles(pid, tok, lay, out, heap, sync, num_programs, k):
 # a line would make it most of the function.
 @triton.jit(do_not_specialize=UNSPECIALISED + SAME_ON_EVERY_RANK)
 def dispatch_kernel(
-    # Tokens: this rank's rows and their routing. x [T, H], row stride x_stride (FP8 rows: [T, H /
-    # 4] int32 words of e4m3 values); FP8 rows' x_scales [T, SCALE_WORDS] float32 as int32 words,
-    # row stride x_scales_stride; topk_idx [T, K] int32/int64; topk_weights [T, K] float32
+    # Tokens: this rank's rows and their routing. x [T, H], row stride x_stride (FP8 rows:
+    # [T, H / 4] int32 words of e4m3 values); FP8 rows' x_scales [T, SCALE_WORDS] float32 as int32
+    # words, row stride x_scales_stride; topk_idx [T, K] int32/int64; topk_weights [T, K] float32
     # (unused unless HAS_WEIGHTS); hidden: columns of a staged row (FP8 rows: words, values then
     # scales, then padding); data_cols: columns of a row of recv_x (hidden; FP8 rows: H / 4 words)
     x_ptr, x_stride, x_scales_ptr, x_scales_stride, topk_idx_ptr, topk_weights_ptr, num_tokens,
@@ -1349,9 +1349,9 @@ def dispatch_kernel(
     # programs send, the others expand; column slices of an own chunk and column parts of a
     # staged work item in the expansion
     num_out_rows, num_senders, expand_slices, staged_parts,
-    # Layout: the layout kernel's tables (kernels/route.py), int32: slot_pos [T, K], token_rank_pos
-    # [T, W], send_chunk_start [NC_MAX + 1, W], chunk_expert_base [NC + 1, E], recv_chunk_start
-    # [W, NC_MAX + 1], recv_src_tokens [W], expert_layout [3, L]; info [4] int64
+    # Layout: the layout kernel's tables (kernels/route.py), int32: slot_pos [T, K],
+    # token_rank_pos [T, W], send_chunk_start [NC_MAX + 1, W], chunk_expert_base [NC + 1, E],
+    # recv_chunk_start [W, NC_MAX + 1], recv_src_tokens [W], expert_layout [3, L]; info [4] int64
     slot_pos_ptr, token_rank_pos_ptr, send_chunk_start_ptr, chunk_expert_base_ptr,
     recv_chunk_start_ptr, recv_src_tokens_ptr, expert_layout_ptr, info_ptr,
     # Outputs
@@ -1365,9 +1365,9 @@ def dispatch_kernel(
     peer_bases_ptr, ready_off, chunk_flags_off, meta_rows_off, meta_weights_off, staging_off,
     # Sync: the control block, the bound of every wait, the mask (kernels/peers.py)
     control_ptr, timeout_ns, mask_off,
-    # Across nodes: layout tables (int32: token_node_pos [T, N], send_chunk_node_start [NC_MAX +
-    # 1, N], recv_net_chunk_start [N, NC_MAX + 1]), the forwarded rows (out: fwd_rows [N, T_MAX,
-    # R] int32, the rows of each forwarded row at every node rank), network heap regions
+    # Across nodes: layout tables (int32: token_node_pos [T, N], send_chunk_node_start
+    # [NC_MAX + 1, N], recv_net_chunk_start [N, NC_MAX + 1]), the forwarded rows (out: fwd_rows
+    # [N, T_MAX, R] int32, the rows of each forwarded row at every node rank), network regions
     token_node_pos_ptr, send_chunk_node_start_ptr, recv_net_chunk_start_ptr, fwd_rows_ptr,
     net_bases_ptr, net_flags_off, net_inbox_off, net_outbox_off, heap_bytes,
     # Quantizing (QUANTIZE): the rows to quantize ([T, H] of the Buffer's dtype), their flags
@@ -1387,7 +1387,7 @@ def dispatch_kernel(
     STAGES: tl.constexpr,  # tile loads in flight in the copies from x (shared-memory pipeline)
     R: tl.constexpr, R_P2: tl.constexpr,  # ranks per node
     NODES: tl.constexpr,  # 1: every transfer over NVLink; else senders and forwarders
-    # the NetSlot's shape (see the planner)
+    # The NetSlot's shape (see the planner)
     META_INTS: tl.constexpr, META_FLOATS: tl.constexpr, NET_COLS: tl.constexpr,
     DATA_OFF: tl.constexpr, SLOT_BYTES: tl.constexpr,
     SCALE_WORDS: tl.constexpr,  # 0; block-scaled rows: the scale words after a row's data words
