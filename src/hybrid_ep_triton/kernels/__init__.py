@@ -39,8 +39,10 @@ NODES nodes of the group, SEND / RECEIVE which halves of a call the launch runs.
 Every kernel bundles its arguments once, at its top: namedtuples of runtime values (dispatch's
 Tokens, Layout, Outputs, Heap, Sync; combine's Rows, CombineHeap, CombineSync; ...) and ``k``, a
 constexpr namedtuple of its meta-parameters (``k: tl.constexpr = DispatchConsts(...)``: without
-the annotation Triton 3.6 turns the fields of an assigned namedtuple into tensors). Roles and
-helpers take the bundles and read the fields they use.
+the annotation Triton 3.6 turns the fields of an assigned namedtuple into tensors), each built
+in the order of its fields from groups of the kernel's arguments, a group a line
+(``Tokens(*(rank, x_ptr, ...), *(...))``), which ruff leaves as they are. Roles and helpers take
+the bundles and read the fields they use.
 
 The steps of the normal mode's data moves (send a chunk, pack and forward a network slot, expand,
 reduce, sum) are ``noinline`` functions: each gets a register allocation of its own, so that a
@@ -49,7 +51,8 @@ A bundle passed to one becomes one parameter per field, and LLVM drops the field
 read, so a helper costs what its flat argument list did: the same registers and stack, and the
 same sm_90 code but for the order of its parameters and the registers chosen around the calls.
 
-The kernels themselves take flat arguments, grouped under labelled comments: Triton 3.6-3.9
+The kernels themselves take flat arguments, grouped under labelled comments (the longest
+signatures, the dispatch kernels', laid out by hand a group a line): Triton 3.6-3.9
 compile tuple arguments, but a launch binds the arguments by name (ops/launch.py's
 KernelLauncher) and a Relaunch builds the driver's parameter array from the compiled signature,
 one scalar or pointer each; a tuple there would send every launch back through Triton's

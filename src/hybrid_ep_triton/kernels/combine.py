@@ -218,8 +218,8 @@ def _add_partial_rows(
     partial_rows = tl.where((ranks[None, :] != rows.rank) & alive[None, :], stream_rows, -1)
     if k.NODES > 1:  # ranks of other nodes sent theirs through their node, or themselves
         nodes = tl.arange(0, k.N_P2)
-        node_flags = tl.load(node_flags_ptr + nodes * (k.NC_MAX * k.H_SLICES),
-                             mask=nodes < k.NODES, other=0, volatile=True)  # fmt: skip
+        flag_ptrs = node_flags_ptr + nodes * (k.NC_MAX * k.H_SLICES)
+        node_flags = tl.load(flag_ptrs, mask=nodes < k.NODES, other=0, volatile=True)
         direct = (node_flags < sync.seq) & (nodes != rows.rank // k.R)
         of_direct_node = (ranks[:, None] // k.R == nodes[None, :]) & direct[None, :]
         near = (ranks // k.R == rows.rank // k.R) | (tl.max(of_direct_node.to(tl.int32), 1) > 0)
@@ -295,8 +295,9 @@ def _sum_node_partials(
     slot_rows = tl.arange(0, k.CHUNK)
     valid = slot_rows < num_rows
     locals_ = tl.arange(0, k.R_P2)
-    flags = tl.load(flags_ptr + locals_ * (k.NC_MAX * k.H_SLICES), mask=locals_ < k.R, other=0,
-                    volatile=True)  # fmt: skip
+    flags = tl.load(
+        flags_ptr + locals_ * (k.NC_MAX * k.H_SLICES), mask=locals_ < k.R, other=0, volatile=True
+    )
     stream_rows = tl.load(
         fwd_rows_ptr + slot_rows[:, None] * k.R + locals_[None, :],
         mask=valid[:, None] & (locals_[None, :] < k.R) & (flags[None, :] >= seq),
@@ -498,8 +499,7 @@ def _send_role(sender, node_first, rows, heap, here, sync, k):
 
 
 @triton.jit
-def _send_over_network(src, w, start, num_rows, h_first, h_last, outbox_rows, rows, heap, sync,
-                       k):  # fmt: skip
+def _send_over_network(src, w, start, num_rows, h_first, h_last, outbox_rows, rows, heap, sync, k):
     """Work item ``w`` of ``src`` (a rank of another node, whose rank of src's local index on
     this node, the aggregator, is masked): its partial rows (``outbox_rows``, ``num_rows`` of
     them from row ``start`` of src's stream here) straight to src over the network, into the
@@ -517,9 +517,15 @@ def _send_over_network(src, w, start, num_rows, h_first, h_last, outbox_rows, ro
         if h_first == 0:  # the slot weights first, through the slot's start
             weights = region(heap.peer_bases_ptr, rank, slot_start, tl.float32)
             _copy_slot_weights(src * k.T_MAX + start, num_rows, weights, rows, k)
-            net_put(heap.net_bases_ptr, rank, src,
-                    heap.slot_weights_off + (rank * k.T_MAX + start).to(tl.int64) * k.SW * 4,
-                    weights, num_rows * k.SW * 4, heap.heap_bytes)  # fmt: skip
+            net_put(
+                heap.net_bases_ptr,
+                rank,
+                src,
+                heap.slot_weights_off + (rank * k.T_MAX + start).to(tl.int64) * k.SW * 4,
+                weights,
+                num_rows * k.SW * 4,
+                heap.heap_bytes,
+            )
     chunk_rows = tl.arange(0, k.CHUNK)
     for h0 in range(h_first, h_last, k.COPY_BLOCK_H):
         cols = h0 + tl.arange(0, k.COPY_BLOCK_H)
@@ -532,12 +538,20 @@ def _send_over_network(src, w, start, num_rows, h_first, h_last, outbox_rows, ro
         slot_cols = chunk_rows[:, None] * k.NET_COLS + (cols - h_first)[None, :]
         tl.store(slot + slot_cols, tile, mask=mask)
     first = (rank * k.T_MAX + start).to(tl.int64)
-    net_put_rows_signal(heap.net_bases_ptr, rank, src,
-                        heap.staging_off + (first * rows.hidden + h_first) * EBYTES,
-                        rows.hidden * EBYTES, slot, k.NET_COLS * EBYTES, num_rows,
-                        (h_last - h_first) * EBYTES,
-                        heap.chunk_flags_off + (rank * items_of_src + w) * 8, sync.seq,
-                        heap.heap_bytes)  # fmt: skip
+    net_put_rows_signal(
+        heap.net_bases_ptr,
+        rank,
+        src,
+        heap.staging_off + (first * rows.hidden + h_first) * EBYTES,
+        rows.hidden * EBYTES,
+        slot,
+        k.NET_COLS * EBYTES,
+        num_rows,
+        (h_last - h_first) * EBYTES,
+        heap.chunk_flags_off + (rank * items_of_src + w) * 8,
+        sync.seq,
+        heap.heap_bytes,
+    )
 
 
 @triton.jit
@@ -597,8 +611,8 @@ def _net_send_role(sender, node_first, rows, heap, here, sync, k):
                     k=k,
                 )
                 # src started this launch: its inbox is free (unless it got masked).
-                started = await_peer(here.my_ready + src * k.P_MAX + sender, sync.seq, src,
-                                     STAGE_COMBINE_READY, sync, k.W, k.NODES)  # fmt: skip
+                ready = here.my_ready + src * k.P_MAX + sender
+                started = await_peer(ready, sync.seq, src, STAGE_COMBINE_READY, sync, k.W, k.NODES)
                 there = my_node * items_of_src + w
                 # The first slice's slot weights lie before its data (SLOT_WEIGHTS): put both.
                 skipped = k.DATA_OFF
@@ -729,7 +743,7 @@ def _roles(pid, rows, heap, sync, k):
     slice_cols = slice_width(rows.hidden, k.H_SLICES, k.BLOCK_H)
     # Reducers and finishers split each item into column parts, so that the first items to be
     # sent and the last to land are each worked on by several programs at once. (Written out:
-    # through slice_width the EP2 combine compiled to other sm_90 code, same registers.)
+    # through slice_width, the EP2 combine compiles to other sm_90 code.)
     part_cols = tl.cdiv(tl.cdiv(slice_cols, sync.local_parts), k.BLOCK_H) * k.BLOCK_H
     node_first = node_first_rank(rows.rank, k.R, k.NODES)
     net_flags = region(heap.peer_bases_ptr, rows.rank, heap.net_flags_off, tl.int64)
@@ -780,10 +794,9 @@ def combine_kernel(
     num_tokens,
     hidden,
     rank,
-    # The split of the launch into roles
+    # The split of the launch into roles (the programs after these finish this rank's tokens)
     num_reducers,  # programs [0, num_reducers) reduce
-    num_senders,  # P: the next P programs send (across nodes the P after them send over the
-    # network); the others finish this rank's tokens
+    num_senders,  # P: the next P programs send (across nodes, the P after them over the network)
     local_parts,  # column parts of a work item for reducers and finishers (<= LP_MAX)
     # Layout: the dispatch handle's tables
     token_rank_pos_ptr,  # [T, W] int32
@@ -846,22 +859,27 @@ def combine_kernel(
     num_programs = tl.num_programs(0)
     seq = tl.load(control_ptr + DATA_SEQ) + 1
     status_ptr = control_ptr + STATUS
-    # The arguments in bundles for the roles (positional: in the order of the bundles' fields).
-    rows = Rows(rank, y_ptr, y_stride, weights_ptr, outbox_ptr, out_ptr, num_tokens,
-                hidden, token_rank_pos_ptr, send_chunk_start_ptr,
-                recv_chunk_start_ptr, recv_src_tokens_ptr, staged_rows_ptr,
-                token_node_pos_ptr, recv_net_chunk_start_ptr, fwd_rows_ptr,
-                topk_weights_ptr, combined_weights_ptr, topk)  # fmt: skip
-    heap = CombineHeap(peer_bases_ptr, ready_off, chunk_flags_off,
-                       reduced_flags_off, staging_off, slot_weights_off, net_bases_ptr,
-                       net_flags_off, net_inbox_off, net_outbox_off, heap_bytes)  # fmt: skip
-    sync = CombineSync(control_ptr, status_ptr, seq, timeout_ns, num_reducers, num_senders,
-                       local_parts, rank, region(peer_bases_ptr, rank, mask_off, tl.int64),
-                       peer_bases_ptr, net_bases_ptr, mask_off)  # fmt: skip
-    k: tl.constexpr = CombineConsts(W, T_MAX, NC_MAX, H_SLICES, P_MAX, MS, MS_P2,
-                                    W_P2, CHUNK, BLOCK_H, COPY_BLOCK_H, HAS_WEIGHTS,
-                                    COPY_UNROLL, LP_MAX, STAGES, R, R_P2, NODES,
-                                    N_P2, NET_COLS, DATA_OFF, SLOT_BYTES, SLOT_WEIGHTS,
-                                    K_P2, SW)  # fmt: skip
+    # The arguments in bundles for the roles, in the order of their fields (a group a line).
+    rows = Rows(
+        *(rank, y_ptr, y_stride, weights_ptr, outbox_ptr, out_ptr, num_tokens, hidden),
+        *(token_rank_pos_ptr, send_chunk_start_ptr, recv_chunk_start_ptr, recv_src_tokens_ptr),
+        *(staged_rows_ptr, token_node_pos_ptr, recv_net_chunk_start_ptr, fwd_rows_ptr),
+        *(topk_weights_ptr, combined_weights_ptr, topk),
+    )
+    heap = CombineHeap(
+        *(peer_bases_ptr, ready_off, chunk_flags_off, reduced_flags_off, staging_off),
+        *(slot_weights_off, net_bases_ptr, net_flags_off, net_inbox_off, net_outbox_off),
+        heap_bytes,
+    )
+    sync = CombineSync(
+        *(control_ptr, status_ptr, seq, timeout_ns, num_reducers, num_senders, local_parts),
+        *(rank, region(peer_bases_ptr, rank, mask_off, tl.int64), peer_bases_ptr, net_bases_ptr),
+        mask_off,
+    )
+    k: tl.constexpr = CombineConsts(
+        *(W, T_MAX, NC_MAX, H_SLICES, P_MAX, MS, MS_P2, W_P2, CHUNK, BLOCK_H, COPY_BLOCK_H),
+        *(HAS_WEIGHTS, COPY_UNROLL, LP_MAX, STAGES, R, R_P2, NODES, N_P2, NET_COLS, DATA_OFF),
+        *(SLOT_BYTES, SLOT_WEIGHTS, K_P2, SW),
+    )
     _roles(pid=pid, rows=rows, heap=heap, sync=sync, k=k)
     finish_launch(control_ptr, seq, num_programs)

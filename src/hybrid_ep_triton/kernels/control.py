@@ -42,6 +42,9 @@ LL_REFUSED = tl.constexpr(20)
 # a combine along the handle sends that source its flags all the same (with no rows), since its
 # topk_idx names experts it sent no rows to, whose flags its combine waits for.
 LL_REFUSED_RANGE = tl.constexpr(-1)
+# Any other layout_range entry, as DeepEP packs it: (first row << LL_RANGE_SHIFT) | rows.
+LL_RANGE_SHIFT = tl.constexpr(32)
+LL_RANGE_ROWS = tl.constexpr((1 << LL_RANGE_SHIFT.value) - 1)
 # A low-latency flag is (seq << LL_SEQ_SHIFT) | a rows field: the rows of a block (at most the
 # Buffer's low_latency_tokens, which it keeps within LL_MAX_ROWS), and the bit above them where
 # the source's host refused the call. A flag then holds 46 bits of seq: a Buffer may make 2^46

@@ -83,6 +83,7 @@ from .control import (
 )
 from .peers import await_peer, live, start_channel, tell_mask, wait_landed
 from .primitives import (
+    ALIGNMENT,
     HOST_RECORD_VALUES,
     SAME_ON_EVERY_RANK,
     UNSPECIALISED,
@@ -386,9 +387,20 @@ def _pack_node_slot(c, node, h_first, h_last, num_rows, slot_ptr, tok, lay, k):
 
 @triton.jit(noinline=True)
 def _forward_slot(
-    slot_ptr, num_rows, src, h_first, h_last, node_first, fwd_rows_ptr, record, tok, out, heap,
-    sync, k
-):  # fmt: skip
+    slot_ptr,
+    num_rows,
+    src,
+    h_first,
+    h_last,
+    node_first,
+    fwd_rows_ptr,
+    record,
+    tok,
+    out,
+    heap,
+    sync,
+    k,
+):
     """Forward a network slot that rank ``src`` (of another node) put here: each of its
     ``num_rows`` rows to every live rank of this node that needs it, into that rank's staging area
     (block ``src``, at the row of src's stream to it) with its metadata, as a direct send from
@@ -401,8 +413,10 @@ def _forward_slot(
     entries = tl.arange(0, k.MS_P2)
     meta = slot_ptr.to(tl.pointer_type(tl.int32))
     weights = (slot_ptr + k.CHUNK * k.META_INTS * 4).to(tl.pointer_type(tl.float32))
-    alive = tl.load(sync.mask_ptr + node_first + locals_, mask=locals_ < k.R, other=1,
-                    volatile=True) == 0  # fmt: skip
+    alive = (
+        tl.load(sync.mask_ptr + node_first + locals_, mask=locals_ < k.R, other=1, volatile=True)
+        == 0
+    )
     lmask = valid[:, None] & (locals_[None, :] < k.R)
     # The slot landed during this launch: loads bypass L1, as for staged rows.
     stream_rows = tl.load(
@@ -618,18 +632,21 @@ def _expand_own_chunk(c, h_first, h_last, own_stream_first, own_token_rows_first
 
 
 @triton.jit
-def _wait_quantized(flags_ptr, c, seq, timeout_ns, status_ptr, rank, QUANT_SLICES: tl.constexpr):
+def _wait_quantized(c, rank, sync, k):
     """Wait until the quantizers have put chunk ``c`` into x, all its items."""
+    QUANT_SLICES: tl.constexpr = (k.CHANNEL_GROUPS + QUANT_GROUPS - 1) // QUANT_GROUPS
     for s in tl.static_range(QUANT_SLICES):
-        flag = flags_ptr + c * QUANT_SLICES + s
-        wait_at_least(flag, seq, timeout_ns, status_ptr, rank, STAGE_DISPATCH_QUANTIZED)
+        flag = sync.quantized_flags_ptr + c * QUANT_SLICES + s
+        wait_at_least(
+            flag, sync.seq, sync.timeout_ns, sync.status_ptr, rank, STAGE_DISPATCH_QUANTIZED
+        )
 
 
 @triton.jit
 def _output_pointer(word_ptr, like):
     """The output address at ``word_ptr`` as a pointer of ``like``'s type (16-byte aligned:
     the caching allocator's blocks are)."""
-    return tl.multiple_of(tl.load(word_ptr, volatile=True).to(like.dtype), 16)
+    return tl.multiple_of(tl.load(word_ptr, volatile=True).to(like.dtype), ALIGNMENT)
 
 
 # Each program of a launch has one role (module docstring); a role is a function that takes the
@@ -741,7 +758,6 @@ def _send_role(sender, send_cols, node_first, tok, lay, heap, sync, k):
     work items w = sender, sender + P, ...: across nodes first into the network (_send_to_nodes),
     then to the other ranks of its node, and releases each item by its flag in every peer's
     chunk flags, for their expanders (and forwarders)."""
-    QUANT_SLICES: tl.constexpr = (k.CHANNEL_GROUPS + QUANT_GROUPS - 1) // QUANT_GROUPS
     ITEMS: tl.constexpr = k.NC_MAX * k.H_SLICES
     rank = tok.rank
     start_channel(channel=sender, rank=rank, stage=STAGE_DISPATCH_READY, heap=heap, sync=sync, k=k)
@@ -753,15 +769,7 @@ def _send_role(sender, send_cols, node_first, tok, lay, heap, sync, k):
         h_first = (w % k.H_SLICES) * send_cols
         h_last = tl.minimum(h_first + send_cols, tok.hidden)
         if k.QUANTIZE:
-            _wait_quantized(
-                sync.quantized_flags_ptr,
-                c,
-                sync.seq,
-                sync.timeout_ns,
-                sync.status_ptr,
-                rank,
-                QUANT_SLICES,
-            )
+            _wait_quantized(c, rank, sync, k)
         if k.NODES > 1:
             _send_to_nodes(
                 w=w,
@@ -855,21 +863,44 @@ def _send_to_node_ranks(w, c, node, h_first, h_last, tok, lay, heap, sync, k):
         if live(sync, q):
             start = tl.load(lay.send_chunk_start_ptr + c * k.W + q)
             num_rows = tl.load(lay.send_chunk_start_ptr + (c + 1) * k.W + q) - start
-            _pack_rank_slot(c=c, q=q, h_first=h_first, h_last=h_last, slot_ptr=slot, tok=tok,
-                            lay=lay, k=k)  # fmt: skip
+            _pack_rank_slot(
+                c=c, q=q, h_first=h_first, h_last=h_last, slot_ptr=slot, tok=tok, lay=lay, k=k
+            )
             first = (rank * k.T_MAX + start).to(tl.int64)
             meta_bytes = num_rows * k.MS * 4
-            net_put(heap.net_bases_ptr, rank, q, heap.meta_rows_off + first * k.MS * 4, slot,
-                    meta_bytes, heap.heap_bytes)  # fmt: skip
+            net_put(
+                heap.net_bases_ptr,
+                rank,
+                q,
+                heap.meta_rows_off + first * k.MS * 4,
+                slot,
+                meta_bytes,
+                heap.heap_bytes,
+            )
             if k.HAS_WEIGHTS:
-                net_put(heap.net_bases_ptr, rank, q, heap.meta_weights_off + first * k.MS * 4,
-                        slot + k.CHUNK * k.META_INTS * 4, meta_bytes, heap.heap_bytes)  # fmt: skip
-            net_put_rows_signal(heap.net_bases_ptr, rank, q,
-                                heap.staging_off + (first * tok.hidden + h_first) * EBYTES,
-                                tok.hidden * EBYTES, slot + k.DATA_OFF, k.NET_COLS * EBYTES,
-                                num_rows, (h_last - h_first) * EBYTES,
-                                heap.chunk_flags_off + (rank * ITEMS + w) * 8, sync.seq,
-                                heap.heap_bytes)  # fmt: skip
+                net_put(
+                    heap.net_bases_ptr,
+                    rank,
+                    q,
+                    heap.meta_weights_off + first * k.MS * 4,
+                    slot + k.CHUNK * k.META_INTS * 4,
+                    meta_bytes,
+                    heap.heap_bytes,
+                )
+            net_put_rows_signal(
+                heap.net_bases_ptr,
+                rank,
+                q,
+                heap.staging_off + (first * tok.hidden + h_first) * EBYTES,
+                tok.hidden * EBYTES,
+                slot + k.DATA_OFF,
+                k.NET_COLS * EBYTES,
+                num_rows,
+                (h_last - h_first) * EBYTES,
+                heap.chunk_flags_off + (rank * ITEMS + w) * 8,
+                sync.seq,
+                heap.heap_bytes,
+            )
 
 
 @triton.jit(noinline=True)
@@ -907,8 +938,8 @@ def _forward_role(forwarder, send_cols, node_first, my_ready, tok, lay, out, hea
     # This node's live ranks started this launch (their earlier launches are done with their
     # staging areas): their sender `forwarder` said so.
     for peer in range(node_first, node_first + k.R):
-        await_peer(my_ready + peer * k.P_MAX + forwarder, sync.seq, peer, STAGE_DISPATCH_READY,
-                   sync, k.W, k.NODES)  # fmt: skip
+        ready = my_ready + peer * k.P_MAX + forwarder
+        await_peer(ready, sync.seq, peer, STAGE_DISPATCH_READY, sync, k.W, k.NODES)
     my_node = rank // k.R
     net_flags = region(heap.peer_bases_ptr, rank, heap.net_flags_off, tl.int64)
     for node in range(0, k.NODES):
@@ -1000,9 +1031,16 @@ def _outputs_from_host(expander, out, sync, aborted, rank):
     recv_weights_ptr = _output_pointer(control + HOST_RECORD + 3, out.recv_weights_ptr)
     recv_topk_idx_ptr = _output_pointer(control + HOST_RECORD + 4, out.recv_topk_idx_ptr)
     recv_src_idx_ptr = _output_pointer(control + HOST_RECORD + 5, out.recv_src_idx_ptr)
-    outputs = Outputs(num_out_rows, out.staged_rows_ptr, recv_x_ptr,
-                      recv_scales_ptr, recv_weights_ptr, recv_topk_idx_ptr,
-                      recv_src_idx_ptr, out.fwd_rows_ptr)  # fmt: skip
+    outputs = Outputs(
+        num_out_rows,
+        out.staged_rows_ptr,
+        recv_x_ptr,
+        recv_scales_ptr,
+        recv_weights_ptr,
+        recv_topk_idx_ptr,
+        recv_src_idx_ptr,
+        out.fwd_rows_ptr,
+    )
     return outputs, aborted
 
 
@@ -1021,7 +1059,6 @@ def _expand_role(
     Own items all first would fill HBM at the start, and the senders' stores landing on the peer
     (busy likewise) would slow down by half until they are done. Then zeroes the padding rows
     and the rows past the valid count (_zero_tail). Releases nothing: the launch's end does."""
-    QUANT_SLICES: tl.constexpr = (k.CHANNEL_GROUPS + QUANT_GROUPS - 1) // QUANT_GROUPS
     rank = tok.rank
     aborted = sync.aborted
     if k.OUTPUTS_FROM_HOST:
@@ -1045,40 +1082,15 @@ def _expand_role(
             c = index // sync.expand_slices
             h_first = (index % sync.expand_slices) * own_cols
             if k.QUANTIZE:
-                _wait_quantized(
-                    sync.quantized_flags_ptr,
-                    c,
-                    sync.seq,
-                    sync.timeout_ns,
-                    sync.status_ptr,
-                    rank,
-                    QUANT_SLICES,
-                )
-            _expand_own(
-                c=c,
-                h_first=h_first,
-                h_last=tl.minimum(h_first + own_cols, tok.hidden),
-                own_token_rows_first=own_token_rows_first,
-                tok=tok,
-                lay=lay,
-                out=out,
-                k=k,
-            )
+                _wait_quantized(c, rank, sync, k)
+            h_last = tl.minimum(h_first + own_cols, tok.hidden)
+            _expand_own(c, h_first, h_last, own_token_rows_first, tok, lay, out, k)
         else:
             part = index % sync.staged_parts
             w, src = remote_item(index // sync.staged_parts, rank, k.W)
             src_tokens = tl.minimum(tl.load(lay.recv_src_tokens_ptr + src), k.T_MAX)
             if w < tl.cdiv(src_tokens, k.CHUNK) * k.H_SLICES:
-                landed = _wait_staged(
-                    src=src,
-                    w=w,
-                    node_first=node_first,
-                    my_ready=my_ready,
-                    my_flags=my_flags,
-                    rank=rank,
-                    sync=sync,
-                    k=k,
-                )
+                landed = _wait_staged(src, w, node_first, my_ready, my_flags, rank, sync, k)
                 # Where src or its carrier is masked nothing came: a cached dispatch zeroes its
                 # rows (the handle records them), one with a new layout leaves them.
                 lost = ~landed
@@ -1091,29 +1103,10 @@ def _expand_role(
                         w, part, send_cols, part_cols, tok.hidden, k.H_SLICES
                     )
                     _expand_staged(
-                        table=table,
-                        c=c,
-                        src=src,
-                        h_first=h_first,
-                        h_last=h_last,
-                        part=part,
-                        lost=lost,
-                        tok=tok,
-                        lay=lay,
-                        out=out,
-                        heap=heap,
-                        k=k,
+                        table, c, src, h_first, h_last, part, lost, tok, lay, out, heap, k
                     )
         item = take_work(sync.control_ptr + FIRST_QUEUE)
-    _zero_tail(
-        expander=expander,
-        num_expanders=num_expanders,
-        aborted=aborted,
-        tok=tok,
-        lay=lay,
-        out=out,
-        k=k,
-    )
+    _zero_tail(expander, num_expanders, aborted, tok, lay, out, k)
 
 
 @triton.jit
@@ -1190,8 +1183,9 @@ def _expand_staged(table, c, src, h_first, h_last, part, lost, tok, lay, out, he
     staged_first = src * k.T_MAX + tl.load(table + c)
     staged_end = src * k.T_MAX + tl.load(table + c + 1)
     if lost:
-        _zero_lost_chunk(staged_first, staged_end, h_first, h_last, part, token_row_offset,
-                         tok, out, k)  # fmt: skip
+        _zero_lost_chunk(
+            staged_first, staged_end, h_first, h_last, part, token_row_offset, tok, out, k
+        )
     else:
         _expand_chunk(
             staged_first=staged_first,
@@ -1210,8 +1204,9 @@ def _expand_staged(table, c, src, h_first, h_last, part, lost, tok, lay, out, he
 
 
 @triton.jit(noinline=True)
-def _zero_lost_chunk(staged_first, staged_end, h_first, h_last, part, token_row_offset, tok, out,
-                     k):  # fmt: skip
+def _zero_lost_chunk(
+    staged_first, staged_end, h_first, h_last, part, token_row_offset, tok, out, k
+):
     """A cached dispatch's staged rows [staged_first, staged_end) from a rank masked since its
     handle was made (nothing came): zero columns [h_first, h_last) of the rows of recv_x that
     the handle records for them (staged_rows; with TOKEN_ROWS row ``staged +
@@ -1242,8 +1237,11 @@ def _zero_lost_chunk(staged_first, staged_end, h_first, h_last, part, token_row_
         num_copies = tl.max(tl.sum((rows >= 0).to(tl.int32), axis=1), axis=0)
         if k.HAS_WEIGHTS:
             first_part = entries[None, :] < tl.where(part == 0, k.MS, 0)
-            tl.store(out.recv_weights_ptr + rows, tl.zeros([k.CHUNK, k.MS_P2], tl.float32),
-                     mask=(rows >= 0) & first_part)  # fmt: skip
+            tl.store(
+                out.recv_weights_ptr + rows,
+                tl.zeros([k.CHUNK, k.MS_P2], tl.float32),
+                mask=(rows >= 0) & first_part,
+            )
     x = out.recv_x_ptr
     zeros = tl.zeros([k.CHUNK, k.BLOCK_H], x.dtype.element_ty)
     for p in tl.static_range(PARTS):
@@ -1336,132 +1334,103 @@ def _roles(pid, tok, lay, out, heap, sync, num_programs, k):
         )
 
 
+# The signature is laid out by hand, a group of arguments a line (ruff leaves it so): one argument
+# a line would make it most of the function.
 @triton.jit(do_not_specialize=UNSPECIALISED + SAME_ON_EVERY_RANK)
 def dispatch_kernel(
-    # Tokens: this rank's rows and their routing
-    x_ptr,  # [T, H], row stride x_stride; FP8 rows: [T, H / 4] int32 words of e4m3 values
-    x_stride,
-    x_scales_ptr,  # FP8 rows: [T, SCALE_WORDS] float32 as int32 words, row stride x_scales_stride
-    x_scales_stride,
-    topk_idx_ptr,  # [T, K] int32/int64
-    topk_weights_ptr,  # [T, K] float32 (unused unless HAS_WEIGHTS)
-    num_tokens,
-    topk,
-    hidden,  # columns of a staged row (FP8 rows: words, values then scales, then padding)
-    data_cols,  # columns of a row of recv_x: hidden; FP8 rows: H / 4 words
-    num_experts,
-    experts_per_rank,
-    rank,
-    # Outputs' size, and the split of the launch into roles
-    num_out_rows,  # N: rows of recv_x
-    num_senders,  # P: the first P programs send, the others expand
-    expand_slices,  # column slices of an own chunk in the expansion
-    staged_parts,  # column parts of a staged work item in the expansion
-    # Layout: the layout kernel's tables (kernels/route.py)
-    slot_pos_ptr,  # [T, K] int32
-    token_rank_pos_ptr,  # [T, W] int32
-    send_chunk_start_ptr,  # [NC_MAX + 1, W] int32
-    chunk_expert_base_ptr,  # [NC + 1, E] int32
-    recv_chunk_start_ptr,  # [W, NC_MAX + 1] int32
-    recv_src_tokens_ptr,  # [W] int32
-    expert_layout_ptr,  # [3, L] int32
-    info_ptr,  # [4] int64
+    # Tokens: this rank's rows and their routing. x [T, H], row stride x_stride (FP8 rows:
+    # [T, H / 4] int32 words of e4m3 values); FP8 rows' x_scales [T, SCALE_WORDS] float32 as int32
+    # words, row stride x_scales_stride; topk_idx [T, K] int32/int64; topk_weights [T, K] float32
+    # (unused unless HAS_WEIGHTS); hidden: columns of a staged row (FP8 rows: words, values then
+    # scales, then padding); data_cols: columns of a row of recv_x (hidden; FP8 rows: H / 4 words)
+    x_ptr, x_stride, x_scales_ptr, x_scales_stride, topk_idx_ptr, topk_weights_ptr, num_tokens,
+    topk, hidden, data_cols, num_experts, experts_per_rank, rank,
+    # Outputs' size, and the split of the launch into roles: N rows of recv_x; the first P
+    # programs send, the others expand; column slices of an own chunk and column parts of a
+    # staged work item in the expansion
+    num_out_rows, num_senders, expand_slices, staged_parts,
+    # Layout: the layout kernel's tables (kernels/route.py), int32: slot_pos [T, K],
+    # token_rank_pos [T, W], send_chunk_start [NC_MAX + 1, W], chunk_expert_base [NC + 1, E],
+    # recv_chunk_start [W, NC_MAX + 1], recv_src_tokens [W], expert_layout [3, L]; info [4] int64
+    slot_pos_ptr, token_rank_pos_ptr, send_chunk_start_ptr, chunk_expert_base_ptr,
+    recv_chunk_start_ptr, recv_src_tokens_ptr, expert_layout_ptr, info_ptr,
     # Outputs
-    staged_rows_ptr,  # out [W, T_MAX, MS] int32: expert-major rows of each staged row, or -1
-    recv_x_ptr,  # out [N, H] (FP8 rows: [N, H / 4] int32 words)
-    recv_scales_ptr,  # out, FP8 rows: [N, SCALE_WORDS] float32 as int32 words; else unused
-    recv_weights_ptr,  # out [N] float32, with TOKEN_ROWS [N, K] (unused unless HAS_WEIGHTS)
-    recv_topk_idx_ptr,  # out [N, K] of topk_idx's dtype with TOKEN_ROWS and WRITE_ROWS, else unused
-    recv_src_idx_ptr,  # out [N] int32 with TOKEN_ROWS and WRITE_ROWS, else unused
+    staged_rows_ptr,  # [W, T_MAX, MS] int32: expert-major rows of each staged row, or -1
+    recv_x_ptr,  # [N, H] (FP8 rows: [N, H / 4] int32 words)
+    recv_scales_ptr,  # FP8 rows: [N, SCALE_WORDS] float32 as int32 words; else unused
+    recv_weights_ptr,  # [N] float32, with TOKEN_ROWS [N, K] (unused unless HAS_WEIGHTS)
+    recv_topk_idx_ptr,  # [N, K] of topk_idx's dtype with TOKEN_ROWS and WRITE_ROWS, else unused
+    recv_src_idx_ptr,  # [N] int32 with TOKEN_ROWS and WRITE_ROWS, else unused
     # Heap: peers' bases and the regions' offsets in the symmetric heap
-    peer_bases_ptr,
-    ready_off,
-    chunk_flags_off,
-    meta_rows_off,
-    meta_weights_off,
-    staging_off,
+    peer_bases_ptr, ready_off, chunk_flags_off, meta_rows_off, meta_weights_off, staging_off,
     # Sync: the control block, the bound of every wait, the mask (kernels/peers.py)
-    control_ptr,
-    timeout_ns,
-    mask_off,
-    # Across nodes: layout tables, the forwarded rows, network heap regions
-    token_node_pos_ptr,  # [T, N] int32
-    send_chunk_node_start_ptr,  # [NC_MAX + 1, N] int32
-    recv_net_chunk_start_ptr,  # [N, NC_MAX + 1] int32
-    fwd_rows_ptr,  # out [N, T_MAX, R] int32: rows of each forwarded row at every node rank
-    net_bases_ptr,
-    net_flags_off,
-    net_inbox_off,
-    net_outbox_off,
-    heap_bytes,
-    # Quantizing (QUANTIZE): the rows to quantize, their flags, the quantizers
-    source_ptr,  # QUANTIZE: [T, H] of the Buffer's dtype, row stride source_stride
-    source_stride,
-    quantized_flags_ptr,  # QUANTIZE: int64 [NC_MAX, QUANT_SLICES]: seq once the item is in x
-    num_quantizers,  # QUANTIZE: the first programs, which quantize; else 0
-    # Exact mode (OUTPUTS_FROM_HOST): the host's record of the outputs
-    outputs_addr,  # OUTPUTS_FROM_HOST: int64 [8] in the host's pinned memory, as an address
-    outputs_tag,  # OUTPUTS_FROM_HOST: the tag of the record the host writes there; else -1
+    control_ptr, timeout_ns, mask_off,
+    # Across nodes: layout tables (int32: token_node_pos [T, N], send_chunk_node_start
+    # [NC_MAX + 1, N], recv_net_chunk_start [N, NC_MAX + 1]), the forwarded rows (out: fwd_rows
+    # [N, T_MAX, R] int32, the rows of each forwarded row at every node rank), network regions
+    token_node_pos_ptr, send_chunk_node_start_ptr, recv_net_chunk_start_ptr, fwd_rows_ptr,
+    net_bases_ptr, net_flags_off, net_inbox_off, net_outbox_off, heap_bytes,
+    # Quantizing (QUANTIZE): the rows to quantize ([T, H] of the Buffer's dtype), their flags
+    # (int64 [NC_MAX, QUANT_SLICES]: seq once the item is in x), the quantizers (the first
+    # programs; else 0)
+    source_ptr, source_stride, quantized_flags_ptr, num_quantizers,
+    # Exact mode (OUTPUTS_FROM_HOST): the host's record of the outputs, int64 [8] in its pinned
+    # memory as an address, and the tag of the record it writes there (else -1)
+    outputs_addr, outputs_tag,
     # Meta-parameters (the glossary in kernels/__init__.py)
-    W: tl.constexpr,
-    T_MAX: tl.constexpr,
-    NC_MAX: tl.constexpr,
+    W: tl.constexpr, T_MAX: tl.constexpr, NC_MAX: tl.constexpr,
     H_SLICES: tl.constexpr,  # column slices per chunk sent: work items are (chunk, slice)
-    P_MAX: tl.constexpr,
-    MS: tl.constexpr,
-    MS_P2: tl.constexpr,
-    K_P2: tl.constexpr,
-    W_P2: tl.constexpr,
-    CHUNK: tl.constexpr,
-    BLOCK_H: tl.constexpr,
-    HAS_WEIGHTS: tl.constexpr,
+    P_MAX: tl.constexpr, MS: tl.constexpr, MS_P2: tl.constexpr, K_P2: tl.constexpr,
+    W_P2: tl.constexpr, CHUNK: tl.constexpr, BLOCK_H: tl.constexpr, HAS_WEIGHTS: tl.constexpr,
     WRITE_ROWS: tl.constexpr,  # False for a cached dispatch: its handle has them already
     TOKEN_ROWS: tl.constexpr,  # one output row per (token, this rank), not per (token, expert)
     STAGES: tl.constexpr,  # tile loads in flight in the copies from x (shared-memory pipeline)
-    R: tl.constexpr,  # ranks per node
-    R_P2: tl.constexpr,
+    R: tl.constexpr, R_P2: tl.constexpr,  # ranks per node
     NODES: tl.constexpr,  # 1: every transfer over NVLink; else senders and forwarders
-    META_INTS: tl.constexpr,  # the NetSlot's shape (see the planner)
-    META_FLOATS: tl.constexpr,
-    NET_COLS: tl.constexpr,
-    DATA_OFF: tl.constexpr,
-    SLOT_BYTES: tl.constexpr,
+    # The NetSlot's shape (see the planner)
+    META_INTS: tl.constexpr, META_FLOATS: tl.constexpr, NET_COLS: tl.constexpr,
+    DATA_OFF: tl.constexpr, SLOT_BYTES: tl.constexpr,
     SCALE_WORDS: tl.constexpr,  # 0; block-scaled rows: the scale words after a row's data words
     QUANTIZE: tl.constexpr,  # the quantizer (kernels/quantize.py) of rows this launch quantizes
     # from source into x, x_scales as it sends them; NO_QUANTIZER: x holds the rows
     CHANNEL_GROUPS: tl.constexpr,  # QUANTIZE: 128-channel groups of a row (H / 128)
     OUTPUTS_FROM_HOST: tl.constexpr,  # N and the output pointers come from a host record
-):
+):  # fmt: skip
     pid = tl.program_id(0) - num_quantizers  # quantizers < 0 <= senders
     num_programs = tl.num_programs(0)
     seq = tl.load(control_ptr + DATA_SEQ) + 1
     status_ptr = control_ptr + STATUS
     # Invalid routing on any rank: every rank saw it in the layout exchange and moves nothing.
     aborted = tl.load(info_ptr + INFO_SOURCE) >= 0
-    # The arguments in bundles for the roles (positional: in the order of the bundles' fields).
-    tok = Tokens(rank, x_ptr, x_stride, x_scales_ptr, x_scales_stride, topk_idx_ptr,
-                 topk_weights_ptr, num_tokens, topk, hidden, data_cols, num_experts,
-                 experts_per_rank, source_ptr, source_stride)  # fmt: skip
-    lay = Layout(slot_pos_ptr, token_rank_pos_ptr, send_chunk_start_ptr,
-                 chunk_expert_base_ptr, recv_chunk_start_ptr, recv_src_tokens_ptr,
-                 expert_layout_ptr, info_ptr, token_node_pos_ptr,
-                 send_chunk_node_start_ptr, recv_net_chunk_start_ptr)  # fmt: skip
-    out = Outputs(num_out_rows, staged_rows_ptr, recv_x_ptr, recv_scales_ptr,
-                  recv_weights_ptr, recv_topk_idx_ptr, recv_src_idx_ptr,
-                  fwd_rows_ptr)  # fmt: skip
-    heap = Heap(peer_bases_ptr, ready_off, chunk_flags_off, meta_rows_off,
-                meta_weights_off, staging_off, net_bases_ptr, net_flags_off,
-                net_inbox_off, net_outbox_off, heap_bytes)  # fmt: skip
-    sync = Sync(control_ptr, status_ptr, seq, timeout_ns, aborted, num_quantizers,
-                num_senders, expand_slices, staged_parts, quantized_flags_ptr,
-                outputs_addr, outputs_tag, rank,
-                region(peer_bases_ptr, rank, mask_off, tl.int64), peer_bases_ptr,
-                net_bases_ptr, mask_off)  # fmt: skip
-    k: tl.constexpr = DispatchConsts(W, T_MAX, NC_MAX, H_SLICES, P_MAX, MS, MS_P2,
-                                     K_P2, CHUNK, BLOCK_H, HAS_WEIGHTS, WRITE_ROWS,
-                                     TOKEN_ROWS, STAGES, R, R_P2, NODES, META_INTS,
-                                     META_FLOATS, NET_COLS, DATA_OFF, SLOT_BYTES,
-                                     SCALE_WORDS, QUANTIZE, CHANNEL_GROUPS,
-                                     OUTPUTS_FROM_HOST)  # fmt: skip
+    # The arguments in bundles for the roles, in the order of their fields (a group a line).
+    tok = Tokens(
+        *(rank, x_ptr, x_stride, x_scales_ptr, x_scales_stride, topk_idx_ptr, topk_weights_ptr),
+        *(num_tokens, topk, hidden, data_cols, num_experts, experts_per_rank),
+        *(source_ptr, source_stride),
+    )
+    lay = Layout(
+        *(slot_pos_ptr, token_rank_pos_ptr, send_chunk_start_ptr, chunk_expert_base_ptr),
+        *(recv_chunk_start_ptr, recv_src_tokens_ptr, expert_layout_ptr, info_ptr),
+        *(token_node_pos_ptr, send_chunk_node_start_ptr, recv_net_chunk_start_ptr),
+    )
+    out = Outputs(
+        *(num_out_rows, staged_rows_ptr, recv_x_ptr, recv_scales_ptr, recv_weights_ptr),
+        *(recv_topk_idx_ptr, recv_src_idx_ptr, fwd_rows_ptr),
+    )
+    heap = Heap(
+        *(peer_bases_ptr, ready_off, chunk_flags_off, meta_rows_off, meta_weights_off),
+        *(staging_off, net_bases_ptr, net_flags_off, net_inbox_off, net_outbox_off, heap_bytes),
+    )
+    sync = Sync(
+        *(control_ptr, status_ptr, seq, timeout_ns, aborted, num_quantizers, num_senders),
+        *(expand_slices, staged_parts, quantized_flags_ptr, outputs_addr, outputs_tag, rank),
+        *(region(peer_bases_ptr, rank, mask_off, tl.int64), peer_bases_ptr, net_bases_ptr),
+        mask_off,
+    )
+    k: tl.constexpr = DispatchConsts(
+        *(W, T_MAX, NC_MAX, H_SLICES, P_MAX, MS, MS_P2, K_P2, CHUNK, BLOCK_H, HAS_WEIGHTS),
+        *(WRITE_ROWS, TOKEN_ROWS, STAGES, R, R_P2, NODES, META_INTS, META_FLOATS, NET_COLS),
+        *(DATA_OFF, SLOT_BYTES, SCALE_WORDS, QUANTIZE, CHANNEL_GROUPS, OUTPUTS_FROM_HOST),
+    )
     _roles(pid=pid, tok=tok, lay=lay, out=out, heap=heap, sync=sync, num_programs=num_programs, k=k)
     finish_launch(control_ptr, seq, num_programs)

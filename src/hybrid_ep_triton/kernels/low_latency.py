@@ -54,8 +54,9 @@ they start (``_start``), and the last of them publishes the call's number as it 
 launch that receives from other ranks counts its programs out, to free its receive area.
 
 In the code each role is a function taking the kernel's arguments in bundles (DispatchRows,
-Received, CombineRows, LowLatencyHeap, LowLatencySync, LowLatencyConsts); the kernels pick each
-program's role between ``_start`` and ``_finish``.
+Received, CombineRows, LowLatencyHeap, LowLatencySync, and the meta-parameters of each kernel,
+LowLatencyDispatchConsts or LowLatencyCombineConsts); the kernels pick each program's role
+between ``_start`` and ``_finish``.
 """
 
 from collections import namedtuple
@@ -66,6 +67,8 @@ import triton.language as tl
 from .control import (
     LL_DONE,
     LL_MAX_ROWS,
+    LL_RANGE_ROWS,
+    LL_RANGE_SHIFT,
     LL_REFUSED,
     LL_REFUSED_RANGE,
     LL_SEQ,
@@ -79,6 +82,7 @@ from .control import (
 )
 from .peers import await_peer, await_peers, live, signal_peer, tell_new_masks
 from .primitives import (
+    ALIGNMENT,
     SAME_ON_EVERY_RANK,
     net_put_signal,
     net_signal,
@@ -88,7 +92,15 @@ from .primitives import (
     wait_all_at_least,
     wait_at_least,
 )
-from .quantize import E4M3_MAX, e4m3_bits
+from .quantize import (
+    E4M3_MAX,
+    F32_BIAS,
+    F32_EXPONENT_MASK,
+    F32_MANTISSA_BITS,
+    F32_MANTISSA_MASK,
+    GROUP_CHANNELS,
+    e4m3_bits,
+)
 
 # A flag's rows field (below LL_SEQ_SHIFT) with this bit: the source's host refused the call.
 REFUSED = tl.constexpr(LL_MAX_ROWS.value + 1)
@@ -100,12 +112,15 @@ AMAX_MARGIN = tl.constexpr(1e-4)
 INV_E4M3_MAX = tl.constexpr(1.0 / 448.0)
 # Bytes in front of a staged dispatch row: its source token index (int32), then padding.
 HEADER = tl.constexpr(16)
+# Bytes of a 32-bit word: FP8 rows move as words of 4 e4m3 values, and a word holds the UE8M0
+# scales of 4 groups.
+WORD_BYTES = tl.constexpr(4)
 # Local experts whose lists one program of a dispatch's count role counts.
 COUNTED = tl.constexpr(8)
-# The kernels' arguments in bundles: namedtuples of runtime values, and LowLatencyConsts, a
-# constexpr of the meta-parameters (kernels/__init__.py).
+# The kernels' arguments in bundles: namedtuples of runtime values, and a constexpr of each
+# kernel's meta-parameters (kernels/__init__.py).
 DispatchRows = namedtuple(
-    "DispatchRows", "rank x_ptr x_stride topk_ptr slots_ptr num_tokens hidden"
+    "DispatchRows", "rank x_ptr x_stride topk_ptr slots_ptr num_tokens hidden scratch_ptr"
 )
 Received = namedtuple(
     "Received",
@@ -124,13 +139,18 @@ LowLatencyHeap = namedtuple(
 )
 LowLatencySync = namedtuple(
     "LowLatencySync",
-    "rank control_ptr status_ptr timeout_ns scratch_ptr seq_ptr refused mask_ptr bases_ptr "
+    "rank control_ptr status_ptr timeout_ns seq_ptr refused mask_ptr bases_ptr "
     "net_bases_ptr mask_off",
 )
-LowLatencyConsts = namedtuple(
-    "LowLatencyConsts",
-    "W L B M S QC_P2 K K_P2 SCAN ROWS BLOCK_H STAGES PARTS GROUPS G_P2 ROW_BYTES FP8 ROUND UE8M0 "
-    "ALIGNED HAS_STATS ZERO_COPY NODES",
+# Each kernel's meta-parameters, in the order of its signature.
+LowLatencyDispatchConsts = namedtuple(
+    "LowLatencyDispatchConsts",
+    "W L B M S QC_P2 K K_P2 SCAN ROWS BLOCK_H STAGES GROUPS G_P2 ROW_BYTES FP8 ROUND UE8M0 "
+    "ALIGNED HAS_STATS NODES SEND RECEIVE",
+)
+LowLatencyCombineConsts = namedtuple(
+    "LowLatencyCombineConsts",
+    "W L B M S K K_P2 ROW_BYTES ROWS BLOCK_H STAGES PARTS ALIGNED ZERO_COPY NODES SEND RECEIVE",
 )
 
 
@@ -239,8 +259,8 @@ def _block_row(heap, rank, block, seq, k):
 @triton.jit
 def _slice(num_cols, s, k):
     """Columns [first, last) of slice ``s`` of a row of ``num_cols`` elements (slices of a
-    multiple of 16 elements, the last one shorter)."""
-    width = tl.cdiv(tl.cdiv(num_cols, k.S), 16) * 16
+    multiple of ALIGNMENT elements, each as aligned as the row, the last one shorter)."""
+    width = tl.cdiv(tl.cdiv(num_cols, k.S), ALIGNMENT) * ALIGNMENT
     return s * width, tl.minimum((s + 1) * width, num_cols)
 
 
@@ -252,8 +272,8 @@ def _copy_rows(
     rows' first elements) where ``rmask``, BLOCK at a time, STAGES tiles in flight; ALIGNED:
     every row starts 16-byte aligned."""
     if ALIGNED:
-        src = tl.multiple_of(src, 16)
-        dst = tl.multiple_of(dst, 16)
+        src = tl.multiple_of(src, ALIGNMENT)
+        dst = tl.multiple_of(dst, ALIGNMENT)
     for c0 in tl.range(first, last, BLOCK, num_stages=STAGES):
         cols = c0 + tl.arange(0, BLOCK)
         mask = rmask[:, None] & (cols < last)[None, :]
@@ -270,9 +290,10 @@ def _fp8_scales(amax, ROUND: tl.constexpr):
     scale = a * INV_E4M3_MAX
     if ROUND:
         bits = scale.to(tl.int32, bitcast=True)
-        exponent = ((bits >> 23) & 0xFF) - 127 + ((bits & 0x7FFFFF) != 0).to(tl.int32)
-        factor = ((127 - exponent) << 23).to(tl.float32, bitcast=True)
-        scale = ((127 + exponent) << 23).to(tl.float32, bitcast=True)
+        biased = (bits >> F32_MANTISSA_BITS) & F32_EXPONENT_MASK
+        exponent = biased - F32_BIAS + ((bits & F32_MANTISSA_MASK) != 0).to(tl.int32)
+        factor = ((F32_BIAS.value - exponent) << F32_MANTISSA_BITS).to(tl.float32, bitcast=True)
+        scale = ((F32_BIAS.value + exponent) << F32_MANTISSA_BITS).to(tl.float32, bitcast=True)
     else:
         factor = tl.math.div_rn(tl.full(a.shape, E4M3_MAX, tl.float32), a)
     return factor, scale
@@ -284,8 +305,8 @@ def _store_scales(scale_rows, groups, scales, mask, step, UE8M0: tl.constexpr):
     None] + groups * step (float32 pointers), or with UE8M0 their exponent bytes, four groups
     to a 32-bit word, at scale_rows[:, None] + groups // 4 * step + groups % 4 (uint8)."""
     if UE8M0:
-        exponent = (scales.to(tl.int32, bitcast=True) >> 23) & 0xFF
-        where = scale_rows[:, None] + (groups // 4 * step + groups % 4)[None, :]
+        exponent = (scales.to(tl.int32, bitcast=True) >> F32_MANTISSA_BITS) & F32_EXPONENT_MASK
+        where = scale_rows[:, None] + (groups // WORD_BYTES * step + groups % WORD_BYTES)[None, :]
         tl.store(where, exponent.to(tl.uint8), mask=mask)
     else:
         tl.store(scale_rows[:, None] + (groups * step)[None, :], scales, mask=mask)
@@ -295,7 +316,8 @@ def _store_scales(scale_rows, groups, scales, mask, step, UE8M0: tl.constexpr):
 def _staged(rows):
     """Staged rows (uint8 pointers [ROWS] to their headers): (their token indices' pointers,
     their payloads as uint8 pointers)."""
-    return rows.to(tl.pointer_type(tl.int32), bitcast=True), tl.multiple_of(rows + HEADER, 16)
+    token_ptr = rows.to(tl.pointer_type(tl.int32), bitcast=True)
+    return token_ptr, tl.multiple_of(rows + HEADER, ALIGNMENT)
 
 
 @triton.jit
@@ -332,7 +354,7 @@ def _copy_payloads(
         )
         if COPY_SCALES:
             groups = tl.arange(0, k.G_P2)
-            gmask = rmask[:, None] & (groups < hidden // 128)[None, :]
+            gmask = rmask[:, None] & (groups < hidden // GROUP_CHANNELS)[None, :]
             staged_scales = (src + hidden).to(tl.pointer_type(tl.float32), bitcast=True)
             scales = tl.load(staged_scales[:, None] + groups[None, :], mask=gmask)
             _store_scales(scale_rows, groups, scales, gmask, scale_step, UE8M0)
@@ -367,7 +389,7 @@ def _token_role(program, seq, tokens, out, heap, sync, k):
     chunk = program % chunks
     # The row first (and with FP8 its cast), so that its read overlaps the scan of the routing.
     groups = chunk * k.GROUPS + tl.arange(0, k.GROUPS)
-    cols = groups[:, None] * 128 + tl.arange(0, 128)[None, :]
+    cols = groups[:, None] * GROUP_CHANNELS + tl.arange(0, GROUP_CHANNELS)[None, :]
     cmask = cols < tokens.hidden
     x = tl.load(tokens.x_ptr + t.to(tl.int64) * tokens.x_stride + cols, mask=cmask, other=0.0)
     if k.FP8:
@@ -383,7 +405,7 @@ def _token_role(program, seq, tokens, out, heap, sync, k):
     # (addresses from the picked expert and position rather than picked addresses, so that
     # the compiler sees the rows' alignment, row_bytes', and stores them 16 bytes at a time)
     if k.FP8:
-        gmask = groups < tokens.hidden // 128
+        gmask = groups < tokens.hidden // GROUP_CHANNELS
         for j in tl.static_range(k.K):
             if _pick(own, slots, j):
                 row, scale_row = _output_rows(
@@ -442,7 +464,7 @@ def _stage_quantized(t, chunk, groups, cols, cmask, values, scales, seq, tokens,
         tl.store(token_ptr, t)
     tl.store(payload + cols, values, mask=cmask)
     scale_row = (payload + tokens.hidden).to(tl.pointer_type(tl.float32), bitcast=True)
-    tl.store(scale_row + groups, scales, mask=groups < tokens.hidden // 128)
+    tl.store(scale_row + groups, scales, mask=groups < tokens.hidden // GROUP_CHANNELS)
     quantized = region(heap.peer_bases_ptr, tokens.rank, heap.quantized_off, tl.int64)
     tl.debug_barrier()  # every thread's stores, then the flag
     tl.atomic_xchg(
@@ -453,7 +475,7 @@ def _stage_quantized(t, chunk, groups, cols, cmask, values, scales, seq, tokens,
 @triton.jit
 def _token_chunks(hidden, k):
     """Chunks of GROUPS 128-channel groups of a row of ``hidden`` channels."""
-    return tl.cdiv(tl.cdiv(hidden, 128), k.GROUPS)
+    return tl.cdiv(tl.cdiv(hidden, GROUP_CHANNELS), k.GROUPS)
 
 
 @triton.jit
@@ -500,7 +522,7 @@ def _token_rows(tokens, token, rmask, seq, heap, sync, k):
             tokens.rank,
             heap.send_off + ((k.B + k.L) * k.M + token.to(tl.int64)) * k.ROW_BYTES,
         )
-        return tl.multiple_of(rows.to(tl.pointer_type(tl.uint8)) + HEADER, 16)
+        return tl.multiple_of(rows.to(tl.pointer_type(tl.uint8)) + HEADER, ALIGNMENT)
     rows = tokens.x_ptr + token.to(tl.int64) * tokens.x_stride
     return rows.to(tl.pointer_type(tl.uint8), bitcast=True)
 
@@ -570,25 +592,25 @@ def _send_rows(program, expert, s, seq, tokens, heap, sync, k):
     owner = expert // k.L
     rank = tokens.rank
     dtype = tokens.x_ptr.dtype.element_ty
-    length, outside = _list_rows(tokens, expert, sync.scratch_ptr + program * k.M, k)
+    length, outside = _list_rows(tokens, expert, tokens.scratch_ptr + program * k.M, k)
     refused = (sync.refused != 0) | outside
     length = tl.where(refused, 0, length)  # (a refused call sends no rows)
     flag = _flag_value(seq, length | tl.where(refused, REFUSED, 0))
-    cols = tokens.hidden // 4 if k.FP8 else tokens.hidden
+    cols = tokens.hidden // WORD_BYTES if k.FP8 else tokens.hidden
     first, last = _slice(cols, s, k)
     on_node = tl.load(heap.peer_bases_ptr + owner) != 0
     if _wait_freed(owner, seq, heap, sync, k):  # (else masked: nothing to send)
         b = _dispatch_block(expert % k.L, rank, owner, k)
         block_off = heap.staging_off + ((seq % 2) * k.B + b) * k.M * k.ROW_BYTES
         if not on_node:  # through this rank's send area, rows by (expert, position)
-            first, last = 0, tl.cdiv(k.ROW_BYTES - HEADER, 4) if k.FP8 else cols
+            first, last = 0, tl.cdiv(k.ROW_BYTES - HEADER, WORD_BYTES) if k.FP8 else cols
             block = _heap_address(heap, rank, heap.send_off + expert * k.M * k.ROW_BYTES)
         else:
             block = _heap_address(heap, owner, block_off)
         for r0 in range(0, length, k.ROWS):
             position = r0 + tl.arange(0, k.ROWS)
             rmask = position < length
-            token = tl.load(sync.scratch_ptr + program * k.M + position, mask=rmask) // k.K
+            token = tl.load(tokens.scratch_ptr + program * k.M + position, mask=rmask) // k.K
             row = block + position.to(tl.int64) * k.ROW_BYTES
             token_ptr, payload = _staged(row.to(tl.pointer_type(tl.uint8)))
             if s == 0:
@@ -645,7 +667,7 @@ def _dispatch_receive_role(program, seq, tokens, out, heap, sync, k):
                 _flag(heap, rank, b, s, seq, k), seq, source, STAGE_LL_DISPATCH, heap, sync, k
             )
     block = _block_row(heap, rank, b, seq, k)
-    cols = tokens.hidden // 4 if k.FP8 else tokens.hidden
+    cols = tokens.hidden // WORD_BYTES if k.FP8 else tokens.hidden
     for r0 in range(0, length, k.ROWS):
         r = r0 + tl.arange(0, k.ROWS)
         position = first + r
@@ -710,7 +732,7 @@ def _store_counts(out, expert_local, q, source, first, length, refusal, own_refu
     """The layout_range entry of the rows of local expert ``expert_local`` from ``source``, at
     position q (LL_REFUSED_RANGE where it refused the call: ``refusal``), and after the last
     source recv_count, which the statistics add unless this rank refused the call."""
-    span = tl.where(refusal != 0, LL_REFUSED_RANGE, (first.to(tl.int64) << 32) | length)
+    span = tl.where(refusal != 0, LL_REFUSED_RANGE, (first.to(tl.int64) << LL_RANGE_SHIFT) | length)
     tl.store(out.layout_range_ptr + expert_local * k.W + source, span)
     if q == k.W - 1:
         received = tl.minimum(first + length, out.rows)
@@ -748,8 +770,8 @@ def _combine_send_role(program, seq, rows, heap, sync, k):
     span = tl.load(rows.layout_range_ptr + expert_local * k.W + j, mask=sync.refused == 0, other=0)
     echo = span == LL_REFUSED_RANGE  # (j refused the dispatch: no rows, but the flags)
     span = tl.where(echo, 0, span)
-    first = (span >> 32).to(tl.int32)
-    length = (span & 0xFFFFFFFF).to(tl.int32)
+    first = (span >> LL_RANGE_SHIFT).to(tl.int32)
+    length = (span & LL_RANGE_ROWS).to(tl.int32)
     on_node = tl.load(heap.peer_bases_ptr + j) != 0
     sending = ((length > 0) | (sync.refused != 0) | echo) & (on_node | (s == 0)) & live(sync, j)
     if sending:
@@ -850,8 +872,10 @@ def _combine_receive_role(program, seq, rows, heap, sync, k):
         on_node = tl.load(heap.peer_bases_ptr + owner, mask=remote, other=0) != 0
         flags = _flag(heap, rank, _combine_block(expert, rank, k), tl.where(on_node, s, 0), seq, k)
         first_owner = tl.min(tl.where(remote, owner, k.W), axis=0)
-        arrived = await_peers(flags, _flag_value(seq, 0), remote, owner, first_owner,
-                              STAGE_LL_COMBINE, sync, k.W, k.NODES)  # fmt: skip
+        wanted = _flag_value(seq, 0)
+        arrived = await_peers(
+            flags, wanted, remote, owner, first_owner, STAGE_LL_COMBINE, sync, k.W, k.NODES
+        )
         remote &= arrived  # (an owner masked meanwhile adds nothing)
         sent = tl.atomic_add(flags, 0, mask=remote, sem="acquire", scope="sys")
         refused = remote & ((sent & REFUSED) != 0)
@@ -867,9 +891,9 @@ def _combine_receive_role(program, seq, rows, heap, sync, k):
     )
     src = tl.where(own, own_row, staged + position * rows.hidden)
     if k.ALIGNED:  # (said: the compiler does not see it through the choice of rows)
-        src = tl.multiple_of(src, 16)
+        src = tl.multiple_of(src, ALIGNMENT)
     first, last = _slice(rows.hidden, s, k)
-    part = tl.cdiv(tl.cdiv(last - first, k.PARTS), 16) * 16
+    part = tl.cdiv(tl.cdiv(last - first, k.PARTS), ALIGNMENT) * ALIGNMENT
     first += program % k.PARTS * part
     last = tl.minimum(first + part, last)
     for c0 in tl.range(first, last, k.BLOCK_H, num_stages=k.STAGES):
@@ -886,7 +910,7 @@ def _combine_receive_role(program, seq, rows, heap, sync, k):
 
 
 @triton.jit
-def _start(sync, SEND: tl.constexpr):
+def _start(sync, k):
     """(The call's sequence number, whether this program is the last of the launch to start,
     whether this rank masked a rank that this launch tells of: program 0 tells.) A
     launch that sends starts the next call (its first program writes the number where a later
@@ -898,7 +922,7 @@ def _start(sync, SEND: tl.constexpr):
     # that read LL_SEQ itself, late, could see the number this launch's last program has
     # published already, and wait for the next call's flags in a parity of its own.
     news = read_uniform(sync.control_ptr + MASKS_NEW, program == 0, 0)
-    if SEND:
+    if k.SEND:
         seq = read_uniform(sync.control_ptr + LL_SEQ) + 1
         if program == 0:
             tl.store(sync.seq_ptr, seq)
@@ -913,7 +937,7 @@ def _start(sync, SEND: tl.constexpr):
 
 
 @triton.jit
-def _finish(seq, last, news, heap, sync, k, SEND: tl.constexpr, RECEIVE: tl.constexpr):
+def _finish(seq, last, news, heap, sync, k):
     """The end of each program (``last``, ``news``: ``_start``'s). The launch's last program
     to start resets the tickets and publishes ``seq`` as the last call's number; program 0
     tells the other ranks of the masks this rank set (MASKED_HERE) since it last told. Where
@@ -922,11 +946,11 @@ def _finish(seq, last, news, heap, sync, k, SEND: tl.constexpr, RECEIVE: tl.cons
     (ll_freed)."""
     if last:
         tl.store(sync.control_ptr + LL_TICKET, 0)
-        if SEND:
+        if k.SEND:
             tl.store(sync.control_ptr + LL_SEQ, seq)
     if news != 0:
         tell_new_masks(sync, k.W, k.NODES)
-    if RECEIVE and k.W > 1:
+    if k.RECEIVE and k.W > 1:
         # Relaxed: a receiving program has used every value it read of the receive area (its
         # stores depend on them) when it takes its ticket.
         done = tl.atomic_add(sync.control_ptr + LL_DONE, 1, sem="relaxed")
@@ -945,151 +969,73 @@ def _finish(seq, last, news, heap, sync, k, SEND: tl.constexpr, RECEIVE: tl.cons
                     )
 
 
+# The signature is laid out by hand, a group of arguments a line (ruff leaves it so): one argument
+# a line would make it most of the function.
 @triton.jit(do_not_specialize=SAME_ON_EVERY_RANK)
 def low_latency_dispatch_kernel(
     # Tokens: x [T, H] (row stride x_stride), topk_idx [T, K]; out: token_slots [T, K] int32
-    x_ptr,
-    x_stride,
-    topk_ptr,
-    slots_ptr,
-    num_tokens,
-    hidden,
-    rank,
+    x_ptr, x_stride, topk_ptr, slots_ptr, num_tokens, hidden, rank,
     # Outputs, rows = W * M' per local expert: recv_x [L, rows, H] as bytes (row_bytes a row),
     # its scales (float32, or uint8 with UE8M0: see Received), src_info [L, rows] int32,
     # layout_range [L, W] int64, recv_count [L] int32, statistics [L] int32, call_seq [1]
-    recv_ptr,
-    scales_ptr,
-    src_info_ptr,
-    layout_range_ptr,
-    recv_count_ptr,
-    stats_ptr,
-    seq_ptr,
-    rows,
-    row_bytes,
-    scale_plane,
-    scale_row_step,
-    scale_step,
+    recv_ptr, scales_ptr, src_info_ptr, layout_range_ptr, recv_count_ptr, stats_ptr, seq_ptr,
+    rows, row_bytes, scale_plane, scale_row_step, scale_step,
     # Heap: every rank's base, byte offsets of the low-latency regions (send_off: the send area
     # of this call, by the host's parity)
-    peer_bases_ptr,
-    net_bases_ptr,
-    heap_bytes,
-    freed_off,
-    mask_off,
-    flags_off,
-    own_off,
-    quantized_off,
-    staging_off,
-    send_off,
-    # Sync: control block, bound of every wait, the send role's scratch [B * S, M] int32,
-    # whether this rank's host refused the call
-    control_ptr,
-    timeout_ns,
-    scratch_ptr,
-    refused,
+    peer_bases_ptr, net_bases_ptr, heap_bytes, freed_off, mask_off, flags_off, own_off,
+    quantized_off, staging_off, send_off,
+    # Sync: control block, bound of every wait; the send role's scratch [B * S, M] int32 (in
+    # DispatchRows); whether this rank's host refused the call
+    control_ptr, timeout_ns, scratch_ptr, refused,
     # Meta-parameters (the glossary in kernels/__init__.py)
-    W: tl.constexpr,
-    L: tl.constexpr,
-    B: tl.constexpr,
-    M: tl.constexpr,
-    S: tl.constexpr,
-    QC_P2: tl.constexpr,
-    K: tl.constexpr,
-    K_P2: tl.constexpr,
-    SCAN: tl.constexpr,
-    ROWS: tl.constexpr,
-    BLOCK_H: tl.constexpr,
-    STAGES: tl.constexpr,
-    GROUPS: tl.constexpr,
-    G_P2: tl.constexpr,
-    ROW_BYTES: tl.constexpr,
-    FP8: tl.constexpr,
-    ROUND: tl.constexpr,
-    UE8M0: tl.constexpr,
-    ALIGNED: tl.constexpr,
-    HAS_STATS: tl.constexpr,
-    NODES: tl.constexpr,
-    SEND: tl.constexpr,
-    RECEIVE: tl.constexpr,
-):
-    """Where SEND, programs [0, T * QC) take the tokens' chunks, the next L / COUNTED count
-    the local experts' lists, the next B * S send;
-    where RECEIVE, the next L * (W - 1) receive; a launch of none of them has one program,
-    which finishes."""
+    W: tl.constexpr, L: tl.constexpr, B: tl.constexpr, M: tl.constexpr, S: tl.constexpr,
+    QC_P2: tl.constexpr, K: tl.constexpr, K_P2: tl.constexpr, SCAN: tl.constexpr,
+    ROWS: tl.constexpr, BLOCK_H: tl.constexpr, STAGES: tl.constexpr, GROUPS: tl.constexpr,
+    G_P2: tl.constexpr, ROW_BYTES: tl.constexpr, FP8: tl.constexpr, ROUND: tl.constexpr,
+    UE8M0: tl.constexpr, ALIGNED: tl.constexpr, HAS_STATS: tl.constexpr, NODES: tl.constexpr,
+    SEND: tl.constexpr, RECEIVE: tl.constexpr,
+):  # fmt: skip
+    """Where SEND, programs [0, T * QC) take the tokens' chunks, the next L / COUNTED count the
+    local experts' lists, the next B * S send; where RECEIVE, the next L * (W - 1) receive; a
+    launch of none of them has one program, which finishes."""
     program = tl.program_id(0)
-    k: tl.constexpr = LowLatencyConsts(W, L, B, M, S, QC_P2, K, K_P2, SCAN, ROWS,
-                                       BLOCK_H, STAGES, 1, GROUPS, G_P2, ROW_BYTES,
-                                       FP8, ROUND, UE8M0, ALIGNED, HAS_STATS, False,
-                                       NODES)  # fmt: skip
-    mask = region(peer_bases_ptr, rank, mask_off, tl.int64)
-    sync = LowLatencySync(rank, control_ptr, control_ptr + STATUS, timeout_ns,
-                          scratch_ptr, seq_ptr, refused, mask, peer_bases_ptr,
-                          net_bases_ptr, mask_off)  # fmt: skip
-    seq, last, news = _start(sync, SEND)
-    tokens = DispatchRows(rank, x_ptr, x_stride, topk_ptr, slots_ptr, num_tokens, hidden)
-    out = Received(recv_ptr, scales_ptr, src_info_ptr, layout_range_ptr,
-                   recv_count_ptr, stats_ptr, rows, row_bytes, scale_plane,
-                   scale_row_step, scale_step)  # fmt: skip
-    heap = LowLatencyHeap(peer_bases_ptr, net_bases_ptr, heap_bytes, freed_off,
-                          mask_off, flags_off, own_off, quantized_off, staging_off,
-                          send_off)  # fmt: skip
-    token_programs = 0
-    counters = 0
-    senders = 0
-    if SEND:
-        token_programs = num_tokens * tl.cdiv(tl.cdiv(hidden, 128), GROUPS)
-        counters = tl.cdiv(L, COUNTED)
-        senders = B * S
-    if program < token_programs:
-        _token_role(
-            program,
-            seq,
-            tokens,
-            out,
-            heap,
-            sync,
-            k,
-        )
-    elif program - token_programs < counters:
-        _count_role(
-            program - token_programs,
-            seq,
-            tokens,
-            out,
-            heap,
-            sync,
-            k,
-        )
-    elif program - token_programs - counters < senders:
-        _send_role(
-            program - token_programs - counters,
-            seq,
-            tokens,
-            heap,
-            sync,
-            k,
-        )
-    elif RECEIVE and program - token_programs - counters - senders < L * (W - 1):
-        _dispatch_receive_role(
-            program - token_programs - counters - senders,
-            seq,
-            tokens,
-            out,
-            heap,
-            sync,
-            k,
-        )
-    _finish(
-        seq,
-        last,
-        news,
-        heap,
-        sync,
-        k,
-        SEND,
-        RECEIVE,
+    # The arguments in bundles for the roles, in the order of their fields (a group a line).
+    k: tl.constexpr = LowLatencyDispatchConsts(
+        *(W, L, B, M, S, QC_P2, K, K_P2, SCAN, ROWS, BLOCK_H, STAGES, GROUPS, G_P2, ROW_BYTES),
+        *(FP8, ROUND, UE8M0, ALIGNED, HAS_STATS, NODES, SEND, RECEIVE),
     )
+    mask = region(peer_bases_ptr, rank, mask_off, tl.int64)
+    sync = LowLatencySync(
+        *(rank, control_ptr, control_ptr + STATUS, timeout_ns, seq_ptr, refused, mask),
+        *(peer_bases_ptr, net_bases_ptr, mask_off),
+    )
+    seq, last, news = _start(sync, k)
+    tokens = DispatchRows(
+        rank, x_ptr, x_stride, topk_ptr, slots_ptr, num_tokens, hidden, scratch_ptr
+    )
+    out = Received(
+        *(recv_ptr, scales_ptr, src_info_ptr, layout_range_ptr, recv_count_ptr, stats_ptr),
+        *(rows, row_bytes, scale_plane, scale_row_step, scale_step),
+    )
+    heap = LowLatencyHeap(
+        *(peer_bases_ptr, net_bases_ptr, heap_bytes, freed_off, mask_off, flags_off, own_off),
+        *(quantized_off, staging_off, send_off),
+    )
+    # Each program's role, in the launch's order (picked here rather than in a helper, whose
+    # inlined scope gives the FP8 build at EP8 other sm_90 code).
+    token_programs = num_tokens * tl.cdiv(tl.cdiv(hidden, GROUP_CHANNELS), GROUPS) if SEND else 0
+    counters = tl.cdiv(L, COUNTED) if SEND else 0
+    senders = B * S if SEND else 0
+    if program < token_programs:
+        _token_role(program, seq, tokens, out, heap, sync, k)
+    elif program - token_programs < counters:
+        _count_role(program - token_programs, seq, tokens, out, heap, sync, k)
+    elif program - token_programs - counters < senders:
+        _send_role(program - token_programs - counters, seq, tokens, heap, sync, k)
+    elif RECEIVE and program - token_programs - counters - senders < L * (W - 1):
+        receiver = program - token_programs - counters - senders
+        _dispatch_receive_role(receiver, seq, tokens, out, heap, sync, k)
+    _finish(seq, last, news, heap, sync, k)
 
 
 @triton.jit(do_not_specialize=SAME_ON_EVERY_RANK)
@@ -1147,48 +1093,29 @@ def low_latency_combine_kernel(
     """Programs [0, L * (W - 1) * S) send where SEND, the next T * S * PARTS receive where
     RECEIVE; a launch of neither kind's programs has one program, which finishes."""
     program = tl.program_id(0)
-    k: tl.constexpr = LowLatencyConsts(W, L, B, M, S, 1, K, K_P2, 0, ROWS, BLOCK_H,
-                                       STAGES, PARTS, 0, 0, ROW_BYTES, False, False,
-                                       False, ALIGNED, False, ZERO_COPY, NODES)  # fmt: skip
-    mask = region(peer_bases_ptr, rank, mask_off, tl.int64)
-    sync = LowLatencySync(rank, control_ptr, control_ptr + STATUS, timeout_ns,
-                          control_ptr, seq_ptr, refused, mask, peer_bases_ptr,
-                          net_bases_ptr, mask_off)  # fmt: skip
-    seq, last, news = _start(sync, SEND)
-    combined = CombineRows(rank, x_ptr, x_plane, x_row, topk_ptr, slots_ptr,
-                           weights_ptr, num_tokens, hidden, layout_range_ptr,
-                           out_ptr, rows)  # fmt: skip
-    heap = LowLatencyHeap(peer_bases_ptr, net_bases_ptr, heap_bytes, freed_off,
-                          mask_off, flags_off, own_off, quantized_off, staging_off,
-                          send_off)  # fmt: skip
-    senders = 0
-    if SEND:
-        senders = L * (W - 1) * S
-    if program < senders:
-        _combine_send_role(
-            program,
-            seq,
-            combined,
-            heap,
-            sync,
-            k,
-        )
-    elif RECEIVE and program - senders < num_tokens * S * PARTS:
-        _combine_receive_role(
-            program - senders,
-            seq,
-            combined,
-            heap,
-            sync,
-            k,
-        )
-    _finish(
-        seq,
-        last,
-        news,
-        heap,
-        sync,
-        k,
-        SEND,
-        RECEIVE,
+    # The arguments in bundles for the roles, in the order of their fields (a group a line).
+    k: tl.constexpr = LowLatencyCombineConsts(
+        *(W, L, B, M, S, K, K_P2, ROW_BYTES, ROWS, BLOCK_H, STAGES, PARTS, ALIGNED, ZERO_COPY),
+        *(NODES, SEND, RECEIVE),
     )
+    mask = region(peer_bases_ptr, rank, mask_off, tl.int64)
+    sync = LowLatencySync(
+        *(rank, control_ptr, control_ptr + STATUS, timeout_ns, seq_ptr, refused, mask),
+        *(peer_bases_ptr, net_bases_ptr, mask_off),
+    )
+    seq, last, news = _start(sync, k)
+    combined = CombineRows(
+        *(rank, x_ptr, x_plane, x_row, topk_ptr, slots_ptr, weights_ptr, num_tokens, hidden),
+        *(layout_range_ptr, out_ptr, rows),
+    )
+    heap = LowLatencyHeap(
+        *(peer_bases_ptr, net_bases_ptr, heap_bytes, freed_off, mask_off, flags_off, own_off),
+        *(quantized_off, staging_off, send_off),
+    )
+    # Each program's role, in the launch's order.
+    senders = L * (W - 1) * S if SEND else 0
+    if program < senders:
+        _combine_send_role(program, seq, combined, heap, sync, k)
+    elif RECEIVE and program - senders < num_tokens * S * PARTS:
+        _combine_receive_role(program - senders, seq, combined, heap, sync, k)
+    _finish(seq, last, news, heap, sync, k)

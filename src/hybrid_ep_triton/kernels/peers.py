@@ -260,24 +260,31 @@ def _elsewhere_exchanges(peer, rank, every, R: tl.constexpr):
 
 
 @triton.jit
-def wait_item(my_ready, carrier, rank, channel, flag_ptr, seq, m, ready_stage, data_stage, P_MAX, W,
-              NODES: tl.constexpr):  # fmt: skip
+def wait_item(my_ready, carrier, rank, channel, flag_ptr, seq, m, ready_stage, data_stage, k):
     """Whether a work item has landed here: waits first for program ``channel`` of rank
     ``carrier``, which delivers it, to have started the launch, so that a peer that never came
     is named at ``ready_stage``, then for the item's flag at ``flag_ptr`` (``data_stage``);
     False where the carrier is (or got) masked. ``my_ready``: this rank's ready flags
-    [W, P_MAX]; ``rank``: this rank."""
+    [W, P_MAX]; ``rank``: this rank; ``k``: P_MAX, W and NODES."""
     # A carrier that is this rank is a program of this launch (across nodes, the sender or
     # forwarder that relays a peer's item), which began its own wait for that peer no later
     # than this one: it must time out first and name the peer. With equal timeouts both
     # deadlines pass together and this wait could win, naming this rank, so it waits twice as
     # long.
-    slow = Masking(m.rank, m.control_ptr, m.status_ptr,
-                   tl.where(carrier == rank, 2 * m.timeout_ns, m.timeout_ns), m.mask_ptr,
-                   m.bases_ptr, m.net_bases_ptr, m.mask_off)  # fmt: skip
-    ready = my_ready + carrier * P_MAX + channel
-    started = await_peer(ready, seq, carrier, ready_stage, slow, W, NODES)
-    return started & await_peer(flag_ptr, seq, carrier, data_stage, slow, W, NODES)
+    timeout_ns = tl.where(carrier == rank, 2 * m.timeout_ns, m.timeout_ns)
+    slow = Masking(
+        m.rank,
+        m.control_ptr,
+        m.status_ptr,
+        timeout_ns,
+        m.mask_ptr,
+        m.bases_ptr,
+        m.net_bases_ptr,
+        m.mask_off,
+    )
+    ready = my_ready + carrier * k.P_MAX + channel
+    started = await_peer(ready, seq, carrier, ready_stage, slow, k.W, k.NODES)
+    return started & await_peer(flag_ptr, seq, carrier, data_stage, slow, k.W, k.NODES)
 
 
 # A role's bundles (kernels/dispatch.py, kernels/combine.py): ``heap`` with peer_bases_ptr,
@@ -305,8 +312,9 @@ def start_channel(channel, rank, stage, heap, sync, k):
 @triton.jit
 def wait_landed(my_ready, carrier, rank, channel, flag_ptr, ready_stage, data_stage, sync, k):
     """wait_item() with a role's bundles."""
-    return wait_item(my_ready, carrier, rank, channel, flag_ptr, sync.seq, sync, ready_stage,
-                     data_stage, k.P_MAX, k.W, k.NODES)  # fmt: skip
+    return wait_item(
+        my_ready, carrier, rank, channel, flag_ptr, sync.seq, sync, ready_stage, data_stage, k
+    )
 
 
 # -- destroy() -------------------------------------------------------------------------------

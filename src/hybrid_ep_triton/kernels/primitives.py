@@ -46,13 +46,17 @@ from .control import (
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
+# Bytes of the widest access, a 16-byte vector: heap regions, staged rows and outputs start at
+# multiples of it, and saying so (tl.multiple_of) lets the compiler move 16 bytes at a time.
+ALIGNMENT = tl.constexpr(16)
+
 # The kernels' integer arguments whose value class (1, a multiple of 16, other) changes from
 # call to call but not their machine code: the layout and dispatch kernels take them as
 # do_not_specialize, so that Triton compiles one build for all their values instead of one per
 # combination of classes (else a soak keeps compiling for hundreds of rounds). With
 # tests/sm90_compile.py's builder: marking each of them, or all, divisible by 16 gives the same
 # sm_90 code as leaving them unmarked, at EP2, EP8 and 2 nodes of 8; num_tokens, num_chunks do
-# change it (so does making every count unspecialised: combine 4.8% slower on an H200), and
+# change it (so does making every count unspecialised, which slows combine down), and
 # pad_multiple, num_quantizers stay per job.
 UNSPECIALISED = ("max_rows", "num_out_rows", "report_tag", "refused", "outputs_tag")
 # The rank, which Triton would specialise as rank 0 (a multiple of 16), rank 1 (the constant 1)
@@ -329,8 +333,20 @@ else:
 
 
 @triton.jit
-def net_put_rows_signal(net_bases_ptr, rank, pe, dst_off, dst_row_bytes, src, src_row_bytes,
-                        num_rows, row_bytes, flag_off, value, heap_bytes):  # fmt: skip
+def net_put_rows_signal(
+    net_bases_ptr,
+    rank,
+    pe,
+    dst_off,
+    dst_row_bytes,
+    src,
+    src_row_bytes,
+    num_rows,
+    row_bytes,
+    flag_off,
+    value,
+    heap_bytes,
+):
     """Put ``num_rows`` rows of ``row_bytes`` bytes each from ``src`` (in this rank's heap,
     ``src_row_bytes`` apart) to byte ``dst_off`` of ``pe``'s heap (``dst_row_bytes`` apart), a
     row at a time (column slices of rows, which no single put covers), then set the int64 flag
@@ -338,8 +354,15 @@ def net_put_rows_signal(net_bases_ptr, rank, pe, dst_off, dst_row_bytes, src, sr
     (net_fence)."""
     src_bytes = src.to(tl.pointer_type(tl.uint8))
     for j in range(0, num_rows):
-        net_put(net_bases_ptr, rank, pe, dst_off + j * dst_row_bytes, src_bytes + j * src_row_bytes,
-                row_bytes, heap_bytes)  # fmt: skip
+        net_put(
+            net_bases_ptr,
+            rank,
+            pe,
+            dst_off + j * dst_row_bytes,
+            src_bytes + j * src_row_bytes,
+            row_bytes,
+            heap_bytes,
+        )
     net_fence()
     net_signal(net_bases_ptr, pe, flag_off, value)
 
@@ -351,7 +374,7 @@ def region(peer_bases_ptr, rank, byte_offset, dtype: tl.constexpr):
     base = tl.load(peer_bases_ptr + rank)
     # Heap buffers and their regions are 256-byte aligned (the planner's _ALIGN); saying so
     # lets the compiler use 16-byte accesses, which an address loaded from memory would not.
-    return tl.multiple_of((base + byte_offset).to(tl.pointer_type(dtype)), 16)
+    return tl.multiple_of((base + byte_offset).to(tl.pointer_type(dtype)), ALIGNMENT)
 
 
 @triton.jit
@@ -449,9 +472,9 @@ def wait_host_record(record_ptr, tag, timeout_ns, status_ptr, peer, stage):
     memory: every poll is a read over PCIe (loads with the .cv cache operator, which fetch the
     line again where the GPU's L2 holds a copy of it; not an atomic, which on host memory may
     be a read and a write that undo a host store between them). With all of a launch's
-    expanders polling, an exact-mode dispatch took 2 ms (volatile loads) or never got its
-    record within a minute (.cv loads) on an H200. Polls are a microsecond apart
-    (``back_off``).
+    expanders polling, the polls crowd out the host's stores: an exact-mode dispatch waits
+    milliseconds for its record (volatile loads), or does not get it at all (.cv loads). Polls
+    are a microsecond apart (``back_off``).
     """
     idx = tl.arange(0, HOST_RECORD_WORDS)
     weights = host_record_weights(idx)

@@ -27,6 +27,18 @@ QUANTIZE_FP8 = tl.constexpr(1)  # quantize_block: e4m3 values, a float32 scale p
 QUANTIZE_MXFP8 = tl.constexpr(2)
 QUANTIZE_NVFP4 = tl.constexpr(3)
 
+# A quantization group: 128 consecutive channels of a row (FP8's 1x128 block, with its scale;
+# 4 MXFP8 blocks of 32 channels; 8 NVFP4 blocks of 16).
+GROUP_CHANNELS = tl.constexpr(128)
+# float32's fields: the mantissa's bits (below the exponent) and their mask, the exponent
+# field's mask (after the shift past the mantissa) and its bias. (A kernel that puts one of
+# these constants before a tensor in an operation takes its .value: under TRITON_INTERPRET the
+# result would stay a tl.constexpr.)
+F32_MANTISSA_BITS = tl.constexpr(23)
+F32_MANTISSA_MASK = tl.constexpr((1 << F32_MANTISSA_BITS.value) - 1)
+F32_EXPONENT_MASK = tl.constexpr(0xFF)
+F32_BIAS = tl.constexpr(127)
+
 E4M3_MAX = tl.constexpr(448.0)
 E4M3_TINY = tl.constexpr(2.0**-6)  # the smallest normal e4m3 value
 E2M1_MAX = tl.constexpr(6.0)
@@ -44,7 +56,7 @@ def to_minifloat_bits(
 ):
     """float32 ``v`` as the bits (int32) of a float with a sign, EXPONENT and MANTISSA bits:
     to nearest, ties to even; magnitudes past the largest finite one saturate to it."""
-    DROPPED: tl.constexpr = 23 - MANTISSA
+    DROPPED: tl.constexpr = F32_MANTISSA_BITS.value - MANTISSA
     bits = v.to(tl.int32, bitcast=True)
     sign = (bits >> (31 - EXPONENT - MANTISSA)) & (1 << (EXPONENT + MANTISSA))
     magnitude = bits & 0x7FFFFFFF
@@ -54,12 +66,13 @@ def to_minifloat_bits(
     dropped = magnitude & ((1 << DROPPED) - 1)
     half = 1 << (DROPPED - 1)
     round_up = (dropped > half) | ((dropped == half) & ((kept & 1) == 1))
-    normal = tl.minimum(kept + round_up.to(tl.int32) - ((127 - BIAS) << MANTISSA), LARGEST)
+    normal = tl.minimum(kept + round_up.to(tl.int32) - ((F32_BIAS - BIAS) << MANTISSA), LARGEST)
     # Subnormal: multiples of 2^(1 - BIAS - MANTISSA), rounded to even by adding and removing
     # 2^23.
     steps = tl.abs(v) * (1 << (BIAS - 1 + MANTISSA))
     subnormal = ((steps + 8388608.0) - 8388608.0).to(tl.int32)
-    return sign | tl.where(magnitude >= ((128 - BIAS) << 23), normal, subnormal)
+    smallest_normal = (F32_BIAS + 1 - BIAS) << F32_MANTISSA_BITS  # 2^(1 - BIAS) as float32 bits
+    return sign | tl.where(magnitude >= smallest_normal, normal, subnormal)
 
 
 @triton.jit
@@ -112,9 +125,9 @@ def quantize_block(
     rows = first_row + tl.arange(0, ROWS)
     rmask = rows < num_rows
     rows = rows.to(tl.int64)
-    channels = tl.arange(0, 128)
+    channels = tl.arange(0, GROUP_CHANNELS)
     for g in range(first_group, last_group):
-        cols = g * 128 + channels
+        cols = g * GROUP_CHANNELS + channels
         x = tl.load(src_ptr + rows[:, None] * src_stride + cols[None, :], mask=rmask[:, None])
         x = x.to(tl.float32)
         amax = tl.max(tl.abs(x), axis=1)
@@ -150,11 +163,11 @@ def quantize_fp8_kernel(
         values_ptr,
         hidden,
         scales_ptr,
-        hidden // 128,
+        hidden // GROUP_CHANNELS,
         tl.program_id(0) * BLOCK_T,
         num_tokens,
         first,
-        tl.minimum(first + GROUPS, hidden // 128),
+        tl.minimum(first + GROUPS, hidden // GROUP_CHANNELS),
         BLOCK_T,
     )
 
@@ -178,7 +191,7 @@ def e8m0_from_amax_bits(amax_bits):
     has the float32 bits ``amax_bits`` (sign cleared): its exponent field - 127 - 8 (e4m3's
     largest power of two is 2^8), clamped below at -127, plus 127; 255 for a NaN. The clamp above
     (128) is never reached: an infinite amax gives 247."""
-    biased = tl.maximum(((amax_bits >> 23) & 0xFF) - 8, 0)
+    biased = tl.maximum(((amax_bits >> F32_MANTISSA_BITS) & F32_EXPONENT_MASK) - 8, 0)
     return tl.where(amax_bits > 0x7F800000, 255, biased)
 
 
@@ -206,7 +219,7 @@ def quantize_mxfp8_block(
     blocks = tl.arange(0, 4)
     channels = blocks[:, None] * 32 + tl.arange(0, 32)[None, :]  # [4, 32]
     for g in range(first_group, last_group):
-        cols = g * 128 + channels
+        cols = g * GROUP_CHANNELS + channels
         x = tl.load(
             src_ptr + rows[:, None, None] * src_stride + cols[None, :, :], mask=rmask[:, None, None]
         )
@@ -215,7 +228,8 @@ def quantize_mxfp8_block(
         magnitude = bits & 0x7FFFFFFF
         biased = e8m0_from_amax_bits(tl.max(magnitude, axis=2))  # [ROWS, 4]
         finite = biased != 255
-        reciprocal = ((254 - tl.maximum(biased, 1)) << 23).to(tl.float32, bitcast=True)
+        reciprocal = (2 * F32_BIAS.value - tl.maximum(biased, 1)) << F32_MANTISSA_BITS
+        reciprocal = reciprocal.to(tl.float32, bitcast=True)
         reciprocal = tl.where(finite, reciprocal, 1.0)
         quantized = to_e4m3_bits(x * reciprocal[:, :, None])
         # A block with a NaN is divided by infinity (byte 255 as float32): +-0, and NaN where x
@@ -276,7 +290,7 @@ def quantize_nvfp4_block(
         s = tl.load(per_tensor_scale_ptr)
         numerator = tl.math.div_rn(1.0, s)
     for g in range(first_group, last_group):
-        cols = g * 128 + channels
+        cols = g * GROUP_CHANNELS + channels
         x = tl.load(
             src_ptr + rows[:, None, None, None] * src_stride + cols[None, :, :, :],
             mask=rmask[:, None, None, None],
@@ -289,7 +303,8 @@ def quantize_nvfp4_block(
             block_scale = tl.math.div_rn(block_scale, s)
         scale_bits = to_e4m3_bits(tl.minimum(tl.maximum(block_scale, E4M3_TINY), E4M3_MAX))
         # The e4m3 scale as float32 (a normal e4m3 value: rebias 7 -> 127).
-        scale = ((scale_bits << 20) + (120 << 23)).to(tl.float32, bitcast=True)
+        scale = (scale_bits << (F32_MANTISSA_BITS - 3)) + ((F32_BIAS - 7) << F32_MANTISSA_BITS)
+        scale = scale.to(tl.float32, bitcast=True)
         if PER_TENSOR_SCALE:
             reciprocal = tl.math.div_rn(numerator, scale)
         else:
@@ -327,7 +342,7 @@ def quantize_block_scaled_kernel(
     BLOCK_T tokens from i * BLOCK_T, GROUPS groups from j * GROUPS."""
     first_row = tl.program_id(0) * BLOCK_T
     first = tl.program_id(1) * GROUPS
-    last = tl.minimum(first + GROUPS, hidden // 128)
+    last = tl.minimum(first + GROUPS, hidden // GROUP_CHANNELS)
     if NVFP4:
         quantize_nvfp4_block(
             x_ptr,

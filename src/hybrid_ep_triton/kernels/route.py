@@ -77,13 +77,15 @@ from .primitives import (
 
 # The first invalid row of a launch is recorded in a control word as 2**62 - row (an atomic max
 # keeps the first; 0, the word's resting value, means none) and reported in info[2] as the row,
-# or 2**62 when none. The kernels write 2**62 as the literal 4611686018427387904.
+# or 2**62 (NO_BAD_ROW) when none. (Before a tensor in an operation, the kernels take its .value:
+# under TRITON_INTERPRET the result would stay a tl.constexpr.)
+NO_BAD_ROW = tl.constexpr(2**62)
 
 
 @triton.jit
 def _first_bad_row(bad):
     """The first invalid row, from its control word ``bad``: the row, or 2**62 for none."""
-    return tl.where(bad > 0, 4611686018427387904 - bad, 4611686018427387904)
+    return tl.where(bad > 0, NO_BAD_ROW.value - bad, NO_BAD_ROW)
 
 
 @triton.jit
@@ -126,9 +128,8 @@ def _store_positions(to, tokens, token_ok, targets, num_targets, pos_ptr, count_
 
 # Each program of a launch has one role (module docstring); a role is a function that takes the
 # kernel's arguments in bundles, as in dispatch and combine: namedtuples of runtime values, and
-# ``k``, the LayoutConsts. Everything is inlined: the
-# machine code is that of one kernel body, and the calls keep the order in which the kernel
-# used to evaluate its expressions.
+# ``k``, the LayoutConsts. Everything is inlined: the machine code is that of one kernel body,
+# which evaluates the expressions in the order of the calls.
 Routing = namedtuple(
     "Routing",
     "topk_idx_ptr num_tokens num_chunks topk num_experts experts_per_rank rank world_size "
@@ -242,7 +243,7 @@ def _count_tokens(chunk, rank_count_ptr, bad_row_ptr, node_count_ptr, rt, out, k
     ) > 0
     first_bad = tl.min(tl.where(bad_row, tokens, 2147483647), axis=0)
     if first_bad < 2147483647:
-        tl.atomic_max(bad_row_ptr, 4611686018427387904 - first_bad.to(tl.int64))
+        tl.atomic_max(bad_row_ptr, NO_BAD_ROW.value - first_bad.to(tl.int64))
     dest = tl.where(slot_ids >= 0, slot_ids // rt.experts_per_rank, -1)
     ranks = tl.arange(0, k.W_P2)
     to_rank = tl.sum((dest[:, :, None] == ranks[None, None, :]).to(tl.int32), axis=1) > 0
@@ -281,8 +282,7 @@ def _exchange_role(rt, out, heap, sync, m, k):
     tl.store(out.info_ptr + INFO_BAD_ROW, _first_bad_row(bad))
     totals = _expert_prefix_sums(rt=rt, out=out, k=k)
     # A row's flag: 2 seq - 1, then 2 seq once its masks are told (at once where none are).
-    _publish_rows(seq=seq, flag=2 * seq - agreeing, bad=bad, totals=totals, rt=rt, out=out,
-                  heap=heap, m=m, k=k)  # fmt: skip
+    _publish_rows(seq, 2 * seq - agreeing, bad, totals, rt, out, heap, m, k)
     counts = _wait_rows(seq=seq, rt=rt, heap=heap, m=m, k=k)
     if agreeing != 0:
         _agree_on_masks(seq=seq, rt=rt, heap=heap, m=m, k=k)
@@ -353,8 +353,7 @@ def _publish_rows(seq, flag, bad, totals, rt, out, heap, m, k):
     row_off = ((seq % 2) * rt.world_size + rt.rank) * (k.LR * 4)
     for peer in range(0, rt.world_size):
         if (peer == rt.rank) | live(m, peer):  # (a masked rank's memory may be gone)
-            _send_row(peer=peer, row_off=row_off, flag=flag, totals=totals, invalid=invalid,
-                      node_first=node_first, rt=rt, out=out, heap=heap, k=k)  # fmt: skip
+            _send_row(peer, row_off, flag, totals, invalid, node_first, rt, out, heap, k)
 
 
 @triton.jit
@@ -393,8 +392,8 @@ def _send_row(peer, row_off, flag, totals, invalid, node_first, rt, out, heap, k
 def _chunk_starts_in_place(ptrs, chunks, num_chunks, carry):
     """One block of an exclusive prefix over chunks, in place: the counts at ``ptrs`` of the
     ``chunks`` below num_chunks become their starts after ``carry`` (chunk num_chunks: the
-    total). Returns the starts and the counts (their sum carries to the next block, added by
-    the caller after its own stores, which keeps the machine code as it was)."""
+    total). Returns the starts and the counts (their sum carries to the next block: the caller
+    adds it after its own stores, which come first in the machine code)."""
     cnt = tl.load(ptrs, mask=chunks < num_chunks, other=0, cache_modifier=".cg")
     start = carry + tl.cumsum(cnt, 0) - cnt
     tl.store(ptrs, start, mask=chunks <= num_chunks)
@@ -466,8 +465,15 @@ def _agree_on_masks(seq, rt, heap, m, k):
         tell_new_masks(m, rt.world_size, k.NODES)
     for peer in range(0, rt.world_size):
         if (peer != rt.rank) & live(m, peer):
-            signal_peer(heap.peer_bases_ptr, heap.net_bases_ptr, peer, heap.count_flags_off,
-                        rt.rank, 2 * seq, k.NODES)  # fmt: skip
+            signal_peer(
+                heap.peer_bases_ptr,
+                heap.net_bases_ptr,
+                peer,
+                heap.count_flags_off,
+                rt.rank,
+                2 * seq,
+                k.NODES,
+            )
     my_flags = region(heap.peer_bases_ptr, rt.rank, heap.count_flags_off, tl.int64)
     for peer in range(0, rt.world_size):
         if peer != rt.rank:
@@ -719,23 +725,28 @@ def layout_kernel(
     N_P2: tl.constexpr,
 ):
     chunk = tl.program_id(0)
-    # The arguments in bundles for the roles (positional: in the order of the bundles' fields).
-    rt = Routing(topk_idx_ptr, num_tokens, num_chunks, topk, num_experts,
-                 experts_per_rank, rank, world_size, pad_multiple, max_rows, refused)  # fmt: skip
-    out = HandleParts(slot_pos_ptr, token_rank_pos_ptr, chunk_expert_base_ptr,
-                      send_chunk_start_ptr, recv_chunk_start_ptr,
-                      recv_src_tokens_ptr, recv_rank_prefix_ptr, expert_layout_ptr,
-                      tokens_per_expert_ptr,
-                      info_ptr, token_node_pos_ptr, send_chunk_node_start_ptr,
-                      recv_net_chunk_start_ptr)  # fmt: skip
+    # The arguments in bundles for the roles, in the order of their fields (a group a line).
+    rt = Routing(
+        *(topk_idx_ptr, num_tokens, num_chunks, topk, num_experts, experts_per_rank, rank),
+        *(world_size, pad_multiple, max_rows, refused),
+    )
+    out = HandleParts(
+        *(slot_pos_ptr, token_rank_pos_ptr, chunk_expert_base_ptr, send_chunk_start_ptr),
+        *(recv_chunk_start_ptr, recv_src_tokens_ptr, recv_rank_prefix_ptr, expert_layout_ptr),
+        *(tokens_per_expert_ptr, info_ptr, token_node_pos_ptr, send_chunk_node_start_ptr),
+        recv_net_chunk_start_ptr,
+    )
     heap = LayoutHeap(
         peer_bases_ptr, count_flags_off, layout_in_off, net_bases_ptr, layout_out_off, heap_bytes
     )
     sync = LayoutSync(control_ptr, timeout_ns, report_addr, report_tag)
-    k: tl.constexpr = LayoutConsts(CHUNK, K_P2, W_P2, E_P2, L_P2, PAIRS, NC_MAX,
-                                   ROW, C_BLOCK, TABLE_BLOCK, TOKEN_ROWS, LR, R,
-                                   NODES, N_P2)  # fmt: skip
-    m = Masking(rank, control_ptr, control_ptr + STATUS, timeout_ns,
-                region(peer_bases_ptr, rank, mask_off, tl.int64), peer_bases_ptr,
-                net_bases_ptr, mask_off)  # fmt: skip
+    k: tl.constexpr = LayoutConsts(
+        *(CHUNK, K_P2, W_P2, E_P2, L_P2, PAIRS, NC_MAX, ROW, C_BLOCK, TABLE_BLOCK, TOKEN_ROWS),
+        *(LR, R, NODES, N_P2),
+    )
+    m = Masking(
+        *(rank, control_ptr, control_ptr + STATUS, timeout_ns),
+        *(region(peer_bases_ptr, rank, mask_off, tl.int64), peer_bases_ptr, net_bases_ptr),
+        mask_off,
+    )
     _roles(chunk=chunk, rt=rt, out=out, heap=heap, sync=sync, m=m, k=k)
