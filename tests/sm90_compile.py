@@ -14,7 +14,7 @@ ptxas' resource usage
 identical code, e.g. before and after a change that should not change it); any compile or link
 error fails. Integer arguments that
 the JIT would specialise as multiples of 16 (pointers, hidden sizes, strides) are marked so.
-The builds (39) compile side by side on every core first, into Triton's cache, which the
+The builds (40) compile side by side on every core first, into Triton's cache, which the
 printing pass then reads.
 """
 
@@ -42,6 +42,7 @@ from hybrid_ep_triton.kernels.low_latency import (
 from hybrid_ep_triton.kernels.peers import farewell_kernel
 from hybrid_ep_triton.kernels.quantize import NO_QUANTIZER, quantize_block_scaled_kernel
 from hybrid_ep_triton.kernels.route import layout_kernel
+from hybrid_ep_triton.kernels.token_counts import token_counts_kernel
 from hybrid_ep_triton.ops.dispatch import QUANTIZERS
 from hybrid_ep_triton.runtime.nvshmem_bitcode import device_library
 from hybrid_ep_triton.runtime.planner import (
@@ -167,7 +168,7 @@ def compile_all(topologies=TOPOLOGIES):
 
 def builds(topologies=TOPOLOGIES):
     """Yield (label, ASTSource, options) of every build at each (world, ranks per node), then
-    of the block-scaled quantizer's."""
+    of the block-scaled quantizer's and of token_counts'."""
     i64 = {n: "*i64" for n in ("peer_bases_ptr", "control_ptr", "info_ptr", "net_bases_ptr")}
     i64["tokens_per_expert_ptr"] = "*i64"
     # The heuristic's launch shape for S1 (4096 tokens per rank, hidden 7168).
@@ -274,6 +275,7 @@ def builds(topologies=TOPOLOGIES):
             yield f"{topo} {kernel.fn.__name__}{rows}", source, options
         yield from low_latency_builds(world, per_node)
     yield from block_scaled_builds()
+    yield from token_counts_builds()
 
 
 def low_latency_builds(world: int, per_node: int):
@@ -328,6 +330,16 @@ def block_scaled_builds():
         signature, attrs = _signature(kernel, pointers, constexprs)
         source = ASTSource(kernel, signature, constexprs, attrs)
         yield f"{kernel.fn.__name__} {label}", source, {}
+
+
+def token_counts_builds():
+    """Yield (label, ASTSource, options) of Buffer.token_counts's kernel at EP16 as 2 nodes of
+    8 (DeepEP's get_dispatch_layout), int64 ids."""
+    kernel = token_counts_kernel
+    constexprs = dict(W=16, NODES=2, W_P2=16, N_P2=2, BLOCK=64)
+    pointers = dict(topk_idx_ptr="*i64", token_in_rank_ptr="*u8")
+    signature, attrs = _signature(kernel, pointers, constexprs)
+    yield f"{kernel.fn.__name__} EP16 (2x8)", ASTSource(kernel, signature, constexprs, attrs), {}
 
 
 def _compile_build(index: int) -> None:
