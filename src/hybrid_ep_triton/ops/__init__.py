@@ -7,7 +7,8 @@ scaled_rows: ScaledValues; status: what the device recorded, as exceptions; refu
 protocol by which a rank's refused inputs reach every rank; streams: calls on the Buffer's
 communication stream; operators: the torch.library operators and their autograd; masks: the mask
 of failed ranks and destroy()'s farewell; reserved: a heap reserved before a Buffer's sizes are
-known, which a Buffer made later takes without a collective.
+known, which a Buffer made later takes without a collective; experts: the experts' grouped
+GEMMs (SwiGLUExperts') and their workspace.
 """
 
 from ..runtime import triton_compat
