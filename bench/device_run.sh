@@ -11,6 +11,8 @@
 #          graph capture with hooks), then bench/low_latency.py (JSON, Markdown, PNG into $OUT);
 #          its tests with ranks sharing the GPU run in the step shared
 #          (SHARED_TESTS=tests/test_low_latency.py)
+#   experts  the experts' grouped GEMMs on one GPU: tests/test_experts.py (its cases of 2 ranks
+#          skip without MPS), then bench/experts_bench.py (JSON, Markdown, PNG into $OUT)
 #   low-latency-sweep  bench/low_latency_sweep.py: the low-latency kernels' launch settings
 #          ($SWEEP_SETTINGS, default the script's), and the default setting of each tree in
 #          $AB_OLD (folders holding src/, as for eager-ab) before and after it, named by the
@@ -191,6 +193,9 @@ for step in $STEPS; do
         low-latency) cmd=(bash -c 'HEP_TEST_DEVICE=cuda HEP_TEST_TIMEOUT=120 python3 -m pytest \
                           -q -rs -p no:cacheprovider tests/test_low_latency.py -m gpu; rc=$?; \
                           python3 bench/low_latency.py --out "$OUT" || rc=1; exit $rc') ;;
+        experts) cmd=(bash -c 'HEP_TEST_DEVICE=cuda HEP_TEST_TIMEOUT=120 python3 -m pytest -q -rs \
+                      -p no:cacheprovider tests/test_experts.py; rc=$?; \
+                      python3 bench/experts_bench.py --out "$OUT" || rc=1; exit $rc') ;;
         low-latency-sweep) cmd=(bash -c 'rc=0; old() { for tree in ${AB_OLD:-}; do \
                                 HEP_COMMIT=$(basename $tree) PYTHONPATH=/tmp/site:$tree/src \
                                 python3 bench/low_latency_sweep.py --settings default \

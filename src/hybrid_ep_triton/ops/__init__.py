@@ -8,7 +8,8 @@ protocol by which a rank's refused inputs reach every rank; streams: calls on th
 communication stream; operators: the torch.library operators and their autograd; masks: the mask
 of failed ranks and destroy()'s farewell; reserved: a heap reserved before a Buffer's sizes are
 known, which a Buffer made later takes without a collective; token_counts: what a dispatch
-would send where, on one rank (Buffer.token_counts).
+would send where, on one rank (Buffer.token_counts); experts: the experts' grouped GEMMs
+(SwiGLUExperts') and their workspace.
 """
 
 from ..runtime import triton_compat

@@ -16,7 +16,8 @@ from triton.runtime.jit import JITCallable
 
 # Every module of jit functions of this library, whose keys are settled together.
 _KERNEL_MODULES = (
-    "combine", "dispatch", "low_latency", "primitives", "quantize", "route", "token_counts", "work",
+    "combine", "dispatch", "experts", "low_latency", "primitives", "quantize", "route",
+    "token_counts", "work",
 )  # fmt: skip
 _KERNELS = __name__.rsplit(".", 2)[0] + ".kernels"
 
