@@ -96,9 +96,12 @@ def main() -> int:
         experts = SwiGLUExperts(w1, w2)
 
     with hep.Buffer(
-        None, hidden_size=HIDDEN, max_tokens_per_rank=TOKENS, num_experts=num_experts,
+        None,
+        hidden_size=HIDDEN,
+        max_tokens_per_rank=TOKENS,
+        num_experts=num_experts,
         low_latency_tokens=TOKENS,
-    ) as buffer:  # fmt: skip
+    ) as buffer:
         recv_x, recv_count, handle, _, _ = buffer.low_latency_dispatch(
             x, topk_idx, TOKENS, num_experts, use_fp8=fp8
         )

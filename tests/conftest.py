@@ -149,8 +149,10 @@ def skip_if_a_killed_rank_shares_a_gpu(world_size: int) -> None:
     from hybrid_ep_triton.tools import launcher
 
     if launcher.ranks_per_gpu(world_size) > 1:
-        pytest.skip("a rank killed outright under MPS takes its GPU's other ranks down with it "
-                    "(docs/testing.md, One GPU under MPS)")  # fmt: skip
+        pytest.skip(
+            "a rank killed outright under MPS takes its GPU's other ranks down with it "
+            "(docs/testing.md, One GPU under MPS)"
+        )
 
 
 @pytest.fixture
@@ -165,8 +167,15 @@ def launch(device, rank_pools):
         skip_unless_ranks_fit(device, world_size)
         timeout = TIMEOUT_S if timeout_s is None else timeout_s
         if fresh:
-            return run_ranks(fn, world_size, *args, device=device, timeout_s=timeout,
-                             allow_time_slicing=TIME_SLICED, **kwargs)  # fmt: skip
+            return run_ranks(
+                fn,
+                world_size,
+                *args,
+                device=device,
+                timeout_s=timeout,
+                allow_time_slicing=TIME_SLICED,
+                **kwargs,
+            )
         pool = rank_pools.pop(world_size, None)
         if pool is None or not pool.usable:
             while len(rank_pools) >= MAX_POOLS:

@@ -93,21 +93,42 @@ def _rank(rank: int, world: int, deepep_dir: str, program: str, sizes: dict) -> 
         if program == "intranode":
             import test_intranode
 
-            buffer = deep_ep.Buffer(group, int(2e9), 0, low_latency_mode=False,
-                                    num_qps_per_rank=1, explicitly_destroy=True,
-                                    timeout_s=sizes["peer_timeout_s"])  # fmt: skip
+            buffer = deep_ep.Buffer(
+                group,
+                int(2e9),
+                0,
+                low_latency_mode=False,
+                num_qps_per_rank=1,
+                explicitly_destroy=True,
+                timeout_s=sizes["peer_timeout_s"],
+            )
             args = argparse.Namespace(**sizes)
             test_intranode.test_main(args, 24, rank, world, rank, buffer, group)
         else:
             import test_low_latency
 
             rdma = deep_ep.Buffer.get_low_latency_rdma_size_hint(tokens, hidden, world, experts)
-            buffer = deep_ep.Buffer(group, num_rdma_bytes=rdma, low_latency_mode=True,
-                                    num_qps_per_rank=experts // world, explicitly_destroy=True,
-                                    enable_shrink=sizes["shrink_test"],
-                                    timeout_s=sizes["peer_timeout_s"])  # fmt: skip
-            test_low_latency.test_main(tokens, hidden, experts, topk, rank, world, group, buffer,
-                                       shrink_test=sizes["shrink_test"], seed=1)  # fmt: skip
+            buffer = deep_ep.Buffer(
+                group,
+                num_rdma_bytes=rdma,
+                low_latency_mode=True,
+                num_qps_per_rank=experts // world,
+                explicitly_destroy=True,
+                enable_shrink=sizes["shrink_test"],
+                timeout_s=sizes["peer_timeout_s"],
+            )
+            test_low_latency.test_main(
+                tokens,
+                hidden,
+                experts,
+                topk,
+                rank,
+                world,
+                group,
+                buffer,
+                shrink_test=sizes["shrink_test"],
+                seed=1,
+            )
     except TimingsReached:
         buffer.destroy()
         return f"rank {rank}: passed (every check; DeepEP's kernel timings not run)"
@@ -129,12 +150,19 @@ def main() -> int:
     parser.add_argument("--num-topk", type=int, default=8)
     parser.add_argument("--num-experts", type=int, default=64)
     parser.add_argument("--timeout-s", type=float, default=1200, help="for the whole run")
-    parser.add_argument("--peer-timeout-s", type=float, default=60.0,
-                        help="deep_ep.Buffer's timeout_s: with --shrink-test, what each of the "
-                        "three failures costs the others")  # fmt: skip
-    parser.add_argument("--shrink-test", action="store_true",
-                        help="low_latency: DeepEP's rank failures (ranks 1, 3, 5 stop calling; "
-                        "8 ranks or more), with enable_shrink")  # fmt: skip
+    parser.add_argument(
+        "--peer-timeout-s",
+        type=float,
+        default=60.0,
+        help="deep_ep.Buffer's timeout_s: with --shrink-test, what each of the "
+        "three failures costs the others",
+    )
+    parser.add_argument(
+        "--shrink-test",
+        action="store_true",
+        help="low_latency: DeepEP's rank failures (ranks 1, 3, 5 stop calling; "
+        "8 ranks or more), with enable_shrink",
+    )
     args = parser.parse_args()
     name = {"intranode": "test_intranode.py", "low_latency": "test_low_latency.py"}
     needed = [args.deepep_dir / "tests" / "legacy" / name[args.program]]
@@ -142,15 +170,28 @@ def main() -> int:
     missing = [str(p) for p in needed if not p.is_file()]
     if missing:
         parser.error(f"not in {args.deepep_dir}: {', '.join(missing)} (see --help)")
-    sizes = dict(num_tokens=args.num_tokens, hidden=args.hidden, num_topk=args.num_topk,
-                 num_experts=args.num_experts, allow_mnnvl=False,
-                 shrink_test=args.shrink_test, peer_timeout_s=args.peer_timeout_s)  # fmt: skip
+    sizes = dict(
+        num_tokens=args.num_tokens,
+        hidden=args.hidden,
+        num_topk=args.num_topk,
+        num_experts=args.num_experts,
+        allow_mnnvl=False,
+        shrink_test=args.shrink_test,
+        peer_timeout_s=args.peer_timeout_s,
+    )
     # By its module's name (not __main__), so that the rank processes can import it.
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from deep_ep_programs import _rank
 
-    results = run_ranks(_rank, args.ranks, str(args.deepep_dir.resolve()), args.program, sizes,
-                        device="cuda", timeout_s=args.timeout_s)  # fmt: skip
+    results = run_ranks(
+        _rank,
+        args.ranks,
+        str(args.deepep_dir.resolve()),
+        args.program,
+        sizes,
+        device="cuda",
+        timeout_s=args.timeout_s,
+    )
     print("\n".join(results))
     return 0 if all(": passed" in r for r in results) else 1
 

@@ -151,8 +151,10 @@ def per_warp_decisions(ptx: str) -> list[str]:
         if reg in seen:
             return False
         seen.add(reg)
-        return any(kind == "per-warp" or any(per_warp(src, seen) for src in sources)
-                   for kind, sources in definitions.get(reg, []))  # fmt: skip
+        return any(
+            kind == "per-warp" or any(per_warp(src, seen) for src in sources)
+            for kind, sources in definitions.get(reg, [])
+        )
 
     return sorted({where for where, guard in branches if per_warp(guard, set())})
 
@@ -178,9 +180,13 @@ def builds(topologies=TOPOLOGIES):
         plan = make_plan(world, 7168, 4096, 256, torch.bfloat16, cfg, ranks_per_node=per_node)
         nodes = world // per_node
         topology = dict(R=per_node, R_P2=per_node, NODES=nodes, N_P2=max(nodes, 1))
-        slot = dict(META_INTS=plan.net_slot.meta_ints, META_FLOATS=plan.net_slot.meta_floats,
-                    NET_COLS=plan.net_slot.cols, DATA_OFF=plan.net_slot.data_offset,
-                    SLOT_BYTES=plan.net_slot.bytes)  # fmt: skip
+        slot = dict(
+            META_INTS=plan.net_slot.meta_ints,
+            META_FLOATS=plan.net_slot.meta_floats,
+            NET_COLS=plan.net_slot.cols,
+            DATA_OFF=plan.net_slot.data_offset,
+            SLOT_BYTES=plan.net_slot.bytes,
+        )
         # Every constexpr of the data-move kernels; each kernel takes the ones it declares.
         common = dict(
             T_MAX=4096,
@@ -216,41 +222,100 @@ def builds(topologies=TOPOLOGIES):
             recv_weights_ptr="*fp32",
             quantized_flags_ptr="*i64",
         )
-        layout = dict(CHUNK=cfg.chunk_tokens, K_P2=8, W_P2=world, E_P2=256, L_P2=256 // world,
-                      PAIRS=128, NC_MAX=plan.max_chunks, ROW=plan.counts_row,
-                      LR=plan.layout_row, C_BLOCK=32, TABLE_BLOCK=256, **topology)  # fmt: skip
+        layout = dict(
+            CHUNK=cfg.chunk_tokens,
+            K_P2=8,
+            W_P2=world,
+            E_P2=256,
+            L_P2=256 // world,
+            PAIRS=128,
+            NC_MAX=plan.max_chunks,
+            ROW=plan.counts_row,
+            LR=plan.layout_row,
+            C_BLOCK=32,
+            TABLE_BLOCK=256,
+            **topology,
+        )
         partials = dict(
             i64, y_ptr="*bf16", weights_ptr="*fp32", outbox_ptr="*bf16", out_ptr="*bf16"
         )
         # FP8 rows move as int32 words: data words, then the scale words (planner.ScaledRows).
         fp8 = plan.scaled_rows("fp8")
-        fp8_tokens = dict(tokens, x_ptr="*i32", recv_x_ptr="*i32", x_scales_ptr="*i32",
-                          recv_scales_ptr="*i32")  # fmt: skip
-        fp8_constexprs = dict(common, BLOCK_H=fp8.block, NET_COLS=fp8.net_cols,
-                              SCALE_WORDS=fp8.scale_words)  # fmt: skip
+        fp8_tokens = dict(
+            tokens, x_ptr="*i32", recv_x_ptr="*i32", x_scales_ptr="*i32", recv_scales_ptr="*i32"
+        )
+        fp8_constexprs = dict(
+            common, BLOCK_H=fp8.block, NET_COLS=fp8.net_cols, SCALE_WORDS=fp8.scale_words
+        )
         builds = [
-            *((layout_kernel, dict(i64, topk_idx_ptr="*i64"), dict(layout, TOKEN_ROWS=rows), 4)
-              for rows in (False, True)),
-            *((dispatch_kernel, tokens, dict(common, BLOCK_H=cfg.block_h, TOKEN_ROWS=rows),
-               cfg.num_warps) for rows in (False, True)),
-            *((combine_kernel, partials,
-               dict(common, BLOCK_H=cfg.combine_block_h, COPY_BLOCK_H=cfg.block_h,
-                    SLOT_WEIGHTS=slots), cfg.num_warps) for slots in (False, True)),
+            *(
+                (layout_kernel, dict(i64, topk_idx_ptr="*i64"), dict(layout, TOKEN_ROWS=rows), 4)
+                for rows in (False, True)
+            ),
+            *(
+                (
+                    dispatch_kernel,
+                    tokens,
+                    dict(common, BLOCK_H=cfg.block_h, TOKEN_ROWS=rows),
+                    cfg.num_warps,
+                )
+                for rows in (False, True)
+            ),
+            *(
+                (
+                    combine_kernel,
+                    partials,
+                    dict(
+                        common,
+                        BLOCK_H=cfg.combine_block_h,
+                        COPY_BLOCK_H=cfg.block_h,
+                        SLOT_WEIGHTS=slots,
+                    ),
+                    cfg.num_warps,
+                )
+                for slots in (False, True)
+            ),
             # FP8 rows: expert-major at EP8, token rows across nodes (each build costs ~20 s).
-            *((dispatch_kernel, fp8_tokens, dict(fp8_constexprs, TOKEN_ROWS=nodes > 1),
-               cfg.num_warps) for _ in range(world > 2)),
+            *(
+                (
+                    dispatch_kernel,
+                    fp8_tokens,
+                    dict(fp8_constexprs, TOKEN_ROWS=nodes > 1),
+                    cfg.num_warps,
+                )
+                for _ in range(world > 2)
+            ),
             # Quantizing as it sends, from bf16 rows, into each format: expert-major at EP2.
-            *((dispatch_kernel, dict(fp8_tokens, source_ptr="*bf16"),
-               dict(common, BLOCK_H=layout.block, NET_COLS=layout.net_cols,
-                    SCALE_WORDS=layout.scale_words, TOKEN_ROWS=False, QUANTIZE=QUANTIZERS[name],
-                    CHANNEL_GROUPS=7168 // 128), cfg.num_warps)
-              for name in QUANTIZERS if world == 2
-              for layout in (plan.scaled_rows(name),)),
+            *(
+                (
+                    dispatch_kernel,
+                    dict(fp8_tokens, source_ptr="*bf16"),
+                    dict(
+                        common,
+                        BLOCK_H=layout.block,
+                        NET_COLS=layout.net_cols,
+                        SCALE_WORDS=layout.scale_words,
+                        TOKEN_ROWS=False,
+                        QUANTIZE=QUANTIZERS[name],
+                        CHANNEL_GROUPS=7168 // 128,
+                    ),
+                    cfg.num_warps,
+                )
+                for name in QUANTIZERS
+                if world == 2
+                for layout in (plan.scaled_rows(name),)
+            ),
             # An exact-mode move, its outputs from the host's record: expert-major at EP2.
-            *((dispatch_kernel, tokens,
-               dict(common, BLOCK_H=cfg.block_h, TOKEN_ROWS=False, OUTPUTS_FROM_HOST=True),
-               cfg.num_warps) for _ in range(world == 2)),
-        ]  # fmt: skip
+            *(
+                (
+                    dispatch_kernel,
+                    tokens,
+                    dict(common, BLOCK_H=cfg.block_h, TOKEN_ROWS=False, OUTPUTS_FROM_HOST=True),
+                    cfg.num_warps,
+                )
+                for _ in range(world == 2)
+            ),
+        ]
         for kernel, pointers, constexprs, num_warps in builds:
             # As launched: the data moves capped at MAX_REGISTERS, the layout kernel uncapped;
             # across nodes with NVSHMEM's device library linked.
@@ -287,25 +352,56 @@ def low_latency_builds(world: int, per_node: int):
 
     ll = low_latency_layout(128, 7168, world, 256, torch.bfloat16)
     nodes = world // per_node
-    common = dict(W=world, L=256 // world, B=ll.remote_blocks, M=ll.tokens, S=ll.slices,
-                  K=8, K_P2=8, ROWS=ops._TILE_ROWS, STAGES=ops._STAGES,
-                  ROW_BYTES=ll.row_bytes, ALIGNED=True, NODES=nodes, SEND=True,
-                  RECEIVE=True)  # fmt: skip
-    heap = dict(peer_bases_ptr="*i64", net_bases_ptr="*i64", control_ptr="*i64", seq_ptr="*i64",
-                layout_range_ptr="*i64", x_ptr="*bf16", topk_ptr="*i64")  # fmt: skip
+    common = dict(
+        W=world,
+        L=256 // world,
+        B=ll.remote_blocks,
+        M=ll.tokens,
+        S=ll.slices,
+        K=8,
+        K_P2=8,
+        ROWS=ops._TILE_ROWS,
+        STAGES=ops._STAGES,
+        ROW_BYTES=ll.row_bytes,
+        ALIGNED=True,
+        NODES=nodes,
+        SEND=True,
+        RECEIVE=True,
+    )
+    heap = dict(
+        peer_bases_ptr="*i64",
+        net_bases_ptr="*i64",
+        control_ptr="*i64",
+        seq_ptr="*i64",
+        layout_range_ptr="*i64",
+        x_ptr="*bf16",
+        topk_ptr="*i64",
+    )
     options = dict(num_warps=ops._WARPS)
     if nodes > 1:
         options["extern_libs"] = device_library(arch="90")
     topo = f"EP{world}" if nodes == 1 else f"EP{world} ({nodes}x{per_node}, NVSHMEM)"
     kernel = low_latency_dispatch_kernel
     for label, fp8 in (("", False), (" FP8 UE8M0", True)):
-        constexprs = dict(common, SCAN=1024, GROUPS=ops.token_groups(fp8), G_P2=64,
-                          QC_P2=next_power_of_2(ll.token_chunks), FP8=fp8, ROUND=fp8,
-                          UE8M0=fp8, HAS_STATS=True, BLOCK_H=ops._BLOCK_H)  # fmt: skip
+        constexprs = dict(
+            common,
+            SCAN=1024,
+            GROUPS=ops.token_groups(fp8),
+            G_P2=64,
+            QC_P2=next_power_of_2(ll.token_chunks),
+            FP8=fp8,
+            ROUND=fp8,
+            UE8M0=fp8,
+            HAS_STATS=True,
+            BLOCK_H=ops._BLOCK_H,
+        )
         pointers = dict(heap, scales_ptr="*u8" if fp8 else "*fp32", recv_ptr="*u8")
         signature, attrs = _signature(kernel, pointers, constexprs)
-        yield f"{topo} {kernel.fn.__name__}{label}", ASTSource(kernel, signature, constexprs,
-                                                               attrs), options  # fmt: skip
+        yield (
+            f"{topo} {kernel.fn.__name__}{label}",
+            ASTSource(kernel, signature, constexprs, attrs),
+            options,
+        )
     kernel = low_latency_combine_kernel
     params = inspect.signature(kernel.fn).parameters
     constexprs = dict(common, ZERO_COPY=False, BLOCK_H=ops._COMBINE_BLOCK_H, PARTS=ops._SUM_PARTS)
@@ -324,8 +420,11 @@ def block_scaled_builds():
     ops.quantize launches it: MXFP8, NVFP4, NVFP4 with a per-tensor scale."""
     kernel = quantize_block_scaled_kernel
     pointers = dict(x_ptr="*bf16", values_ptr="*u8", scales_ptr="*u8", per_tensor_scale_ptr="*fp32")
-    for label, nvfp4, per_tensor in (("MXFP8", False, False), ("NVFP4", True, False),
-                                     ("NVFP4 per-tensor scale", True, True)):  # fmt: skip
+    for label, nvfp4, per_tensor in (
+        ("MXFP8", False, False),
+        ("NVFP4", True, False),
+        ("NVFP4 per-tensor scale", True, True),
+    ):
         constexprs = dict(BLOCK_T=16, GROUPS=8, NVFP4=nvfp4, PER_TENSOR_SCALE=per_tensor)
         signature, attrs = _signature(kernel, pointers, constexprs)
         source = ASTSource(kernel, signature, constexprs, attrs)
@@ -356,8 +455,10 @@ def main() -> int:
             for label, source, options in low_latency_builds(world, per_node):
                 compiled = triton.compile(source, target=SM90, options=options)
                 decisions = per_warp_decisions(compiled.asm["ptx"])
-                print(f"{label}: {_resource_usage(compiled.asm['cubin'])} "
-                      f"per-warp-decisions:{len(decisions)}")  # fmt: skip
+                print(
+                    f"{label}: {_resource_usage(compiled.asm['cubin'])} "
+                    f"per-warp-decisions:{len(decisions)}"
+                )
                 for where in decisions:
                     print(f"    {where}")
         return 0
@@ -371,8 +472,10 @@ def main() -> int:
     for label, compiled in compile_all():
         usage = _resource_usage(compiled.asm["cubin"])
         cubin = compiled.asm["cubin"]
-        print(f"{label}: {usage} cp.async:{compiled.asm['ptx'].count('cp.async.cg')} "
-              f"sass:{_sass_digest(cubin)}")  # fmt: skip
+        print(
+            f"{label}: {usage} cp.async:{compiled.asm['ptx'].count('cp.async.cg')} "
+            f"sass:{_sass_digest(cubin)}"
+        )
     return 0
 
 

@@ -32,7 +32,7 @@ def _result(shapes: tuple[str, ...], kinds: tuple[str, ...]) -> dict:
             algo_GBps=500.0 - i,
             nvlink_GBps=0.0,
             net_GBps=0.0,
-        )  # fmt: skip
+        )
         for i, (shape, kind, mode, expand, sms) in enumerate(
             (shape, kind, mode, expand, sms)
             for shape in shapes
@@ -42,13 +42,24 @@ def _result(shapes: tuple[str, ...], kinds: tuple[str, ...]) -> dict:
             for sms in (8, 24)
         )
     ]
-    copies = [dict(name="bf16 copy (torch clone)", tokens=4096, hidden=7168, time_us=31.6,
-                   GBps=3713.0)]  # fmt: skip
-    baselines = [dict(shape=shapes[0], name="nccl_alltoall", op="dispatch", time_us=2986.5,
-                      algo_GBps=20.0)]  # fmt: skip
-    return dict(machine="1x NVIDIA H200", machine_slug="1xH200", date="2026-12-03",
-                commit="abc1234", ranks=1, ceiling_GBps=2083.0, rows=rows, baselines=baselines,
-                copies=copies, errors=[])  # fmt: skip
+    copies = [
+        dict(name="bf16 copy (torch clone)", tokens=4096, hidden=7168, time_us=31.6, GBps=3713.0)
+    ]
+    baselines = [
+        dict(shape=shapes[0], name="nccl_alltoall", op="dispatch", time_us=2986.5, algo_GBps=20.0)
+    ]
+    return dict(
+        machine="1x NVIDIA H200",
+        machine_slug="1xH200",
+        date="2026-12-03",
+        commit="abc1234",
+        ranks=1,
+        ceiling_GBps=2083.0,
+        rows=rows,
+        baselines=baselines,
+        copies=copies,
+        errors=[],
+    )
 
 
 @pytest.mark.parametrize(
@@ -118,8 +129,17 @@ def _git_repo(path, name: str) -> str:
 
     path.mkdir()
     (path / "__init__.py").write_text(f"# {name}\n")
-    git = ["git", "-C", str(path), "-c", "user.name=t", "-c", "user.email=t@t", "-c",
-           "commit.gpgsign=false"]  # fmt: skip
+    git = [
+        "git",
+        "-C",
+        str(path),
+        "-c",
+        "user.name=t",
+        "-c",
+        "user.email=t@t",
+        "-c",
+        "commit.gpgsign=false",
+    ]
     subprocess.run([*git, "init", "-q"], check=True)
     subprocess.run([*git, "add", "__init__.py"], check=True)
     subprocess.run([*git, "commit", "-q", "-m", name], check=True)

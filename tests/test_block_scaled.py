@@ -75,8 +75,9 @@ def _check_mxfp8(x: torch.Tensor, device: str) -> None:
     # NaN values: e4m3fn has two (0x7F, 0xFF), and which sign a NaN gets is not specified.
     values, want_values = _bytes(values).cpu(), _bytes(want_values)
     nan = ((values & 0x7F) == 0x7F) & ((want_values & 0x7F) == 0x7F)
-    _assert_same_bytes(torch.where(nan, 0x7F, values), torch.where(nan, 0x7F, want_values),
-                       "MXFP8 values")  # fmt: skip
+    _assert_same_bytes(
+        torch.where(nan, 0x7F, values), torch.where(nan, 0x7F, want_values), "MXFP8 values"
+    )
 
 
 def _check_nvfp4(x: torch.Tensor, per_tensor_scale, device: str) -> None:
@@ -186,8 +187,10 @@ def test_round_trips_within_the_formats_error():
         err = (reference.dequantize_nvfp4(values, scales, per_tensor_scale) - x).abs()
         bound = (x.abs() / 4 + total / 4).maximum(x.abs() - 6 * total) * (1 + 2**-20)
         assert (err <= bound).all()
-    assert torch.equal(reference.quantize_nvfp4(torch.zeros(1, 16))[0].view(torch.uint8),
-                       torch.zeros(1, 8, dtype=torch.uint8))  # fmt: skip
+    assert torch.equal(
+        reference.quantize_nvfp4(torch.zeros(1, 16))[0].view(torch.uint8),
+        torch.zeros(1, 8, dtype=torch.uint8),
+    )
 
 
 def test_mxfp8_tiny_blocks_divide_by_2_to_the_minus_126():
@@ -268,8 +271,10 @@ def test_reference_matches_torchao():
         nan = data.isnan() & values.float().isnan()
         assert torch.equal(_bytes(values)[~nan], _bytes(data)[~nan])
         dequantized = data.float().view(37, 12, 32) * get_fp_scale(scales)[:, :, None]
-        assert torch.equal(reference.dequantize_mxfp8(values, want_scales).nan_to_num(),
-                           dequantized.view(37, 384).nan_to_num())  # fmt: skip
+        assert torch.equal(
+            reference.dequantize_mxfp8(values, want_scales).nan_to_num(),
+            dequantized.view(37, 384).nan_to_num(),
+        )
         blocked = to_blocked(scales).view(torch.uint8)
         assert torch.equal(_bytes(reference.to_blocked_scales(scales)).flatten(), blocked)
         for s in (None, torch.tensor(0.37), torch.tensor(2.0**-100), torch.tensor(1e20)):

@@ -183,8 +183,16 @@ def _fake_soak_ranks(failures: int):
         for rank in range(world_size):
             bad = failures if rank == 1 else 0
             messages = ["round 3: recv_x differs"] * bad
-            s = _summary(rank, cfg, False, bad, messages, [1 << 20] * cfg.rounds,
-                         [2 << 20] * cfg.rounds, [0.01] * cfg.rounds)  # fmt: skip
+            s = _summary(
+                rank,
+                cfg,
+                False,
+                bad,
+                messages,
+                [1 << 20] * cfg.rounds,
+                [2 << 20] * cfg.rounds,
+                [0.01] * cfg.rounds,
+            )
             per_rank.append({**s, "coverage": {"exact": cfg.rounds}})
         return per_rank
 

@@ -52,8 +52,12 @@ def _installed(monkeypatch, versions: dict[str, str]) -> None:
 def _of_major(major: int) -> dict[str, str]:
     """What ``pip install 'hybrid-ep-triton[cuXX]'`` installs, at the versions it resolves to."""
     cuda_python = "12.9.0" if major == 12 else "13.4.4"
-    return {f"nvshmem4py-cu{major}": "0.4.1", f"nvidia-nvshmem-cu{major}": "3.8.0",
-            "cuda-python": cuda_python, "cuda-bindings": cuda_python}  # fmt: skip
+    return {
+        f"nvshmem4py-cu{major}": "0.4.1",
+        f"nvidia-nvshmem-cu{major}": "3.8.0",
+        "cuda-python": cuda_python,
+        "cuda-bindings": cuda_python,
+    }
 
 
 @pytest.mark.parametrize("major", CUDA_MAJORS)
@@ -99,8 +103,9 @@ def test_extra_of_the_other_major_beside_torchs_nvshmem_is_replaced(monkeypatch)
 def test_without_an_extra_both_extras_are_named(monkeypatch):
     _installed(monkeypatch, {})
     real_find_spec = util.find_spec
-    monkeypatch.setattr(util, "find_spec", lambda name: None if name == "nvshmem" else
-                        real_find_spec(name))  # fmt: skip
+    monkeypatch.setattr(
+        util, "find_spec", lambda name: None if name == "nvshmem" else real_find_spec(name)
+    )
     with pytest.raises(ImportError) as error:
         check_cuda_packages("2.11.0+cu130", "13.0")
     message = str(error.value)
@@ -111,8 +116,9 @@ def test_without_an_extra_both_extras_are_named(monkeypatch):
 @pytest.mark.parametrize("torch_cuda", [None, "11.8"])
 def test_torch_without_a_supported_cuda_is_refused(monkeypatch, torch_cuda):
     _installed(monkeypatch, _of_major(13))
-    with pytest.raises(ImportError, match="CUDA build of torch" if torch_cuda is None else
-                       "runs on CUDA 12 or 13"):  # fmt: skip
+    with pytest.raises(
+        ImportError, match="CUDA build of torch" if torch_cuda is None else "runs on CUDA 12 or 13"
+    ):
         check_cuda_packages("2.11.0", torch_cuda)
 
 
@@ -160,8 +166,10 @@ def test_extras_install_the_packages_checked():
 def _pip(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-m", "pip", *args, "--retries", "1", "--timeout", "30"],
-        capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
 
 
 @pytest.mark.slow
@@ -175,8 +183,15 @@ def test_extra_resolves_on_the_package_index(tmp_path, major):
         pytest.skip(f"pip reaches no package index: {probe.stderr.strip().splitlines()[-1]}")
     report = tmp_path / "report.json"
     requirements = _extras()[f"cu{major}"]
-    r = _pip("install", "--dry-run", "--ignore-installed", "--quiet", "--report", str(report),
-             *requirements)  # fmt: skip
+    r = _pip(
+        "install",
+        "--dry-run",
+        "--ignore-installed",
+        "--quiet",
+        "--report",
+        str(report),
+        *requirements,
+    )
     assert r.returncode == 0, r.stdout + r.stderr
     resolved = {
         item["metadata"]["name"].lower(): item["metadata"]["version"]
@@ -194,11 +209,13 @@ def test_extra_resolves_on_the_package_index(tmp_path, major):
     [
         # NVSHMEM 3.5 and later, both nvidia-nvshmem-cu12 and -cu13 (3.8.0's wheels): one file
         # per architecture.
-        ([f"libnvshmem_device_sm_{a}.bc" for a in (75, 80, 89, 90, 100)],
-         "libnvshmem_device_sm_90.bc"),
+        (
+            [f"libnvshmem_device_sm_{a}.bc" for a in (75, 80, 89, 90, 100)],
+            "libnvshmem_device_sm_90.bc",
+        ),
         (["libnvshmem_device.bc"], "libnvshmem_device.bc"),  # NVSHMEM 3.4: one for all
     ],
-)  # fmt: skip
+)
 def test_device_bitcode_is_found_in_the_wheels_layout(tmp_path, monkeypatch, files, found):
     init_fini = pytest.importorskip("nvshmem.core.init_fini", reason="needs nvshmem4py")
     from hybrid_ep_triton.runtime.nvshmem_bitcode import bitcode_file
@@ -217,11 +234,18 @@ def test_device_bitcode_is_found_in_the_wheels_layout(tmp_path, monkeypatch, fil
 @pytest.mark.parametrize("major", CUDA_MAJORS)
 @pytest.mark.parametrize(
     "triton, nvshmem, readable",
-    [("3.6.0", "3.8.0", False), ("3.6.0", "3.7.2", True), ("3.6.0", "3.4.5", True),
-     ("3.7.1", "3.8.0", True), ("3.9.0", "3.8.0", True), ("3.6.1+git1a2b3c", "3.10.1", False)],
-)  # fmt: skip
-def test_a_triton_too_old_for_nvshmems_bitcode_is_refused(monkeypatch, major, triton, nvshmem,
-                                                          readable):  # fmt: skip
+    [
+        ("3.6.0", "3.8.0", False),
+        ("3.6.0", "3.7.2", True),
+        ("3.6.0", "3.4.5", True),
+        ("3.7.1", "3.8.0", True),
+        ("3.9.0", "3.8.0", True),
+        ("3.6.1+git1a2b3c", "3.10.1", False),
+    ],
+)
+def test_a_triton_too_old_for_nvshmems_bitcode_is_refused(
+    monkeypatch, major, triton, nvshmem, readable
+):
     name = f"nvidia-nvshmem-cu{major}"
     _installed(monkeypatch, dict(_of_major(major), **{name: nvshmem}))
     if readable:

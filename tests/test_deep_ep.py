@@ -31,8 +31,16 @@ TOL = 2e-2  # bf16 sums: |got - want| <= TOL * (1 + sum of the summed terms' mag
 # --- inputs and references -----------------------------------------------------------------
 
 
-def _inputs(seed: int, rank: int, tokens, hidden: int, experts: int, topk: int,
-            unused: float = 0.0, hot: int | None = None):  # fmt: skip
+def _inputs(
+    seed: int,
+    rank: int,
+    tokens,
+    hidden: int,
+    experts: int,
+    topk: int,
+    unused: float = 0.0,
+    hot: int | None = None,
+):
     """x [T, H] bf16, topk_idx [T, K] int64 (distinct ids, -1 unused) and weights [T, K] float32
     of ``rank``; T = tokens[rank % len(tokens)]; with ``hot`` every token names that expert."""
     gen = torch.Generator().manual_seed(seed * 1000 + rank)
@@ -67,8 +75,13 @@ def _token_rows(everyone, rank: int, local: int):
     stack = lambda items, shape, dtype: (  # noqa: E731
         torch.stack(items) if items else torch.zeros(shape, dtype=dtype)
     )
-    return (stack(rows, (0, hidden), BF16), stack(ids, (0, topk), torch.int64),
-            stack(weights, (0, topk), torch.float32), src_rank, src_idx)  # fmt: skip
+    return (
+        stack(rows, (0, hidden), BF16),
+        stack(ids, (0, topk), torch.int64),
+        stack(weights, (0, topk), torch.float32),
+        src_rank,
+        src_idx,
+    )
 
 
 def _combined(everyone, ys, me: int, local: int, world: int) -> torch.Tensor:
@@ -137,18 +150,25 @@ def _normal_mode(rank: int, world: int, hidden: int, experts: int, seed: int) ->
             fail(f"{what}: num_tokens_per_expert {layout[2].tolist()}, want {per_expert}")
         previous = deep_ep.Buffer.capture() if async_finish else None
         recv_x, recv_idx, recv_w, counts, handle, event = buffer.dispatch(
-            x, num_tokens_per_rank=layout[0], is_token_in_rank=layout[3],
-            num_tokens_per_expert=layout[2], topk_idx=idx, topk_weights=w,
-            expert_alignment=align, num_worst_tokens=worst, previous_event=previous,
+            x,
+            num_tokens_per_rank=layout[0],
+            is_token_in_rank=layout[3],
+            num_tokens_per_expert=layout[2],
+            topk_idx=idx,
+            topk_weights=w,
+            expert_alignment=align,
+            num_worst_tokens=worst,
+            previous_event=previous,
             async_finish=async_finish,
-        )  # fmt: skip
+        )
         if async_finish:
             event.current_stream_wait()
         elif event.event is not None:
             fail(f"{what}: a call without async_finish returned an event")
         rows = want_rows.shape[0]
-        want_counts = [((want_ids == e).sum().item() + align - 1) // align * align
-                       for e in range(local)]  # fmt: skip
+        want_counts = [
+            ((want_ids == e).sum().item() + align - 1) // align * align for e in range(local)
+        ]
         if worst:
             if recv_x.shape[0] != worst or counts != []:
                 fail(f"{what}: {recv_x.shape[0]} rows and counts {counts}, want {worst} and []")
@@ -157,8 +177,12 @@ def _normal_mode(rank: int, world: int, hidden: int, experts: int, seed: int) ->
         elif counts != want_counts:
             fail(f"{what}: counts {counts}, want {want_counts}")
         got = (recv_x[:rows].cpu(), recv_idx[:rows].cpu(), recv_w[:rows].cpu())
-        for part, a, b in zip(("rows", "recv_topk_idx", "recv_topk_weights"), got,
-                              (want_rows, want_ids, want_w), strict=True):  # fmt: skip
+        for part, a, b in zip(
+            ("rows", "recv_topk_idx", "recv_topk_weights"),
+            got,
+            (want_rows, want_ids, want_w),
+            strict=True,
+        ):
             if not torch.equal(a, b):
                 fail(f"{what}: {part} differ from the reference")
         if recv_idx.dtype != torch.int64 or not isinstance(counts, list):
@@ -181,10 +205,12 @@ def _normal_mode(rank: int, world: int, hidden: int, experts: int, seed: int) ->
         bias = [torch.randn(x.shape[0], hidden, generator=gen).to(BF16) for _ in range(biases)]
         given = [b.to(device) for b in bias]
         combined, combined_w, event = buffer.combine(
-            ys[rank].to(device), handle, topk_weights=slot_ws[rank].to(device),
+            ys[rank].to(device),
+            handle,
+            topk_weights=slot_ws[rank].to(device),
             bias=tuple(given) if biases == 2 else given[0] if given else None,
             async_finish=async_finish,
-        )  # fmt: skip
+        )
         if async_finish:
             event.current_stream_wait()
         want = _combined(everyone, ys, rank, local, world) + sum(b.float() for b in bias)
@@ -198,8 +224,9 @@ def _normal_mode(rank: int, world: int, hidden: int, experts: int, seed: int) ->
         # A cached dispatch sends new rows along the handle.
         fresh = [(2 * e[0].float() + 1).to(BF16) for e in everyone]
         again = buffer.dispatch(fresh[rank].to(device), handle=handle)
-        want_again = _token_rows([(f, *e[1:]) for f, e in zip(fresh, everyone, strict=True)],
-                                 rank, local)[0]  # fmt: skip
+        want_again = _token_rows(
+            [(f, *e[1:]) for f, e in zip(fresh, everyone, strict=True)], rank, local
+        )[0]
         if again[1:5] != (None, None, None, None):
             fail(f"{what}: a cached dispatch returned {again[1:5]}")
         if not torch.equal(again[0][:rows].cpu(), want_again):
@@ -210,8 +237,10 @@ def _normal_mode(rank: int, world: int, hidden: int, experts: int, seed: int) ->
         fail(f"no growth: capacity {buffer._normal.capacity} after a rank passed 40 tokens")
     # The first case's handle still combines (its Buffers stay after the growth).
     handle, everyone, hidden = kept
-    ys = [torch.ones(_token_rows(everyone, r, local)[0].shape[0], hidden, dtype=BF16)
-          for r in range(world)]  # fmt: skip
+    ys = [
+        torch.ones(_token_rows(everyone, r, local)[0].shape[0], hidden, dtype=BF16)
+        for r in range(world)
+    ]
     combined, _, _ = buffer.combine(ys[rank].to(device), handle)
     if not torch.equal(combined.cpu().float(), _combined(everyone, ys, rank, local, world)):
         fail("combine along a handle made before the growth differs from the reference")
@@ -241,9 +270,11 @@ def _without_topk(buffer, rank, world, hidden, experts, seed, device) -> list[st
     x, idx, _ = (t.to(device) for t in everyone[rank])
     layout = buffer.get_dispatch_layout(idx, experts)
     recv_x, recv_idx, recv_w, counts, handle, _ = buffer.dispatch(
-        x, num_tokens_per_rank=layout[0], is_token_in_rank=layout[3],
+        x,
+        num_tokens_per_rank=layout[0],
+        is_token_in_rank=layout[3],
         num_tokens_per_expert=layout[2],
-    )  # fmt: skip
+    )
     rows, ids, _, _, _ = _token_rows(everyone, rank, local)
     if not torch.equal(recv_x.cpu(), rows) or recv_idx is not None or recv_w is not None:
         failures.append("without topk_idx: rows differ, or recv_topk_idx/weights are not None")
@@ -269,9 +300,13 @@ def _fp8_and_dtype(buffer, rank, world, hidden, experts, seed, device) -> list[s
     pair = values, scales.T.contiguous().T
     layout = buffer.get_dispatch_layout(idx, experts)
     (recv_values, recv_scales), *_ = buffer.dispatch(
-        pair, num_tokens_per_rank=layout[0], is_token_in_rank=layout[3],
-        num_tokens_per_expert=layout[2], topk_idx=idx, topk_weights=w,
-    )  # fmt: skip
+        pair,
+        num_tokens_per_rank=layout[0],
+        is_token_in_rank=layout[3],
+        num_tokens_per_expert=layout[2],
+        topk_idx=idx,
+        topk_weights=w,
+    )
     quantized = [(*reference.quantize_fp8(e[0]), e[1], e[2]) for e in everyone]
     rows_v = _token_rows([(q[0].view(torch.uint8), q[2], q[3]) for q in quantized], rank, local)
     rows_s = _token_rows([(q[1], q[2], q[3]) for q in quantized], rank, local)
@@ -282,9 +317,13 @@ def _fp8_and_dtype(buffer, rank, world, hidden, experts, seed, device) -> list[s
     # float32 rows: the Buffers are made again for the new dtype.
     x32 = x.float()
     recv32, *_, handle, _ = buffer.dispatch(
-        x32, num_tokens_per_rank=layout[0], is_token_in_rank=layout[3],
-        num_tokens_per_expert=layout[2], topk_idx=idx, topk_weights=w,
-    )  # fmt: skip
+        x32,
+        num_tokens_per_rank=layout[0],
+        is_token_in_rank=layout[3],
+        num_tokens_per_expert=layout[2],
+        topk_idx=idx,
+        topk_weights=w,
+    )
     rows32 = _token_rows([(e[0].float(), e[1], e[2]) for e in everyone], rank, local)[0]
     combined, _, _ = buffer.combine(recv32, handle)
     if recv32.dtype != torch.float32 or not torch.equal(recv32.cpu(), rows32):
@@ -336,8 +375,13 @@ def _bad_input_on_one_rank(rank: int, world: int, hidden: int, experts: int) -> 
     everyone = [_inputs(80, r, (3, 5), hidden, experts, 2) for r in range(world)]
     x, idx, w = (t.to(device) for t in everyone[rank])
     layout = buffer.get_dispatch_layout(idx, experts)
-    good = dict(num_tokens_per_rank=layout[0], is_token_in_rank=layout[3],
-                num_tokens_per_expert=layout[2], topk_idx=idx, topk_weights=w)  # fmt: skip
+    good = dict(
+        num_tokens_per_rank=layout[0],
+        is_token_in_rank=layout[3],
+        num_tokens_per_expert=layout[2],
+        topk_idx=idx,
+        topk_weights=w,
+    )
     rows, ids, weights, _, _ = _token_rows(everyone, rank, local)
     summed = x.cpu().float() * layout[3].cpu().sum(1, keepdim=True)  # combine of recv_x
 
@@ -378,28 +422,48 @@ def _bad_input_on_one_rank(rank: int, world: int, hidden: int, experts: int) -> 
     odd = deep_ep.Config(num_sms=3)
     dispatches = [
         # what, words of the bad rank's error, the bad rank's arguments
-        ("is_token_in_rank of another shape", "is_token_in_rank",
-         dict(is_token_in_rank=layout[3][:, :1].contiguous())),
+        (
+            "is_token_in_rank of another shape",
+            "is_token_in_rank",
+            dict(is_token_in_rank=layout[3][:, :1].contiguous()),
+        ),
         ("an expert id >= E", "topk_idx", dict(topk_idx=bad_idx)),
         ("an expert id >= E, with its layout", "topk_idx", dict(bad_layout, topk_idx=bad_idx)),
-        ("topk_weights [T, 1] beside [T, 2] topk_idx", "topk_weights",
-         dict(topk_weights=w[:, :1].contiguous())),
+        (
+            "topk_weights [T, 1] beside [T, 2] topk_idx",
+            "topk_weights",
+            dict(topk_weights=w[:, :1].contiguous()),
+        ),
         ("topk_idx without topk_weights", "topk_weights", dict(topk_weights=None)),
         ("num_tokens_per_rank None", "num_tokens_per_rank", dict(num_tokens_per_rank=None)),
-        ("num_tokens_per_rank int64", "num_tokens_per_rank",
-         dict(num_tokens_per_rank=layout[0].long())),
-        ("num_tokens_per_expert of E + 1", "num_tokens_per_expert",
-         dict(num_tokens_per_expert=layout[2].new_zeros(experts + 1))),
+        (
+            "num_tokens_per_rank int64",
+            "num_tokens_per_rank",
+            dict(num_tokens_per_rank=layout[0].long()),
+        ),
+        (
+            "num_tokens_per_expert of E + 1",
+            "num_tokens_per_expert",
+            dict(num_tokens_per_expert=layout[2].new_zeros(experts + 1)),
+        ),
         ("x of 3 dimensions", "x", dict(x=x[None])),
         ("x of another dtype", "Buffer", dict(x=x.half())),
         ("expert_alignment 0", "pad_multiple", dict(expert_alignment=0)),
         ("config with an odd num_sms", "num_sms", dict(config=odd)),
-        ("allocate_on_comm_stream without previous_event", "allocate_on_comm_stream",
-         dict(allocate_on_comm_stream=True, async_finish=True)),
-    ]  # fmt: skip
+        (
+            "allocate_on_comm_stream without previous_event",
+            "allocate_on_comm_stream",
+            dict(allocate_on_comm_stream=True, async_finish=True),
+        ),
+    ]
     if device.type == "cpu":  # (on GPUs the peers of a call without host sync learn it later)
-        dispatches.append(("num_worst_tokens without topk_idx", "num_worst_tokens",
-                           dict(topk_idx=None, topk_weights=None)))  # fmt: skip
+        dispatches.append(
+            (
+                "num_worst_tokens without topk_idx",
+                "num_worst_tokens",
+                dict(topk_idx=None, topk_weights=None),
+            )
+        )
     # The first call makes the Buffer: its bad argument is refused by the sizing gather.
     for index, (what, words, change) in enumerate(dispatches):
         bad = index % world
@@ -423,16 +487,25 @@ def _bad_input_on_one_rank(rank: int, world: int, hidden: int, experts: int) -> 
     y = rows.to(device)
     slot_w = torch.ones(y.shape[0], idx.shape[1], device=device)
     combines = [
-        ("combine's topk_weights of another K", "topk_weights",
-         dict(topk_weights=slot_w[:, :1].contiguous())),
-        ("combine's bias of other rows", "bias",
-         dict(bias=torch.zeros(x.shape[0] + 1, hidden, dtype=BF16, device=device))),
+        (
+            "combine's topk_weights of another K",
+            "topk_weights",
+            dict(topk_weights=slot_w[:, :1].contiguous()),
+        ),
+        (
+            "combine's bias of other rows",
+            "bias",
+            dict(bias=torch.zeros(x.shape[0] + 1, hidden, dtype=BF16, device=device)),
+        ),
         ("combine's bias of three", "bias", dict(bias=(None, None, None))),
         ("combine's x of other rows", "y", dict(x=y[:-1].contiguous())),
         ("combine's config with an odd num_sms", "num_sms", dict(config=odd)),
-        ("combine's allocate_on_comm_stream", "allocate_on_comm_stream",
-         dict(allocate_on_comm_stream=True)),
-    ]  # fmt: skip
+        (
+            "combine's allocate_on_comm_stream",
+            "allocate_on_comm_stream",
+            dict(allocate_on_comm_stream=True),
+        ),
+    ]
     for index, (what, words, change) in enumerate(combines):
         bad = index % world
         args = {"x": y, "handle": handle, "topk_weights": slot_w, **(change if rank == bad else {})}
@@ -472,40 +545,58 @@ def _low_latency(rank: int, world: int, hidden: int, experts: int) -> list[str]:
     failures: list[str] = []
     fail = failures.append
     budget = deep_ep.Buffer.get_low_latency_rdma_size_hint(6, hidden, world, experts)
-    buffer = deep_ep.Buffer(dist.group.WORLD, 0, budget, low_latency_mode=True,
-                            num_qps_per_rank=experts // world, explicitly_destroy=True)  # fmt: skip
+    buffer = deep_ep.Buffer(
+        dist.group.WORLD,
+        0,
+        budget,
+        low_latency_mode=True,
+        num_qps_per_rank=experts // world,
+        explicitly_destroy=True,
+    )
     buffer.clean_low_latency_buffer(4, hidden, experts)
     for index, (tokens, mp, use_fp8, zero_copy, hook) in enumerate(
         [
             ((4, 2), 4, False, False, False),
             ((3, 0), 4, True, True, True),
             ((9, 5), 9, False, False, False),
-        ]  # fmt: skip
+        ]
     ):
         what = f"low-latency call {index}"
         everyone = [_inputs(30 + index, r, tokens, hidden, experts, 3, 0.2) for r in range(world)]
         x, idx, w = (t.to(device) for t in everyone[rank])
         stats = torch.zeros(experts // world, dtype=torch.int32, device=device)
         recv_x, count, handle, event, recv_hook = buffer.low_latency_dispatch(
-            x, idx, mp, experts, stats, None, use_fp8=use_fp8, return_recv_hook=hook,
+            x,
+            idx,
+            mp,
+            experts,
+            stats,
+            None,
+            use_fp8=use_fp8,
+            return_recv_hook=hook,
             async_finish=not hook,
-        )  # fmt: skip
+        )
         recv_hook() if hook else event.current_stream_wait()
         src_info, layout_range, got_mp, got_hidden, got_experts = handle  # DeepEP's 5 items
         if (got_mp, got_hidden, got_experts) != (mp, hidden, experts):
             fail(f"{what}: handle holds {(got_mp, got_hidden, got_experts)}")
         want = reference.low_latency_dispatch(
-            [e[0] for e in everyone], [e[1] for e in everyone], experts, mp, rank,
+            [e[0] for e in everyone],
+            [e[1] for e in everyone],
+            experts,
+            mp,
+            rank,
             use_fp8=use_fp8,
-        )  # fmt: skip
+        )
         if not torch.equal(count.cpu(), want.recv_count) or not torch.equal(stats.cpu(), count):
             fail(f"{what}: recv_count {count.tolist()}, want {want.recv_count.tolist()}")
         values = recv_x[0] if use_fp8 else recv_x
         want_values = want.values if use_fp8 else want.recv_x
         for e, n in enumerate(want.recv_count.tolist()):
             a, b = values[e, :n].cpu(), want_values[e, :n]
-            if not torch.equal(a.view(torch.uint8) if use_fp8 else a,
-                               b.view(torch.uint8) if use_fp8 else b):  # fmt: skip
+            if not torch.equal(
+                a.view(torch.uint8) if use_fp8 else a, b.view(torch.uint8) if use_fp8 else b
+            ):
                 fail(f"{what}: expert {e}'s rows differ from the reference")
         ys = []
         for r in range(world):
@@ -516,9 +607,15 @@ def _low_latency(rank: int, world: int, hidden: int, experts: int) -> list[str]:
             buffer.get_next_low_latency_combine_buffer(handle).copy_(y)
             y = torch.zeros_like(y)
         combined, event, recv_hook = buffer.low_latency_combine(
-            y, idx, w, handle, use_logfmt=True, zero_copy=zero_copy, return_recv_hook=hook,
+            y,
+            idx,
+            w,
+            handle,
+            use_logfmt=True,
+            zero_copy=zero_copy,
+            return_recv_hook=hook,
             async_finish=not hook,
-        )  # fmt: skip
+        )
         recv_hook() if hook else event.current_stream_wait()
         want_out = reference.low_latency_combine(
             ys, [e[1] for e in everyone], everyone[rank][2], experts, rank
@@ -536,9 +633,11 @@ def _low_latency(rank: int, world: int, hidden: int, experts: int) -> list[str]:
     rebuilt = tuple(handle)
     expect("token_slots", lambda: buffer.low_latency_combine(x, idx, w, rebuilt))
     combined, _, _ = buffer.low_latency_combine(
-        torch.zeros(experts // world, world * 4, hidden, dtype=BF16, device=device), idx, w,
+        torch.zeros(experts // world, world * 4, hidden, dtype=BF16, device=device),
+        idx,
+        w,
         handle,
-    )  # fmt: skip
+    )
     buffer.destroy()
     return failures
 
@@ -561,8 +660,15 @@ def _shrink(rank: int, world: int, hidden: int, experts: int) -> list[str]:
 
     device, failures, local = rank_device(), [], experts // world
     rdma_bytes = deep_ep.Buffer.get_low_latency_rdma_size_hint(4, hidden, world, experts)
-    buffer = deep_ep.Buffer(dist.group.WORLD, 0, rdma_bytes, low_latency_mode=True,
-                            enable_shrink=True, explicitly_destroy=True, timeout_s=30)  # fmt: skip
+    buffer = deep_ep.Buffer(
+        dist.group.WORLD,
+        0,
+        rdma_bytes,
+        low_latency_mode=True,
+        enable_shrink=True,
+        explicitly_destroy=True,
+        timeout_s=30,
+    )
     if rank == 1:
         buffer.destroy()
         return failures
@@ -572,8 +678,9 @@ def _shrink(rank: int, world: int, hidden: int, experts: int) -> list[str]:
         everyone[1] = tuple(t[:0] for t in everyone[1])  # no tokens from rank 1
         x, idx, w = (t.to(device) for t in everyone[rank])
         _, count, handle, _, _ = buffer.low_latency_dispatch(x, idx, 4, experts, use_fp8=False)
-        want = reference.low_latency_dispatch([e[0] for e in everyone], [e[1] for e in everyone],
-                                              experts, 4, rank)  # fmt: skip
+        want = reference.low_latency_dispatch(
+            [e[0] for e in everyone], [e[1] for e in everyone], experts, 4, rank
+        )
         if not torch.equal(count.cpu(), want.recv_count):
             failures.append(f"call {call}: recv_count {count.tolist()}, want {want.recv_count}")
         gen = torch.Generator().manual_seed(90 + call)
@@ -608,8 +715,9 @@ def _sized_from_rdma_bytes(rank: int, world: int, hint_tokens: int, hidden: int,
     from hybrid_ep_triton.tools.launcher import rank_device
 
     budget = deep_ep.Buffer.get_low_latency_rdma_size_hint(hint_tokens, hidden, world, experts)
-    buffer = deep_ep.Buffer(dist.group.WORLD, 0, budget + 100, low_latency_mode=True,
-                            explicitly_destroy=True)  # fmt: skip
+    buffer = deep_ep.Buffer(
+        dist.group.WORLD, 0, budget + 100, low_latency_mode=True, explicitly_destroy=True
+    )
     x = torch.zeros(1, hidden, dtype=BF16, device=rank_device())
     idx = torch.zeros(1, 1, dtype=torch.int64, device=x.device)
     buffer.low_latency_dispatch(x, idx, 2, experts, use_fp8=False)
@@ -692,14 +800,20 @@ def _hybrid_ep(rank: int, world: int, hidden: int, experts: int) -> list[str]:
             fail(f"{what}: scales {scales}, overflow {handle[-1]}, tokens {handle[8]}")
         # Back: the rows' sum per token, and each row's prob at its (token, expert).
         gen = torch.Generator().manual_seed(90 + index)
-        ys = [torch.randn(len(_permuted(everyone, r, local, pad)[3]), hidden, generator=gen)
-              for r in range(world)]  # fmt: skip
-        grads = [torch.randn(len(_permuted(everyone, r, local, pad)[3]), generator=gen)
-                 for r in range(world)]  # fmt: skip
+        ys = [
+            torch.randn(len(_permuted(everyone, r, local, pad)[3]), hidden, generator=gen)
+            for r in range(world)
+        ]
+        grads = [
+            torch.randn(len(_permuted(everyone, r, local, pad)[3]), generator=gen)
+            for r in range(world)
+        ]
         combined, combined_probs = buffer.combine_with_unpermute(
-            hidden=ys[rank].to(BF16).to(device), probs=grads[rank].to(device), handle=handle,
+            hidden=ys[rank].to(BF16).to(device),
+            probs=grads[rank].to(device),
+            handle=handle,
             pad_multiple=pad,
-        )  # fmt: skip
+        )
         want = torch.zeros(x.shape[0], hidden)
         want_grad = torch.zeros(x.shape[0], experts)
         scale = torch.zeros(x.shape[0], hidden)
@@ -758,8 +872,9 @@ def _hybrid_ep(rank: int, world: int, hidden: int, experts: int) -> list[str]:
 
 
 def _token_ranks_of(idx, local, world):
-    return torch.stack([((idx >= r * local) & (idx < (r + 1) * local)).any(1)
-                        for r in range(world)], dim=1)  # fmt: skip
+    return torch.stack(
+        [((idx >= r * local) & (idx < (r + 1) * local)).any(1) for r in range(world)], dim=1
+    )
 
 
 def test_hybrid_ep_buffer_matches_reference(launch):
@@ -791,8 +906,11 @@ def test_register_makes_deep_ep_this_package():
         from deep_ep.utils import EventHandle, EventOverlap
 
         assert deep_ep is ours and deep_ep.buffers.legacy.Buffer is Buffer is ours.Buffer
-        assert (Config, HybridEPBuffer, topk_idx_t) == (ours.Config, ours.HybridEPBuffer,
-                                                        torch.int64)  # fmt: skip
+        assert (Config, HybridEPBuffer, topk_idx_t) == (
+            ours.Config,
+            ours.HybridEPBuffer,
+            torch.int64,
+        )
         assert deep_ep.utils.event.EventOverlap is EventOverlap
         assert callable(indices_to_map)
         EventOverlap(EventHandle()).current_stream_wait()  # no CUDA here: nothing to wait for
@@ -806,8 +924,7 @@ def test_size_hints_are_deepeps():
     import hybrid_ep_triton.deep_ep as deep_ep
     from hybrid_ep_triton.runtime.planner import deepep_low_latency_bytes
 
-    for tokens, hidden, world, experts in [(128, 7168, 8, 256), (1, 128, 2, 4), (37, 2048, 16,
-                                                                                 64)]:  # fmt: skip
+    for tokens, hidden, world, experts in [(128, 7168, 8, 256), (1, 128, 2, 4), (37, 2048, 16, 64)]:
         assert deep_ep.Buffer.get_low_latency_rdma_size_hint(
             tokens, hidden, world, experts
         ) == deepep_low_latency_bytes(tokens, hidden, world, experts)
@@ -834,6 +951,8 @@ def test_deepeps_own_test_programs(program):
     sizes = ["--num-tokens", "64", "--hidden", "2048", "--num-topk", "4", "--num-experts", "16"]
     result = subprocess.run(
         [sys.executable, str(runner), deepep_dir, "--program", program, "--ranks", "2", *sizes],
-        capture_output=True, text=True, timeout=1800,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=1800,
+    )
     assert result.returncode == 0, result.stdout[-20000:] + result.stderr[-20000:]

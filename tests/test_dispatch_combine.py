@@ -96,123 +96,389 @@ class Group:
 
 GROUPS = [
     # W=2, E=8: 4 experts per rank. Modes alternate exact / max_recv_tokens.
-    Group(2, 7, BF16, 8, seed=1, cases=(
-        Case("basic", tokens=(5, 9)),
-        Case("int32_unused_pad3_zero_tail_cached", tokens=(7, 4), topk=3, idx_dtype=I32,
-             unused_prob=0.3, pad_multiple=3, recv="more", combine=("none",), cached=True),
-        Case("k1_pad8_no_weights", tokens=(6, 10), topk=1, with_weights=False, pad_multiple=8,
-             combine=("none",)),
-        Case("hot_expert_k1_fit", tokens=(12, 12), topk=1, hot_expert=5, recv="fit"),
-        Case("all_ranks_empty", tokens=(0,), combine=("none",)),
-        Case("empty_rank_truncated", tokens=(0, 11), recv="less", combine=("none", "recv")),
-        Case("strided_int32_pad8", tokens=(9, 3), topk=4, idx_dtype=I32, pad_multiple=8,
-             strided=True),
-        Case("k8_all_experts_pad3_truncated_cached", tokens=(4, 6), topk=8, unused_prob=0.25,
-             pad_multiple=3, recv="less", cached=True),
-        Case("all_slots_maybe_unused", tokens=(8, 2), topk=2, unused_prob=0.6,
-             combine=("recv", "none")),
-        Case("all_ranks_empty_zero_tail", tokens=(0,), pad_multiple=8, recv="more"),
-        Case("hot_expert_k3_cached", tokens=(10, 8), topk=3, hot_expert=2, cached=True),
-        Case("dispatch_only_fit", tokens=(7, 7), unused_prob=0.2, recv="fit", combine=()),
-        Case("max_recv_zero", tokens=(3, 5), recv="zero"),
-        Case("after_zero", tokens=(12, 1), topk=3, idx_dtype=I32, pad_multiple=3),
-    )),
-    Group(2, 33, FP16, 8, seed=2, cases=(
-        Case("int32_unused_fit", tokens=(6, 11), idx_dtype=I32, unused_prob=0.2, recv="fit"),
-        Case("k3_pad3_both_combines", tokens=(9, 5), topk=3, pad_multiple=3,
-             combine=("recv", "none")),
-        Case("hot_expert_rank0_truncated", tokens=(7, 12), hot_expert=0, recv="less"),
-        Case("no_weights_strided", tokens=(4, 10), topk=1, with_weights=False, strided=True,
-             combine=("none",)),
-        Case("zero_tail_cached", tokens=(12, 3), topk=4, unused_prob=0.3, pad_multiple=8,
-             recv="more", cached=True),
-    )),
+    Group(
+        2,
+        7,
+        BF16,
+        8,
+        seed=1,
+        cases=(
+            Case("basic", tokens=(5, 9)),
+            Case(
+                "int32_unused_pad3_zero_tail_cached",
+                tokens=(7, 4),
+                topk=3,
+                idx_dtype=I32,
+                unused_prob=0.3,
+                pad_multiple=3,
+                recv="more",
+                combine=("none",),
+                cached=True,
+            ),
+            Case(
+                "k1_pad8_no_weights",
+                tokens=(6, 10),
+                topk=1,
+                with_weights=False,
+                pad_multiple=8,
+                combine=("none",),
+            ),
+            Case("hot_expert_k1_fit", tokens=(12, 12), topk=1, hot_expert=5, recv="fit"),
+            Case("all_ranks_empty", tokens=(0,), combine=("none",)),
+            Case("empty_rank_truncated", tokens=(0, 11), recv="less", combine=("none", "recv")),
+            Case(
+                "strided_int32_pad8",
+                tokens=(9, 3),
+                topk=4,
+                idx_dtype=I32,
+                pad_multiple=8,
+                strided=True,
+            ),
+            Case(
+                "k8_all_experts_pad3_truncated_cached",
+                tokens=(4, 6),
+                topk=8,
+                unused_prob=0.25,
+                pad_multiple=3,
+                recv="less",
+                cached=True,
+            ),
+            Case(
+                "all_slots_maybe_unused",
+                tokens=(8, 2),
+                topk=2,
+                unused_prob=0.6,
+                combine=("recv", "none"),
+            ),
+            Case("all_ranks_empty_zero_tail", tokens=(0,), pad_multiple=8, recv="more"),
+            Case("hot_expert_k3_cached", tokens=(10, 8), topk=3, hot_expert=2, cached=True),
+            Case("dispatch_only_fit", tokens=(7, 7), unused_prob=0.2, recv="fit", combine=()),
+            Case("max_recv_zero", tokens=(3, 5), recv="zero"),
+            Case("after_zero", tokens=(12, 1), topk=3, idx_dtype=I32, pad_multiple=3),
+        ),
+    ),
+    Group(
+        2,
+        33,
+        FP16,
+        8,
+        seed=2,
+        cases=(
+            Case("int32_unused_fit", tokens=(6, 11), idx_dtype=I32, unused_prob=0.2, recv="fit"),
+            Case(
+                "k3_pad3_both_combines",
+                tokens=(9, 5),
+                topk=3,
+                pad_multiple=3,
+                combine=("recv", "none"),
+            ),
+            Case("hot_expert_rank0_truncated", tokens=(7, 12), hot_expert=0, recv="less"),
+            Case(
+                "no_weights_strided",
+                tokens=(4, 10),
+                topk=1,
+                with_weights=False,
+                strided=True,
+                combine=("none",),
+            ),
+            Case(
+                "zero_tail_cached",
+                tokens=(12, 3),
+                topk=4,
+                unused_prob=0.3,
+                pad_multiple=8,
+                recv="more",
+                cached=True,
+            ),
+        ),
+    ),
     # H=100 > the interpreter's 64-wide tiles: two tiles per row, the second partial.
-    Group(2, 100, FP32, 8, seed=3, cases=(
-        Case("basic", tokens=(5, 8)),
-        Case("int32_pad8_truncated", tokens=(10, 7), topk=3, idx_dtype=I32, pad_multiple=8,
-             recv="less"),
-        Case("hot_expert_k1", tokens=(6, 9), topk=1, hot_expert=7, combine=("none", "recv")),
-        Case("empty_rank_zero_tail_cached", tokens=(8, 0), unused_prob=0.3, recv="more",
-             cached=True, combine=("none",)),
-    )),
+    Group(
+        2,
+        100,
+        FP32,
+        8,
+        seed=3,
+        cases=(
+            Case("basic", tokens=(5, 8)),
+            Case(
+                "int32_pad8_truncated",
+                tokens=(10, 7),
+                topk=3,
+                idx_dtype=I32,
+                pad_multiple=8,
+                recv="less",
+            ),
+            Case("hot_expert_k1", tokens=(6, 9), topk=1, hot_expert=7, combine=("none", "recv")),
+            Case(
+                "empty_rank_zero_tail_cached",
+                tokens=(8, 0),
+                unused_prob=0.3,
+                recv="more",
+                cached=True,
+                combine=("none",),
+            ),
+        ),
+    ),
     # W=4, E=8: 2 experts per rank, so K=3 and K=4 exceed the experts of one rank.
-    Group(4, 13, BF16, 8, seed=4, cases=(
-        Case("basic", tokens=(5, 12, 3, 9)),
-        Case("k3_int32_pad3_zero_tail_cached", tokens=(6, 2, 11, 4), topk=3, idx_dtype=I32,
-             unused_prob=0.2, pad_multiple=3, recv="more", cached=True),
-        Case("hot_expert_on_empty_rank", tokens=(7, 12, 0, 5), topk=1, hot_expert=4),
-        Case("k3_pad8_truncated", tokens=(8, 3, 10, 6), topk=3, pad_multiple=8, recv="less",
-             combine=("none", "recv")),
-        Case("all_ranks_empty", tokens=(0,)),
-        Case("dispatch_only_truncated", tokens=(4, 9, 6, 2), recv="less", combine=()),
-        Case("int32_no_weights_fit", tokens=(12, 1, 0, 6), idx_dtype=I32, with_weights=False,
-             recv="fit", combine=("none",)),
-        Case("k1_pad3_unused_strided", tokens=(9, 4, 7, 11), topk=1, unused_prob=0.3,
-             pad_multiple=3, strided=True, combine=("recv", "none")),
-        Case("k4_zero_tail_cached", tokens=(3, 9, 5, 0), topk=4, unused_prob=0.2, recv="more",
-             cached=True),
-    )),
-    Group(4, 33, FP32, 8, seed=5, cases=(
-        Case("unused_pad3", tokens=(4, 7, 10, 2), topk=3, unused_prob=0.2, pad_multiple=3),
-        Case("int32_truncated", tokens=(9, 5, 3, 12), idx_dtype=I32, recv="less"),
-        Case("hot_rank0_fit_cached", tokens=(6, 0, 8, 3), hot_expert=1, recv="fit",
-             cached=True, combine=("none",)),
-    )),
+    Group(
+        4,
+        13,
+        BF16,
+        8,
+        seed=4,
+        cases=(
+            Case("basic", tokens=(5, 12, 3, 9)),
+            Case(
+                "k3_int32_pad3_zero_tail_cached",
+                tokens=(6, 2, 11, 4),
+                topk=3,
+                idx_dtype=I32,
+                unused_prob=0.2,
+                pad_multiple=3,
+                recv="more",
+                cached=True,
+            ),
+            Case("hot_expert_on_empty_rank", tokens=(7, 12, 0, 5), topk=1, hot_expert=4),
+            Case(
+                "k3_pad8_truncated",
+                tokens=(8, 3, 10, 6),
+                topk=3,
+                pad_multiple=8,
+                recv="less",
+                combine=("none", "recv"),
+            ),
+            Case("all_ranks_empty", tokens=(0,)),
+            Case("dispatch_only_truncated", tokens=(4, 9, 6, 2), recv="less", combine=()),
+            Case(
+                "int32_no_weights_fit",
+                tokens=(12, 1, 0, 6),
+                idx_dtype=I32,
+                with_weights=False,
+                recv="fit",
+                combine=("none",),
+            ),
+            Case(
+                "k1_pad3_unused_strided",
+                tokens=(9, 4, 7, 11),
+                topk=1,
+                unused_prob=0.3,
+                pad_multiple=3,
+                strided=True,
+                combine=("recv", "none"),
+            ),
+            Case(
+                "k4_zero_tail_cached",
+                tokens=(3, 9, 5, 0),
+                topk=4,
+                unused_prob=0.2,
+                recv="more",
+                cached=True,
+            ),
+        ),
+    ),
+    Group(
+        4,
+        33,
+        FP32,
+        8,
+        seed=5,
+        cases=(
+            Case("unused_pad3", tokens=(4, 7, 10, 2), topk=3, unused_prob=0.2, pad_multiple=3),
+            Case("int32_truncated", tokens=(9, 5, 3, 12), idx_dtype=I32, recv="less"),
+            Case(
+                "hot_rank0_fit_cached",
+                tokens=(6, 0, 8, 3),
+                hot_expert=1,
+                recv="fit",
+                cached=True,
+                combine=("none",),
+            ),
+        ),
+    ),
     # One row per token (expand=False): no padding; K=8 at W=2 exceeds the experts of a rank.
-    Group(2, 7, BF16, 8, seed=9, expand=False, cases=(
-        Case("basic", tokens=(5, 9), combine=("recv", "none")),
-        Case("int32_unused_zero_tail_cached", tokens=(7, 4), topk=3, idx_dtype=I32,
-             unused_prob=0.3, recv="more", cached=True),
-        Case("hot_expert_truncated_cached", tokens=(12, 10), topk=3, hot_expert=5, recv="less",
-             cached=True),
-        Case("k8_unused_strided", tokens=(6, 8), topk=8, unused_prob=0.25, strided=True),
-        Case("empty_rank_no_weights", tokens=(0, 11), with_weights=False, combine=("none",)),
-        Case("max_recv_zero", tokens=(3, 5), recv="zero"),
-        Case("k3_aligned_counts", tokens=(10, 6), topk=3, pad_multiple=4),
-    )),
-    Group(4, 13, FP32, 8, seed=10, expand=False, cases=(
-        Case("k3_unused_fit", tokens=(5, 12, 0, 9), topk=3, unused_prob=0.2, recv="fit"),
-        Case("int32_truncated_cached", tokens=(8, 3, 10, 6), idx_dtype=I32, recv="less",
-             cached=True, combine=("none", "recv")),
-    )),
+    Group(
+        2,
+        7,
+        BF16,
+        8,
+        seed=9,
+        expand=False,
+        cases=(
+            Case("basic", tokens=(5, 9), combine=("recv", "none")),
+            Case(
+                "int32_unused_zero_tail_cached",
+                tokens=(7, 4),
+                topk=3,
+                idx_dtype=I32,
+                unused_prob=0.3,
+                recv="more",
+                cached=True,
+            ),
+            Case(
+                "hot_expert_truncated_cached",
+                tokens=(12, 10),
+                topk=3,
+                hot_expert=5,
+                recv="less",
+                cached=True,
+            ),
+            Case("k8_unused_strided", tokens=(6, 8), topk=8, unused_prob=0.25, strided=True),
+            Case("empty_rank_no_weights", tokens=(0, 11), with_weights=False, combine=("none",)),
+            Case("max_recv_zero", tokens=(3, 5), recv="zero"),
+            Case("k3_aligned_counts", tokens=(10, 6), topk=3, pad_multiple=4),
+        ),
+    ),
+    Group(
+        4,
+        13,
+        FP32,
+        8,
+        seed=10,
+        expand=False,
+        cases=(
+            Case("k3_unused_fit", tokens=(5, 12, 0, 9), topk=3, unused_prob=0.2, recv="fit"),
+            Case(
+                "int32_truncated_cached",
+                tokens=(8, 3, 10, 6),
+                idx_dtype=I32,
+                recv="less",
+                cached=True,
+                combine=("none", "recv"),
+            ),
+        ),
+    ),
     # W=8, E=16: slow on two cores, so only two cases.
-    Group(8, 13, BF16, 16, seed=6, cases=(
-        Case("k3_unused_pad3_empty_ranks", tokens=(3, 0, 5, 2, 6, 0, 4, 1), topk=3,
-             unused_prob=0.2, pad_multiple=3),
-        Case("int32_truncated_cached", tokens=(4, 2, 0, 5, 3, 6, 1, 2), idx_dtype=I32,
-             recv="less", cached=True, combine=("none",)),
-    )),
-]  # fmt: skip
+    Group(
+        8,
+        13,
+        BF16,
+        16,
+        seed=6,
+        cases=(
+            Case(
+                "k3_unused_pad3_empty_ranks",
+                tokens=(3, 0, 5, 2, 6, 0, 4, 1),
+                topk=3,
+                unused_prob=0.2,
+                pad_multiple=3,
+            ),
+            Case(
+                "int32_truncated_cached",
+                tokens=(4, 2, 0, 5, 3, 6, 1, 2),
+                idx_dtype=I32,
+                recv="less",
+                cached=True,
+                combine=("none",),
+            ),
+        ),
+    ),
+]
 # Across nodes (simulated: ranks of other nodes are reached only by network puts).
 # Every case also counts the rows that crossed the network (see _run_case).
 NODE_GROUPS = [
-    Group(2, 7, BF16, 8, seed=11, ranks_per_node=1, cases=(
-        Case("strided_cached", tokens=(5, 9), strided=True, cached=True,
-             combine=("recv", "none")),
-        Case("empty_rank_pad3_truncated", tokens=(0, 11), unused_prob=0.3, pad_multiple=3,
-             recv="less"),
-        Case("node_receives_nothing_fit", tokens=(12, 7), topk=3, hot_expert=1, recv="fit"),
-    )),
-    Group(4, 13, FP16, 16, seed=12, ranks_per_node=2, cases=(
-        Case("int32_uneven_unused_pad3_cached", tokens=(6, 0, 11, 3), topk=4, idx_dtype=I32,
-             unused_prob=0.3, pad_multiple=3, cached=True),
-        Case("hot_expert_zero_tail", tokens=(9, 4, 0, 12), topk=3, hot_expert=13, recv="more",
-             combine=("none", "recv")),
-    )),
-    Group(4, 13, BF16, 16, seed=13, ranks_per_node=2, expand=False, cases=(
-        Case("unused_truncated_cached", tokens=(5, 12, 7, 0), topk=4, unused_prob=0.2,
-             recv="less", cached=True),
-    )),
-    Group(8, 9, BF16, 16, seed=14, ranks_per_node=4, cases=(
-        Case("k3_unused_empty_ranks_cached", tokens=(3, 0, 5, 2, 6, 1, 4, 2), topk=3,
-             unused_prob=0.2, cached=True),
-    )),
-    Group(8, 9, FP32, 16, seed=15, ranks_per_node=2, cases=(
-        Case("k4_pad3_truncated", tokens=(4, 2, 0, 5, 3, 6, 1, 2), topk=4, pad_multiple=3,
-             recv="less"),
-    )),
-]  # fmt: skip
+    Group(
+        2,
+        7,
+        BF16,
+        8,
+        seed=11,
+        ranks_per_node=1,
+        cases=(
+            Case(
+                "strided_cached", tokens=(5, 9), strided=True, cached=True, combine=("recv", "none")
+            ),
+            Case(
+                "empty_rank_pad3_truncated",
+                tokens=(0, 11),
+                unused_prob=0.3,
+                pad_multiple=3,
+                recv="less",
+            ),
+            Case("node_receives_nothing_fit", tokens=(12, 7), topk=3, hot_expert=1, recv="fit"),
+        ),
+    ),
+    Group(
+        4,
+        13,
+        FP16,
+        16,
+        seed=12,
+        ranks_per_node=2,
+        cases=(
+            Case(
+                "int32_uneven_unused_pad3_cached",
+                tokens=(6, 0, 11, 3),
+                topk=4,
+                idx_dtype=I32,
+                unused_prob=0.3,
+                pad_multiple=3,
+                cached=True,
+            ),
+            Case(
+                "hot_expert_zero_tail",
+                tokens=(9, 4, 0, 12),
+                topk=3,
+                hot_expert=13,
+                recv="more",
+                combine=("none", "recv"),
+            ),
+        ),
+    ),
+    Group(
+        4,
+        13,
+        BF16,
+        16,
+        seed=13,
+        ranks_per_node=2,
+        expand=False,
+        cases=(
+            Case(
+                "unused_truncated_cached",
+                tokens=(5, 12, 7, 0),
+                topk=4,
+                unused_prob=0.2,
+                recv="less",
+                cached=True,
+            ),
+        ),
+    ),
+    Group(
+        8,
+        9,
+        BF16,
+        16,
+        seed=14,
+        ranks_per_node=4,
+        cases=(
+            Case(
+                "k3_unused_empty_ranks_cached",
+                tokens=(3, 0, 5, 2, 6, 1, 4, 2),
+                topk=3,
+                unused_prob=0.2,
+                cached=True,
+            ),
+        ),
+    ),
+    Group(
+        8,
+        9,
+        FP32,
+        16,
+        seed=15,
+        ranks_per_node=2,
+        cases=(
+            Case(
+                "k4_pad3_truncated",
+                tokens=(4, 2, 0, 5, 3, 6, 1, 2),
+                topk=4,
+                pad_multiple=3,
+                recv="less",
+            ),
+        ),
+    ),
+]
 # One rank, on GPUs only (on CPU ranks the groups above cover the same code): every row stays
 # on its rank; the wide row uses the GPU configuration's full tiles and column slices. (Only a
 # peer can truncate what an empty rank receives.)
@@ -376,9 +642,13 @@ def _run_case(buf: Buffer, rank: int, world: int, grp: Group, index: int, case: 
     local = num_experts // world
     stats = torch.full((local,), index, dtype=torch.int64, device=dev)  # dispatch adds into it
     got, handle = buf_dispatch(
-        x, w, topk_idx=_to(idx, dev), pad_multiple=case.pad_multiple, max_recv_tokens=max_recv,
+        x,
+        w,
+        topk_idx=_to(idx, dev),
+        pad_multiple=case.pad_multiple,
+        max_recv_tokens=max_recv,
         expert_recv_stats=stats,
-    )  # fmt: skip
+    )
     _check_dispatch(fail, "dispatch", got, want, num_valid)
     if handle.tokens_per_expert_list != want["tokens_per_expert"].tolist():
         fail(f"dispatch: tokens_per_expert_list {handle.tokens_per_expert_list}")
@@ -396,8 +666,10 @@ def _run_case(buf: Buffer, rank: int, world: int, grp: Group, index: int, case: 
     # Each token crosses the network once per other node that holds one of its experts.
     pairs = _token_node_pairs(idx, num_experts // world, buf.ranks_per_node, rank)
     if buf.network_rows - sent_before != pairs:
-        fail(f"{buf.network_rows - sent_before} rows crossed the network, not the {pairs} "
-             "distinct (token, other node) pairs")  # fmt: skip
+        fail(
+            f"{buf.network_rows - sent_before} rows crossed the network, not the {pairs} "
+            "distinct (token, other node) pairs"
+        )
 
     # check(): OverflowError with the real row count exactly when rows were dropped.
     try:
@@ -427,11 +699,14 @@ def _run_case(buf: Buffer, rank: int, world: int, grp: Group, index: int, case: 
             out, summed = buf.combine(y, h, topk_weights=values)
             want_out, want_summed = reference.combine(group, y, rh, topk_weights=values)
             magnitude = reference.combine(group, y.float().abs(), rh).cpu()
-            _check_combine(fail, f"{what} with topk_weights", out.cpu(), want_out.cpu(),
-                           magnitude, idx, dtype)  # fmt: skip
+            _check_combine(
+                fail, f"{what} with topk_weights", out.cpu(), want_out.cpu(), magnitude, idx, dtype
+            )
             if not torch.allclose(summed.cpu(), want_summed.cpu(), rtol=1e-6, atol=1e-6):
-                fail(f"{what}: combined topk_weights {summed.tolist()}, reference "
-                     f"{want_summed.tolist()}")  # fmt: skip
+                fail(
+                    f"{what}: combined topk_weights {summed.tolist()}, reference "
+                    f"{want_summed.tolist()}"
+                )
 
     combines("combine", handle, eh, got["recv_weights"], want["recv_weights"])
 
@@ -443,10 +718,17 @@ def _run_case(buf: Buffer, rank: int, world: int, grp: Group, index: int, case: 
         got2, handle2 = buf_dispatch(x2, w2, handle=handle)
         _check_dispatch(fail, "cached dispatch", got2, want2, num_valid)
         if buf.network_rows - sent_before != pairs:
-            fail(f"cached dispatch: {buf.network_rows - sent_before} rows crossed the network, "
-                 f"not {pairs}")  # fmt: skip
-        combines("combine after cached dispatch", handle2, eh2, got2["recv_weights"],
-                 want2["recv_weights"])  # fmt: skip
+            fail(
+                f"cached dispatch: {buf.network_rows - sent_before} rows crossed the network, "
+                f"not {pairs}"
+            )
+        combines(
+            "combine after cached dispatch",
+            handle2,
+            eh2,
+            got2["recv_weights"],
+            want2["recv_weights"],
+        )
 
 
 def _token_node_pairs(idx: torch.Tensor, local: int, ranks_per_node: int, rank: int) -> int:

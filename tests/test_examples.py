@@ -27,8 +27,15 @@ def _run_example(device, script: str, *args: str) -> None:
         import torch
 
         ranks = torch.cuda.device_count()
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-           f"--nproc-per-node={ranks}", str(ROOT / "examples" / script), *args]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={ranks}",
+        str(ROOT / "examples" / script),
+        *args,
+    ]
     r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout + r.stderr
     # Each rank's report, found in the whole output: ranks print at once, and an unbuffered

@@ -226,8 +226,11 @@ def test_gradients_match_plain_torch(device):
     for e, first, end in _segments(counts):
         y = y.index_add(0, torch.arange(first, end), _mlp(xr[first:end], w1r[e], w2r[e]))
     y.backward(dy.float())
-    for name, got, want in (("dx", x_dev.grad, xr.grad), ("dW1", experts.w1.grad, w1r.grad),
-                            ("dW2", experts.w2.grad, w2r.grad)):  # fmt: skip
+    for name, got, want in (
+        ("dx", x_dev.grad, xr.grad),
+        ("dW1", experts.w1.grad, w1r.grad),
+        ("dW2", experts.w2.grad, w2r.grad),
+    ):
         assert got.dtype == BF16, name
         _assert_close(name, got, want, tol=3e-2)
     assert (x_dev.grad[sum(counts) :] == 0).all(), "tail rows' gradient is not zero"
@@ -335,8 +338,14 @@ def _decode_and_prefill_body(rank: int, world: int) -> list[str]:
     mine = slice(rank * local, (rank + 1) * local)
     x, idx, weights = _rank_inputs(rank)
     x, idx, weights = x.to(dev), idx.to(dev), weights.to(dev)
-    buf = Buffer(None, hidden_size=HIDDEN, max_tokens_per_rank=TOKENS, num_experts=NUM_EXPERTS,
-                 low_latency_tokens=TOKENS, device=dev)  # fmt: skip
+    buf = Buffer(
+        None,
+        hidden_size=HIDDEN,
+        max_tokens_per_rank=TOKENS,
+        num_experts=NUM_EXPERTS,
+        low_latency_tokens=TOKENS,
+        device=dev,
+    )
     try:
         for fp8 in (False, True):
             arguments, w1, w2, _ = _experts(NUM_EXPERTS, HIDDEN, FFN, seed=14, fp8=fp8)
@@ -348,8 +357,9 @@ def _decode_and_prefill_body(rank: int, world: int) -> list[str]:
             )
             combine_buffer = buf.get_next_low_latency_combine_buffer(handle)
             experts.low_latency(recv_x, recv_count, out=combine_buffer)
-            out, _, _ = buf.low_latency_combine(combine_buffer, idx, weights, handle,
-                                                zero_copy=True)  # fmt: skip
+            out, _, _ = buf.low_latency_combine(
+                combine_buffer, idx, weights, handle, zero_copy=True
+            )
             x_seen = _fp8_rows(x.cpu(), low_latency=True)[2] if fp8 else x.cpu().float()
             want = _layer(x_seen, idx.cpu(), weights.cpu(), w1, w2, fp8)
             _check(failures, f"rank {rank} low-latency {fmt}", out, want)
@@ -450,8 +460,9 @@ def test_kernels_build_for_sm90_without_spills():
     keeps its accumulators in registers (no stack: spills would cost the GEMMs' speed)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
-    result = subprocess.run([sys.executable, "-c", _SM90_SCRIPT], env=env, capture_output=True,
-                            text=True, timeout=600)  # fmt: skip
+    result = subprocess.run(
+        [sys.executable, "-c", _SM90_SCRIPT], env=env, capture_output=True, text=True, timeout=600
+    )
     assert result.returncode == 0, result.stdout + result.stderr
     lines = result.stdout.strip().splitlines()
     assert len(lines) == 11, result.stdout

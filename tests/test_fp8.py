@@ -168,8 +168,15 @@ def _rank_body(
     group = dist.group.WORLD
     dev = rank_device()
     num_experts = 8
-    buf = Buffer(None, hidden_size=hidden, max_tokens_per_rank=MAX_TOKENS, num_experts=num_experts,
-                 expand=expand, ranks_per_node=ranks_per_node, device=dev)  # fmt: skip
+    buf = Buffer(
+        None,
+        hidden_size=hidden,
+        max_tokens_per_rank=MAX_TOKENS,
+        num_experts=num_experts,
+        expand=expand,
+        ranks_per_node=ranks_per_node,
+        device=dev,
+    )
     try:
         if world == 2 and expand and fmt == "fp8":
             failures += _refused_calls(buf, dev, hidden)
@@ -196,9 +203,16 @@ def _rank_body(
             values, scales = QUANTIZERS[fmt](x)
 
             def ref(rows, max_recv, idx=idx, w=w, pad=pad):
-                got = reference.dispatch(group, rows.to(dev), idx.to(dev), w.to(dev),
-                                         num_experts=num_experts, pad_multiple=pad,
-                                         max_recv_tokens=max_recv, expand=expand)  # fmt: skip
+                got = reference.dispatch(
+                    group,
+                    rows.to(dev),
+                    idx.to(dev),
+                    w.to(dev),
+                    num_experts=num_experts,
+                    pad_multiple=pad,
+                    max_recv_tokens=max_recv,
+                    expand=expand,
+                )
                 return [t.cpu() for t in got[:-1]], got[-1]
 
             max_recv = None
@@ -266,10 +280,13 @@ def _refused_calls(buf: Buffer, dev, hidden: int) -> list[str]:
         ("scales bf16", lambda: buf.dispatch((values, scales.to(x.dtype)), idx), "float32"),
         ("three items", lambda: buf.dispatch((values, scales, scales), idx), "pair"),
         ("values at an odd byte", lambda: buf.dispatch((unaligned, scales), idx), "4 bytes"),
-        ("a pair with quantize", lambda: buf.dispatch((values, scales), idx, quantize=True),
-         "quantize"),
+        (
+            "a pair with quantize",
+            lambda: buf.dispatch((values, scales), idx, quantize=True),
+            "quantize",
+        ),
         ("scales requiring grad", lambda: buf.dispatch((values, grad_scales), idx), "gradient"),
-    ]:  # fmt: skip
+    ]:
         try:
             call()
             failures.append(f"{what}: no ValueError")
@@ -341,8 +358,9 @@ def _gradients_match_reference(buf: Buffer, dev, hidden: int, rank: int, expand:
     idx, w = idx.to(dev), torch.rand(num_tokens, topk, generator=gen).to(dev)
 
     def ref(rows):
-        return reference.dispatch(group, rows.to(dev), idx, w, num_experts=8, pad_multiple=pad,
-                                  expand=expand)  # fmt: skip
+        return reference.dispatch(
+            group, rows.to(dev), idx, w, num_experts=8, pad_multiple=pad, expand=expand
+        )
 
     def fail(msg):
         failures.append(f"[W2 expand={expand} gradients] rank {rank}: {msg}")
@@ -354,8 +372,11 @@ def _gradients_match_reference(buf: Buffer, dev, hidden: int, rank: int, expand:
     ref_values, ref_scales = QUANTIZERS[fmt](xs[0])
     *_, ref_handle = ref(xs[0])
     want_bits, want_scales = ref(_bits(ref_values))[0], ref(_bits(ref_scales))[0]
-    if not (torch.equal(_bits(values.quantized), want_bits)
-            and torch.equal(_bits(scales), want_scales) and values.scales is scales):  # fmt: skip
+    if not (
+        torch.equal(_bits(values.quantized), want_bits)
+        and torch.equal(_bits(scales), want_scales)
+        and values.scales is scales
+    ):
         fail("the values' .quantized or the scales differ from the reference")
     values_dtype, scale_dtype = SCALED_FORMATS[fmt].values_dtype, SCALED_FORMATS[fmt].scale_dtype
     want = DEQUANTIZERS[fmt](want_bits.view(values_dtype), want_scales.view(scale_dtype))
@@ -424,9 +445,13 @@ def _compiled_matches_eager(buf: Buffer, dev, hidden: int, rank: int, fmt: str) 
         )
         (quantized, quantized_scales), *_ = buf.dispatch(x, idx, max_recv_tokens=24, quantize=fmt)
         return (
-            recv_values.view(torch.uint8), recv_scales.view(torch.uint8), recv_w,
-            tokens_per_expert, quantized.view(torch.uint8), quantized_scales.view(torch.uint8),
-        )  # fmt: skip
+            recv_values.view(torch.uint8),
+            recv_scales.view(torch.uint8),
+            recv_w,
+            tokens_per_expert,
+            quantized.view(torch.uint8),
+            quantized_scales.view(torch.uint8),
+        )
 
     backend = "inductor" if dev.type == "cuda" else "aot_eager"
     compiled = torch.compile(step, fullgraph=True, backend=backend, dynamic=False)
@@ -492,9 +517,14 @@ ALL = tuple(range(len(CASES)))
         pytest.param(1, True, None, 7168, ALL, marks=pytest.mark.gpu),
         pytest.param(1, False, None, 7168, ALL, marks=pytest.mark.gpu),
     ],
-    ids=["W2-expert_rows", "W4-token_rows", "W2-2x1-token_rows", "W1-H7168-expert_rows",
-         "W1-H7168-token_rows"],
-)  # fmt: skip
+    ids=[
+        "W2-expert_rows",
+        "W4-token_rows",
+        "W2-2x1-token_rows",
+        "W1-H7168-expert_rows",
+        "W1-H7168-token_rows",
+    ],
+)
 def test_fp8_dispatch_matches_reference(launch, world, expand, ranks_per_node, hidden, cases):
     results = launch(_rank_body, world, expand, ranks_per_node, hidden, cases)
     assert_no_failures(results)
@@ -516,10 +546,17 @@ def test_fp8_dispatch_matches_reference(launch, world, expand, ranks_per_node, h
         pytest.param("mxfp8", 1, True, None, 7168, ALL, marks=pytest.mark.gpu),
         pytest.param("nvfp4", 1, False, None, 7168, ALL, marks=pytest.mark.gpu),
     ],
-    ids=["mxfp8-W2-expert_rows", "nvfp4-W2-2x1-token_rows", "nvfp4-W2-H160-expert_rows",
-         "nvfp4-W4-expert_rows", "mxfp8-W4-token_rows", "mxfp8-W2-2x1-H160-token_rows",
-         "mxfp8-W1-H7168-expert_rows", "nvfp4-W1-H7168-token_rows"],
-)  # fmt: skip
+    ids=[
+        "mxfp8-W2-expert_rows",
+        "nvfp4-W2-2x1-token_rows",
+        "nvfp4-W2-H160-expert_rows",
+        "nvfp4-W4-expert_rows",
+        "mxfp8-W4-token_rows",
+        "mxfp8-W2-2x1-H160-token_rows",
+        "mxfp8-W1-H7168-expert_rows",
+        "nvfp4-W1-H7168-token_rows",
+    ],
+)
 def test_block_scaled_dispatch_matches_reference(
     launch, fmt, world, expand, ranks_per_node, hidden, cases
 ):

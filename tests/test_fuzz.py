@@ -80,9 +80,14 @@ def _scenario_body(rank: int, world: int, scenario: dict) -> list[str]:
     if per_node is not None and world % per_node:
         per_node = None
     with Buffer(
-        None, hidden_size=scenario["hidden"], max_tokens_per_rank=MAX_TOKENS,
-        num_experts=experts, expand=expand, ranks_per_node=per_node, device=rank_device(),
-    ) as buf:  # fmt: skip
+        None,
+        hidden_size=scenario["hidden"],
+        max_tokens_per_rank=MAX_TOKENS,
+        num_experts=experts,
+        expand=expand,
+        ranks_per_node=per_node,
+        device=rank_device(),
+    ) as buf:
         for n, call in enumerate(scenario["calls"]):
             what = f"rank {rank}, expand={expand}, ranks_per_node={per_node}, call {n} {call}"
             x, idx, w = _inputs(call, rank, experts, scenario["hidden"])

@@ -77,10 +77,18 @@ def _exchange_kernel(
 
 def _exchange(heap, rank, world, round_no, status, timeout_ns) -> None:
     _exchange_kernel[(1,)](
-        heap.peer_bases, rank, world, round_no, status, timeout_ns,
-        SLOT_BYTES=SLOT, FLAGS_OFFSET=FLAGS_OFF, DATA_OFFSET=DATA_OFF, BLOCK_BYTES=BLOCK,
+        heap.peer_bases,
+        rank,
+        world,
+        round_no,
+        status,
+        timeout_ns,
+        SLOT_BYTES=SLOT,
+        FLAGS_OFFSET=FLAGS_OFF,
+        DATA_OFFSET=DATA_OFF,
+        BLOCK_BYTES=BLOCK,
         STAGE_NO=STAGE,
-    )  # fmt: skip
+    )
 
 
 def _pattern(src: int, dst: int, round_no: int) -> torch.Tensor:
@@ -188,8 +196,10 @@ def _missing_peer_body(rank: int, world_size: int) -> tuple[list[str], list[str]
         status = torch.zeros(3, dtype=torch.int64, device=dev)
         _exchange(heap, rank, world_size, 1, status, 2 * 10**9)  # rank 1 never signals
         if status.tolist() != [int(STATUS_TIMED_OUT), 1, STAGE]:
-            failures.append(f"status after the timeout: {status.tolist()}, expected "
-                            f"[{STATUS_TIMED_OUT}, 1, {STAGE}] (code, peer, stage)")  # fmt: skip
+            failures.append(
+                f"status after the timeout: {status.tolist()}, expected "
+                f"[{STATUS_TIMED_OUT}, 1, {STAGE}] (code, peer, stage)"
+            )
         # A recorded status makes every later wait return at once, however long its timeout.
         _exchange(heap, rank, world_size, 2, status, NEVER_NS)
         if status.tolist() != [int(STATUS_TIMED_OUT), 1, STAGE]:
@@ -255,9 +265,13 @@ def _skipped_call_body(
     x = torch.randn(T, H).to(torch.bfloat16).to(dev)
     idx = torch.tensor([[0, 3], [1, -1], [2, 0], [3, 1]], device=dev)
     make = dict(
-        hidden_size=H, max_tokens_per_rank=T, num_experts=4, timeout_s=3,
-        ranks_per_node=ranks_per_node, device=dev,
-    )  # fmt: skip
+        hidden_size=H,
+        max_tokens_per_rank=T,
+        num_experts=4,
+        timeout_s=3,
+        ranks_per_node=ranks_per_node,
+        device=dev,
+    )
 
     # 0. Every rank dispatches and combines once, so that each has built and loaded the kernels:
     # on GPUs a rank's first call does (tens of seconds under MPS), and a peer's kernel waiting
@@ -441,8 +455,13 @@ def _killed_mid_dispatch_body(rank: int, world_size: int, out_dir: str) -> None:
     # Every token goes to every rank (one of its two experts), so every rank waits for
     # token chunks from every other rank.
     idx = torch.arange(world_size)[None, :] * 2 + torch.arange(KILL_T)[:, None] % 2
-    buf = Buffer(None, hidden_size=KILL_H, max_tokens_per_rank=KILL_T, num_experts=experts,
-                 timeout_s=KILL_TIMEOUT_S)  # fmt: skip
+    buf = Buffer(
+        None,
+        hidden_size=KILL_H,
+        max_tokens_per_rank=KILL_T,
+        num_experts=experts,
+        timeout_s=KILL_TIMEOUT_S,
+    )
     record = {"pid": os.getpid(), "segments": _mapped_segments()}
     handle = buf.dispatch(x, idx)[3]  # the layout: the next dispatch is the data move alone
     pids = [None] * world_size
@@ -483,8 +502,13 @@ def test_rank_killed_mid_dispatch(launch, device, tmp_path):
     it and the stage, timeout_s after its death; the launcher reports the death; no shm."""
     _skip_unless_cpu(device)
     with pytest.raises(RankFailure) as info:
-        launch(_killed_mid_dispatch_body, 3, str(tmp_path), timeout_s=300,
-               failure_grace_s=KILL_TIMEOUT_S + KILL_MARGIN_S)  # fmt: skip
+        launch(
+            _killed_mid_dispatch_body,
+            3,
+            str(tmp_path),
+            timeout_s=300,
+            failure_grace_s=KILL_TIMEOUT_S + KILL_MARGIN_S,
+        )
     assert not isinstance(info.value, RanksTimedOut), str(info.value)
     failures = info.value.failures  # survivors still running after the grace would be here
     assert "was killed by SIGKILL" in failures.get(VICTIM, ""), str(info.value)

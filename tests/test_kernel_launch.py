@@ -35,9 +35,17 @@ def test_launches_match_triton_across_specialisations(device):
     launcher = KernelLauncher(_scale_kernel, scale=3.0, offset_ptr=offset)
     data = torch.randn(4 * BLOCK, device=device)
     base = torch.zeros(4 * BLOCK, device=device)
-    calls = [(1, 0, 0, BLOCK), (5, 0, 8, BLOCK), (5, 0, 16, BLOCK), (1, 0, 24, BLOCK),
-             (7, 1, 32, BLOCK), (7, 0, 40, BLOCK), (40, 0, 48, BLOCK), (40, 0, 56, 32),
-             (40, 0, 64, 32)]  # fmt: skip
+    calls = [
+        (1, 0, 0, BLOCK),
+        (5, 0, 8, BLOCK),
+        (5, 0, 16, BLOCK),
+        (1, 0, 24, BLOCK),
+        (7, 1, 32, BLOCK),
+        (7, 0, 40, BLOCK),
+        (40, 0, 48, BLOCK),
+        (40, 0, 56, 32),
+        (40, 0, 64, 32),
+    ]
     for n, start, view_start, block in calls:
         x = data[start : start + BLOCK]  # start 1: 4-byte aligned only
         out = TensorView(base, (BLOCK,), (1,), view_start)
@@ -60,10 +68,12 @@ def test_relaunches_through_the_driver_match_triton():
     launcher = KernelLauncher(_scale_kernel, scale=-1.5, offset_ptr=offset, BLOCK=BLOCK)
     base = torch.zeros(4 * BLOCK, device="cuda")
     relaunch = launcher(
-        (1,), specialized=dict(x_ptr=torch.randn(BLOCK, device="cuda"), n=-3),
-        aligned=dict(out_ptr=TensorView(base, (BLOCK,), (1,), BLOCK)), changing=("x_ptr", "n"),
+        (1,),
+        specialized=dict(x_ptr=torch.randn(BLOCK, device="cuda"), n=-3),
+        aligned=dict(out_ptr=TensorView(base, (BLOCK,), (1,), BLOCK)),
+        changing=("x_ptr", "n"),
         views_of=base,
-    )  # fmt: skip
+    )
     assert isinstance(relaunch._launch, launch._DriverLaunch)
     for n in (5, 17, 40):
         x, other = torch.randn(BLOCK, device="cuda"), torch.zeros(4 * BLOCK, device="cuda")
@@ -74,8 +84,14 @@ def test_relaunches_through_the_driver_match_triton():
     assert not relaunch(x, 1, base.data_ptr())
 
 
-_SIGNATURE = {"x_ptr": "*fp32", "out_ptr": "*fp32", "n": "i32", "scale": "fp32",
-              "offset_ptr": "*fp32", "BLOCK": "constexpr"}  # fmt: skip
+_SIGNATURE = {
+    "x_ptr": "*fp32",
+    "out_ptr": "*fp32",
+    "n": "i32",
+    "scale": "fp32",
+    "offset_ptr": "*fp32",
+    "BLOCK": "constexpr",
+}
 
 
 class _FakeCompiled:
@@ -99,8 +115,15 @@ def _driver_arguments(params: int) -> tuple:
     """The values a cuLaunchKernel parameter array of _scale_kernel points at, as the kernel
     reads them (BLOCK is not a parameter), then the two scratch pointers."""
     pointers = (ctypes.c_uint64 * 7).from_address(params)
-    kinds = [ctypes.c_uint64, ctypes.c_uint64, ctypes.c_int32, ctypes.c_float, ctypes.c_uint64,
-             ctypes.c_uint64, ctypes.c_uint64]  # fmt: skip
+    kinds = [
+        ctypes.c_uint64,
+        ctypes.c_uint64,
+        ctypes.c_int32,
+        ctypes.c_float,
+        ctypes.c_uint64,
+        ctypes.c_uint64,
+        ctypes.c_uint64,
+    ]
     return tuple(kind.from_address(p).value for kind, p in zip(kinds, pointers, strict=True))
 
 
@@ -168,8 +191,13 @@ def test_first_launch_of_a_specialisation_goes_through_triton(fake_triton):
 
     # Specialisations Triton may tell apart go through Triton again: n == 1, n % 16 == 0, an
     # input address that is not a multiple of 16, another dtype, n beyond int32.
-    for x, n in [(data[:64], 1), (data[:64], 32), (data[1:65], 9), (data.double()[:64], 9),
-                 (data[:64], 2**31)]:  # fmt: skip
+    for x, n in [
+        (data[:64], 1),
+        (data[:64], 32),
+        (data[1:65], 9),
+        (data.double()[:64], 9),
+        (data[:64], 2**31),
+    ]:
         call(x, n)
     assert len(through_triton) == 6 and len(compiled.launches) == 1
     assert launcher.builds == 6
@@ -198,8 +226,9 @@ def test_integers_not_specialised_take_one_build(fake_triton, monkeypatch):
     another."""
     _, compiled, through_triton = fake_triton
     kernel = JITFunction(_scale_kernel.fn, do_not_specialize=["n"])
-    monkeypatch.setattr(kernel, "run", lambda *a, grid, warmup, **k: through_triton.append(a)
-                        or compiled)  # fmt: skip
+    monkeypatch.setattr(
+        kernel, "run", lambda *a, grid, warmup, **k: through_triton.append(a) or compiled
+    )
     launcher = KernelLauncher(kernel, scale=2.0, offset_ptr=torch.zeros(1), BLOCK=BLOCK)
     x, out = torch.zeros(64), torch.zeros(64)
     for n in (7, 1, 32, 9, 2**31):
@@ -230,24 +259,37 @@ def test_relaunch_changes_the_named_arguments_within_a_specialisation(fake_trito
     launcher = KernelLauncher(kernel, scale=2.5, offset_ptr=offset, BLOCK=BLOCK)
     data, base, other = torch.zeros(256), torch.zeros(256), torch.zeros(256)
     relaunch = launcher(
-        (2,), specialized=dict(x_ptr=data[:64], n=-7),
-        aligned=dict(out_ptr=TensorView(base, (BLOCK,), (1,), 16)), changing=("x_ptr",),
+        (2,),
+        specialized=dict(x_ptr=data[:64], n=-7),
+        aligned=dict(out_ptr=TensorView(base, (BLOCK,), (1,), 16)),
+        changing=("x_ptr",),
         views_of=base,
-    )  # fmt: skip
+    )
     assert len(through_triton) == 1 and not compiled.launches and not compiled.driver_launches
     assert relaunch(data[8:72], other.data_ptr())
     ((launch_config, arguments),) = compiled.driver_launches
     # function, grid, 4 warps, the kernel's shared memory, the stream, no ``extra``
     assert launch_config == (77, 2, 1, 1, 128, 1, 1, 96, 1003, 0)
-    assert arguments == (data.data_ptr() + 32, other.data_ptr() + 64, -7, 2.5,
-                         offset.data_ptr(), 0, 0)  # fmt: skip
+    assert arguments == (
+        data.data_ptr() + 32,
+        other.data_ptr() + 64,
+        -7,
+        2.5,
+        offset.data_ptr(),
+        0,
+        0,
+    )
     for x in (data[1:65], data.double()[:64]):  # misaligned, another dtype
         assert not relaunch(x, base.data_ptr())
     assert len(compiled.driver_launches) == 1 and len(through_triton) == 1
     assert not compiled.launches
     with pytest.raises(TypeError, match="constexpr"):
-        launcher((2,), specialized=dict(x_ptr=data[:64], n=7, BLOCK=BLOCK),
-                 aligned=dict(out_ptr=base), changing=("BLOCK",))  # fmt: skip
+        launcher(
+            (2,),
+            specialized=dict(x_ptr=data[:64], n=7, BLOCK=BLOCK),
+            aligned=dict(out_ptr=base),
+            changing=("BLOCK",),
+        )
 
 
 @pytest.mark.parametrize("needs", ["cluster", "global scratch", "launch hook", "no driver"])
@@ -268,8 +310,13 @@ def test_relaunch_takes_tritons_launcher_where_the_driver_launch_cannot(
         monkeypatch.setattr(launch, "_driver_api", lambda: None)
     launcher = KernelLauncher(kernel, scale=2.0, offset_ptr=torch.zeros(1), BLOCK=BLOCK)
     x, out = torch.zeros(64), torch.zeros(64)
-    relaunch = launcher((1,), specialized=dict(x_ptr=x, n=7), aligned=dict(out_ptr=out),
-                        changing=("n",), views_of=out)  # fmt: skip
+    relaunch = launcher(
+        (1,),
+        specialized=dict(x_ptr=x, n=7),
+        aligned=dict(out_ptr=out),
+        changing=("n",),
+        views_of=out,
+    )
     assert relaunch(9, out.data_ptr())
     ((grid, args, stream),) = compiled.launches
     assert args[2] == 9 and stream == 1003 and not compiled.driver_launches
@@ -280,8 +327,15 @@ def test_no_relaunch_under_the_interpreter(device):
         pytest.skip("the interpreter runs on CPU ranks")
     launcher = KernelLauncher(_scale_kernel, scale=1.0, offset_ptr=torch.zeros(1))
     x, out = torch.ones(BLOCK), torch.zeros(BLOCK)
-    assert launcher((1,), specialized=dict(x_ptr=x, n=3, BLOCK=BLOCK),
-                    aligned=dict(out_ptr=out), changing=("x_ptr",)) is None  # fmt: skip
+    assert (
+        launcher(
+            (1,),
+            specialized=dict(x_ptr=x, n=3, BLOCK=BLOCK),
+            aligned=dict(out_ptr=out),
+            changing=("x_ptr",),
+        )
+        is None
+    )
     assert out[:3].tolist() == [1.0, 1.0, 1.0]
 
 

@@ -36,8 +36,15 @@ def _all_reduce_body(rank, world_size, tag):
     t = torch.tensor([rank + 1.0, 10.0 * rank], device=rank_device())
     dist.all_reduce(t)
     env = {k: os.environ.get(k) for k in ENV_KEYS}
-    return {"rank": rank, "world_size": world_size, "tag": tag, "sum": t, "env": env,
-            "pid": os.getpid(), "backend": dist.get_backend()}  # fmt: skip
+    return {
+        "rank": rank,
+        "world_size": world_size,
+        "tag": tag,
+        "sum": t,
+        "env": env,
+        "pid": os.getpid(),
+        "backend": dist.get_backend(),
+    }
 
 
 def _raise_on_rank1(rank, world_size):

@@ -117,141 +117,387 @@ class Group:
 
 
 # W=2, E=8: 4 local experts, M=6. Every feature once; FP8 needs H % 128 == 0.
-MAIN = Group(2, 256, 8, 6, seed=1, cases=(
-    Case("basic", tokens=(3, 5)),
-    Case("fp8", tokens=(6, 4), topk=3, stats=True),
-    Case("fp8_round_scale_int32_strided", tokens=(5, 2), idx_dtype=I32, fmt="fp8_round",
-         strided=True),
-    Case("ue8m0_unused_slots", tokens=(4, 6), topk=3, unused_prob=0.3, fmt="ue8m0"),
-    Case("hooks_zero_copy_out", tokens=(2, 5), hook="both", zero_copy=True, out=True,
-         stats=True),
-    Case("two_dispatches_await_hooks", tokens=(4, 3), hook="pair", unused_prob=0.2,
-         probe_hooks=True),
-    Case("empty_rank_layer", tokens=(0, 6), topk=2, layer=True),
-    Case("all_ranks_empty", tokens=(0,), fmt="fp8", stats=True),
-    Case("hot_expert_k1_mp_less_than_m_full", tokens=(3,), mp=3, topk=1, hot_expert=5),
-    Case("k8_every_expert_fp8_layer", tokens=(3, 4), topk=8, fmt="fp8", layer=True),
-    Case("combine_hook_async_strided", tokens=(5, 1), hook="combine", async_finish=True,
-         out=True, strided=True),
-    Case("mp1", tokens=(1, 0), mp=1, topk=4, idx_dtype=I32, fmt="ue8m0", zero_copy=True),
-    Case("after_mp1_all_slots_maybe_unused", tokens=(6, 6), topk=3, unused_prob=0.6,
-         fmt="fp8_round", hook="dispatch"),
-))  # fmt: skip
+MAIN = Group(
+    2,
+    256,
+    8,
+    6,
+    seed=1,
+    cases=(
+        Case("basic", tokens=(3, 5)),
+        Case("fp8", tokens=(6, 4), topk=3, stats=True),
+        Case(
+            "fp8_round_scale_int32_strided",
+            tokens=(5, 2),
+            idx_dtype=I32,
+            fmt="fp8_round",
+            strided=True,
+        ),
+        Case("ue8m0_unused_slots", tokens=(4, 6), topk=3, unused_prob=0.3, fmt="ue8m0"),
+        Case(
+            "hooks_zero_copy_out", tokens=(2, 5), hook="both", zero_copy=True, out=True, stats=True
+        ),
+        Case(
+            "two_dispatches_await_hooks",
+            tokens=(4, 3),
+            hook="pair",
+            unused_prob=0.2,
+            probe_hooks=True,
+        ),
+        Case("empty_rank_layer", tokens=(0, 6), topk=2, layer=True),
+        Case("all_ranks_empty", tokens=(0,), fmt="fp8", stats=True),
+        Case("hot_expert_k1_mp_less_than_m_full", tokens=(3,), mp=3, topk=1, hot_expert=5),
+        Case("k8_every_expert_fp8_layer", tokens=(3, 4), topk=8, fmt="fp8", layer=True),
+        Case(
+            "combine_hook_async_strided",
+            tokens=(5, 1),
+            hook="combine",
+            async_finish=True,
+            out=True,
+            strided=True,
+        ),
+        Case("mp1", tokens=(1, 0), mp=1, topk=4, idx_dtype=I32, fmt="ue8m0", zero_copy=True),
+        Case(
+            "after_mp1_all_slots_maybe_unused",
+            tokens=(6, 6),
+            topk=3,
+            unused_prob=0.6,
+            fmt="fp8_round",
+            hook="dispatch",
+        ),
+    ),
+)
 # Sequence numbers past 32 bits (as if the group had made 2^32 - 3 calls): a flag's number
 # must not wrap where the calls cross 2^31 and 2^32.
-PAST_32_BITS = Group(2, 256, 8, 6, seed=13, first_seq=2**32 - 3, cases=(
-    Case("basic", tokens=(3, 5), topk=3),
-    Case("fp8_pair", tokens=(4, 6), fmt="fp8", hook="pair", unused_prob=0.2),
-    Case("ue8m0_layer", tokens=(6, 2), topk=4, fmt="ue8m0", layer=True),
-))  # fmt: skip
+PAST_32_BITS = Group(
+    2,
+    256,
+    8,
+    6,
+    seed=13,
+    first_seq=2**32 - 3,
+    cases=(
+        Case("basic", tokens=(3, 5), topk=3),
+        Case("fp8_pair", tokens=(4, 6), fmt="fp8", hook="pair", unused_prob=0.2),
+        Case("ue8m0_layer", tokens=(6, 2), topk=4, fmt="ue8m0", layer=True),
+    ),
+)
 # Two simulated nodes of one rank: every row to the peer goes by a network put.
-NODES_2X1 = Group(2, 128, 4, 4, seed=8, ranks_per_node=1, cases=(
-    Case("fp8_unused", tokens=(4, 3), topk=3, unused_prob=0.3, fmt="fp8", stats=True),
-    Case("pair_zero_copy", tokens=(2, 4), hook="pair", zero_copy=True, out=True),
-    Case("ue8m0_hot_layer", tokens=(3, 0), hot_expert=3, fmt="ue8m0", layer=True,
-         hook="both"),
-))  # fmt: skip
+NODES_2X1 = Group(
+    2,
+    128,
+    4,
+    4,
+    seed=8,
+    ranks_per_node=1,
+    cases=(
+        Case("fp8_unused", tokens=(4, 3), topk=3, unused_prob=0.3, fmt="fp8", stats=True),
+        Case("pair_zero_copy", tokens=(2, 4), hook="pair", zero_copy=True, out=True),
+        Case("ue8m0_hot_layer", tokens=(3, 0), hot_expert=3, fmt="ue8m0", layer=True, hook="both"),
+    ),
+)
 SLOW_GROUPS = [
     # Hidden sizes that are no multiple of 128 (bf16 only): 72, and 100 (200-byte rows).
-    Group(2, 72, 4, 5, seed=2, cases=(
-        Case("basic", tokens=(5, 3)),
-        Case("hooks_zero_copy_layer", tokens=(2, 5), topk=3, hook="both", zero_copy=True,
-             layer=True, stats=True),
-        Case("hot_expert_unused_int32", tokens=(4, 5), topk=2, hot_expert=0, unused_prob=0.3,
-             idx_dtype=I32, out=True),
-        Case("pair", tokens=(3, 0), topk=4, hook="pair"),
-        Case("empty_mp2", tokens=(0, 2), mp=2, topk=1),
-    )),
-    Group(2, 100, 8, 4, seed=3, cases=(
-        Case("k8_unused_strided", tokens=(4, 3), topk=8, unused_prob=0.3, out=True,
-             strided=True),
-        Case("hot_layer_hook", tokens=(4, 4), hot_expert=1, layer=True, hook="dispatch"),
-        Case("pair_zero_copy", tokens=(2, 4), topk=3, hook="pair", zero_copy=True),
-    )),
+    Group(
+        2,
+        72,
+        4,
+        5,
+        seed=2,
+        cases=(
+            Case("basic", tokens=(5, 3)),
+            Case(
+                "hooks_zero_copy_layer",
+                tokens=(2, 5),
+                topk=3,
+                hook="both",
+                zero_copy=True,
+                layer=True,
+                stats=True,
+            ),
+            Case(
+                "hot_expert_unused_int32",
+                tokens=(4, 5),
+                topk=2,
+                hot_expert=0,
+                unused_prob=0.3,
+                idx_dtype=I32,
+                out=True,
+            ),
+            Case("pair", tokens=(3, 0), topk=4, hook="pair"),
+            Case("empty_mp2", tokens=(0, 2), mp=2, topk=1),
+        ),
+    ),
+    Group(
+        2,
+        100,
+        8,
+        4,
+        seed=3,
+        cases=(
+            Case(
+                "k8_unused_strided", tokens=(4, 3), topk=8, unused_prob=0.3, out=True, strided=True
+            ),
+            Case("hot_layer_hook", tokens=(4, 4), hot_expert=1, layer=True, hook="dispatch"),
+            Case("pair_zero_copy", tokens=(2, 4), topk=3, hook="pair", zero_copy=True),
+        ),
+    ),
     # H=384: three scale groups, so UE8M0's int32 holds three exponents and a pad byte.
-    Group(2, 384, 4, 4, seed=4, cases=(
-        Case("ue8m0", tokens=(4, 3), topk=2, fmt="ue8m0", stats=True),
-        Case("fp8_hot_layer", tokens=(3, 4), topk=3, hot_expert=2, fmt="fp8", layer=True),
-        Case("fp8_round_pair", tokens=(4, 2), fmt="fp8_round", hook="pair", out=True),
-        Case("ue8m0_layer_zero_copy", tokens=(2, 4), topk=4, fmt="ue8m0", layer=True,
-             zero_copy=True, hook="combine"),
-    )),
+    Group(
+        2,
+        384,
+        4,
+        4,
+        seed=4,
+        cases=(
+            Case("ue8m0", tokens=(4, 3), topk=2, fmt="ue8m0", stats=True),
+            Case("fp8_hot_layer", tokens=(3, 4), topk=3, hot_expert=2, fmt="fp8", layer=True),
+            Case("fp8_round_pair", tokens=(4, 2), fmt="fp8_round", hook="pair", out=True),
+            Case(
+                "ue8m0_layer_zero_copy",
+                tokens=(2, 4),
+                topk=4,
+                fmt="ue8m0",
+                layer=True,
+                zero_copy=True,
+                hook="combine",
+            ),
+        ),
+    ),
     # W=4, E=8: 2 local experts, so K=3..8 exceed one rank's experts.
-    Group(4, 128, 8, 4, seed=5, cases=(
-        Case("basic", tokens=(3, 4, 1, 2)),
-        Case("fp8_k3_unused", tokens=(4, 0, 2, 3), topk=3, unused_prob=0.3, fmt="fp8",
-             stats=True),
-        Case("fp8_round_pair_probe", tokens=(2, 4, 3, 1), fmt="fp8_round", hook="pair",
-             probe_hooks=True),
-        Case("ue8m0_hot_hooks_zero_copy", tokens=(4, 4, 0, 4), topk=4, hot_expert=6,
-             fmt="ue8m0", hook="both", zero_copy=True),
-        Case("all_empty", tokens=(0,), hook="both"),
-        Case("k8_layer_out_int32", tokens=(2, 1, 4, 3), topk=8, idx_dtype=I32, layer=True,
-             out=True, unused_prob=0.2),
-        Case("mp2_full", tokens=(2,), mp=2, topk=2, fmt="fp8", layer=True, stats=True),
-    )),
+    Group(
+        4,
+        128,
+        8,
+        4,
+        seed=5,
+        cases=(
+            Case("basic", tokens=(3, 4, 1, 2)),
+            Case(
+                "fp8_k3_unused", tokens=(4, 0, 2, 3), topk=3, unused_prob=0.3, fmt="fp8", stats=True
+            ),
+            Case(
+                "fp8_round_pair_probe",
+                tokens=(2, 4, 3, 1),
+                fmt="fp8_round",
+                hook="pair",
+                probe_hooks=True,
+            ),
+            Case(
+                "ue8m0_hot_hooks_zero_copy",
+                tokens=(4, 4, 0, 4),
+                topk=4,
+                hot_expert=6,
+                fmt="ue8m0",
+                hook="both",
+                zero_copy=True,
+            ),
+            Case("all_empty", tokens=(0,), hook="both"),
+            Case(
+                "k8_layer_out_int32",
+                tokens=(2, 1, 4, 3),
+                topk=8,
+                idx_dtype=I32,
+                layer=True,
+                out=True,
+                unused_prob=0.2,
+            ),
+            Case("mp2_full", tokens=(2,), mp=2, topk=2, fmt="fp8", layer=True, stats=True),
+        ),
+    ),
     # Two simulated nodes of two ranks: rows to the other node go by network puts.
-    Group(4, 256, 16, 4, seed=6, ranks_per_node=2, cases=(
-        Case("basic", tokens=(4, 2, 3, 1), topk=3),
-        Case("fp8_unused_stats", tokens=(3, 4, 0, 2), topk=4, unused_prob=0.3, fmt="fp8",
-             stats=True),
-        Case("ue8m0_pair", tokens=(2, 3, 4, 1), fmt="ue8m0", hook="pair"),
-        Case("hot_remote_node_layer", tokens=(4,), topk=2, hot_expert=13, layer=True,
-             hook="both", zero_copy=True),
-        Case("fp8_round_k8_int32_out_strided", tokens=(1, 0, 4, 3), topk=8, idx_dtype=I32,
-             fmt="fp8_round", out=True, strided=True),
-        Case("all_empty", tokens=(0,), fmt="fp8"),
-    )),
+    Group(
+        4,
+        256,
+        16,
+        4,
+        seed=6,
+        ranks_per_node=2,
+        cases=(
+            Case("basic", tokens=(4, 2, 3, 1), topk=3),
+            Case(
+                "fp8_unused_stats",
+                tokens=(3, 4, 0, 2),
+                topk=4,
+                unused_prob=0.3,
+                fmt="fp8",
+                stats=True,
+            ),
+            Case("ue8m0_pair", tokens=(2, 3, 4, 1), fmt="ue8m0", hook="pair"),
+            Case(
+                "hot_remote_node_layer",
+                tokens=(4,),
+                topk=2,
+                hot_expert=13,
+                layer=True,
+                hook="both",
+                zero_copy=True,
+            ),
+            Case(
+                "fp8_round_k8_int32_out_strided",
+                tokens=(1, 0, 4, 3),
+                topk=8,
+                idx_dtype=I32,
+                fmt="fp8_round",
+                out=True,
+                strided=True,
+            ),
+            Case("all_empty", tokens=(0,), fmt="fp8"),
+        ),
+    ),
     # One rank: every row stays on the rank.
-    Group(1, 128, 4, 4, seed=7, cases=(
-        Case("basic", tokens=(4,), topk=2),
-        Case("fp8_pair", tokens=(3,), topk=4, fmt="fp8", hook="pair", probe_hooks=True),
-        Case("empty_ue8m0", tokens=(0,), fmt="ue8m0"),
-        Case("layer_zero_copy_hooks", tokens=(4,), topk=3, unused_prob=0.3, layer=True,
-             hook="both", zero_copy=True, stats=True),
-    )),
-]  # fmt: skip
+    Group(
+        1,
+        128,
+        4,
+        4,
+        seed=7,
+        cases=(
+            Case("basic", tokens=(4,), topk=2),
+            Case("fp8_pair", tokens=(3,), topk=4, fmt="fp8", hook="pair", probe_hooks=True),
+            Case("empty_ue8m0", tokens=(0,), fmt="ue8m0"),
+            Case(
+                "layer_zero_copy_hooks",
+                tokens=(4,),
+                topk=3,
+                unused_prob=0.3,
+                layer=True,
+                hook="both",
+                zero_copy=True,
+                stats=True,
+            ),
+        ),
+    ),
+]
 # Long lists: many rows of one (expert, source), and at M' * K = 1088 more routing entries
 # than a sender scans at a time (1024).
-LONG_LISTS = Group(2, 128, 8, 136, seed=10, cases=(
-    Case("hot_fp8", tokens=(136, 70), topk=8, hot_expert=6, fmt="fp8"),
-    Case("unused_pair_zero_copy", tokens=(40, 136), topk=8, unused_prob=0.3, hook="pair",
-         zero_copy=True, stats=True),
-    Case("hot_mp33_ue8m0_layer", tokens=(33,), mp=33, topk=2, hot_expert=1, fmt="ue8m0",
-         layer=True, hook="both"),
-))  # fmt: skip
+LONG_LISTS = Group(
+    2,
+    128,
+    8,
+    136,
+    seed=10,
+    cases=(
+        Case("hot_fp8", tokens=(136, 70), topk=8, hot_expert=6, fmt="fp8"),
+        Case(
+            "unused_pair_zero_copy",
+            tokens=(40, 136),
+            topk=8,
+            unused_prob=0.3,
+            hook="pair",
+            zero_copy=True,
+            stats=True,
+        ),
+        Case(
+            "hot_mp33_ue8m0_layer",
+            tokens=(33,),
+            mp=33,
+            topk=2,
+            hot_expert=1,
+            fmt="ue8m0",
+            layer=True,
+            hook="both",
+        ),
+    ),
+)
 # GPUs only: DeepSeek-V3's hidden size, top-8 of 32 experts, up to 128 tokens a call (on CPU
 # ranks the groups above cover the same code at sizes the interpreter can afford).
 GPU_GROUPS = [
-    Group(1, 7168, 32, 128, seed=9, cases=(
-        Case("bf16", tokens=(128,), topk=8),
-        Case("fp8_unused_stats", tokens=(100,), topk=8, unused_prob=0.2, fmt="fp8",
-             stats=True),
-        Case("fp8_round_pair_probe", tokens=(64,), mp=64, topk=8, fmt="fp8_round",
-             hook="pair", probe_hooks=True),
-        Case("ue8m0_hot_layer_zero_copy", tokens=(128,), topk=8, hot_expert=5, fmt="ue8m0",
-             layer=True, hook="both", zero_copy=True),
-        Case("empty", tokens=(0,), fmt="fp8"),
-        Case("k1_int32_strided_out_async", tokens=(17,), mp=32, topk=1, idx_dtype=I32,
-             strided=True, out=True, async_finish=True),
-    )),
+    Group(
+        1,
+        7168,
+        32,
+        128,
+        seed=9,
+        cases=(
+            Case("bf16", tokens=(128,), topk=8),
+            Case("fp8_unused_stats", tokens=(100,), topk=8, unused_prob=0.2, fmt="fp8", stats=True),
+            Case(
+                "fp8_round_pair_probe",
+                tokens=(64,),
+                mp=64,
+                topk=8,
+                fmt="fp8_round",
+                hook="pair",
+                probe_hooks=True,
+            ),
+            Case(
+                "ue8m0_hot_layer_zero_copy",
+                tokens=(128,),
+                topk=8,
+                hot_expert=5,
+                fmt="ue8m0",
+                layer=True,
+                hook="both",
+                zero_copy=True,
+            ),
+            Case("empty", tokens=(0,), fmt="fp8"),
+            Case(
+                "k1_int32_strided_out_async",
+                tokens=(17,),
+                mp=32,
+                topk=1,
+                idx_dtype=I32,
+                strided=True,
+                out=True,
+                async_finish=True,
+            ),
+        ),
+    ),
     # Two ranks at DeepSeek-V3's hidden size: two column slices a row, each its own flag.
-    Group(2, 7168, 32, 64, seed=11, cases=(
-        Case("bf16", tokens=(64, 40), topk=8),
-        Case("ue8m0_pair", tokens=(33, 64), topk=8, unused_prob=0.2, fmt="ue8m0",
-             hook="pair"),
-        Case("fp8_hot_layer_zero_copy", tokens=(64,), topk=8, hot_expert=20, fmt="fp8",
-             layer=True, hook="both", zero_copy=True, stats=True),
-    )),
+    Group(
+        2,
+        7168,
+        32,
+        64,
+        seed=11,
+        cases=(
+            Case("bf16", tokens=(64, 40), topk=8),
+            Case("ue8m0_pair", tokens=(33, 64), topk=8, unused_prob=0.2, fmt="ue8m0", hook="pair"),
+            Case(
+                "fp8_hot_layer_zero_copy",
+                tokens=(64,),
+                topk=8,
+                hot_expert=20,
+                fmt="fp8",
+                layer=True,
+                hook="both",
+                zero_copy=True,
+                stats=True,
+            ),
+        ),
+    ),
     # Eight ranks in one node.
-    Group(8, 1024, 64, 16, seed=12, cases=(
-        Case("bf16", tokens=(16, 3, 9, 0, 12, 16, 1, 7), topk=8),
-        Case("fp8_unused_pair", tokens=(5, 16, 0, 8), topk=6, unused_prob=0.3, fmt="fp8",
-             hook="pair", stats=True),
-        Case("ue8m0_hot_layer", tokens=(16,), topk=4, hot_expert=41, fmt="ue8m0", layer=True,
-             hook="both", zero_copy=True),
-    )),
-]  # fmt: skip
+    Group(
+        8,
+        1024,
+        64,
+        16,
+        seed=12,
+        cases=(
+            Case("bf16", tokens=(16, 3, 9, 0, 12, 16, 1, 7), topk=8),
+            Case(
+                "fp8_unused_pair",
+                tokens=(5, 16, 0, 8),
+                topk=6,
+                unused_prob=0.3,
+                fmt="fp8",
+                hook="pair",
+                stats=True,
+            ),
+            Case(
+                "ue8m0_hot_layer",
+                tokens=(16,),
+                topk=4,
+                hot_expert=41,
+                fmt="ue8m0",
+                layer=True,
+                hook="both",
+                zero_copy=True,
+            ),
+        ),
+    ),
+]
 
 
 # --- inputs --------------------------------------------------------------------------------
@@ -264,8 +510,9 @@ def _tokens(num: int, hidden: int, gen) -> torch.Tensor:
     x = torch.randn(num, hidden, generator=gen)
     exponent = torch.randint(-6, 4, (num, groups), generator=gen).float()
     factor = (10.0**exponent).repeat_interleave(FP8_GROUP, dim=1)[:, :hidden]
-    factor[torch.rand(num, groups, generator=gen).repeat_interleave(FP8_GROUP, 1)[:, :hidden]
-           < 0.05] = 0.0  # fmt: skip
+    factor[
+        torch.rand(num, groups, generator=gen).repeat_interleave(FP8_GROUP, 1)[:, :hidden] < 0.05
+    ] = 0.0
     return (x * factor).to(BF16)
 
 
@@ -294,8 +541,15 @@ def _inputs(grp: Group, index: int, case: Case, rank: int, draw: int):
         wide = torch.zeros(num_tokens, grp.hidden + 8, dtype=BF16)
         wide[:, 3 : 3 + grp.hidden] = x
         x = wide[:, 3 : 3 + grp.hidden]
-    idx = _routing(num_tokens, grp.num_experts, case.topk, case.unused_prob, case.hot_expert,
-                   case.idx_dtype, gen)  # fmt: skip
+    idx = _routing(
+        num_tokens,
+        grp.num_experts,
+        case.topk,
+        case.unused_prob,
+        case.hot_expert,
+        case.idx_dtype,
+        gen,
+    )
     weights = torch.rand(num_tokens, case.topk, generator=gen) * 2 - 0.5
     return x, idx, weights
 
@@ -338,8 +592,10 @@ def _check_dispatch(fail, what, got, want, case: Case, grp: Group, mp: int) -> N
     world, hidden = grp.world_size, grp.hidden
     local, rows = grp.num_experts // world, world * mp
     if recv_count.dtype != I32 or tuple(recv_count.shape) != (local,):
-        fail(f"{what}: recv_count is {tuple(recv_count.shape)} {recv_count.dtype}, not [{local}] "
-             "int32")  # fmt: skip
+        fail(
+            f"{what}: recv_count is {tuple(recv_count.shape)} {recv_count.dtype}, not [{local}] "
+            "int32"
+        )
         return
     if not torch.equal(recv_count, want.recv_count):
         fail(f"{what}: recv_count {recv_count.tolist()}, reference {want.recv_count.tolist()}")
@@ -350,8 +606,10 @@ def _check_dispatch(fail, what, got, want, case: Case, grp: Group, mp: int) -> N
         fail(f"{what}: handle is a {type(handle).__name__}")
         return
     if (handle.num_max_dispatch_tokens_per_rank, handle.hidden, handle.num_experts) != (
-        mp, hidden, grp.num_experts,
-    ):  # fmt: skip
+        mp,
+        hidden,
+        grp.num_experts,
+    ):
         fail(f"{what}: handle's (M', hidden, num_experts) = {tuple(handle[2:5])}")
     src = handle.src_info.cpu()
     if src.dtype != I32 or tuple(src.shape) != (local, rows):
@@ -360,8 +618,10 @@ def _check_dispatch(fail, what, got, want, case: Case, grp: Group, mp: int) -> N
         fail(f"{what}: src_info of the valid rows differs from the reference")
     layout = handle.layout_range.cpu()
     if layout.dtype != I64 or not torch.equal(layout, want.layout_range):
-        fail(f"{what}: layout_range {layout.tolist()} ({layout.dtype}), reference "
-             f"{want.layout_range.tolist()}")  # fmt: skip
+        fail(
+            f"{what}: layout_range {layout.tolist()} ({layout.dtype}), reference "
+            f"{want.layout_range.tolist()}"
+        )
     slots = handle.token_slots.cpu()
     used = want.token_slots >= 0
     if slots.dtype != I32 or slots.shape != want.token_slots.shape:
@@ -382,8 +642,10 @@ def _check_dispatch(fail, what, got, want, case: Case, grp: Group, mp: int) -> N
         return
 
     if not isinstance(recv_x, tuple) or len(recv_x) != 2:
-        fail(f"{what}: with use_fp8 recv_x must be a (values, scales) pair, got "
-             f"{type(recv_x).__name__}")  # fmt: skip
+        fail(
+            f"{what}: with use_fp8 recv_x must be a (values, scales) pair, got "
+            f"{type(recv_x).__name__}"
+        )
         return
     values, scales = (t.cpu() for t in recv_x)
     if values.dtype != torch.float8_e4m3fn or tuple(values.shape) != (local, rows, hidden):
@@ -391,15 +653,19 @@ def _check_dispatch(fail, what, got, want, case: Case, grp: Group, mp: int) -> N
         return
     bad = _rows_differ(values.view(torch.uint8)[valid], want.values.view(torch.uint8)[valid])
     if bad:
-        fail(f"{what}: FP8 values of {len(bad)} of {int(valid.sum())} valid rows differ, first "
-             f"{bad[:8]}")  # fmt: skip
+        fail(
+            f"{what}: FP8 values of {len(bad)} of {int(valid.sum())} valid rows differ, first "
+            f"{bad[:8]}"
+        )
     groups = hidden // FP8_GROUP
     cols = -(-groups // 4) if case.fmt == "ue8m0" else groups
     dtype = I32 if case.fmt == "ue8m0" else torch.float32
     layout = ((local, rows, cols), (cols * rows, 1, rows), dtype)
     if (tuple(scales.shape), scales.stride(), scales.dtype) != layout:
-        fail(f"{what}: scales are {tuple(scales.shape)} strides {scales.stride()} "
-             f"{scales.dtype}, not {layout}")  # fmt: skip
+        fail(
+            f"{what}: scales are {tuple(scales.shape)} strides {scales.stride()} "
+            f"{scales.dtype}, not {layout}"
+        )
         return
     if case.fmt == "ue8m0":  # the bytes of real groups (a pad byte past the last one is free)
         shifts = torch.tensor([8 * (g % 4) for g in range(groups)])
@@ -409,8 +675,9 @@ def _check_dispatch(fail, what, got, want, case: Case, grp: Group, mp: int) -> N
     else:
         bad = _rows_differ(scales.view(I32)[valid], want.scales.view(I32)[valid])
     if bad:
-        fail(f"{what}: scales of {len(bad)} of {int(valid.sum())} valid rows differ, first "
-             f"{bad[:8]}")  # fmt: skip
+        fail(
+            f"{what}: scales of {len(bad)} of {int(valid.sum())} valid rows differ, first {bad[:8]}"
+        )
 
 
 def _check_combine(fail, what, out, want, magnitude, topk_idx) -> None:
@@ -469,10 +736,15 @@ def _run_case(buf: Buffer, rank: int, grp: Group, index: int, case: Case, fail) 
     for d in range(draws):
         x, idx, _ = inputs[d][rank]
         recv_x, recv_count, handle, event, hook = buf.low_latency_dispatch(
-            x.to(dev), idx.to(dev), mp, num_experts,
-            cumulative_local_expert_recv_stats=stats_dev, async_finish=case.async_finish,
-            return_recv_hook=dispatch_hook, **fmt,
-        )  # fmt: skip
+            x.to(dev),
+            idx.to(dev),
+            mp,
+            num_experts,
+            cumulative_local_expert_recv_stats=stats_dev,
+            async_finish=case.async_finish,
+            return_recv_hook=dispatch_hook,
+            **fmt,
+        )
         if (hook is None) == dispatch_hook:
             fail(f"dispatch {d}: hook is {hook!r} with return_recv_hook={dispatch_hook}")
         if event is not None and (dev.type == "cpu" or not case.async_finish):
@@ -480,9 +752,13 @@ def _run_case(buf: Buffer, rank: int, grp: Group, index: int, case: Case, fail) 
         calls.append([recv_x, recv_count, handle, event, hook])
     if case.probe_hooks:
         x, idx, _ = inputs[0][rank]
-        _expect(fail, "a third call while two await their hooks", ValueError,
-                lambda: buf.low_latency_dispatch(x.to(dev), idx.to(dev), mp, num_experts, **fmt),
-                "hook")  # fmt: skip
+        _expect(
+            fail,
+            "a third call while two await their hooks",
+            ValueError,
+            lambda: buf.low_latency_dispatch(x.to(dev), idx.to(dev), mp, num_experts, **fmt),
+            "hook",
+        )
     for call in calls:
         if call[4] is not None:
             call[4]()
@@ -499,8 +775,9 @@ def _run_case(buf: Buffer, rank: int, grp: Group, index: int, case: Case, fail) 
             recv_x = recv_x.cpu()
         calls[d][0] = recv_x
         calls[d].append(want)
-        _check_dispatch(fail, f"dispatch {d}", (recv_x, recv_count.cpu(), handle), want, case,
-                        grp, mp)  # fmt: skip
+        _check_dispatch(
+            fail, f"dispatch {d}", (recv_x, recv_count.cpu(), handle), want, case, grp, mp
+        )
         if stats is not None:
             stats += want.recv_count
     if stats is not None and not torch.equal(stats_dev.cpu(), stats):
@@ -527,14 +804,22 @@ def _run_case(buf: Buffer, rank: int, grp: Group, index: int, case: Case, fail) 
         if case.zero_copy:
             y_dev = buf.get_next_low_latency_combine_buffer(handle)
             if (tuple(y_dev.shape), y_dev.dtype) != (tuple(y.shape), BF16):
-                fail(f"combine buffer is {tuple(y_dev.shape)} {y_dev.dtype}, not "
-                     f"{tuple(y.shape)} bf16")  # fmt: skip
+                fail(
+                    f"combine buffer is {tuple(y_dev.shape)} {y_dev.dtype}, not "
+                    f"{tuple(y.shape)} bf16"
+                )
                 return
             y_dev.copy_(y)
         got, event, hook = buf.low_latency_combine(
-            y_dev, idx.to(dev), w.to(dev), handle, zero_copy=case.zero_copy,
-            async_finish=case.async_finish, return_recv_hook=combine_hook, out=out,
-        )  # fmt: skip
+            y_dev,
+            idx.to(dev),
+            w.to(dev),
+            handle,
+            zero_copy=case.zero_copy,
+            async_finish=case.async_finish,
+            return_recv_hook=combine_hook,
+            out=out,
+        )
         if (hook is None) == combine_hook:
             fail(f"combine {d}: hook is {hook!r} with return_recv_hook={combine_hook}")
         if out is not None and got.data_ptr() != out.data_ptr():
@@ -642,18 +927,38 @@ MASKED = 2
 # seconds each.
 STALL_TIMEOUT_S = 25.0 if DEVICE == "cpu" else 90.0
 MASKED_GROUPS = [
-    Group(4, 256, 8, 6, seed=7, ranks_per_node=rpn, cases=(
-        Case("bf16", tokens=(3, 6, 5, 0), topk=3, unused_prob=0.2),
-        Case("fp8_hot_expert_on_the_masked_rank", tokens=(6, 2, 4, 5), topk=2, fmt="fp8",
-             hot_expert=5),
-        Case("ue8m0_hooks", tokens=(0, 4, 6, 3), topk=4, fmt="ue8m0", hook="both"),
-    ))
+    Group(
+        4,
+        256,
+        8,
+        6,
+        seed=7,
+        ranks_per_node=rpn,
+        cases=(
+            Case("bf16", tokens=(3, 6, 5, 0), topk=3, unused_prob=0.2),
+            Case(
+                "fp8_hot_expert_on_the_masked_rank",
+                tokens=(6, 2, 4, 5),
+                topk=2,
+                fmt="fp8",
+                hot_expert=5,
+            ),
+            Case("ue8m0_hooks", tokens=(0, 4, 6, 3), topk=4, fmt="ue8m0", hook="both"),
+        ),
+    )
     for rpn in (None, 2)
-]  # fmt: skip
+]
 
 
-def _masked_body(rank: int, world: int, grp: Group, how: str, stall_at: int = 0,
-                 rounds: int = 1, lag_s: float = 0.0) -> list[str]:  # fmt: skip
+def _masked_body(
+    rank: int,
+    world: int,
+    grp: Group,
+    how: str,
+    stall_at: int = 0,
+    rounds: int = 1,
+    lag_s: float = 0.0,
+) -> list[str]:
     """Rank MASKED makes the Buffer and the first ``stall_at`` calls (a case is a dispatch and
     a combine), then makes no more (``how``: "by hand", "told", "stalled", "clean": the others
     call clean_low_latency_buffer after the first case) or is killed ("killed"). Every other
@@ -668,18 +973,27 @@ def _masked_body(rank: int, world: int, grp: Group, how: str, stall_at: int = 0,
     # was told, and frees the heap with them)
     masked_by_hand = how in ("by hand", "told")
     failures: list[str] = []
-    buf = Buffer(None, hidden_size=grp.hidden, max_tokens_per_rank=grp.tokens,
-                 num_experts=grp.num_experts, low_latency_tokens=grp.tokens,
-                 ranks_per_node=grp.ranks_per_node, device=rank_device(),
-                 mask_failed_ranks=how in ("stalled", "killed", "clean"),
-                 timeout_s=60.0 if how in ("by hand", "told") else STALL_TIMEOUT_S)  # fmt: skip
+    buf = Buffer(
+        None,
+        hidden_size=grp.hidden,
+        max_tokens_per_rank=grp.tokens,
+        num_experts=grp.num_experts,
+        low_latency_tokens=grp.tokens,
+        ranks_per_node=grp.ranks_per_node,
+        device=rank_device(),
+        mask_failed_ranks=how in ("stalled", "killed", "clean"),
+        timeout_s=60.0 if how in ("by hand", "told") else STALL_TIMEOUT_S,
+    )
     dev, local = rank_device(), grp.num_experts // world
 
     def fail(msg: str) -> None:
         failures.append(f"[{grp.id} masked, {how} at call {stall_at}] rank {rank}: {msg}")
 
-    cases = [(index, case) for index in range(rounds * len(grp.cases))
-             for case in [grp.cases[index % len(grp.cases)]]]  # fmt: skip
+    cases = [
+        (index, case)
+        for index in range(rounds * len(grp.cases))
+        for case in [grp.cases[index % len(grp.cases)]]
+    ]
     if rank == MASKED:
         for index, case in cases[: -(-stall_at // 2)]:
             _masked_case(buf, rank, grp, index, case, local, fail, stall_at)
@@ -741,7 +1055,8 @@ def _masked_case(buf, rank, grp, index, case, local, fail, stall_at) -> None:
     x, idx, w = inputs[rank]
     hooks = case.hook == "both"
     recv_x, recv_count, handle, _, hook = buf.low_latency_dispatch(
-        x.to(dev), idx.to(dev), mp, grp.num_experts, return_recv_hook=hooks, **fmt)  # fmt: skip
+        x.to(dev), idx.to(dev), mp, grp.num_experts, return_recv_hook=hooks, **fmt
+    )
     if hook is not None:
         hook()
     xs = [t[:0] if j == MASKED and not dispatched else t for j, (t, _, _) in enumerate(inputs)]
@@ -753,20 +1068,25 @@ def _masked_case(buf, rank, grp, index, case, local, fail, stall_at) -> None:
     elif not combined:
         return
     y = _expert_outputs(grp, index, rank, 0, mp)
-    got, _, hook = buf.low_latency_combine(y.to(dev), idx.to(dev), w.to(dev), handle,
-                                           return_recv_hook=hooks)  # fmt: skip
+    got, _, hook = buf.low_latency_combine(
+        y.to(dev), idx.to(dev), w.to(dev), handle, return_recv_hook=hooks
+    )
     if hook is not None:
         hook()
     if rank == MASKED:
         return
     ys = [_expert_outputs(grp, index, j, 0, mp) for j in range(world)]
-    alive = [t.long() if combined else torch.where(t.long() // local == MASKED, -1, t.long())
-             for t in idxs]  # fmt: skip
+    alive = [
+        t.long() if combined else torch.where(t.long() // local == MASKED, -1, t.long())
+        for t in idxs
+    ]
     ref = reference.low_latency_combine(ys, alive, w, grp.num_experts, rank)
-    magnitude = reference.low_latency_combine([t.float().abs() for t in ys], alive, w.abs(),
-                                              grp.num_experts, rank)  # fmt: skip
-    _check_combine(fail, f"{case.name} {index}: combine", got.cpu(), ref, magnitude.float(),
-                   alive[rank])  # fmt: skip
+    magnitude = reference.low_latency_combine(
+        [t.float().abs() for t in ys], alive, w.abs(), grp.num_experts, rank
+    )
+    _check_combine(
+        fail, f"{case.name} {index}: combine", got.cpu(), ref, magnitude.float(), alive[rank]
+    )
 
 
 @pytest.mark.parametrize("grp", MASKED_GROUPS, ids=lambda g: g.id)
@@ -783,8 +1103,11 @@ def test_a_mask_set_on_one_rank_reaches_the_others(launch):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("stall_at, lag_s", [(0, 0.0), (1, 8.0)],
-                         ids=["before a dispatch", "between dispatch and combine"])  # fmt: skip
+@pytest.mark.parametrize(
+    "stall_at, lag_s",
+    [(0, 0.0), (1, 8.0)],
+    ids=["before a dispatch", "between dispatch and combine"],
+)
 def test_rank_that_stops_answering_is_masked(launch, stall_at, lag_s):
     """mask_failed_ranks: the live ranks' waits on the stalled rank run out and mask it; that
     call and the 20 and more after it equal the reference without it, and no TimeoutError is
@@ -792,8 +1115,7 @@ def test_rank_that_stops_answering_is_masked(launch, stall_at, lag_s):
     for rank 0, which waited on the stalled rank and then lags: rank 0's heartbeat keeps it
     from being masked too (without heartbeats rank 3 masks it)."""
     grp = MASKED_GROUPS[0]
-    assert_no_failures(launch(_masked_body, grp.world_size, grp, "stalled", stall_at, 4,
-                               lag_s))  # fmt: skip
+    assert_no_failures(launch(_masked_body, grp.world_size, grp, "stalled", stall_at, 4, lag_s))
 
 
 @pytest.mark.slow
@@ -813,8 +1135,7 @@ def test_rank_killed_outright_is_masked(launch, grp):
     (heartbeats pushed across nodes)."""
     skip_if_a_killed_rank_shares_a_gpu(grp.world_size)
     with pytest.raises(RankFailure) as failed:
-        launch(_masked_body, grp.world_size, grp, "killed", 1, 4, fresh=True,
-               failure_grace_s=300)  # fmt: skip
+        launch(_masked_body, grp.world_size, grp, "killed", 1, 4, fresh=True, failure_grace_s=300)
     assert list(failed.value.failures) == [MASKED], failed.value.failures
 
 
@@ -823,9 +1144,16 @@ def _farewell_body(rank: int, world: int, ranks_per_node, how: str) -> list[str]
     others; "masked": rank 0 has masked rank 1 (not told yet: no call was made), and every
     rank leaves the heap; "silent": rank MASKED comes only once the others are done, and every
     rank leaves it, the others after timeout_s. Each rank's verdict, then destroy()."""
-    buf = Buffer(None, hidden_size=128, max_tokens_per_rank=4, num_experts=8,
-                 low_latency_tokens=4, ranks_per_node=ranks_per_node, device=rank_device(),
-                 timeout_s=3.0 if how == "silent" else 60.0)  # fmt: skip
+    buf = Buffer(
+        None,
+        hidden_size=128,
+        max_tokens_per_rank=4,
+        num_experts=8,
+        low_latency_tokens=4,
+        ranks_per_node=ranks_per_node,
+        device=rank_device(),
+        timeout_s=3.0 if how == "silent" else 60.0,
+    )
     if how == "masked" and rank == 0:
         buf.update_mask(1)
     silent = how == "silent" and rank == MASKED
@@ -902,8 +1230,14 @@ def _validation_body(rank: int, world: int, ranks_per_node: int | None) -> list[
     local = E // world
     grp = Group(world, H, E, M, seed=20, cases=(), ranks_per_node=ranks_per_node)
     good = Case("good", tokens=(3, 2, 4, 2), topk=2)
-    kw = dict(hidden_size=H, max_tokens_per_rank=M, num_experts=E, device=dev, timeout_s=30.0,
-              ranks_per_node=ranks_per_node)  # fmt: skip
+    kw = dict(
+        hidden_size=H,
+        max_tokens_per_rank=M,
+        num_experts=E,
+        device=dev,
+        timeout_s=30.0,
+        ranks_per_node=ranks_per_node,
+    )
     buf = Buffer(None, low_latency_tokens=M, **kw)
     index = 0
 
@@ -953,8 +1287,9 @@ def _validation_body(rank: int, world: int, ranks_per_node: int | None) -> list[
         refused_by_all("x float32", dispatch(x_=x.float()), "x")
         refused_by_all("x of another hidden size", dispatch(x_=x[:, :64]), "x")
         refused_by_all("topk_idx float", dispatch(idx_=idx.float()), "topk_idx")
-        refused_by_all("topk_idx with a row too many",
-                       dispatch(idx_=torch.cat([idx, idx[:1]])), "topk_idx")  # fmt: skip
+        refused_by_all(
+            "topk_idx with a row too many", dispatch(idx_=torch.cat([idx, idx[:1]])), "topk_idx"
+        )
         refused_by_all("topk_idx with K=0", dispatch(idx_=idx[:, :0]), "topk_idx")
         for name, bad_stats in (
             ("int64", stats.long()),
@@ -976,8 +1311,9 @@ def _validation_body(rank: int, world: int, ranks_per_node: int | None) -> list[
         refused_by_all("y with a row too many", combine(y_=torch.cat([y, y[:, :1]], 1)), "x")
         refused_by_all("y float32", combine(y_=y.float()), "x")
         refused_by_all("topk_weights float64", combine(w_=w.double()), "topk_weights")
-        refused_by_all("topk_weights [T, K + 1]",
-                       combine(w_=torch.cat([w, w[:, :1]], 1)), "topk_weights")  # fmt: skip
+        refused_by_all(
+            "topk_weights [T, K + 1]", combine(w_=torch.cat([w, w[:, :1]], 1)), "topk_weights"
+        )
         refused_by_all(
             "topk_idx of another shape", combine(idx_=torch.cat([idx, idx[:1]])), "topk_idx"
         )
@@ -998,34 +1334,47 @@ def _validation_body(rank: int, world: int, ranks_per_node: int | None) -> list[
         too_many_idx[:, 1] = 1
         for hook in (False, True):
             _refused_on_one_rank(
-                buf, rank, bad, f"dispatch refused by rank {bad} (hook={hook})", fail,
-                lambda hook=hook: buf.low_latency_dispatch(too_many, too_many_idx, M, E,
-                                                           return_recv_hook=hook),
-                lambda hook=hook: buf.low_latency_dispatch(x, idx, M, E,
-                                                           return_recv_hook=hook)[4],
+                buf,
+                rank,
+                bad,
+                f"dispatch refused by rank {bad} (hook={hook})",
+                fail,
+                lambda hook=hook: buf.low_latency_dispatch(
+                    too_many, too_many_idx, M, E, return_recv_hook=hook
+                ),
+                lambda hook=hook: buf.low_latency_dispatch(x, idx, M, E, return_recv_hook=hook)[4],
                 "num_max_dispatch_tokens_per_rank",
-            )  # fmt: skip
+            )
             more = dict(fmt="ue8m0", hook="both") if hook else {}
             round_trip(f"a dispatch refused by one rank (hook={hook})", **more)
 
             _, _, handle, _, _ = buf.low_latency_dispatch(x, idx, M, E, use_fp8=False)
             buf.check()
             _refused_on_one_rank(
-                buf, rank, bad, f"combine refused by rank {bad} (hook={hook})", fail,
+                buf,
+                rank,
+                bad,
+                f"combine refused by rank {bad} (hook={hook})",
+                fail,
                 lambda hook=hook, handle=handle: buf.low_latency_combine(
-                    y, idx, w.double(), handle, return_recv_hook=hook),
+                    y, idx, w.double(), handle, return_recv_hook=hook
+                ),
                 lambda hook=hook, handle=handle: buf.low_latency_combine(
-                    y, idx, w, handle, return_recv_hook=hook)[2],
+                    y, idx, w, handle, return_recv_hook=hook
+                )[2],
                 "topk_weights",
-            )  # fmt: skip
-            round_trip(f"a combine refused by one rank (hook={hook})", fmt="fp8",
-                       hook="dispatch" if hook else "combine", stats=True)  # fmt: skip
+            )
+            round_trip(
+                f"a combine refused by one rank (hook={hook})",
+                fmt="fp8",
+                hook="dispatch" if hook else "combine",
+                stats=True,
+            )
 
         # Hooks: a third call while two await theirs; a hook called twice.
         first = buf.low_latency_dispatch(x, idx, M, E, return_recv_hook=True)[4]
         second = buf.low_latency_combine(y, idx, w, handle, return_recv_hook=True)[2]
-        _expect(fail, "a combine while two calls await their hooks", ValueError,
-                combine(), "hook")  # fmt: skip
+        _expect(fail, "a combine while two calls await their hooks", ValueError, combine(), "hook")
         first()
         _expect(fail, "a dispatch hook called twice", RuntimeError, first)
         second()
@@ -1043,15 +1392,27 @@ def _validation_body(rank: int, world: int, ranks_per_node: int | None) -> list[
     plain = Buffer(None, **kw)
     try:
         xs, idxs, ws = _inputs(grp, 0, good, rank, 0)
-        _expect(fail, "low_latency_dispatch without low_latency_tokens", ValueError,
-                lambda: plain.low_latency_dispatch(xs.to(dev), idxs.to(dev), M, E),
-                "low_latency_tokens")  # fmt: skip
-        _expect(fail, "low_latency_combine without low_latency_tokens", ValueError,
-                lambda: plain.low_latency_combine(y, idxs.to(dev), ws.to(dev), handle),
-                "low_latency_tokens")  # fmt: skip
-        _expect(fail, "get_next_low_latency_combine_buffer without low_latency_tokens",
-                ValueError, lambda: plain.get_next_low_latency_combine_buffer(handle),
-                "low_latency_tokens")  # fmt: skip
+        _expect(
+            fail,
+            "low_latency_dispatch without low_latency_tokens",
+            ValueError,
+            lambda: plain.low_latency_dispatch(xs.to(dev), idxs.to(dev), M, E),
+            "low_latency_tokens",
+        )
+        _expect(
+            fail,
+            "low_latency_combine without low_latency_tokens",
+            ValueError,
+            lambda: plain.low_latency_combine(y, idxs.to(dev), ws.to(dev), handle),
+            "low_latency_tokens",
+        )
+        _expect(
+            fail,
+            "get_next_low_latency_combine_buffer without low_latency_tokens",
+            ValueError,
+            lambda: plain.get_next_low_latency_combine_buffer(handle),
+            "low_latency_tokens",
+        )
     finally:
         plain.destroy()
 
@@ -1060,8 +1421,13 @@ def _validation_body(rank: int, world: int, ranks_per_node: int | None) -> list[
     buf = Buffer(None, low_latency_tokens=M, **{**kw, "hidden_size": 72})
     try:
         x72 = _inputs(odd, 0, good, rank, 0)[0].to(dev)
-        _expect(fail, "use_fp8 at hidden 72", ValueError,
-                lambda: buf.low_latency_dispatch(x72, idx, M, E, use_fp8=True), "128")  # fmt: skip
+        _expect(
+            fail,
+            "use_fp8 at hidden 72",
+            ValueError,
+            lambda: buf.low_latency_dispatch(x72, idx, M, E, use_fp8=True),
+            "128",
+        )
         _expect(fail, "check() after use_fp8 at hidden 72", ValueError, buf.check, "refused")
 
         def tagged(msg: str) -> None:
@@ -1081,7 +1447,7 @@ def _validation_body(rank: int, world: int, ranks_per_node: int | None) -> list[
         (2, None),
         pytest.param(2, 1, marks=pytest.mark.slow),
         pytest.param(4, 2, marks=pytest.mark.slow),
-    ],  # fmt: skip
+    ],
     ids=["W2", "W2-2x1", "W4-2x2"],
 )
 def test_refused_inputs(launch, world, ranks_per_node):
@@ -1103,8 +1469,9 @@ class _DropIn:
         from hybrid_ep_triton import deep_ep
 
         budget = deep_ep.Buffer.get_low_latency_rdma_size_hint(tokens, hidden, world, experts)
-        self.buffer = deep_ep.Buffer(dist.group.WORLD, 0, budget, low_latency_mode=True,
-                                     explicitly_destroy=True)  # fmt: skip
+        self.buffer = deep_ep.Buffer(
+            dist.group.WORLD, 0, budget, low_latency_mode=True, explicitly_destroy=True
+        )
 
     def low_latency_dispatch(self, *args, **kwargs):
         recv_x, count, handle, event, hook = self.buffer.low_latency_dispatch(*args, **kwargs)
@@ -1173,13 +1540,26 @@ def _outside_id_dispatch(buf, rank, grp, index, case, bad, outside_id, hook, fai
         if calls and calls[0][4] is not None:
             calls[0][4]()
 
-    _peer_refused(fail, case.name, bad, [
-        lambda: calls.append(buf.low_latency_dispatch(
-            x.to(dev), idx.to(dev), grp.tokens, grp.num_experts,
-            cumulative_local_expert_recv_stats=stats, return_recv_hook=hook, **fmt)),
-        run_hook,
-        buf.check,
-    ])  # fmt: skip
+    _peer_refused(
+        fail,
+        case.name,
+        bad,
+        [
+            lambda: calls.append(
+                buf.low_latency_dispatch(
+                    x.to(dev),
+                    idx.to(dev),
+                    grp.tokens,
+                    grp.num_experts,
+                    cumulative_local_expert_recv_stats=stats,
+                    return_recv_hook=hook,
+                    **fmt,
+                )
+            ),
+            run_hook,
+            buf.check,
+        ],
+    )
     inputs[bad] = (inputs[bad][0][:0], inputs[bad][1][:0])
     want = reference.low_latency_dispatch(
         [t[0] for t in inputs], [t[1] for t in inputs], grp.num_experts, grp.tokens, rank, **fmt
@@ -1191,8 +1571,9 @@ def _outside_id_dispatch(buf, rank, grp, index, case, bad, outside_id, hook, fai
         recv_x, recv_count, handle = calls[0][:3]
         recv_x = tuple(t.cpu() for t in recv_x) if isinstance(recv_x, tuple) else recv_x.cpu()
         want.layout_range[:, bad] = int(LL_REFUSED_RANGE)
-        _check_dispatch(fail, case.name, (recv_x, recv_count.cpu(), handle), want, case, grp,
-                        grp.tokens)  # fmt: skip
+        _check_dispatch(
+            fail, case.name, (recv_x, recv_count.cpu(), handle), want, case, grp, grp.tokens
+        )
 
 
 def _outside_id_combine(buf, rank, grp, index, case, bad, outside_id, fail) -> None:
@@ -1225,9 +1606,16 @@ def _outside_ids_body(rank: int, world: int, api: str, ranks_per_node: int | Non
     if api == "deep_ep":
         buf = _DropIn(world, H, E, M)
     else:
-        buf = Buffer(None, hidden_size=H, max_tokens_per_rank=M, num_experts=E,
-                     low_latency_tokens=M, ranks_per_node=ranks_per_node, device=dev,
-                     timeout_s=30.0)  # fmt: skip
+        buf = Buffer(
+            None,
+            hidden_size=H,
+            max_tokens_per_rank=M,
+            num_experts=E,
+            low_latency_tokens=M,
+            ranks_per_node=ranks_per_node,
+            device=dev,
+            timeout_s=30.0,
+        )
 
     def round_trip(index: int, after: str, **more) -> None:
         def tagged(msg: str) -> None:
@@ -1237,12 +1625,15 @@ def _outside_ids_body(rank: int, world: int, api: str, ranks_per_node: int | Non
         _run_case(buf, rank, grp, index, case, tagged)
 
     try:
-        for index, (outside_id, idx_dtype, fmt, hook) in enumerate((
-            (E, I64, "bf16", False),
-            (-2, I64, "fp8", True),
-            (2**32 + 1, I64, "bf16", True),  # (an int32 of its low bits would be expert 1)
-            (E + 3, I32, "ue8m0", False),
-        ), start=1):  # fmt: skip
+        for index, (outside_id, idx_dtype, fmt, hook) in enumerate(
+            (
+                (E, I64, "bf16", False),
+                (-2, I64, "fp8", True),
+                (2**32 + 1, I64, "bf16", True),  # (an int32 of its low bits would be expert 1)
+                (E + 3, I32, "ue8m0", False),
+            ),
+            start=1,
+        ):
             bad = index % world
             what = f"expert id {outside_id} ({idx_dtype}) on rank {bad}, {fmt}, hook={hook}"
             case = Case(what, tokens=(3, 4), topk=2, idx_dtype=idx_dtype, fmt=fmt)
@@ -1286,8 +1677,14 @@ def _strided_routing_body(rank: int, world: int) -> list[str]:
     grp = Group(world, 128, 4, 4, seed=30, cases=())
     case = Case("strided routing", tokens=(3, 4), topk=2)
     dev = rank_device()
-    with Buffer(None, hidden_size=128, max_tokens_per_rank=4, num_experts=4,
-                low_latency_tokens=4, device=dev) as buf:  # fmt: skip
+    with Buffer(
+        None,
+        hidden_size=128,
+        max_tokens_per_rank=4,
+        num_experts=4,
+        low_latency_tokens=4,
+        device=dev,
+    ) as buf:
         inputs = [_inputs(grp, 0, case, j, 0) for j in range(world)]
         x, idx, w = inputs[rank]
         wide_idx = torch.full((idx.shape[0], 4), -1, dtype=idx.dtype)
@@ -1300,18 +1697,27 @@ def _strided_routing_body(rank: int, world: int) -> list[str]:
         xs, idxs = [a for a, _, _ in inputs], [b for _, b, _ in inputs]
         want = reference.low_latency_dispatch(xs, idxs, 4, 4, rank)
         if not torch.equal(count.cpu(), want.recv_count):
-            failures.append(f"rank {rank}: dispatch with strided topk_idx: recv_count "
-                            f"{count.tolist()}, reference {want.recv_count.tolist()}")  # fmt: skip
+            failures.append(
+                f"rank {rank}: dispatch with strided topk_idx: recv_count "
+                f"{count.tolist()}, reference {want.recv_count.tolist()}"
+            )
         # Combine with packed topk_idx along a correct handle, strided topk_weights.
         _, _, handle, _, _ = buf.low_latency_dispatch(x.to(dev), idx.to(dev), 4, 4, use_fp8=False)
         ys = [_expert_outputs(grp, 0, j, 0, 4) for j in range(world)]
-        out = buf.low_latency_combine(ys[rank].to(dev), idx.to(dev), wide_w.to(dev)[:, :2],
-                                      handle)[0].cpu()  # fmt: skip
+        out = buf.low_latency_combine(ys[rank].to(dev), idx.to(dev), wide_w.to(dev)[:, :2], handle)[
+            0
+        ].cpu()
         ref = reference.low_latency_combine(ys, idxs, w, 4, rank)
         abs_ys = [y.float().abs() for y in ys]
         mag = reference.low_latency_combine(abs_ys, idxs, w.abs(), 4, rank)
-        _check_combine(lambda m: failures.append(f"rank {rank}: strided topk_weights: {m}"),
-                       "combine", out, ref, mag.float(), idx.long())  # fmt: skip
+        _check_combine(
+            lambda m: failures.append(f"rank {rank}: strided topk_weights: {m}"),
+            "combine",
+            out,
+            ref,
+            mag.float(),
+            idx.long(),
+        )
     return failures
 
 
@@ -1399,8 +1805,9 @@ def test_low_latency_bytes_below_deepeps_hint():
                     ours = Buffer.low_latency_bytes(tokens, hidden, world, experts)
                     theirs = deepep_low_latency_bytes(tokens, hidden, world, experts)
                     if not 0 < ours <= theirs:
-                        over.append(f"M={tokens} H={hidden} W={world} E={experts}: {ours} > "
-                                    f"{theirs}")  # fmt: skip
+                        over.append(
+                            f"M={tokens} H={hidden} W={world} E={experts}: {ours} > {theirs}"
+                        )
     assert not over, "\n".join(over)
 
 
@@ -1442,19 +1849,35 @@ def _fuzz_group(scenario: dict, seed: int) -> Group:
     cases = []
     for n, call in enumerate(scenario["calls"]):
         mp = call["mp"]
-        cases.append(Case(
-            f"call {n}: {call}", tokens=tuple(min(t, mp) for t in call["tokens"]), mp=mp,
-            topk=min(call["topk"], experts), idx_dtype=call["idx_dtype"],
-            unused_prob=call["unused"],
-            hot_expert=None if call["hot"] is None else call["hot"] % experts,
-            fmt=call["fmt"], hook=call["hook"], layer=call["layer"],
-            zero_copy=call["zero_copy"], out=call["out"], stats=call["stats"],
-        ))  # fmt: skip
+        cases.append(
+            Case(
+                f"call {n}: {call}",
+                tokens=tuple(min(t, mp) for t in call["tokens"]),
+                mp=mp,
+                topk=min(call["topk"], experts),
+                idx_dtype=call["idx_dtype"],
+                unused_prob=call["unused"],
+                hot_expert=None if call["hot"] is None else call["hot"] % experts,
+                fmt=call["fmt"],
+                hook=call["hook"],
+                layer=call["layer"],
+                zero_copy=call["zero_copy"],
+                out=call["out"],
+                stats=call["stats"],
+            )
+        )
     per_node = scenario["ranks_per_node"]
     if per_node is not None and world % per_node:
         per_node = None
-    return Group(world, scenario["hidden"], experts, FUZZ_TOKENS, seed=seed, cases=tuple(cases),
-                 ranks_per_node=per_node)  # fmt: skip
+    return Group(
+        world,
+        scenario["hidden"],
+        experts,
+        FUZZ_TOKENS,
+        seed=seed,
+        cases=tuple(cases),
+        ranks_per_node=per_node,
+    )
 
 
 @pytest.mark.slow
@@ -1480,8 +1903,14 @@ def _compile_body(rank: int, world: int, calls: int) -> list[str]:
     grp = Group(world, 128, 2 * world, 4, seed=40, cases=())
     local, num_experts = 2, 2 * world
     dev = rank_device()
-    buf = Buffer(None, hidden_size=128, max_tokens_per_rank=4, num_experts=num_experts,
-                 low_latency_tokens=4, device=dev)  # fmt: skip
+    buf = Buffer(
+        None,
+        hidden_size=128,
+        max_tokens_per_rank=4,
+        num_experts=num_experts,
+        low_latency_tokens=4,
+        device=dev,
+    )
     factor = (torch.arange(rank * local, (rank + 1) * local, device=dev) + 1.0)[:, None, None]
 
     def step(x, idx, w):
@@ -1511,15 +1940,22 @@ def _compile_body(rank: int, world: int, calls: int) -> list[str]:
             xs, idxs = [a for a, _, _ in inputs], [b for _, b, _ in inputs]
             want = reference.low_latency_dispatch(xs, idxs, num_experts, 4, rank)
             if not torch.equal(count.cpu(), want.recv_count):
-                failures.append(f"{what}: recv_count {count.tolist()}, reference "
-                                f"{want.recv_count.tolist()}")  # fmt: skip
+                failures.append(
+                    f"{what}: recv_count {count.tolist()}, reference {want.recv_count.tolist()}"
+                )
             q = reference.dequantize_fp8(*reference.quantize_fp8_low_latency(inputs[rank][0]))
             ids = inputs[rank][1]
             terms = torch.where(ids >= 0, inputs[rank][2] * (ids + 1), 0.0)
             ref = (terms.sum(dim=1, keepdim=True) * q).to(BF16)
             mag = terms.abs().sum(dim=1, keepdim=True) * q.abs()
-            _check_combine(lambda m, what=what: failures.append(f"{what}: {m}"), "combine",
-                           got.cpu(), ref, mag, ids)  # fmt: skip
+            _check_combine(
+                lambda m, what=what: failures.append(f"{what}: {m}"),
+                "combine",
+                got.cpu(),
+                ref,
+                mag,
+                ids,
+            )
     except Exception as e:
         failures.append(f"rank {rank}: raised {e!r}"[:2000])
     finally:
@@ -1556,23 +1992,35 @@ def _graph_replays(rank: int, world: int, fmt: str, use_graph: bool) -> list[str
     hidden, tokens, local = (512, 16, 3) if use_graph else (256, 5, 2)
     num_experts = local * world
     grp = Group(world, hidden, num_experts, tokens, seed=50, cases=())
-    case = Case(f"graph {fmt}", tokens=(tokens,), topk=min(4, num_experts), fmt=fmt,
-                unused_prob=0.2)  # fmt: skip
+    case = Case(
+        f"graph {fmt}", tokens=(tokens,), topk=min(4, num_experts), fmt=fmt, unused_prob=0.2
+    )
 
     def fail(msg: str) -> None:
         failures.append(f"rank {rank} ({fmt}): {msg}")
 
-    buf = Buffer(None, hidden_size=hidden, max_tokens_per_rank=tokens, num_experts=num_experts,
-                 low_latency_tokens=tokens, device=dev)  # fmt: skip
+    buf = Buffer(
+        None,
+        hidden_size=hidden,
+        max_tokens_per_rank=tokens,
+        num_experts=num_experts,
+        low_latency_tokens=tokens,
+        device=dev,
+    )
     x, idx, w = (t.to(dev) for t in _inputs(grp, 0, case, rank, 0))
     stats = torch.zeros(local, dtype=I32, device=dev)
     factor = torch.arange(rank * local, (rank + 1) * local, device=dev) + 1.0
 
     def step():
         recv_x, count, handle, _, hook = buf.low_latency_dispatch(
-            x, idx, tokens, num_experts, cumulative_local_expert_recv_stats=stats,
-            return_recv_hook=True, **FORMATS[fmt],
-        )  # fmt: skip
+            x,
+            idx,
+            tokens,
+            num_experts,
+            cumulative_local_expert_recv_stats=stats,
+            return_recv_hook=True,
+            **FORMATS[fmt],
+        )
         hook()
         rows = _dequantize(*recv_x, fmt) if fmt != "bf16" else recv_x.float()
         y = (rows * factor[:, None, None]).to(BF16)
@@ -1606,14 +2054,23 @@ def _graph_replays(rank: int, world: int, fmt: str, use_graph: bool) -> list[str
                 recv_x, count, handle, out = step()
             buf.check()
             xs, idxs = [a for a, _, _ in inputs], [b for _, b, _ in inputs]
-            want = reference.low_latency_dispatch(xs, idxs, num_experts, tokens, rank,
-                                                  **FORMATS[fmt])  # fmt: skip
+            want = reference.low_latency_dispatch(
+                xs, idxs, num_experts, tokens, rank, **FORMATS[fmt]
+            )
             got_x = tuple(t.cpu() for t in recv_x) if fmt != "bf16" else recv_x.cpu()
-            _check_dispatch(lambda m, r=replay: fail(f"replay {r}: {m}"), "dispatch",
-                            (got_x, count.cpu(), handle), want, case, grp, tokens)  # fmt: skip
+            _check_dispatch(
+                lambda m, r=replay: fail(f"replay {r}: {m}"),
+                "dispatch",
+                (got_x, count.cpu(), handle),
+                want,
+                case,
+                grp,
+                tokens,
+            )
             if not torch.equal(stats.cpu(), want.recv_count):
-                fail(f"replay {replay}: stats {stats.tolist()}, expected "
-                     f"{want.recv_count.tolist()}")  # fmt: skip
+                fail(
+                    f"replay {replay}: stats {stats.tolist()}, expected {want.recv_count.tolist()}"
+                )
             rows = xs[rank].float()
             if fmt != "bf16":
                 rows = reference.dequantize_fp8(
@@ -1623,8 +2080,9 @@ def _graph_replays(rank: int, world: int, fmt: str, use_graph: bool) -> list[str
             terms = torch.where(ids >= 0, inputs[rank][2] * (ids + 1), 0.0)
             ref = (terms.sum(dim=1, keepdim=True) * rows).to(BF16)
             mag = terms.abs().sum(dim=1, keepdim=True) * rows.abs()
-            _check_combine(lambda m, r=replay: fail(f"replay {r}: {m}"), "combine", out.cpu(),
-                           ref, mag, ids)  # fmt: skip
+            _check_combine(
+                lambda m, r=replay: fail(f"replay {r}: {m}"), "combine", out.cpu(), ref, mag, ids
+            )
     except Exception as e:
         fail(raised(e))
     finally:

@@ -116,8 +116,9 @@ def _live_round(buf, rank: int, round_: int, stall_at: int, fail) -> None:
     # New rows along the handle: MASKED's are zero where it has stopped since.
     cached = [(_new_rows(round_, j, len(t)), i, v) for j, (t, i, v) in enumerate(inputs)]
     _poison_free_memory(len(recv_x), dev)
-    recv_x, recv_w, _, handle = buf.dispatch(cached[rank][0].to(dev), topk_weights=w.to(dev),
-                                             handle=handle)  # fmt: skip
+    recv_x, recv_w, _, handle = buf.dispatch(
+        cached[rank][0].to(dev), topk_weights=w.to(dev), handle=handle
+    )
     gone = MASKED in laid_out and first + 2 >= stall_at
     shown = [(t * (0 if gone and j == MASKED else 1), i, v) for j, (t, i, v) in enumerate(cached)]
     want_x, want_w, _ = _expected_dispatch(
@@ -175,10 +176,16 @@ def _body(
         failures.append(f"[{how} at call {stall_at}] rank {rank}: {msg}")
 
     failing = how in ("stalled", "killed")
-    buf = Buffer(None, hidden_size=HIDDEN, max_tokens_per_rank=MAX_TOKENS,
-                 num_experts=NUM_EXPERTS, device=rank_device(), mask_failed_ranks=failing,
-                 timeout_s=STALL_TIMEOUT_S if failing else 60.0,
-                 ranks_per_node=ranks_per_node)  # fmt: skip
+    buf = Buffer(
+        None,
+        hidden_size=HIDDEN,
+        max_tokens_per_rank=MAX_TOKENS,
+        num_experts=NUM_EXPERTS,
+        device=rank_device(),
+        mask_failed_ranks=failing,
+        timeout_s=STALL_TIMEOUT_S if failing else 60.0,
+        ranks_per_node=ranks_per_node,
+    )
     try:
         if rank == MASKED:
             for round_ in range(-(-stall_at // 4)):
@@ -245,6 +252,5 @@ def test_rank_killed_outright_is_masked(launch, ranks_per_node):
     the only failure the launcher reports is that rank's death."""
     skip_if_a_killed_rank_shares_a_gpu(WORLD)
     with pytest.raises(RankFailure) as failed:
-        launch(_body, WORLD, "killed", 1, ROUNDS, ranks_per_node, fresh=True,
-               failure_grace_s=300)  # fmt: skip
+        launch(_body, WORLD, "killed", 1, ROUNDS, ranks_per_node, fresh=True, failure_grace_s=300)
     assert list(failed.value.failures) == [MASKED], failed.value.failures

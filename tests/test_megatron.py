@@ -335,8 +335,11 @@ def _errors(world: int) -> list[str]:
     # config refuses fp8 for MoE without Transformer Engine: set on a built one), and the MXFP8
     # recipe sends MXFP8 rows, which need H % 128 == 0 (CPU ranks' H is 16: there the default
     # is a ValueError, and wire_format=None sends the params dtype).
-    for name, value, pad, want in [("fp8", "e4m3", 1, 16), ("fp8_recipe", "mxfp8", 64, 64),
-                                   ("fp4", "nvfp4", 3, 384)]:  # fmt: skip
+    for name, value, pad, want in [
+        ("fp8", "e4m3", 1, 16),
+        ("fp8_recipe", "mxfp8", 64, 64),
+        ("fp4", "nvfp4", 3, 384),
+    ]:
         quantized = copy.copy(layer)
         quantized.config = copy.copy(layer.config)
         if name == "fp8_recipe":
@@ -365,10 +368,13 @@ def _errors(world: int) -> list[str]:
             expect(
                 "expert-parallel group",
                 lambda: HybridEPTokenDispatcher(
-                    layer.num_local_experts, layer.local_expert_indices, layer.config, groups,
+                    layer.num_local_experts,
+                    layer.local_expert_indices,
+                    layer.config,
+                    groups,
                     buffer=buf,
                 ),
-            )  # fmt: skip
+            )
         dist.barrier()
     return failures
 

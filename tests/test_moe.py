@@ -201,8 +201,15 @@ def _wire_format_case(rank: int, world: int) -> list[str]:
     probs, counts and combine as without it; the tokens' gradient straight through. Rows that
     require grad (a ScaledValues underneath) and rows that do not (a pair) in turn."""
     failures, experts, dtype, dev = [], world * EXPERTS_PER_RANK, torch.bfloat16, rank_device()
-    with Buffer(None, hidden_size=WIRE_HIDDEN, max_tokens_per_rank=MAX_TOKENS,
-                num_experts=experts, dtype=dtype, num_sms=1, device=dev) as buf:  # fmt: skip
+    with Buffer(
+        None,
+        hidden_size=WIRE_HIDDEN,
+        max_tokens_per_rank=MAX_TOKENS,
+        num_experts=experts,
+        dtype=dtype,
+        num_sms=1,
+        device=dev,
+    ) as buf:
         for i, fmt in enumerate(reference.QUANTIZERS):
             what = f"wire_format={fmt}"
             g = torch.Generator().manual_seed(1000 * i + rank)
@@ -222,14 +229,20 @@ def _wire_format_case(rank: int, world: int) -> list[str]:
             )
             if type(rows) is not torch.Tensor:
                 failures.append(f"{what}: permuted_tokens is a {type(rows).__name__}")
-            for name, got, want in [("permuted_tokens", rows, ref_rows),
-                                    ("tokens_per_expert", counts, ref_counts),
-                                    ("permuted_probs", row_probs, ref_probs)]:  # fmt: skip
+            for name, got, want in [
+                ("permuted_tokens", rows, ref_rows),
+                ("tokens_per_expert", counts, ref_counts),
+                ("permuted_probs", row_probs, ref_probs),
+            ]:
                 if got.shape != want.shape or not torch.equal(got.detach(), want):
                     failures.append(f"{what}: {name} differs from the reference")
             out = d.combine(rows)
-            _compare(failures, f"{what}: combine", out.detach().float(),
-                     reference.combine(None, rows.detach(), handle).float())  # fmt: skip
+            _compare(
+                failures,
+                f"{what}: combine",
+                out.detach().float(),
+                reference.combine(None, rows.detach(), handle).float(),
+            )
             if hidden.requires_grad:  # out[t] = (t's routed slots) * on_wire[t]
                 proj = torch.randn(tokens, WIRE_HIDDEN, generator=g).to(dtype).to(dev)
                 (out.float() * proj.float()).sum().backward()

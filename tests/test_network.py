@@ -63,10 +63,16 @@ def _launcher(heap, device: torch.device) -> KernelLauncher:
 
         options, on_compile = {"extern_libs": device_library()}, init_module
     return KernelLauncher(
-        _put_kernel, on_compile=on_compile, net_bases_ptr=heap.net_bases,
-        heap_bytes=HEAP_BYTES, timeout_ns=TIMEOUT_NS, FLAG_OFF=FLAG_OFF, DST_OFF=DST_OFF,
-        STAGE=STAGE, **options,
-    )  # fmt: skip
+        _put_kernel,
+        on_compile=on_compile,
+        net_bases_ptr=heap.net_bases,
+        heap_bytes=HEAP_BYTES,
+        timeout_ns=TIMEOUT_NS,
+        FLAG_OFF=FLAG_OFF,
+        DST_OFF=DST_OFF,
+        STAGE=STAGE,
+        **options,
+    )
 
 
 def _pattern(src: int, round_no: int) -> torch.Tensor:

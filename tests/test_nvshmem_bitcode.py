@@ -109,14 +109,18 @@ def test_the_trimmed_library_gives_the_same_machine_code(in_cache, tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["TRITON_CACHE_DIR"] = str(tmp_path / "triton-cache")
     result = subprocess.run(
-        [sys.executable, "-c", _SAME_CODE_SCRIPT, str(Path(__file__).parent)], env=env,
-        capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
+        [sys.executable, "-c", _SAME_CODE_SCRIPT, str(Path(__file__).parent)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert result.returncode == 0, result.stdout + result.stderr
     lines = result.stdout.splitlines()
     assert [line.split()[-3] for line in lines] == [
-        "combine_kernel", "low_latency_combine_kernel"
-    ], lines  # fmt: skip
+        "combine_kernel",
+        "low_latency_combine_kernel",
+    ], lines
     for line in lines:
         label, trimmed, full = line.rsplit(" ", 2)
         assert "NVSHMEM" in label and trimmed == full, line

@@ -50,9 +50,12 @@ def _run(tmp_path: Path, cache: str, *args: str, record_into: Path | None = None
     script = tmp_path / "builds.py"
     script.write_text(_SCRIPT)
     result = subprocess.run(
-        [sys.executable, str(script), *args], env=env,
-        capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+        [sys.executable, str(script), *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert result.returncode == 0, result.stdout + result.stderr
     return result.stdout
 
@@ -111,10 +114,16 @@ def test_records_merge_into_one_compressed_file(tmp_path, capsys):
     earlier = tmp_path / "earlier.jsonl"
     earlier.write_text('{"name": "c"}\n{"name": "d"}\n')
     merged = tmp_path / "soak.jsonl.xz"
-    assert cli.main(["prebuild", str(earlier), str(tmp_path / "builds"), "--merge-into",
-                     str(merged)]) == 0  # fmt: skip
-    assert read_records([merged]) == ['{"name": "c"}', '{"name": "d"}', '{"name": "a"}',
-                                      '{"name": "b"}']  # fmt: skip
+    assert (
+        cli.main(["prebuild", str(earlier), str(tmp_path / "builds"), "--merge-into", str(merged)])
+        == 0
+    )
+    assert read_records([merged]) == [
+        '{"name": "c"}',
+        '{"name": "d"}',
+        '{"name": "a"}',
+        '{"name": "b"}',
+    ]
     assert merged.read_bytes()[:6] == b"\xfd7zXZ\x00"
     assert cli.main(["prebuild", str(tmp_path / "nothing")]) == 2
     assert "no such file or directory" in capsys.readouterr().err
@@ -133,22 +142,31 @@ def _record(rank_class: str, hidden_class: str = "16") -> str:
             constant_vals.append(1)
         else:
             attrs.append([[index], classes[cls]])
-    return json.dumps({
-        "name": "fake_kernels.k", "signature": signature, "constant_keys": constant_keys,
-        "constant_vals": constant_vals, "attrs_keys": [key for key, _ in attrs],
-        "attrs_vals": [value for _, value in attrs], "options": {"num_warps": 4},
-        "key": f"rank {rank_class}",
-    })  # fmt: skip
+    return json.dumps(
+        {
+            "name": "fake_kernels.k",
+            "signature": signature,
+            "constant_keys": constant_keys,
+            "constant_vals": constant_vals,
+            "attrs_keys": [key for key, _ in attrs],
+            "attrs_vals": [value for _, value in attrs],
+            "options": {"num_warps": 4},
+            "key": f"rank {rank_class}",
+        }
+    )
 
 
 def test_records_that_differ_only_in_an_unspecialised_parameter_are_one_build(monkeypatch):
     """Records of rank 0, rank 1 and another rank, before the kernel took ``rank`` as
     do_not_specialize, are one build now; ``hidden``, still specialised, keeps its classes."""
-    params = [SimpleNamespace(name=name, do_not_specialize=name == "rank")
-              for name in ("x_ptr", "rank", "hidden")]  # fmt: skip
+    params = [
+        SimpleNamespace(name=name, do_not_specialize=name == "rank")
+        for name in ("x_ptr", "rank", "hidden")
+    ]
     fake = SimpleNamespace(k=SimpleNamespace(params=params))
-    monkeypatch.setattr(prebuild_module, "import_module",
-                        lambda name: fake if name == "fake_kernels" else None)  # fmt: skip
+    monkeypatch.setattr(
+        prebuild_module, "import_module", lambda name: fake if name == "fake_kernels" else None
+    )
     records = [_record(rank) for rank in ("16", "1", "")] + [_record("", "1"), _record("16", "")]
     builds = [json.loads(record) for record in distinct_builds(records)]
     assert len(builds) == 3, builds
@@ -157,7 +175,9 @@ def test_records_that_differ_only_in_an_unspecialised_parameter_are_one_build(mo
         assert [1] not in build["attrs_keys"]
     assert [b["signature"]["hidden"] for b in builds] == ["i32", "constexpr", "i32"]
     assert [b["attrs_vals"][-1] for b in builds if [2] in b["attrs_keys"]] == [
-        [["tt.divisibility", 16]], []]  # fmt: skip
+        [["tt.divisibility", 16]],
+        [],
+    ]
     # A kernel that no longer imports: its records are kept as they are.
     monkeypatch.setattr(prebuild_module, "import_module", lambda name: 1 / 0)
     assert distinct_builds(records) == records
@@ -200,8 +220,10 @@ def test_a_record_links_this_environments_libraries_never_its_recorded_files(mon
     lacks makes the build fail, never links the recorded file. (The trimmed library made here:
     tests/test_nvshmem_bitcode.py.)"""
     monkeypatch.setattr("site.getsitepackages", lambda: ["/nowhere/site-packages"])
-    recorded = [["libnvshmem_device", "/elsewhere/nvidia/nvshmem/lib/libnvshmem_device.bc"],
-                ["libdevice", "/elsewhere/libdevice.10.bc"]]  # fmt: skip
+    recorded = [
+        ["libnvshmem_device", "/elsewhere/nvidia/nvshmem/lib/libnvshmem_device.bc"],
+        ["libdevice", "/elsewhere/libdevice.10.bc"],
+    ]
     data = {"name": "k", "options": {"num_warps": 4, "extern_libs": recorded}}
     with pytest.raises(FileNotFoundError, match="has no libnvshmem_device.bc"):
         prebuild_module.with_local_libraries(data)
@@ -242,8 +264,9 @@ def test_kernel_cache_keys_are_settled_whatever_was_computed_before():
     across-nodes dispatch keyed 29 of 64 layout builds apart). Checked without the
     interpreter: keys from any earlier state settle to those of a fresh import."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    result = subprocess.run([sys.executable, "-c", _KEYS_SCRIPT], env=env, capture_output=True,
-                            text=True, timeout=300)  # fmt: skip
+    result = subprocess.run(
+        [sys.executable, "-c", _KEYS_SCRIPT], env=env, capture_output=True, text=True, timeout=300
+    )
     assert result.returncode == 0, result.stdout + result.stderr
     keys = json.loads(result.stdout)
     assert keys["stale"] == ["stale"] * 4

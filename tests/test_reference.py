@@ -137,8 +137,11 @@ def _oracle_token_rows(case: Case, inputs, dst: int, world: int):
     for src in range(world):
         x, topk_idx, weights = inputs[src]
         for t in range(x.shape[0]):
-            slots = [k for k, e in enumerate(topk_idx[t].tolist()) if e // case.experts_per_rank
-                     == dst and e >= 0]  # fmt: skip
+            slots = [
+                k
+                for k, e in enumerate(topk_idx[t].tolist())
+                if e // case.experts_per_rank == dst and e >= 0
+            ]
             if not slots:
                 continue
             local = {k: int(topk_idx[t, k]) % case.experts_per_rank for k in slots}
@@ -153,11 +156,14 @@ def _check_token_rows(case: Case, inputs, rank: int, world: int, dev, check) -> 
     """reference.dispatch and combine with expand=False against the oracle."""
     x, topk_idx, weights = inputs[rank]
     recv_x, recv_idx, recv_w, tokens_per_expert, handle = reference.dispatch(
-        dist.group.WORLD, x.to(dev), topk_idx.to(dev),
+        dist.group.WORLD,
+        x.to(dev),
+        topk_idx.to(dev),
         None if weights is None else weights.to(dev),
-        num_experts=world * case.experts_per_rank, max_recv_tokens=case.max_recv_tokens,
+        num_experts=world * case.experts_per_rank,
+        max_recv_tokens=case.max_recv_tokens,
         expand=False,
-    )  # fmt: skip
+    )
     layouts = [_oracle_token_rows(case, inputs, dst, world) for dst in range(world)]
     rows, per_expert = layouts[rank]
     limit = len(rows) if case.max_recv_tokens is None else case.max_recv_tokens

@@ -13,9 +13,12 @@ def _compile_for_sm90(*args: str) -> str:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     script = Path(__file__).with_name("sm90_compile.py")
     result = subprocess.run(
-        [sys.executable, str(script), *args], env=env, capture_output=True, text=True,
+        [sys.executable, str(script), *args],
+        env=env,
+        capture_output=True,
+        text=True,
         timeout=600,
-    )  # fmt: skip
+    )
     assert result.returncode == 0, result.stdout + result.stderr
     return result.stdout
 
@@ -93,8 +96,11 @@ def test_a_slimmed_cache_serves(tmp_path, read_from):
     script.write_text(_CACHE_HIT_SCRIPT)
     bench = Path(__file__).parent.parent / "bench"
     result = subprocess.run(
-        [sys.executable, str(script), str(bench), str(tmp_path / read_from)], env=env,
-        capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+        [sys.executable, str(script), str(bench), str(tmp_path / read_from)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert result.returncode == 0, result.stdout + result.stderr
     assert "served by" in result.stdout

@@ -22,9 +22,18 @@ ROUNDS = 20
 # Seed 1 draws, in 20 rounds on each of 2 ranks, every feature counted in "coverage".
 CONFIG = SoakConfig(rounds=ROUNDS, tokens=6, hidden=8, experts=4, topk=2, seed=1)
 FEATURES = {
-    "exact", "cached", "max_recv", "no tokens", "-1 slots", "hot expert", "pad_multiple > 1",
-    "int32 ids", "topk_weights", "weighted combine", "unweighted combine",
-}  # fmt: skip
+    "exact",
+    "cached",
+    "max_recv",
+    "no tokens",
+    "-1 slots",
+    "hot expert",
+    "pad_multiple > 1",
+    "int32 ids",
+    "topk_weights",
+    "weighted combine",
+    "unweighted combine",
+}
 
 
 @pytest.mark.slow

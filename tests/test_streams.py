@@ -229,8 +229,10 @@ def _stats_graph_body(rank: int, world: int) -> list[str]:
     buf.destroy()
     if torch.equal(stats.cpu(), expected):
         return []
-    return [f"rank {rank}: expert_recv_stats {stats.tolist()} after {replays} replays, "
-            f"expected {expected.tolist()}"]  # fmt: skip
+    return [
+        f"rank {rank}: expert_recv_stats {stats.tolist()} after {replays} replays, "
+        f"expected {expected.tolist()}"
+    ]
 
 
 @pytest.mark.gpu

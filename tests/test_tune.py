@@ -18,10 +18,38 @@ from hybrid_ep_triton.runtime.tuning import cache_key, store
 from hybrid_ep_triton.tools.launcher import rank_device, ranks_per_gpu
 
 # Tuned where the suite runs (CPU ranks, or GPU ranks sharing GPUs), where its Buffers then look.
-TUNE = ["--device", DEVICE, "--ranks", "2", "--tokens", "4", "--hidden", "8", "--experts", "4",
-        "--topk", "2", "--sms", "2", "--chunks", "2", "--block-h", "32", "--warps", "1",
-        "--slices", "1,2", "--warmup", "1", "--iters", "2", "--dtype", "float16",
-        "--rows", "token"]  # fmt: skip
+TUNE = [
+    "--device",
+    DEVICE,
+    "--ranks",
+    "2",
+    "--tokens",
+    "4",
+    "--hidden",
+    "8",
+    "--experts",
+    "4",
+    "--topk",
+    "2",
+    "--sms",
+    "2",
+    "--chunks",
+    "2",
+    "--block-h",
+    "32",
+    "--warps",
+    "1",
+    "--slices",
+    "1,2",
+    "--warmup",
+    "1",
+    "--iters",
+    "2",
+    "--dtype",
+    "float16",
+    "--rows",
+    "token",
+]
 TUNED = dict(hidden=8, dtype=torch.float16, expand=False, num_sms=None, ranks_per_node=None)
 UNTUNED = {
     "hidden": dict(TUNED, hidden=6),
@@ -42,9 +70,17 @@ def _configs_body(rank: int, world_size: int, entry: dict | None = None) -> dict
         torch.distributed.barrier()
     configs = {}
     for name, b in (("tuned", TUNED), ("tuned, 3 SMs", dict(TUNED, num_sms=3)), *UNTUNED.items()):
-        with Buffer(None, hidden_size=b["hidden"], max_tokens_per_rank=4, num_experts=4,
-                    dtype=b["dtype"], expand=b["expand"], num_sms=b["num_sms"],
-                    ranks_per_node=b["ranks_per_node"], device=rank_device()) as buf:  # fmt: skip
+        with Buffer(
+            None,
+            hidden_size=b["hidden"],
+            max_tokens_per_rank=4,
+            num_experts=4,
+            dtype=b["dtype"],
+            expand=b["expand"],
+            num_sms=b["num_sms"],
+            ranks_per_node=b["ranks_per_node"],
+            device=rank_device(),
+        ) as buf:
             configs[name] = dataclasses.asdict(buf._rt.plan.config)
     return configs
 
@@ -54,8 +90,10 @@ def test_tune_caches_the_best_configuration_and_buffer_uses_it(launch, tmp_path,
     monkeypatch.setenv("HEP_CACHE_DIR", str(tmp_path))
     result = subprocess.run(
         [sys.executable, "-m", "hybrid_ep_triton", "tune", *TUNE],
-        capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     if DEVICE == "cuda" and ranks_per_gpu(2) > 1:
         # Times under MPS are not speeds: tune refuses ranks that share a GPU, before any starts.
         # What a Buffer on such ranks does with a tuned entry is checked with one stored here.
@@ -103,8 +141,9 @@ def test_cache_entry_of_another_version_falls_back_to_the_heuristic(tmp_path, mo
     for name, entry in (("current", config), ("renamed field", renamed)):
         (tmp_path / "kernel_configs.json").write_text(json.dumps({"k": {"config": entry}}))
         got = dataclasses.asdict(select_config("k", 6, 4, None, False))
-        assert got == (config if name == "current" else dataclasses.asdict(
-            default_config(6, 4, None, False))), name  # fmt: skip
+        assert got == (
+            config if name == "current" else dataclasses.asdict(default_config(6, 4, None, False))
+        ), name
 
 
 def test_the_default_budget_fits_the_context(tmp_path, monkeypatch):

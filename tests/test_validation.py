@@ -85,8 +85,9 @@ H, T_MAX, E, K = 5, 6, 4, 2  # W=2: 2 experts per rank
 def _bad_call_body(rank: int, world_size: int) -> list[str]:
     failures: list[str] = []
     dev = rank_device()
-    buf = Buffer(None, hidden_size=H, max_tokens_per_rank=T_MAX, num_experts=E, dtype=BF16,
-                 device=dev)  # fmt: skip
+    buf = Buffer(
+        None, hidden_size=H, max_tokens_per_rank=T_MAX, num_experts=E, dtype=BF16, device=dev
+    )
     rt = buf._rt  # internals, only to prove that a refused call moved nothing
 
     def refused(what: str, call, match: str | None = None) -> None:
@@ -129,8 +130,9 @@ def _bad_call_body(rank: int, world_size: int) -> list[str]:
     refused_by_all(
         f"FP8 rows at hidden {H}", lambda: buf.dispatch((x, x), idx, w), "multiple of 128"
     )
-    refused_by_all(f"quantize at hidden {H}", lambda: buf.dispatch(x, idx, w, quantize=True),
-            "multiple of 128")  # fmt: skip
+    refused_by_all(
+        f"quantize at hidden {H}", lambda: buf.dispatch(x, idx, w, quantize=True), "multiple of 128"
+    )
     big = torch.zeros(T_MAX + 1, H, dtype=BF16, **z)
     big_idx = torch.zeros(T_MAX + 1, K, dtype=torch.int64, **z)
     refused_by_all("too many tokens", lambda: buf.dispatch(big, big_idx), "max_tokens_per_rank")
@@ -158,13 +160,20 @@ def _bad_call_body(rank: int, world_size: int) -> list[str]:
     refused_by_all("pad_multiple 2.0", lambda: buf.dispatch(x, idx, w, pad_multiple=2.0))
     refused_by_all("max_recv_tokens -1", lambda: buf.dispatch(x, idx, w, max_recv_tokens=-1))
     refused("handle of another type", lambda: buf.dispatch(x, handle=object()), "handle")
-    refused_by_all("previous_event of another type",
-                   lambda: buf.dispatch(x, idx, previous_event=object()))  # fmt: skip
+    refused_by_all(
+        "previous_event of another type", lambda: buf.dispatch(x, idx, previous_event=object())
+    )
     stats = torch.zeros(E // world_size, dtype=torch.int64, **z)
-    for what, bad in (("int32", stats.int()), ("[L + 1]", torch.zeros(E // world_size + 1, **z)),
-                      ("a list", stats.tolist())):  # fmt: skip
-        refused_by_all(f"expert_recv_stats {what}", lambda bad=bad: buf.dispatch(x, idx, w,
-                       expert_recv_stats=bad), "expert_recv_stats")  # fmt: skip
+    for what, bad in (
+        ("int32", stats.int()),
+        ("[L + 1]", torch.zeros(E // world_size + 1, **z)),
+        ("a list", stats.tolist()),
+    ):
+        refused_by_all(
+            f"expert_recv_stats {what}",
+            lambda bad=bad: buf.dispatch(x, idx, w, expert_recv_stats=bad),
+            "expert_recv_stats",
+        )
 
     # A correct dispatch gives a handle for the bad cached dispatches and combines. Each rank
     # still runs a refused call along a handle, with zero rows, so that no peer waits for it;
@@ -173,42 +182,53 @@ def _bad_call_body(rank: int, world_size: int) -> list[str]:
     rx, rw, _, h = buf.dispatch(x, idx, w)
     n = rx.shape[0]
     y = torch.randn(n, H).to(BF16).to(dev)
-    refused_by_all("cached dispatch with fewer tokens", lambda: buf.dispatch(x[:3], handle=h),
-                   "handle")  # fmt: skip
+    refused_by_all(
+        "cached dispatch with fewer tokens", lambda: buf.dispatch(x[:3], handle=h), "handle"
+    )
     w_wide = torch.cat([w, w[:, :1]], 1)
-    refused_by_all("cached dispatch, weights [T, K+1]",
-                   lambda: buf.dispatch(x, None, w_wide, handle=h))  # fmt: skip
+    refused_by_all(
+        "cached dispatch, weights [T, K+1]", lambda: buf.dispatch(x, None, w_wide, handle=h)
+    )
     cached_counted = lambda: buf.dispatch(x, handle=h, expert_recv_stats=stats)  # noqa: E731
     refused_by_all("cached dispatch with expert_recv_stats", cached_counted, "without a handle")
     if stats.any():
         failures.append(f"rank {rank}: refused calls added into expert_recv_stats: {stats}")
-    refused_by_all("y with a row too many", lambda: buf.combine(torch.cat([y, y[:1]]), h),
-                   "y must")  # fmt: skip
+    refused_by_all("y with a row too many", lambda: buf.combine(torch.cat([y, y[:1]]), h), "y must")
     refused_by_all("y with the wrong hidden size", lambda: buf.combine(y[:, :4], h), "y must")
     refused_by_all("y float32", lambda: buf.combine(y.float(), h), "y must be torch.bfloat16")
     refused_by_all("1-D y", lambda: buf.combine(y.flatten(), h), "y must")
     y_cols = torch.zeros(H, n, dtype=BF16, **z).t()
     refused_by_all("y with non-contiguous rows", lambda: buf.combine(y_cols, h), "contiguous")
-    refused_by_all("weights [N+1]", lambda: buf.combine(y, h, weights=torch.zeros(n + 1, **z)),
-                   "weights")  # fmt: skip
+    refused_by_all(
+        "weights [N+1]", lambda: buf.combine(y, h, weights=torch.zeros(n + 1, **z)), "weights"
+    )
     refused_by_all("weights [N, 1]", lambda: buf.combine(y, h, weights=rw[:, None]), "weights")
     refused_by_all("weights bf16", lambda: buf.combine(y, h, weights=rw.to(BF16)), "weights")
     refused("combine without a handle", lambda: buf.combine(y, None), "handle")
     refused_by_all("combine, previous_event a tensor", lambda: buf.combine(y, h, previous_event=y))
-    refused_by_all("combine's topk_weights with expert-major rows",
-                   lambda: buf.combine(y, h, topk_weights=torch.zeros(n, K, **z)),
-                   "token rows")  # fmt: skip
-    _expect_value_error(failures, f"rank {rank}: an expert-major handle's recv_src_idx",
-                        lambda: h.recv_src_idx, "token row")  # fmt: skip
+    refused_by_all(
+        "combine's topk_weights with expert-major rows",
+        lambda: buf.combine(y, h, topk_weights=torch.zeros(n, K, **z)),
+        "token rows",
+    )
+    _expect_value_error(
+        failures,
+        f"rank {rank}: an expert-major handle's recv_src_idx",
+        lambda: h.recv_src_idx,
+        "token row",
+    )
 
     # Still usable: the pending handle; the next new-layout dispatch tells of the first refusal
     # along a handle, on every rank, and moves nothing; then fresh calls in both modes.
     out = buf.combine(y, h, weights=rw)
     if out.shape != (4, H):
         failures.append(f"rank {rank}: combine after the bad calls returned {tuple(out.shape)}")
-    _expect_value_error(failures, f"rank {rank}: the dispatch after refusals along a handle",
-                        lambda: buf.dispatch(x, idx, w),
-                        "(this rank) refused its cached dispatch's handle")  # fmt: skip
+    _expect_value_error(
+        failures,
+        f"rank {rank}: the dispatch after refusals along a handle",
+        lambda: buf.dispatch(x, idx, w),
+        "(this rank) refused its cached dispatch's handle",
+    )
     failures += _check_round_trip(buf, 300 + rank, 5 - rank, K, "after the bad calls")
     failures += _check_round_trip(
         buf, 400 + rank, T_MAX, K, "after the bad calls, max mode", max_recv_tokens=30
@@ -244,36 +264,53 @@ def _bad_input(kind: str, x, idx, w):
         "x float32": (dict(x=x.float()), "x", "x must be torch.bfloat16"),
         "x [T, H-1]": (dict(x=x[:, :-1]), "x", "x must"),
         "x of too many tokens": (
-            dict(x=torch.zeros(T_MAX + 1, H, dtype=BF16, **z),
-                 topk_idx=torch.zeros(T_MAX + 1, K, dtype=torch.int64, **z)),
-            "x", "max_tokens_per_rank",
+            dict(
+                x=torch.zeros(T_MAX + 1, H, dtype=BF16, **z),
+                topk_idx=torch.zeros(T_MAX + 1, K, dtype=torch.int64, **z),
+            ),
+            "x",
+            "max_tokens_per_rank",
         ),
         "x with non-contiguous rows": (
-            dict(x=torch.zeros(H, x.shape[0], dtype=BF16, **z).t()), "x", "contiguous"
+            dict(x=torch.zeros(H, x.shape[0], dtype=BF16, **z).t()),
+            "x",
+            "contiguous",
         ),
         "quantize at a hidden size not a multiple of 128": (
-            dict(quantize=True), "quantize", "multiple of 128"
+            dict(quantize=True),
+            "quantize",
+            "multiple of 128",
         ),
         "topk_idx float": (dict(topk_idx=idx.float()), "topk_idx", "int32 or int64"),
         "topk_idx with a row too many": (
-            dict(topk_idx=torch.cat([idx, idx[:1]])), "topk_idx", "topk_idx"
+            dict(topk_idx=torch.cat([idx, idx[:1]])),
+            "topk_idx",
+            "topk_idx",
         ),
         "topk_weights bf16": (dict(topk_weights=w.to(BF16)), "topk_weights", "float32"),
         "pad_multiple 0": (dict(pad_multiple=0), "pad_multiple", "pad_multiple"),
         "max_recv_tokens -1": (dict(max_recv_tokens=-1), "max_recv_tokens", "max_recv_tokens"),
         "expert_recv_stats int32": (
             dict(expert_recv_stats=torch.zeros(E // 2, dtype=torch.int32, **z)),
-            "expert_recv_stats", "expert_recv_stats",
+            "expert_recv_stats",
+            "expert_recv_stats",
         ),
-    }  # fmt: skip
+    }
     return bad[kind]
 
 
 def _one_bad_rank_body(rank: int, world_size: int, kinds: list[str]) -> list[str]:
     failures: list[str] = []
     bad_rank = world_size - 1
-    buf = Buffer(None, hidden_size=H, max_tokens_per_rank=T_MAX, num_experts=E * world_size // 2,
-                 dtype=BF16, timeout_s=120, device=rank_device())  # fmt: skip
+    buf = Buffer(
+        None,
+        hidden_size=H,
+        max_tokens_per_rank=T_MAX,
+        num_experts=E * world_size // 2,
+        dtype=BF16,
+        timeout_s=120,
+        device=rank_device(),
+    )
     for i, kind in enumerate(kinds):
         for mode in (None, 40):
             what = f"rank {rank}, {kind} on rank {bad_rank}, max_recv_tokens={mode}"
@@ -289,8 +326,9 @@ def _one_bad_rank_body(rank: int, world_size: int, kinds: list[str]) -> list[str
             # routing is (CPU ranks raise it in the call).
             call = lambda args=args: buf.check(buf.dispatch(**args)[-1])  # noqa: E731
             _expect_value_error(failures, what, call, match)
-            failures += _check_round_trip(buf, 500 + 10 * i + rank, 2 + rank, K,
-                                          f"{what}: the next call")  # fmt: skip
+            failures += _check_round_trip(
+                buf, 500 + 10 * i + rank, 2 + rank, K, f"{what}: the next call"
+            )
     buf.destroy()
     return failures
 
@@ -298,14 +336,27 @@ def _one_bad_rank_body(rank: int, world_size: int, kinds: list[str]) -> list[str
 @pytest.mark.parametrize("world", [2, 4])
 def test_a_bad_input_on_one_rank_is_an_error_on_every_rank(launch, world):
     kinds = [
-        "x float32", "x [T, H-1]", "x of too many tokens", "x with non-contiguous rows",
-        "quantize at a hidden size not a multiple of 128", "topk_idx float",
-        "topk_idx with a row too many", "topk_weights bf16", "pad_multiple 0",
-        "max_recv_tokens -1", "expert_recv_stats int32",
-    ]  # fmt: skip
+        "x float32",
+        "x [T, H-1]",
+        "x of too many tokens",
+        "x with non-contiguous rows",
+        "quantize at a hidden size not a multiple of 128",
+        "topk_idx float",
+        "topk_idx with a row too many",
+        "topk_weights bf16",
+        "pad_multiple 0",
+        "max_recv_tokens -1",
+        "expert_recv_stats int32",
+    ]
     if world == 4:  # one of each argument
-        kinds = ["x float32", "topk_idx float", "topk_weights bf16", "pad_multiple 0",
-                 "max_recv_tokens -1", "expert_recv_stats int32"]  # fmt: skip
+        kinds = [
+            "x float32",
+            "topk_idx float",
+            "topk_weights bf16",
+            "pad_multiple 0",
+            "max_recv_tokens -1",
+            "expert_recv_stats int32",
+        ]
     results = launch(_one_bad_rank_body, world, kinds)
     assert_no_failures(results)
 
@@ -325,33 +376,49 @@ def _bad_call_along_a_handle(kind: str, x, w, y, rw):
     bad = {
         "cached dispatch, x float32": (dict(x=x.float()), "cached dispatch's x", "x must"),
         "cached dispatch, x of a token too few": (
-            dict(x=x[1:]), "cached dispatch's handle", "the handle's"
+            dict(x=x[1:]),
+            "cached dispatch's handle",
+            "the handle's",
         ),
         "cached dispatch, topk_weights [T, K+1]": (
-            dict(topk_weights=torch.cat([w, w[:, :1]], 1)), "cached dispatch's topk_weights",
+            dict(topk_weights=torch.cat([w, w[:, :1]], 1)),
+            "cached dispatch's topk_weights",
             "topk_weights",
         ),
         "cached dispatch, expert_recv_stats": (
             dict(expert_recv_stats=torch.zeros(E // 2, dtype=torch.int64, **z)),
-            "cached dispatch's expert_recv_stats", "without a handle",
+            "cached dispatch's expert_recv_stats",
+            "without a handle",
         ),
         "cached dispatch, previous_event a tensor": (
-            dict(previous_event=x), "cached dispatch's previous_event", "previous_event"
+            dict(previous_event=x),
+            "cached dispatch's previous_event",
+            "previous_event",
         ),
         "combine, y float32": (dict(y=y.float()), "combine's y", "y must"),
         "combine, y with a row too many": (dict(y=torch.cat([y, y[:1]])), "combine's y", "y must"),
         "combine, weights bf16": (dict(weights=rw.to(BF16)), "combine's weights", "weights"),
         "combine, previous_event a tensor": (
-            dict(previous_event=y), "combine's previous_event", "previous_event"
+            dict(previous_event=y),
+            "combine's previous_event",
+            "previous_event",
         ),
-    }  # fmt: skip
+    }
     return bad[kind]
 
 
 def _buffer_of_two_experts_a_rank(world_size: int, ranks_per_node: int | None, **kw) -> Buffer:
-    return Buffer(None, hidden_size=H, max_tokens_per_rank=T_MAX, num_experts=E * world_size // 2,
-                  dtype=BF16, timeout_s=120, ranks_per_node=ranks_per_node,
-                  device=rank_device(), **kw)  # fmt: skip
+    return Buffer(
+        None,
+        hidden_size=H,
+        max_tokens_per_rank=T_MAX,
+        num_experts=E * world_size // 2,
+        dtype=BF16,
+        timeout_s=120,
+        ranks_per_node=ranks_per_node,
+        device=rank_device(),
+        **kw,
+    )
 
 
 def _one_bad_call_along_a_handle_body(
@@ -382,8 +449,12 @@ def _one_bad_call_along_a_handle_body(
                 if rank == bad_rank:
                     told = f"rank {bad_rank} (this rank) refused its {argument}"
                 next_args = _inputs(seed, 2 + rank % 3, H, buf.num_experts, K, BF16)
-                _expect_value_error(failures, f"{what}: the next dispatch",
-                                    lambda a=next_args: buf.dispatch(*a), told)  # fmt: skip
+                _expect_value_error(
+                    failures,
+                    f"{what}: the next dispatch",
+                    lambda a=next_args: buf.dispatch(*a),
+                    told,
+                )
             failures += _check_round_trip(
                 buf, seed + 5, 2 + rank, K, f"{what}: the dispatch after it", max_recv_tokens=mode
             )
@@ -396,11 +467,16 @@ def test_a_bad_call_along_a_handle_on_one_rank_is_an_error_on_every_rank(
     launch, world, ranks_per_node
 ):
     kinds = [
-        "cached dispatch, x float32", "combine, y float32", "cached dispatch, x of a token too few",
-        "combine, weights bf16", "cached dispatch, topk_weights [T, K+1]",
-        "combine, y with a row too many", "cached dispatch, expert_recv_stats",
-        "combine, previous_event a tensor", "cached dispatch, previous_event a tensor",
-    ]  # fmt: skip
+        "cached dispatch, x float32",
+        "combine, y float32",
+        "cached dispatch, x of a token too few",
+        "combine, weights bf16",
+        "cached dispatch, topk_weights [T, K+1]",
+        "combine, y with a row too many",
+        "cached dispatch, expert_recv_stats",
+        "combine, previous_event a tensor",
+        "cached dispatch, previous_event a tensor",
+    ]
     if world == 4:  # across 2 nodes: one of each call
         kinds = ["cached dispatch, x float32", "combine, weights bf16"]
     results = launch(_one_bad_call_along_a_handle_body, world, ranks_per_node, kinds)
@@ -435,15 +511,17 @@ def _adapter_refusal_body(rank: int, world_size: int) -> list[str]:
     what = f"rank {rank}, combine's topk_weights [N, K+1] on rank {bad_rank}"
     if rank == bad_rank:
         wide = torch.cat([rw, rw[:, :1]], 1)
-        _expect_value_error(failures, what, lambda: buf.combine(y, h, topk_weights=wide),
-                            "topk_weights")  # fmt: skip
+        _expect_value_error(
+            failures, what, lambda: buf.combine(y, h, topk_weights=wide), "topk_weights"
+        )
     else:
         buf.combine(y, h, topk_weights=rw)
     told = f"rank {bad_rank} refused its combine's topk_weights in an earlier call along a handle"
     if rank == bad_rank:
         told = f"rank {bad_rank} (this rank) refused its combine's topk_weights"
-    _expect_value_error(failures, f"{what}: the next dispatch", lambda: buf.dispatch(x, idx, w),
-                        told)  # fmt: skip
+    _expect_value_error(
+        failures, f"{what}: the next dispatch", lambda: buf.dispatch(x, idx, w), told
+    )
     failures += _check_token_round_trip(buf, 95 + rank, f"{what}: the dispatch after it")
     buf.destroy()
     return failures
@@ -489,8 +567,9 @@ def _agreeing_body(
         mode = (None, 40)[i % 2]
         x, idx, w = _inputs(20 * i + rank, 3 + rank % 2, H, buf.num_experts, K, BF16)
         rx, rw, _, h = buf.dispatch(x, idx, w, max_recv_tokens=mode)
-        want = reference.dispatch(None, x, idx, w, num_experts=buf.num_experts,
-                                  max_recv_tokens=mode)  # fmt: skip
+        want = reference.dispatch(
+            None, x, idx, w, num_experts=buf.num_experts, max_recv_tokens=mode
+        )
         y = torch.randn(rx.shape, generator=torch.Generator().manual_seed(i)).to(BF16)
         y = y.to(x.device)
         if kind == "dispatch, x float32":
@@ -518,8 +597,9 @@ def _agreeing_body(
         if not torch.allclose(out.float(), ref.float(), atol=TOL[BF16], rtol=TOL[BF16]):
             failures.append(f"{what}: the combine after it differs from the reference")
         after = f"{what}: the dispatch after it"
-        failures += _check_round_trip(buf, 20 * i + 15 + rank, 2 + rank, K, after,
-                                      max_recv_tokens=mode)  # fmt: skip
+        failures += _check_round_trip(
+            buf, 20 * i + 15 + rank, 2 + rank, K, after, max_recv_tokens=mode
+        )
     buf.destroy()
     return failures
 
@@ -527,12 +607,18 @@ def _agreeing_body(
 @pytest.mark.parametrize("world, ranks_per_node", [(2, None), (4, 2)], ids=["W2", "W4-2x2"])
 def test_agreeing_ranks_raise_a_bad_input_in_the_call_on_every_rank(launch, world, ranks_per_node):
     kinds = [
-        "cached dispatch, x float32", "combine, y float32", "cached dispatch, x of a token too few",
-        "combine, weights bf16", "cached dispatch, topk_weights [T, K+1]",
-        "combine, y with a row too many", "cached dispatch, expert_recv_stats",
-        "combine, previous_event a tensor", "cached dispatch, previous_event a tensor",
-        "dispatch, x float32", "combine, a handle of another Buffer",
-    ]  # fmt: skip
+        "cached dispatch, x float32",
+        "combine, y float32",
+        "cached dispatch, x of a token too few",
+        "combine, weights bf16",
+        "cached dispatch, topk_weights [T, K+1]",
+        "combine, y with a row too many",
+        "cached dispatch, expert_recv_stats",
+        "combine, previous_event a tensor",
+        "cached dispatch, previous_event a tensor",
+        "dispatch, x float32",
+        "combine, a handle of another Buffer",
+    ]
     if world == 4:  # across 2 nodes
         kinds = ["cached dispatch, x float32", "combine, weights bf16", "dispatch, x float32"]
     results = launch(_agreeing_body, world, ranks_per_node, kinds)
@@ -544,8 +630,9 @@ def test_agreeing_ranks_raise_a_bad_input_in_the_call_on_every_rank(launch, worl
 
 def _constructor_body(rank: int, world_size: int) -> list[str]:
     failures: list[str] = []
-    good = dict(hidden_size=8, max_tokens_per_rank=4, num_experts=4, dtype=BF16,
-                device=rank_device())  # fmt: skip
+    good = dict(
+        hidden_size=8, max_tokens_per_rank=4, num_experts=4, dtype=BF16, device=rank_device()
+    )
     same_bad = [
         ("hidden_size 0", dict(hidden_size=0), "hidden_size"),
         ("hidden_size -3", dict(hidden_size=-3), "hidden_size"),
@@ -588,8 +675,12 @@ def _constructor_body(rank: int, world_size: int) -> list[str]:
         bad_here = rank == world_size - 1
         kw = {**good, **change} if bad_here else good
         reason = match if bad_here else f"rank {world_size - 1} refused the Buffer's parameters"
-        _expect_value_error(failures, f"rank {rank}: {what} on the last rank",
-                            lambda kw=kw: Buffer(None, **kw), reason)  # fmt: skip
+        _expect_value_error(
+            failures,
+            f"rank {rank}: {what} on the last rank",
+            lambda kw=kw: Buffer(None, **kw),
+            reason,
+        )
     # Parameters that differ between ranks: every rank raises, naming the parameter.
     differing = [
         ("hidden_size", dict(hidden_size=8 + rank)),
@@ -605,9 +696,11 @@ def _constructor_body(rank: int, world_size: int) -> list[str]:
     for name, change in differing:
         kw = {**good, **change}
         _expect_value_error(
-            failures, f"rank {rank}: {name} differs between ranks",
-            lambda kw=kw: Buffer(None, **kw), f"{name} differs",
-        )  # fmt: skip
+            failures,
+            f"rank {rank}: {name} differs between ranks",
+            lambda kw=kw: Buffer(None, **kw),
+            f"{name} differs",
+        )
     # Nodes detected from host names: two hosts of one rank each.
     hostname = socket.gethostname
     try:
@@ -622,9 +715,11 @@ def _constructor_body(rank: int, world_size: int) -> list[str]:
     with Buffer(None, **good, expand=False) as buf:
         x, idx, w = _inputs(20 + rank, 4, 8, 4, 2, BF16)
         _expect_value_error(
-            failures, f"rank {rank}: an MoE dispatcher on a Buffer without expansion",
-            lambda: TokenDispatcher(buf, 2), "expand=True",
-        )  # fmt: skip
+            failures,
+            f"rank {rank}: an MoE dispatcher on a Buffer without expansion",
+            lambda: TokenDispatcher(buf, 2),
+            "expand=True",
+        )
     return failures
 
 
@@ -658,14 +753,21 @@ def _bad_routing(kind: str, idx: torch.Tensor) -> torch.Tensor:
 
 def _routing_body(rank: int, world_size: int, kinds: list[str]) -> list[str]:
     failures: list[str] = []
-    buf = Buffer(None, hidden_size=RT_H, max_tokens_per_rank=RT_T, num_experts=RT_E, dtype=BF16,
-                 device=rank_device())  # fmt: skip
+    buf = Buffer(
+        None,
+        hidden_size=RT_H,
+        max_tokens_per_rank=RT_T,
+        num_experts=RT_E,
+        dtype=BF16,
+        device=rank_device(),
+    )
     num_tokens = (4, RT_T, 5)[rank]
     for i, kind in enumerate(kinds):
         for mode, max_recv in (("exact", None), ("max_recv_tokens", 40)):
             what = f"rank {rank}, {kind} ids on rank {BAD_RANK}, {mode} mode"
-            x, idx, w = _inputs(1000 * i + 10 * rank + (max_recv is None), num_tokens, RT_H,
-                                RT_E, RT_K, BF16)  # fmt: skip
+            x, idx, w = _inputs(
+                1000 * i + 10 * rank + (max_recv is None), num_tokens, RT_H, RT_E, RT_K, BF16
+            )
             if rank == BAD_RANK:
                 idx = _bad_routing(kind, idx)
             match = f"row {BAD_ROW} " if rank == BAD_RANK else f"rank {BAD_RANK} passed"
@@ -685,9 +787,13 @@ def _routing_body(rank: int, world_size: int, kinds: list[str]) -> list[str]:
             # After both modes of a kind (the second bad call is the first's next call).
             if max_recv is not None:
                 failures += _check_round_trip(
-                    buf, 5000 + 1000 * i + rank, num_tokens, RT_K, f"{what}: next call",
+                    buf,
+                    5000 + 1000 * i + rank,
+                    num_tokens,
+                    RT_K,
+                    f"{what}: next call",
                     max_recv_tokens=max_recv,
-                )  # fmt: skip
+                )
     buf.destroy()
     return failures
 
@@ -753,9 +859,15 @@ except ValueError as e:
 
 @pytest.mark.parametrize(
     "hosts, expected",
-    [(["a"], 1), (["a", "a", "b", "b"], 2), (["a", "b", "c"], 1), (["a", "b", "a", "b"], None),
-     (["a", "a", "b"], None), (["a", "a", "b", "b", "b", "b"], None)],
-)  # fmt: skip
+    [
+        (["a"], 1),
+        (["a", "a", "b", "b"], 2),
+        (["a", "b", "c"], 1),
+        (["a", "b", "a", "b"], None),
+        (["a", "a", "b"], None),
+        (["a", "a", "b", "b", "b", "b"], None),
+    ],
+)
 def test_nodes_from_host_names(hosts, expected):
     if expected is None:
         with pytest.raises(ValueError, match="consecutive"):

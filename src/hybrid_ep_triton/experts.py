@@ -62,8 +62,9 @@ class SwiGLUExperts(torch.nn.Module):
         super().__init__()
         weights = ops.check_weights(w1, w2, w1_scales, w2_scales)
         if weights.fp8:
-            for name, value in zip(("w1", "w2", "w1_scales", "w2_scales"),
-                                   (w1, w2, w1_scales, w2_scales), strict=True):  # fmt: skip
+            for name, value in zip(
+                ("w1", "w2", "w1_scales", "w2_scales"), (w1, w2, w1_scales, w2_scales), strict=True
+            ):
                 self.register_buffer(name, value)
         else:
             self.w1 = torch.nn.Parameter(w1)
@@ -122,8 +123,9 @@ class SwiGLUExperts(torch.nn.Module):
         weights = self._weights()
         values, scales = ops.check_grouped(weights, rows, tokens_per_expert)
         differentiable = torch.is_grad_enabled() and not weights.fp8
-        if differentiable and (values.requires_grad or self.w1.requires_grad
-                               or self.w2.requires_grad):  # fmt: skip
+        if differentiable and (
+            values.requires_grad or self.w1.requires_grad or self.w2.requires_grad
+        ):
             return _GroupedSwiGLU.apply(values, tokens_per_expert, self.w1, self.w2)
         return ops.grouped(weights, values, scales, tokens_per_expert, False)[0]
 
@@ -144,9 +146,14 @@ class _GroupedSwiGLU(torch.autograd.Function):
         rows, act, pre, tokens_per_expert, w1, w2 = ctx.saved_tensors
         needs = ctx.needs_input_grad
         dx, dw1, dw2 = ops.grouped_backward(
-            ops.ExpertWeights(w1, w2, None, None), rows, act, pre, tokens_per_expert, dy,
+            ops.ExpertWeights(w1, w2, None, None),
+            rows,
+            act,
+            pre,
+            tokens_per_expert,
+            dy,
             (needs[0], needs[2], needs[3]),
-        )  # fmt: skip
+        )
         return dx, None, dw1, dw2
 
 
@@ -161,11 +168,11 @@ def quantize_weights_fp8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     experts, rows, cols = w.shape
     if rows % _FP8_BLOCK or cols % _FP8_BLOCK:
         raise ValueError(f"w's last two dimensions must be multiples of 128, got {tuple(w.shape)}")
-    blocks = w.float().reshape(experts, rows // _FP8_BLOCK, _FP8_BLOCK, cols // _FP8_BLOCK,
-                               _FP8_BLOCK)  # fmt: skip
+    blocks = w.float().reshape(
+        experts, rows // _FP8_BLOCK, _FP8_BLOCK, cols // _FP8_BLOCK, _FP8_BLOCK
+    )
     amax = blocks.abs().amax(dim=(2, 4), keepdim=True)
     floored = amax.clamp(min=_AMAX_FLOOR)
     values = (blocks * (_E4M3_MAX / floored)).clamp(-_E4M3_MAX, _E4M3_MAX)
     scales = torch.where(amax > 0, floored / _E4M3_MAX, 0.0)
-    return (values.to(torch.float8_e4m3fn).reshape(w.shape),
-            scales[:, :, 0, :, 0].contiguous())  # fmt: skip
+    return (values.to(torch.float8_e4m3fn).reshape(w.shape), scales[:, :, 0, :, 0].contiguous())

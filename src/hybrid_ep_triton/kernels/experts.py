@@ -93,8 +93,15 @@ def expert_rows(counts_ptr, expert, num_experts, L_P2: tl.constexpr):
 
 
 @triton.jit
-def rows_of_tile(tile, counts_ptr, num_experts, capacity, LAYOUT: tl.constexpr,
-                 L_P2: tl.constexpr, BLOCK_M: tl.constexpr):  # fmt: skip
+def rows_of_tile(
+    tile,
+    counts_ptr,
+    num_experts,
+    capacity,
+    LAYOUT: tl.constexpr,
+    L_P2: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+):
     """(expert, first, end) of row tile ``tile``: its rows are [first, min(first + BLOCK_M,
     end)), none where first >= end. ``capacity``: C rows an expert (LOW_LATENCY) or the N rows
     of the tensor (EXPERT_MAJOR, where a tile past the experts' tiles is of the tail: expert
@@ -121,19 +128,22 @@ def rows_of_tile(tile, counts_ptr, num_experts, capacity, LAYOUT: tl.constexpr,
 
 
 @triton.jit
-def load_block(op: Operand, major, major_live, k0, inner, FP8: tl.constexpr,
-               BLOCK_K: tl.constexpr):  # fmt: skip
+def load_block(op: Operand, major, major_live, k0, inner, FP8: tl.constexpr, BLOCK_K: tl.constexpr):
     """[len(major), BLOCK_K] elements of ``op`` from channel k0 (zeros past ``inner`` and at
     rows not live), as e4m3 with FP8; and the scales of their rows (FP8, else 1)."""
     k = k0 + tl.arange(0, BLOCK_K)
     major = major.to(tl.int64)
     mask = major_live[:, None] & (k < inner)[None, :]
-    block = tl.load(op.ptr + major[:, None] * op.major_stride + k[None, :] * op.k_stride,
-                    mask=mask, other=0)  # fmt: skip
+    block = tl.load(
+        op.ptr + major[:, None] * op.major_stride + k[None, :] * op.k_stride, mask=mask, other=0
+    )
     if FP8:
         scale_at = (major // op.major_per_scale) * op.scale_major_stride
-        scales = tl.load(op.scales_ptr + scale_at + (k0 // FP8_BLOCK) * op.scale_k_stride,
-                         mask=major_live, other=0.0)  # fmt: skip
+        scales = tl.load(
+            op.scales_ptr + scale_at + (k0 // FP8_BLOCK) * op.scale_k_stride,
+            mask=major_live,
+            other=0.0,
+        )
         block = block.to(tl.float8e4nv, bitcast=True)
     else:
         scales = 1.0
@@ -151,9 +161,19 @@ def add_product(acc, a, a_scales, b, b_scales, FP8: tl.constexpr):
 
 
 @triton.jit
-def product_tile(a: Operand, rows, rows_live, b: Operand, cols, cols_live, inner,
-                 FP8: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                 BLOCK_K: tl.constexpr):  # fmt: skip
+def product_tile(
+    a: Operand,
+    rows,
+    rows_live,
+    b: Operand,
+    cols,
+    cols_live,
+    inner,
+    FP8: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
     """float32 [BLOCK_M, BLOCK_N]: sum over k < inner of a[rows, k] * b[cols, k]."""
     acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     for k0 in range(0, inner, BLOCK_K):
@@ -171,8 +191,9 @@ def store_fp8_rows(values_ptr, scales_ptr, rows, rows_live, cols, group, act, ff
     floored = tl.maximum(amax, AMAX_FLOOR)
     scales = tl.where(amax > 0, tl.math.div_rn(floored, E4M3_MAX), 0.0)
     bits = e4m3_bits(act * tl.math.div_rn(E4M3_MAX, floored)[:, None])
-    tl.store(values_ptr + rows[:, None] * ffn + cols[None, :], bits.to(tl.uint8),
-             mask=rows_live[:, None])  # fmt: skip
+    tl.store(
+        values_ptr + rows[:, None] * ffn + cols[None, :], bits.to(tl.uint8), mask=rows_live[:, None]
+    )
     tl.store(scales_ptr + rows * (ffn // FP8_BLOCK) + group, scales, mask=rows_live)
 
 
@@ -212,10 +233,12 @@ def gate_up_kernel(
     """The gate/up GEMM and SwiGLU: act = silu(x W_gate^T) * (x W_up^T), a program per (row
     tile, BLOCK_N columns of F)."""
     row_tiles = tl.num_programs(0) // tl.cdiv(ffn, BLOCK_N)
-    row_tile, col_tile = tile_of_program(tl.program_id(0), row_tiles, tl.cdiv(ffn, BLOCK_N),
-                                         GROUP_M)  # fmt: skip
-    expert, first, end = rows_of_tile(row_tile, counts_ptr, num_experts, capacity, LAYOUT,
-                                      L_P2, BLOCK_M)  # fmt: skip
+    row_tile, col_tile = tile_of_program(
+        tl.program_id(0), row_tiles, tl.cdiv(ffn, BLOCK_N), GROUP_M
+    )
+    expert, first, end = rows_of_tile(
+        row_tile, counts_ptr, num_experts, capacity, LAYOUT, L_P2, BLOCK_M
+    )
     if (first >= end) | (expert >= num_experts):
         return
     rows = first + tl.arange(0, BLOCK_M)
@@ -223,13 +246,25 @@ def gate_up_kernel(
     cols = col_tile * BLOCK_N + tl.arange(0, BLOCK_N)
     cols_live = cols < ffn
     e = expert.to(tl.int64)
-    x = Operand(x_ptr + e * x_expert_stride, x_row_stride, 1,
-                x_scales_ptr + e * x_scale_expert_stride, x_scale_row_stride, x_scale_k_stride,
-                1)  # fmt: skip
+    x = Operand(
+        x_ptr + e * x_expert_stride,
+        x_row_stride,
+        1,
+        x_scales_ptr + e * x_scale_expert_stride,
+        x_scale_row_stride,
+        x_scale_k_stride,
+        1,
+    )
     w_scale_rows = tl.cdiv(2 * ffn, FP8_BLOCK)
-    w1 = Operand(w1_ptr + e * 2 * ffn * hidden, hidden, 1,
-                 w1_scales_ptr + e * w_scale_rows * tl.cdiv(hidden, FP8_BLOCK),
-                 tl.cdiv(hidden, FP8_BLOCK), 1, FP8_BLOCK)  # fmt: skip
+    w1 = Operand(
+        w1_ptr + e * 2 * ffn * hidden,
+        hidden,
+        1,
+        w1_scales_ptr + e * w_scale_rows * tl.cdiv(hidden, FP8_BLOCK),
+        tl.cdiv(hidden, FP8_BLOCK),
+        1,
+        FP8_BLOCK,
+    )
     gate = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     up = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     for k0 in range(0, hidden, BLOCK_K):
@@ -248,8 +283,9 @@ def gate_up_kernel(
     if FP8:
         store_fp8_rows(act_ptr, act_scales_ptr, block_rows, rows_live, cols, col_tile, act, ffn)
     else:
-        tl.store(act_ptr + block_rows[:, None] * ffn + cols[None, :], act.to(tl.bfloat16),
-                 mask=live)  # fmt: skip
+        tl.store(
+            act_ptr + block_rows[:, None] * ffn + cols[None, :], act.to(tl.bfloat16), mask=live
+        )
 
 
 @triton.jit(do_not_specialize=("capacity",))
@@ -287,10 +323,12 @@ def grouped_gemm_kernel(
     """out = a @ b[e]^T on each expert's rows (the down GEMM, y = act W2^T; and in the backward
     pass dx = d(gate | up) W1); in EXPERT_MAJOR, zeros in the rows past the experts'."""
     col_tiles = tl.cdiv(out_cols, BLOCK_N)
-    row_tile, col_tile = tile_of_program(tl.program_id(0), tl.num_programs(0) // col_tiles,
-                                         col_tiles, GROUP_M)  # fmt: skip
-    expert, first, end = rows_of_tile(row_tile, counts_ptr, num_experts, capacity, LAYOUT,
-                                      L_P2, BLOCK_M)  # fmt: skip
+    row_tile, col_tile = tile_of_program(
+        tl.program_id(0), tl.num_programs(0) // col_tiles, col_tiles, GROUP_M
+    )
+    expert, first, end = rows_of_tile(
+        row_tile, counts_ptr, num_experts, capacity, LAYOUT, L_P2, BLOCK_M
+    )
     if first >= end:
         return
     rows = first + tl.arange(0, BLOCK_M)
@@ -300,19 +338,31 @@ def grouped_gemm_kernel(
     e = tl.minimum(expert, num_experts - 1).to(tl.int64)  # (a tail tile reads no operand)
     if expert < num_experts:
         k_scales = tl.cdiv(inner, FP8_BLOCK)
-        a = Operand(a_ptr + e * a_expert_stride, a_row_stride, 1,
-                    a_scales_ptr + e * a_scale_expert_stride, a_scale_row_stride, 1,
-                    1)  # fmt: skip
-        b = Operand(b_ptr + e * b_expert_stride, b_col_stride, b_k_stride,
-                    b_scales_ptr + e * tl.cdiv(out_cols, FP8_BLOCK) * k_scales, k_scales, 1,
-                    FP8_BLOCK)  # fmt: skip
-        acc = product_tile(a, rows, rows_live, b, cols, cols_live, inner, FP8, BLOCK_M,
-                           BLOCK_N, BLOCK_K)  # fmt: skip
+        a = Operand(
+            a_ptr + e * a_expert_stride,
+            a_row_stride,
+            1,
+            a_scales_ptr + e * a_scale_expert_stride,
+            a_scale_row_stride,
+            1,
+            1,
+        )
+        b = Operand(
+            b_ptr + e * b_expert_stride,
+            b_col_stride,
+            b_k_stride,
+            b_scales_ptr + e * tl.cdiv(out_cols, FP8_BLOCK) * k_scales,
+            k_scales,
+            1,
+            FP8_BLOCK,
+        )
+        acc = product_tile(
+            a, rows, rows_live, b, cols, cols_live, inner, FP8, BLOCK_M, BLOCK_N, BLOCK_K
+        )
     else:
         acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     out = out_ptr + e * out_expert_stride + rows.to(tl.int64)[:, None] * out_row_stride
-    tl.store(out + cols[None, :], acc.to(tl.bfloat16),
-             mask=rows_live[:, None] & cols_live[None, :])  # fmt: skip
+    tl.store(out + cols[None, :], acc.to(tl.bfloat16), mask=rows_live[:, None] & cols_live[None, :])
 
 
 @triton.jit(do_not_specialize=("num_rows",))
@@ -335,10 +385,12 @@ def swiglu_grad_kernel(
     """The backward pass through the down GEMM and SwiGLU (expert-major rows): dact = dy W2[e],
     then dgate = dact * up * silu'(gate), dup = dact * silu(gate)."""
     col_tiles = tl.cdiv(ffn, BLOCK_N)
-    row_tile, col_tile = tile_of_program(tl.program_id(0), tl.num_programs(0) // col_tiles,
-                                         col_tiles, GROUP_M)  # fmt: skip
-    expert, first, end = rows_of_tile(row_tile, counts_ptr, num_experts, num_rows,
-                                      EXPERT_MAJOR, L_P2, BLOCK_M)  # fmt: skip
+    row_tile, col_tile = tile_of_program(
+        tl.program_id(0), tl.num_programs(0) // col_tiles, col_tiles, GROUP_M
+    )
+    expert, first, end = rows_of_tile(
+        row_tile, counts_ptr, num_experts, num_rows, EXPERT_MAJOR, L_P2, BLOCK_M
+    )
     if (first >= end) | (expert >= num_experts):
         return
     rows = first + tl.arange(0, BLOCK_M)
@@ -347,8 +399,9 @@ def swiglu_grad_kernel(
     cols_live = cols < ffn
     dy = Operand(dy_ptr, hidden, 1, dy_ptr, 0, 0, 1)
     w2 = Operand(w2_ptr + expert.to(tl.int64) * hidden * ffn, 1, ffn, w2_ptr, 0, 0, 1)
-    dact = product_tile(dy, rows, rows_live, w2, cols, cols_live, hidden, False, BLOCK_M,
-                        BLOCK_N, BLOCK_K)  # fmt: skip
+    dact = product_tile(
+        dy, rows, rows_live, w2, cols, cols_live, hidden, False, BLOCK_M, BLOCK_N, BLOCK_K
+    )
     at = rows.to(tl.int64)[:, None] * 2 * ffn + cols[None, :]
     live = rows_live[:, None] & cols_live[None, :]
     gate = tl.load(pre_ptr + at, mask=live, other=0.0).to(tl.float32)
@@ -393,5 +446,8 @@ def weight_grad_kernel(
     cols = n0 + tl.arange(0, BLOCK_N)
     ks = k0 + tl.arange(0, BLOCK_K)
     out = dw_ptr + expert.to(tl.int64) * out_cols * inner + cols.to(tl.int64)[:, None] * inner
-    tl.store(out + ks[None, :], acc.to(tl.bfloat16),
-             mask=(cols < out_cols)[:, None] & (ks < inner)[None, :])  # fmt: skip
+    tl.store(
+        out + ks[None, :],
+        acc.to(tl.bfloat16),
+        mask=(cols < out_cols)[:, None] & (ks < inner)[None, :],
+    )

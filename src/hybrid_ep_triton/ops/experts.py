@@ -374,8 +374,17 @@ def _rows_gemm(layout, a, a_scales, b, b_strides, b_scales, counts, out, fp8: bo
 
 def _down(weights, layout, act, act_scales, counts, out) -> None:
     """out = act W2[e]^T."""
-    _rows_gemm(layout, act, act_scales, weights.w2, weights.w2.stride(), weights.w2_scales,
-               counts, out, weights.fp8)  # fmt: skip
+    _rows_gemm(
+        layout,
+        act,
+        act_scales,
+        weights.w2,
+        weights.w2.stride(),
+        weights.w2_scales,
+        counts,
+        out,
+        weights.fp8,
+    )
 
 
 def low_latency(weights: ExpertWeights, x, x_scales, recv_count, out, workspace: Workspace):
@@ -387,8 +396,9 @@ def low_latency(weights: ExpertWeights, x, x_scales, recv_count, out, workspace:
         name: workspace.get(name, s, dtype, device)
         for name, (s, dtype) in activation_shapes(shape, weights.ffn, weights.fp8).items()
     }
-    _gate_up(weights, LOW_LATENCY_ROWS, x, x_scales, recv_count, act["act"], act.get("act_scales"),
-             None)  # fmt: skip
+    _gate_up(
+        weights, LOW_LATENCY_ROWS, x, x_scales, recv_count, act["act"], act.get("act_scales"), None
+    )
     _down(weights, LOW_LATENCY_ROWS, act["act"], act.get("act_scales"), recv_count, out)
     return out
 
@@ -405,8 +415,16 @@ def grouped(weights: ExpertWeights, x, x_scales, tokens_per_expert, keep_for_bac
     pre = None
     if keep_for_backward:
         pre = torch.empty(num_rows, 2 * weights.ffn, dtype=BF16, device=device)
-    _gate_up(weights, EXPERT_MAJOR_ROWS, x, x_scales, tokens_per_expert, act["act"],
-             act.get("act_scales"), pre)  # fmt: skip
+    _gate_up(
+        weights,
+        EXPERT_MAJOR_ROWS,
+        x,
+        x_scales,
+        tokens_per_expert,
+        act["act"],
+        act.get("act_scales"),
+        pre,
+    )
     y = torch.empty(num_rows, weights.hidden, dtype=BF16, device=device)
     _down(weights, EXPERT_MAJOR_ROWS, act["act"], act.get("act_scales"), tokens_per_expert, y)
     return y, act["act"], pre
@@ -425,17 +443,41 @@ def grouped_backward(
     tiles = tiles_for("swiglu_grad", device, False, EXPERT_MAJOR_ROWS)
     row_tiles = _row_tiles(EXPERT_MAJOR_ROWS, num_experts, num_rows, tiles.block_m)
     grid = row_tiles * cdiv(ffn, tiles.block_n)
-    _launch(swiglu_grad_kernel, tiles, grid, device, dy_ptr=dy, w2_ptr=weights.w2, pre_ptr=pre,
-            counts_ptr=tokens_per_expert, dpre_ptr=dpre, num_rows=num_rows, hidden=hidden,
-            ffn=ffn, num_experts=num_experts, L_P2=next_power_of_2(num_experts),
-            BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
-            GROUP_M=tiles.group_m)  # fmt: skip
+    _launch(
+        swiglu_grad_kernel,
+        tiles,
+        grid,
+        device,
+        dy_ptr=dy,
+        w2_ptr=weights.w2,
+        pre_ptr=pre,
+        counts_ptr=tokens_per_expert,
+        dpre_ptr=dpre,
+        num_rows=num_rows,
+        hidden=hidden,
+        ffn=ffn,
+        num_experts=num_experts,
+        L_P2=next_power_of_2(num_experts),
+        BLOCK_M=tiles.block_m,
+        BLOCK_N=tiles.block_n,
+        BLOCK_K=tiles.block_k,
+        GROUP_M=tiles.group_m,
+    )
     dx = dw1 = dw2 = None
     if needs[0]:
         dx = torch.empty(num_rows, hidden, dtype=BF16, device=device)
         w1 = weights.w1  # as [L, H, 2F] by strides: dx = d(gate | up) @ W1[e]
-        _rows_gemm(EXPERT_MAJOR_ROWS, dpre, None, w1, (w1.stride(0), 1, hidden), None,
-                   tokens_per_expert, dx, False)  # fmt: skip
+        _rows_gemm(
+            EXPERT_MAJOR_ROWS,
+            dpre,
+            None,
+            w1,
+            (w1.stride(0), 1, hidden),
+            None,
+            tokens_per_expert,
+            dx,
+            False,
+        )
     if needs[1]:
         dw1 = _weight_grad(dpre, x, tokens_per_expert, num_experts)
     if needs[2]:
@@ -449,8 +491,21 @@ def _weight_grad(g: torch.Tensor, a: torch.Tensor, counts, num_experts: int) -> 
     dw = torch.empty(num_experts, out_cols, inner, dtype=BF16, device=g.device)
     tiles = tiles_for("weight_grad", g.device, False, EXPERT_MAJOR_ROWS)
     grid = num_experts * cdiv(out_cols, tiles.block_n) * cdiv(inner, tiles.block_k)
-    _launch(weight_grad_kernel, tiles, grid, g.device, g_ptr=g.contiguous(),
-            a_ptr=a.contiguous(), counts_ptr=counts, dw_ptr=dw, out_cols=out_cols, inner=inner,
-            num_experts=num_experts, L_P2=next_power_of_2(num_experts), BLOCK_N=tiles.block_n,
-            BLOCK_K=tiles.block_k, BLOCK_R=tiles.block_m)  # fmt: skip
+    _launch(
+        weight_grad_kernel,
+        tiles,
+        grid,
+        g.device,
+        g_ptr=g.contiguous(),
+        a_ptr=a.contiguous(),
+        counts_ptr=counts,
+        dw_ptr=dw,
+        out_cols=out_cols,
+        inner=inner,
+        num_experts=num_experts,
+        L_P2=next_power_of_2(num_experts),
+        BLOCK_N=tiles.block_n,
+        BLOCK_K=tiles.block_k,
+        BLOCK_R=tiles.block_m,
+    )
     return dw

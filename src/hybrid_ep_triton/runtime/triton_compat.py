@@ -16,9 +16,16 @@ from triton.runtime.jit import JITCallable
 
 # Every module of jit functions of this library, whose keys are settled together.
 _KERNEL_MODULES = (
-    "combine", "dispatch", "experts", "low_latency", "primitives", "quantize", "route",
-    "token_counts", "work",
-)  # fmt: skip
+    "combine",
+    "dispatch",
+    "experts",
+    "low_latency",
+    "primitives",
+    "quantize",
+    "route",
+    "token_counts",
+    "work",
+)
 _KERNELS = __name__.rsplit(".", 2)[0] + ".kernels"
 
 # A settled key takes at most as many passes as calls nest; a bound against a loop that never
