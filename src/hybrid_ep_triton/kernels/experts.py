@@ -128,6 +128,32 @@ def rows_of_tile(
 
 
 @triton.jit
+def program_tile(
+    counts_ptr,
+    num_experts,
+    capacity,
+    num_cols,
+    LAYOUT: tl.constexpr,
+    L_P2: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    GROUP_M: tl.constexpr,
+):
+    """(expert, whether it has rows, rows, rows_live, cols, cols_live) of this program's tile
+    of a launch over ``num_cols`` output columns (tile_of_program, rows_of_tile)."""
+    col_tiles = tl.cdiv(num_cols, BLOCK_N)
+    row_tile, col_tile = tile_of_program(
+        tl.program_id(0), tl.num_programs(0) // col_tiles, col_tiles, GROUP_M
+    )
+    expert, first, end = rows_of_tile(
+        row_tile, counts_ptr, num_experts, capacity, LAYOUT, L_P2, BLOCK_M
+    )
+    rows = first + tl.arange(0, BLOCK_M)
+    cols = col_tile * BLOCK_N + tl.arange(0, BLOCK_N)
+    return expert, first < end, rows, rows < end, cols, cols < num_cols
+
+
+@triton.jit
 def load_block(op: Operand, major, major_live, k0, inner, FP8: tl.constexpr, BLOCK_K: tl.constexpr):
     """[len(major), BLOCK_K] elements of ``op`` from channel k0 (zeros past ``inner`` and at
     rows not live), as e4m3 with FP8; and the scales of their rows (FP8, else 1)."""
@@ -184,9 +210,10 @@ def product_tile(
 
 
 @triton.jit
-def store_fp8_rows(values_ptr, scales_ptr, rows, rows_live, cols, group, act, ffn):
-    """Quantize ``act`` (float32 [rows, 128], one group of each row) by the fp8 rule into e4m3
-    bits at values_ptr [rows, F] and float32 scales at scales_ptr [rows, F / 128]."""
+def store_fp8_rows(values_ptr, scales_ptr, rows, rows_live, cols, act, ffn):
+    """Quantize ``act`` (float32 [rows, 128], one group of each row: ``cols``) by the fp8 rule
+    into e4m3 bits at values_ptr [rows, F] and float32 scales at scales_ptr [rows, F / 128]."""
+    group = tl.min(cols, axis=0) // FP8_BLOCK
     amax = tl.max(tl.abs(act), axis=1)
     floored = tl.maximum(amax, AMAX_FLOOR)
     scales = tl.where(amax > 0, tl.math.div_rn(floored, E4M3_MAX), 0.0)
@@ -232,19 +259,11 @@ def gate_up_kernel(
 ):
     """The gate/up GEMM and SwiGLU: act = silu(x W_gate^T) * (x W_up^T), a program per (row
     tile, BLOCK_N columns of F)."""
-    row_tiles = tl.num_programs(0) // tl.cdiv(ffn, BLOCK_N)
-    row_tile, col_tile = tile_of_program(
-        tl.program_id(0), row_tiles, tl.cdiv(ffn, BLOCK_N), GROUP_M
+    expert, has_rows, rows, rows_live, cols, cols_live = program_tile(
+        counts_ptr, num_experts, capacity, ffn, LAYOUT, L_P2, BLOCK_M, BLOCK_N, GROUP_M
     )
-    expert, first, end = rows_of_tile(
-        row_tile, counts_ptr, num_experts, capacity, LAYOUT, L_P2, BLOCK_M
-    )
-    if (first >= end) | (expert >= num_experts):
+    if (not has_rows) | (expert >= num_experts):
         return
-    rows = first + tl.arange(0, BLOCK_M)
-    rows_live = rows < end
-    cols = col_tile * BLOCK_N + tl.arange(0, BLOCK_N)
-    cols_live = cols < ffn
     e = expert.to(tl.int64)
     x = Operand(
         x_ptr + e * x_expert_stride,
@@ -281,7 +300,7 @@ def gate_up_kernel(
         tl.store(pre, gate.to(tl.bfloat16), mask=live)
         tl.store(pre + ffn, up.to(tl.bfloat16), mask=live)
     if FP8:
-        store_fp8_rows(act_ptr, act_scales_ptr, block_rows, rows_live, cols, col_tile, act, ffn)
+        store_fp8_rows(act_ptr, act_scales_ptr, block_rows, rows_live, cols, act, ffn)
     else:
         tl.store(
             act_ptr + block_rows[:, None] * ffn + cols[None, :], act.to(tl.bfloat16), mask=live
@@ -322,19 +341,11 @@ def grouped_gemm_kernel(
 ):
     """out = a @ b[e]^T on each expert's rows (the down GEMM, y = act W2^T; and in the backward
     pass dx = d(gate | up) W1); in EXPERT_MAJOR, zeros in the rows past the experts'."""
-    col_tiles = tl.cdiv(out_cols, BLOCK_N)
-    row_tile, col_tile = tile_of_program(
-        tl.program_id(0), tl.num_programs(0) // col_tiles, col_tiles, GROUP_M
+    expert, has_rows, rows, rows_live, cols, cols_live = program_tile(
+        counts_ptr, num_experts, capacity, out_cols, LAYOUT, L_P2, BLOCK_M, BLOCK_N, GROUP_M
     )
-    expert, first, end = rows_of_tile(
-        row_tile, counts_ptr, num_experts, capacity, LAYOUT, L_P2, BLOCK_M
-    )
-    if first >= end:
+    if not has_rows:
         return
-    rows = first + tl.arange(0, BLOCK_M)
-    rows_live = rows < end
-    cols = col_tile * BLOCK_N + tl.arange(0, BLOCK_N)
-    cols_live = cols < out_cols
     e = tl.minimum(expert, num_experts - 1).to(tl.int64)  # (a tail tile reads no operand)
     if expert < num_experts:
         k_scales = tl.cdiv(inner, FP8_BLOCK)
@@ -384,19 +395,11 @@ def swiglu_grad_kernel(
 ):
     """The backward pass through the down GEMM and SwiGLU (expert-major rows): dact = dy W2[e],
     then dgate = dact * up * silu'(gate), dup = dact * silu(gate)."""
-    col_tiles = tl.cdiv(ffn, BLOCK_N)
-    row_tile, col_tile = tile_of_program(
-        tl.program_id(0), tl.num_programs(0) // col_tiles, col_tiles, GROUP_M
+    expert, has_rows, rows, rows_live, cols, cols_live = program_tile(
+        counts_ptr, num_experts, num_rows, ffn, EXPERT_MAJOR, L_P2, BLOCK_M, BLOCK_N, GROUP_M
     )
-    expert, first, end = rows_of_tile(
-        row_tile, counts_ptr, num_experts, num_rows, EXPERT_MAJOR, L_P2, BLOCK_M
-    )
-    if (first >= end) | (expert >= num_experts):
+    if (not has_rows) | (expert >= num_experts):
         return
-    rows = first + tl.arange(0, BLOCK_M)
-    rows_live = rows < end
-    cols = col_tile * BLOCK_N + tl.arange(0, BLOCK_N)
-    cols_live = cols < ffn
     dy = Operand(dy_ptr, hidden, 1, dy_ptr, 0, 0, 1)
     w2 = Operand(w2_ptr + expert.to(tl.int64) * hidden * ffn, 1, ffn, w2_ptr, 0, 0, 1)
     dact = product_tile(
