@@ -37,10 +37,9 @@ def _settle_cache_keys() -> None:
     """Compute the cache key of every jit function of these kernels and of triton.language
     until none changes. Before Triton 3.8, a function's key takes in the constexpr globals its
     callees read only where their keys were computed before its own, so the same kernel got a
-    different key (and missed Triton's cache) in a process that had compiled another kernel
-    first: on sm_90 with Triton 3.6, 29 of 64 layout builds of the shared suite were keyed apart
-    in a process that had compiled an across-nodes dispatch first, with identical machine code.
-    Settled keys are those that Triton 3.8 and later compute at once."""
+    different key (and missed Triton's cache, with identical machine code) in a process that
+    had compiled another kernel first. Settled keys are those that Triton 3.8 and later compute
+    at once."""
     functions = {
         id(value): value
         for name, module in list(sys.modules.items())
