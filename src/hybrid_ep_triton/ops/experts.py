@@ -90,7 +90,18 @@ def _launcher(kernel, num_warps: int, num_stages: int) -> KernelLauncher:
 
 def _launch(kernel, tiles: Tiles, grid: int, device: torch.device, **arguments) -> None:
     """One launch of ``kernel`` on ``device``'s current stream; every argument specialised as
-    Triton would (they are the caller's tensors and sizes, or allocations of any age)."""
+    Triton would (they are the caller's tensors and sizes, or allocations of any age). The
+    meta-parameters of ``tiles`` that the kernel takes (BLOCK_R: weight_grad's rows a step) and
+    L_P2, of ``num_experts``, are added here."""
+    meta = dict(
+        L_P2=next_power_of_2(arguments["num_experts"]),
+        BLOCK_M=tiles.block_m,
+        BLOCK_R=tiles.block_m,
+        BLOCK_N=tiles.block_n,
+        BLOCK_K=tiles.block_k,
+        GROUP_M=tiles.group_m,
+    )
+    arguments.update({name: v for name, v in meta.items() if name in kernel.arg_names})
     with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
         _launcher(kernel, tiles.num_warps, tiles.num_stages)((grid,), arguments, {})
 
@@ -320,11 +331,6 @@ def _gate_up(weights, layout, x, x_scales, counts, act, act_scales, pre) -> None
         LAYOUT=layout,
         FP8=fp8,
         SAVE_PRE=pre is not None,
-        L_P2=next_power_of_2(weights.num_experts),
-        BLOCK_M=tiles.block_m,
-        BLOCK_N=tiles.block_n,
-        BLOCK_K=tiles.block_k,
-        GROUP_M=tiles.group_m,
     )
 
 
@@ -365,11 +371,6 @@ def _rows_gemm(layout, a, a_scales, b, b_strides, b_scales, counts, out, fp8: bo
         num_experts=num_experts,
         LAYOUT=layout,
         FP8=fp8,
-        L_P2=next_power_of_2(num_experts),
-        BLOCK_M=tiles.block_m,
-        BLOCK_N=tiles.block_n,
-        BLOCK_K=tiles.block_k,
-        GROUP_M=tiles.group_m,
     )
 
 
@@ -458,11 +459,6 @@ def grouped_backward(
         hidden=hidden,
         ffn=ffn,
         num_experts=num_experts,
-        L_P2=next_power_of_2(num_experts),
-        BLOCK_M=tiles.block_m,
-        BLOCK_N=tiles.block_n,
-        BLOCK_K=tiles.block_k,
-        GROUP_M=tiles.group_m,
     )
     dx = dw1 = dw2 = None
     if needs[0]:
@@ -504,9 +500,5 @@ def _weight_grad(g: torch.Tensor, a: torch.Tensor, counts, num_experts: int) -> 
         out_cols=out_cols,
         inner=inner,
         num_experts=num_experts,
-        L_P2=next_power_of_2(num_experts),
-        BLOCK_N=tiles.block_n,
-        BLOCK_K=tiles.block_k,
-        BLOCK_R=tiles.block_m,
     )
     return dw
