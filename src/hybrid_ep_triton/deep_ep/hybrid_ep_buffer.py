@@ -268,7 +268,8 @@ class HybridEPBuffer:
                 False, rows, call, refused, worst
             )
             # A row's "ranks" with one expert a rank are its local experts.
-            local = NativeBuffer.token_counts(recv_topk_idx, *(self.num_local_experts,) * 2)[3]
+            experts = self.num_local_experts
+            local = NativeBuffer.token_counts(recv_topk_idx, experts, experts)[3]
             count = torch.tensor([local.shape[0]], dtype=torch.int32, device="cpu")
             parts = (None, None, None, count, local, hidden.shape[0], None)
             handle = Handle(parts, native, self._sized[False].buffer)
